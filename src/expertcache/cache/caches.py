@@ -1,0 +1,555 @@
+"""Per-layer expert caches: plain Python bookkeeping with integer expert ids, no torch.
+
+A cache holds at most C of the N experts of one MoE layer (1 ≤ C ≤ N). Time advances in *steps*: one
+step is one token at this layer, which requests a set of distinct experts (K of them; ``-1`` entries, the
+pruning baseline's dropped slots, are ignored).
+
+Step semantics, shared by every eviction policy so that their counts are comparable:
+
+1. the step's resident experts are hits; they are served first and never evicted to make room for a miss
+   of the same step when C ≥ K;
+2. each missing expert is loaded in the order given (one miss each), evicting the policy's victim when
+   the cache is full. With C < K an expert loaded or hit earlier in the same step can be evicted by a
+   later one: every request is still served, each load counted once;
+3. recency after the step follows the given order: callers pass ids by descending router weight, so the
+   expert with the higher weight becomes the less recent and is evicted first (001 Sec. 4.2).
+
+Misses are counted once per (step, layer, expert). Lifetimes are measured in steps from the step an
+expert was loaded (initial residents: step 0) to the step it was evicted; ``finish()`` closes the
+residencies still open at the end of a run (counted separately as censored).
+
+Policies: ``LRUCache``, ``LFUCache`` (global request counts, ties by recency), ``GammaCache`` (004's
+γ-discounted counts; γ = 1 is LFU, γ = 0 is LRU), ``BeladyCache`` (evicts the resident expert whose next
+request is farthest in the future; needs the whole future request sequence).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+__all__ = [
+    "CacheStats",
+    "ExpertCache",
+    "LRUCache",
+    "LFUCache",
+    "GammaCache",
+    "BeladyCache",
+    "EVICTION_POLICIES",
+    "make_cache",
+    "resolve_capacity",
+]
+
+EVICTION_POLICIES = ("lru", "lfu", "gamma", "belady")
+
+
+def resolve_capacity(spec: float | int | str, num_experts: int) -> int:
+    """Cache capacity C from an integer count (``16``) or a fraction of N (``0.5``; rounded, at least 1).
+
+    Raises ValueError for C < 1 or C > N.
+    """
+    text = str(spec).strip()
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"capacity must be an expert count or a fraction of N, got {spec!r}") from None
+    if "." in text or (0 < value < 1):
+        if not 0 < value <= 1:
+            raise ValueError(f"capacity fraction must be in (0, 1], got {spec!r}")
+        capacity = max(1, round(value * num_experts))
+    else:
+        capacity = int(value)
+    if not 1 <= capacity <= num_experts:
+        raise ValueError(f"cache capacity must be between 1 and N={num_experts} experts, got {capacity}")
+    return capacity
+
+
+@dataclass
+class CacheStats:
+    """Counters of one layer's cache. ``hits + misses == accesses`` always holds."""
+
+    num_experts: int
+    accesses: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    steps: int = 0
+    bytes_loaded: int = 0
+    lifetime_sum: int = 0
+    lifetime_sumsq: int = 0
+    lifetime_count: int = 0
+    censored: int = 0  # residencies closed by finish(), included in the lifetime sums
+    lifetime_sum_E: list[int] = field(default_factory=list)
+    lifetime_count_E: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.lifetime_sum_E:
+            self.lifetime_sum_E = [0] * self.num_experts
+            self.lifetime_count_E = [0] * self.num_experts
+
+    @property
+    def miss_rate(self) -> float:
+        return self.misses / self.accesses if self.accesses else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def mean_lifetime(self) -> float:
+        return self.lifetime_sum / self.lifetime_count if self.lifetime_count else float("nan")
+
+    @property
+    def std_lifetime(self) -> float:
+        n = self.lifetime_count
+        if not n:
+            return float("nan")
+        mean = self.lifetime_sum / n
+        return math.sqrt(max(0.0, self.lifetime_sumsq / n - mean * mean))
+
+    def _close(self, expert: int, lifetime: int) -> None:
+        self.lifetime_sum += lifetime
+        self.lifetime_sumsq += lifetime * lifetime
+        self.lifetime_count += 1
+        self.lifetime_sum_E[expert] += lifetime
+        self.lifetime_count_E[expert] += 1
+
+    def merge(self, other: "CacheStats") -> "CacheStats":
+        """Sum of two layers' counters (for whole-model figures)."""
+        out = CacheStats(max(self.num_experts, other.num_experts))
+        for name in ("accesses", "hits", "misses", "evictions", "steps", "bytes_loaded", "lifetime_sum",
+                     "lifetime_sumsq", "lifetime_count", "censored"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.lifetime_sum_E = [a + b for a, b in _zip_pad(self.lifetime_sum_E, other.lifetime_sum_E)]
+        out.lifetime_count_E = [a + b for a, b in _zip_pad(self.lifetime_count_E, other.lifetime_count_E)]
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "accesses": self.accesses, "hits": self.hits, "misses": self.misses,
+            "miss_rate": self.miss_rate, "evictions": self.evictions, "steps": self.steps,
+            "bytes_loaded": self.bytes_loaded, "mean_lifetime": _nan_none(self.mean_lifetime),
+            "std_lifetime": _nan_none(self.std_lifetime), "lifetimes_counted": self.lifetime_count,
+            "censored": self.censored,
+        }
+
+
+def _zip_pad(a: list[int], b: list[int]):
+    n = max(len(a), len(b))
+    return zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))
+
+
+def _nan_none(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+class ExpertCache:
+    """Base class: residency bookkeeping, statistics and the step protocol (see the module docstring).
+
+    Subclasses implement ``_touch(e)`` (a hit or a load was served), ``_victim()`` (choose the expert to
+    evict; it is removed by the caller) and may override ``_on_step_start``.
+
+    initial: ``None``/``"empty"`` (start empty), ``"random"`` (C experts drawn with ``seed``) or an
+        iterable of expert ids (e.g. a prefetch set; at most C).
+    expert_bytes: bytes loaded per miss, an int for all experts or a per-expert sequence (optional).
+    """
+
+    kind = "base"
+
+    def __init__(
+        self,
+        num_experts: int,
+        capacity: int,
+        *,
+        initial: str | Iterable[int] | None = None,
+        seed: int = 0,
+        expert_bytes: int | Sequence[int] | None = None,
+    ) -> None:
+        if num_experts < 1:
+            raise ValueError(f"number of experts must be ≥ 1, got {num_experts}")
+        if not 1 <= capacity <= num_experts:
+            raise ValueError(f"cache capacity must be between 1 and N={num_experts} experts, got {capacity}")
+        self.num_experts = num_experts
+        self.capacity = capacity
+        self.stats = CacheStats(num_experts)
+        self._expert_bytes = expert_bytes
+        self._loaded_at: dict[int, int] = {}  # resident expert -> step it was loaded
+        self._step = 0
+        for e in self._initial_set(initial, seed):
+            self._insert(e)
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def __contains__(self, expert: int) -> bool:
+        return expert in self._loaded_at
+
+    def __len__(self) -> int:
+        return len(self._loaded_at)
+
+    def resident(self) -> frozenset[int]:
+        """The resident expert ids."""
+        return frozenset(self._loaded_at)
+
+    def resident_mask(self) -> list[bool]:
+        """Residency as a list of N booleans (turn into a torch mask with ``torch.tensor``)."""
+        loaded = self._loaded_at
+        return [e in loaded for e in range(self.num_experts)]
+
+    def access_step(self, ids: Sequence[int]) -> list[bool]:
+        """Serve one step's requests; ``ids`` are distinct expert ids ordered by descending router
+        weight (``-1`` entries are ignored). Returns hit/miss per entry of ``ids`` (False for -1)."""
+        self._step += 1
+        self.stats.steps += 1
+        valid = [e for e in ids if e >= 0]
+        if len(set(valid)) != len(valid):
+            raise ValueError(f"an expert is requested twice in one step: {list(ids)}")
+        self._on_step_start(ids)
+        loaded = self._loaded_at
+        hits = [e in loaded for e in ids]
+        misses = []
+        for e, hit in zip(ids, hits):
+            if e < 0:
+                continue
+            if not 0 <= e < self.num_experts:
+                raise ValueError(f"expert id {e} out of range [0, {self.num_experts})")
+            self.stats.accesses += 1
+            if hit:
+                self.stats.hits += 1
+                self._touch(e)
+            else:
+                misses.append(e)
+        for e in misses:
+            self.stats.misses += 1
+            self._charge(e)
+            if len(loaded) >= self.capacity:
+                self._evict(self._victim())
+            self._insert(e)
+            self._touch(e)
+        if misses and len(misses) < len(ids):
+            self._reorder(ids)
+        return hits
+
+    def finish(self) -> CacheStats:
+        """The statistics so far, with the residencies still open closed at the current step (counted as
+        censored lifetimes). Returns a copy; the cache itself is not changed and can go on serving."""
+        out = CacheStats(self.num_experts)
+        out.__dict__.update({k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.__dict__.items()})
+        for e, t0 in self._loaded_at.items():
+            out._close(e, self._step - t0)
+            out.censored += 1
+        return out
+
+    # -- subclass hooks -----------------------------------------------------------------------
+
+    def _on_step_start(self, ids: Sequence[int]) -> None:
+        pass
+
+    def _touch(self, e: int) -> None:
+        raise NotImplementedError
+
+    def _victim(self) -> int:
+        raise NotImplementedError
+
+    def _reorder(self, ids: Sequence[int]) -> None:
+        """Make recency follow ``ids`` order after a step with both hits and misses (LRU-like policies)."""
+        for e in ids:
+            if e in self._loaded_at:
+                self._touch(e)
+
+    def _forget(self, e: int) -> None:
+        pass
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _initial_set(self, initial, seed) -> list[int]:
+        if initial is None or (isinstance(initial, str) and initial == "empty"):
+            return []
+        if isinstance(initial, str):
+            if initial != "random":
+                raise ValueError(f"initial cache state must be 'empty', 'random' or a set of ids, got {initial!r}")
+            return sorted(random.Random(seed).sample(range(self.num_experts), self.capacity))
+        ids = list(dict.fromkeys(int(e) for e in initial))
+        if len(ids) > self.capacity:
+            raise ValueError(f"initial set has {len(ids)} experts but the capacity is {self.capacity}")
+        bad = [e for e in ids if not 0 <= e < self.num_experts]
+        if bad:
+            raise ValueError(f"initial expert ids out of range [0, {self.num_experts}): {bad}")
+        return ids
+
+    def _insert(self, e: int) -> None:
+        self._loaded_at[e] = self._step
+        self._touch(e)
+
+    def _evict(self, e: int) -> None:
+        t0 = self._loaded_at.pop(e)
+        self.stats.evictions += 1
+        self.stats._close(e, self._step - t0)
+        self._forget(e)
+
+    def _charge(self, e: int) -> None:
+        b = self._expert_bytes
+        if b is not None:
+            self.stats.bytes_loaded += b if isinstance(b, int) else int(b[e])
+
+    # -- bulk replay --------------------------------------------------------------------------
+
+    def replay(self, steps: Iterable[Sequence[int]]) -> CacheStats:
+        """Serve a whole sequence of steps (e.g. ``ids_TK.tolist()``) and ``finish()``. Same result as
+        calling ``access_step`` for each step; subclasses may override with a faster loop."""
+        for ids in steps:
+            self.access_step(ids)
+        return self.finish()
+
+
+class LRUCache(ExpertCache):
+    """Least-recently-used eviction; within a step the higher-weight expert is evicted first."""
+
+    kind = "lru"
+
+    def __init__(self, num_experts: int, capacity: int, **kw) -> None:
+        self._order: OrderedDict[int, None] = OrderedDict()
+        super().__init__(num_experts, capacity, **kw)
+
+    def _touch(self, e: int) -> None:
+        self._order[e] = None
+        self._order.move_to_end(e)
+
+    def _victim(self) -> int:
+        return next(iter(self._order))
+
+    def _forget(self, e: int) -> None:
+        del self._order[e]
+
+    def replay(self, steps: Iterable[Sequence[int]]) -> CacheStats:
+        """Tight-loop LRU replay (identical semantics to ``access_step``; this is the fast simulator)."""
+        order = self._order  # expert -> None, least recent first
+        loaded = self._loaded_at
+        cap = self.capacity
+        n = self.num_experts
+        st = self.stats
+        step = self._step
+        accesses = hits = misses = evictions = 0
+        lt_sum = lt_sq = lt_cnt = 0
+        lt_sum_E = st.lifetime_sum_E
+        lt_cnt_E = st.lifetime_count_E
+        eb = self._expert_bytes
+        per_expert_bytes = eb is not None and not isinstance(eb, int)
+        bytes_loaded = 0
+        move = order.move_to_end
+        for ids in steps:
+            step += 1
+            miss_list = None
+            nvalid = 0
+            for e in ids:
+                if e < 0:
+                    continue
+                nvalid += 1
+                if e in loaded:
+                    move(e)
+                elif miss_list is None:
+                    miss_list = [e]
+                else:
+                    miss_list.append(e)
+            accesses += nvalid
+            if miss_list is None:
+                hits += nvalid
+                continue
+            hits += nvalid - len(miss_list)
+            for e in miss_list:
+                if not 0 <= e < n:
+                    raise ValueError(f"expert id {e} out of range [0, {n})")
+                if e in loaded:
+                    raise ValueError(f"expert {e} requested twice in one step: {list(ids)}")
+                misses += 1
+                if per_expert_bytes:
+                    bytes_loaded += int(eb[e])
+                if len(loaded) >= cap:
+                    victim = next(iter(order))
+                    del order[victim]
+                    lt = step - loaded.pop(victim)
+                    evictions += 1
+                    lt_sum += lt
+                    lt_sq += lt * lt
+                    lt_cnt += 1
+                    lt_sum_E[victim] += lt
+                    lt_cnt_E[victim] += 1
+                loaded[e] = step
+                order[e] = None
+            if len(miss_list) < nvalid:
+                for e in ids:
+                    if e in loaded:
+                        move(e)
+        st.steps += step - self._step
+        self._step = step
+        st.accesses += accesses
+        st.hits += hits
+        st.misses += misses
+        st.evictions += evictions
+        st.lifetime_sum += lt_sum
+        st.lifetime_sumsq += lt_sq
+        st.lifetime_count += lt_cnt
+        st.bytes_loaded += bytes_loaded if per_expert_bytes else (misses * eb if eb else 0)
+        return self.finish()
+
+
+class LFUCache(ExpertCache):
+    """Least-frequently-used eviction: the resident expert with the fewest requests so far (over the whole
+    run, not only the current residency) is evicted; ties go to the least recently used."""
+
+    kind = "lfu"
+
+    def __init__(self, num_experts: int, capacity: int, **kw) -> None:
+        self._count = [0.0] * num_experts
+        self._recency: dict[int, int] = {}
+        self._clock = 0
+        super().__init__(num_experts, capacity, **kw)
+
+    def _on_step_start(self, ids: Sequence[int]) -> None:
+        inc = self._increment()  # once per step
+        for e in ids:
+            if 0 <= e < self.num_experts:
+                self._count[e] += inc
+
+    def _increment(self) -> float:
+        return 1.0
+
+    def _touch(self, e: int) -> None:
+        self._clock += 1
+        self._recency[e] = self._clock
+
+    def _victim(self) -> int:
+        count, recency = self._count, self._recency
+        return min(self._loaded_at, key=lambda e: (count[e], recency[e]))
+
+    def _forget(self, e: int) -> None:
+        del self._recency[e]
+
+
+class GammaCache(LFUCache):
+    """004's γ-discounted-count cache (App. C.1, Def. C.1): Count ← γ·Count + r_t per step, evict the
+    resident expert with the smallest discounted count (ties: least recently used).
+
+    γ = 1 is LFU exactly; γ = 0 is LRU exactly (only the latest step counts and ties fall back to
+    recency); 0 < γ < 1 interpolates. Counts are kept scaled by γ^-t to avoid decaying every entry.
+    """
+
+    kind = "gamma"
+
+    def __init__(self, num_experts: int, capacity: int, *, gamma: float = 0.9, **kw) -> None:
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"γ must be in [0, 1], got {gamma}")
+        self.gamma = gamma
+        self._inc = 1.0
+        super().__init__(num_experts, capacity, **kw)
+
+    def _increment(self) -> float:
+        if self.gamma == 0.0:
+            return 0.0  # LRU limit: counts carry no information, recency decides
+        if self.gamma < 1.0:
+            inc = self._inc / self.gamma
+            if inc > 1e250:  # rescale everything to stay finite; relative order is unchanged
+                self._count = [c / inc for c in self._count]
+                inc = 1.0
+            self._inc = inc
+        return self._inc
+
+
+class BeladyCache(ExpertCache):
+    """Belady's optimal offline eviction (001 Sec. 4.8): evict the resident expert whose next request
+    is farthest in the future (never requested again = infinitely far; ties: lowest expert id).
+
+    future: the whole sequence of steps this cache will serve, e.g. ``ids_TK.tolist()``; ``access_step``
+    must then be called with exactly these steps in order (checked).
+    """
+
+    kind = "belady"
+
+    def __init__(self, num_experts: int, capacity: int, *, future: Sequence[Sequence[int]], **kw) -> None:
+        self._future = [list(s) for s in future]
+        # next_use[t][i]: index of the next step after t that requests future[t][i] (inf if none)
+        horizon = len(self._future)
+        nxt: dict[int, int] = {}
+        next_use: list[list[int]] = [[]] * horizon
+        for t in range(horizon - 1, -1, -1):
+            row = self._future[t]
+            next_use[t] = [nxt.get(e, math.inf) if e >= 0 else math.inf for e in row]
+            for e in row:
+                if e >= 0:
+                    nxt[e] = t
+        self._first_use = nxt  # first step requesting each expert
+        self._next_use = next_use
+        self._heap: list[tuple[float, int, int]] = []  # (-next_use, expert, version)
+        self._version: dict[int, int] = {}
+        self._next_of: dict[int, float] = {}
+        self._t = -1
+        super().__init__(num_experts, capacity, **kw)
+
+    def _set_next(self, e: int, when: float) -> None:
+        v = self._version.get(e, 0) + 1
+        self._version[e] = v
+        self._next_of[e] = when
+        heapq.heappush(self._heap, (-when, e, v))
+
+    def _insert(self, e: int) -> None:
+        super()._insert(e)
+        if self._t < 0:  # initial resident: its next use is its first request
+            self._set_next(e, self._first_use.get(e, math.inf))
+
+    def _on_step_start(self, ids: Sequence[int]) -> None:
+        self._t += 1
+        if self._t >= len(self._future):
+            raise ValueError("Belady cache: more steps served than the future it was given")
+        if sorted(e for e in ids if e >= 0) != sorted(e for e in self._future[self._t] if e >= 0):
+            raise ValueError(f"Belady cache: step {self._t} requests {list(ids)}, "
+                             f"but its future says {self._future[self._t]}")
+        row, nxt = self._future[self._t], self._next_use[self._t]
+        self._step_next = {e: n for e, n in zip(row, nxt) if e >= 0}
+
+    def _touch(self, e: int) -> None:
+        if self._t >= 0:
+            self._set_next(e, self._step_next[e])
+
+    def _reorder(self, ids: Sequence[int]) -> None:
+        pass  # recency plays no part in Belady
+
+    def _victim(self) -> int:
+        heap, version, loaded = self._heap, self._version, self._loaded_at
+        while True:
+            neg_when, e, v = heap[0]
+            if e in loaded and version.get(e) == v:
+                return e
+            heapq.heappop(heap)
+
+    def _forget(self, e: int) -> None:
+        self._version[e] = self._version.get(e, 0) + 1  # invalidate its heap entry
+
+
+def make_cache(
+    kind: str,
+    num_experts: int,
+    capacity: int,
+    *,
+    initial: str | Iterable[int] | None = None,
+    seed: int = 0,
+    gamma: float = 0.9,
+    future: Sequence[Sequence[int]] | None = None,
+    expert_bytes: int | Sequence[int] | None = None,
+) -> ExpertCache:
+    """Build one layer's cache. ``kind`` is one of ``EVICTION_POLICIES``; ``gamma`` is used by 'gamma',
+    ``future`` (the steps to be served) is required by 'belady'."""
+    kw = dict(initial=initial, seed=seed, expert_bytes=expert_bytes)
+    if kind == "lru":
+        return LRUCache(num_experts, capacity, **kw)
+    if kind == "lfu":
+        return LFUCache(num_experts, capacity, **kw)
+    if kind == "gamma":
+        return GammaCache(num_experts, capacity, gamma=gamma, **kw)
+    if kind == "belady":
+        if future is None:
+            raise ValueError("the belady cache needs the future request sequence (an offline bound)")
+        return BeladyCache(num_experts, capacity, future=future, **kw)
+    raise ValueError(f"unknown eviction policy {kind!r}; choose one of {', '.join(EVICTION_POLICIES)}")

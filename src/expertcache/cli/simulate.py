@@ -1,0 +1,97 @@
+"""``expertcache simulate``: open-loop cache simulation of a routing trace under a policy and a cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from expertcache.cli.common import add_cache_args, add_routing_args, routing_from_args
+
+DESCRIPTION = """\
+Replay a routing trace through one expert cache per layer and report the miss rate, the mean expert
+lifetime and a per-layer breakdown.
+
+This is OPEN LOOP: the router logits in the trace are fixed, so a cache-aware policy re-ranks experts
+without that choice feeding back into later hidden states. Closed-loop numbers (quality and miss rate of
+the patched model itself) come from `expertcache eval`.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="open-loop cache simulation of a routing trace",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", nargs="?", default=None,
+                   help="routing trace file (default: the demo trace recorded from the shipped model)")
+    add_routing_args(p)
+    add_cache_args(p)
+    p.add_argument("--belady", action="store_true", help="also report Belady's optimal miss rate "
+                   "for the same selections (offline bound)")
+    p.add_argument("--freq-from", default=None, help="trace to build the ERAS-bias activation profile "
+                   "from (default: the simulated trace itself)")
+    p.add_argument("--json", action="store_true", help="print one machine-readable JSON row instead of a table")
+    p.add_argument("--out", default=None, help="also append the JSON row to this JSONL file")
+    p.add_argument("--progress", action="store_true", help="show a progress bar")
+    p.set_defaults(func=run)
+
+
+def default_trace_path():
+    from expertcache.trace.demo import demo_trace_path
+
+    return demo_trace_path()
+
+
+def run(args: argparse.Namespace) -> int:
+    from expertcache.results import append_jsonl
+    from expertcache.sim import activation_frequency, simulate
+    from expertcache.trace import RoutingTrace
+
+    routing = routing_from_args(args)
+    trace = RoutingTrace.load(args.trace or default_trace_path())
+    freq = None
+    if routing.policy == "eras-bias":
+        src = RoutingTrace.load(args.freq_from) if args.freq_from else trace
+        freq = activation_frequency(src.ids_TLK, src.meta.num_experts)
+    if args.eviction == "belady" and routing.cache_aware:
+        raise ValueError("--eviction belady needs fixed selections; use --eviction lru --belady for the bound")
+    result = simulate(trace, routing, args.capacity, eviction=args.eviction, gamma=args.gamma,
+                      initial=args.initial, seed=args.seed, belady=args.belady, freq_LE=freq,
+                      between_sequences=args.between_sequences, progress=args.progress)
+    row = result.to_row()
+    row["config"]["trace"] = str(args.trace or "demo")
+    if args.out:
+        append_jsonl(args.out, row)
+    if args.json:
+        print(json.dumps(row, sort_keys=True))
+        return 0
+    print_table(row, routing.label(), trace.meta, file=sys.stdout)
+    return 0
+
+
+def _fmt(x, pct=False):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{100 * x:.1f}%" if pct else f"{x:.1f}"
+
+
+def print_table(row: dict, label: str, meta, file=sys.stdout) -> None:
+    c = row["config"]
+    print(f"trace     {c['trace']}  ({meta.model}; {row['tokens']} tokens, {meta.num_layers} MoE layers, "
+          f"N={meta.num_experts}, K={meta.top_k})", file=file)
+    print(f"routing   {label}   cache: {c['eviction']} C={c['capacity']}/{meta.num_experts} "
+          f"({c['initial']} start, {c['between_sequences']} between sequences)   [open loop]", file=file)
+    line = f"miss rate {_fmt(row['miss_rate'], True)}   mean lifetime {_fmt(row['mean_lifetime'])} tokens"
+    if "belady_miss_rate" in row:
+        line += f"   Belady bound {_fmt(row['belady_miss_rate'], True)}"
+    print(line, file=file)
+    print(file=file)
+    head = f"{'layer':>5} {'miss rate':>10} {'lifetime':>9}"
+    if "belady_layer_miss_rates" in row:
+        head += f" {'Belady':>8}"
+    print(head, file=file)
+    for i, (mr, lt) in enumerate(zip(row["layer_miss_rates"], row["layer_mean_lifetimes"])):
+        line = f"{i:>5} {_fmt(mr, True):>10} {_fmt(lt):>9}"
+        if "belady_layer_miss_rates" in row:
+            line += f" {_fmt(row['belady_layer_miss_rates'][i], True):>8}"
+        print(line, file=file)

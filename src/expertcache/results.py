@@ -1,0 +1,37 @@
+"""Results as data: JSONL rows written so that an interrupted run never leaves a torn row behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
+    """Append one row as a single ``write`` of one line on an O_APPEND descriptor, then fsync: a crash
+    leaves either the whole row or none of it (readers also skip a torn last line, see ``read_jsonl``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(row, sort_keys=True, allow_nan=False) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    """Rows of a JSONL file; a torn (unterminated, unparsable) last line is skipped."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:  # torn last line of an interrupted write
+                return
+            raise ValueError(f"{path}:{i + 1}: not a JSON row") from None

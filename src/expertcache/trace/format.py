@@ -1,0 +1,212 @@
+"""The on-disk routing-trace format.
+
+A trace is one safetensors file holding, for T tokens (in time order; batched sequences are concatenated
+one after another) and L MoE layers with E experts and K selected per token:
+
+- ``logits``  [T, L, E] float16/float32 -- the router logits of every token at every MoE layer;
+- ``ids``     [T, L, K] int16/int32     -- the selected expert ids, ordered by descending router weight
+  (-1 = a dropped slot, pruning baseline only);
+- ``weights`` [T, L, K] float32         -- optional: the combine weights of the selected experts;
+
+and JSON metadata (:class:`TraceMeta`: model name, N, K, renormalisation, scoring, token count, source,
+sequence starts ...). Writes are atomic (temporary file + ``os.replace``), so a crash never leaves a
+half-written trace under the final name. ``load`` validates shapes, dtypes and metadata and fails with a
+clear :class:`TraceError` for anything else, e.g. a truncated file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TraceError", "TraceMeta", "RoutingTrace", "FORMAT_VERSION", "atomic_write_bytes"]
+
+FORMAT_VERSION = 1
+_META_KEY = "expertcache_trace"
+
+
+class TraceError(ValueError):
+    """A routing trace is malformed, truncated or inconsistent."""
+
+
+@dataclass
+class TraceMeta:
+    """What a trace records. ``layer_ids`` are the model's decoder-layer indices of the L MoE layers."""
+
+    model: str
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    num_layers: int
+    num_tokens: int = 0
+    scoring: str = "softmax"
+    source: str = ""
+    layer_ids: list[int] = field(default_factory=list)
+    sequence_starts: list[int] = field(default_factory=lambda: [0])
+    extra: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TraceMeta":
+        known = {f.name for f in fields(cls)}
+        missing = {"model", "num_experts", "top_k", "renormalize", "num_layers"} - set(d)
+        if missing:
+            raise TraceError(f"trace metadata lacks {sorted(missing)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass
+class RoutingTrace:
+    """Router logits and selections of T tokens at L MoE layers (see the module docstring)."""
+
+    logits_TLE: np.ndarray
+    ids_TLK: np.ndarray
+    meta: TraceMeta
+    weights_TLK: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.meta.num_tokens = int(self.logits_TLE.shape[0]) if self.logits_TLE.ndim == 3 else 0
+        self.validate()
+
+    # -- shape accessors
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids_TLK.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.ids_TLK.shape[1])
+
+    def validate(self) -> None:
+        """Raise TraceError unless shapes, dtypes, id ranges and metadata agree."""
+        m = self.meta
+        z, ids = self.logits_TLE, self.ids_TLK
+        if z.ndim != 3:
+            raise TraceError(f"logits must be [T, L, E], got shape {z.shape}")
+        if ids.ndim != 3:
+            raise TraceError(f"ids must be [T, L, K], got shape {ids.shape}")
+        if z.dtype not in (np.float16, np.float32):
+            raise TraceError(f"logits must be float16 or float32, got {z.dtype}")
+        if ids.dtype not in (np.int16, np.int32, np.int64):
+            raise TraceError(f"ids must be int16/int32/int64, got {ids.dtype}")
+        t, l, e = z.shape
+        if ids.shape != (t, l, m.top_k):
+            raise TraceError(f"ids shape {ids.shape} does not match logits {z.shape} and K={m.top_k}")
+        if e != m.num_experts or l != m.num_layers:
+            raise TraceError(f"logits shape {z.shape} does not match metadata N={m.num_experts}, L={m.num_layers}")
+        if not 1 <= m.top_k <= m.num_experts:
+            raise TraceError(f"metadata K={m.top_k} must be in [1, N={m.num_experts}]")
+        if ids.size and (ids.min() < -1 or ids.max() >= e):
+            raise TraceError(f"ids must be in [-1, {e}); found range [{ids.min()}, {ids.max()}]")
+        if self.weights_TLK is not None and self.weights_TLK.shape != ids.shape:
+            raise TraceError(f"weights shape {self.weights_TLK.shape} does not match ids {ids.shape}")
+        if m.layer_ids and len(m.layer_ids) != l:
+            raise TraceError(f"metadata lists {len(m.layer_ids)} layer ids for {l} layers")
+        starts = m.sequence_starts or [0]
+        if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or (t and starts[-1] >= t):
+            raise TraceError(f"sequence_starts {starts[:8]}... must increase from 0 and stay below T={t}")
+        if t and np.isnan(z).any():
+            raise TraceError("logits contain NaN")
+        valid = ids >= 0
+        if ids.size:
+            srt = np.sort(np.where(valid, ids, -np.arange(1, ids.shape[-1] + 1)), axis=-1)
+            if (srt[..., 1:] == srt[..., :-1]).any():
+                raise TraceError("an expert id appears twice among one token's selections")
+
+    def sequences(self) -> list[tuple[int, int]]:
+        """[start, end) token ranges of the sequences in the trace."""
+        starts = list(self.meta.sequence_starts or [0])
+        return list(zip(starts, starts[1:] + [self.num_tokens]))
+
+    # -- I/O
+    def save(self, path: str | os.PathLike, *, logits_dtype: str = "float16") -> Path:
+        """Write the trace atomically. Logits are stored as float16 by default (halves the size)."""
+        from safetensors.numpy import save
+
+        tensors = {
+            "logits": np.ascontiguousarray(self.logits_TLE.astype(logits_dtype)),
+            "ids": np.ascontiguousarray(self.ids_TLK.astype(np.int16 if self.meta.num_experts < 32767 else np.int32)),
+        }
+        if self.weights_TLK is not None:
+            tensors["weights"] = np.ascontiguousarray(self.weights_TLK.astype(np.float32))
+        meta = json.dumps(asdict(self.meta), sort_keys=True)
+        atomic_write_bytes(path, save(tensors, metadata={_META_KEY: meta}))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "RoutingTrace":
+        """Read and validate a trace; TraceError (with the path) for anything malformed."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"no trace file at {path}")
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                raw_meta = (f.metadata() or {}).get(_META_KEY)
+                keys = set(f.keys())
+                if raw_meta is None:
+                    raise TraceError(f"{path} is a safetensors file but not an expertcache trace (no metadata)")
+                if not {"logits", "ids"} <= keys:
+                    raise TraceError(f"{path}: trace lacks tensors {sorted({'logits', 'ids'} - keys)}")
+                logits = f.get_tensor("logits")
+                ids = f.get_tensor("ids")
+                weights = f.get_tensor("weights") if "weights" in keys else None
+        except TraceError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for truncation/corruption
+            raise TraceError(f"{path} is not a readable trace (truncated or corrupt?): {exc}") from None
+        try:
+            meta = TraceMeta.from_dict(json.loads(raw_meta))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise TraceError(f"{path}: trace metadata is not valid JSON: {exc}") from None
+        if meta.format_version > FORMAT_VERSION:
+            raise TraceError(f"{path}: trace format {meta.format_version} is newer than this expertcache "
+                             f"({FORMAT_VERSION}); upgrade expertcache")
+        try:
+            return cls(logits_TLE=logits, ids_TLK=ids, meta=meta, weights_TLK=weights)
+        except TraceError as exc:
+            raise TraceError(f"{path}: {exc}") from None
+
+    @classmethod
+    def concatenate(cls, traces: list["RoutingTrace"]) -> "RoutingTrace":
+        """Join traces of the same model one after another (each becomes one or more sequences)."""
+        if not traces:
+            raise TraceError("nothing to concatenate")
+        first = traces[0].meta
+        starts, offset = [], 0
+        for tr in traces:
+            m = tr.meta
+            if (m.num_experts, m.top_k, m.num_layers) != (first.num_experts, first.top_k, first.num_layers):
+                raise TraceError("cannot concatenate traces of different shapes")
+            starts += [offset + s for s in (m.sequence_starts or [0])]
+            offset += tr.num_tokens
+        meta = TraceMeta(**{**asdict(first), "sequence_starts": starts})
+        weights = None
+        if all(tr.weights_TLK is not None for tr in traces):
+            weights = np.concatenate([tr.weights_TLK for tr in traces])
+        return cls(np.concatenate([tr.logits_TLE for tr in traces]), np.concatenate([tr.ids_TLK for tr in traces]),
+                   meta, weights)
