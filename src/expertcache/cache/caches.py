@@ -177,8 +177,10 @@ class ExpertCache:
         self.capacity = capacity
         self.stats = CacheStats(num_experts)
         self._expert_bytes = expert_bytes
-        self._loaded_at: dict[int, int] = {}  # resident expert -> step it was loaded
+        self._loaded_at: dict[int, int] = self._make_store()  # resident expert -> step it was loaded
         self._step = 0
+        # experts of the step being served: a victim is chosen among the others while there are any (rule 1)
+        self._serving: set[int] | frozenset[int] = frozenset()
         for e in self._initial_set(initial, seed):
             self._insert(e)
 
@@ -222,6 +224,7 @@ class ExpertCache:
                 self._touch(e)
             else:
                 misses.append(e)
+        self._serving = set(valid)
         for e in misses:
             self.stats.misses += 1
             self._charge(e)
@@ -244,6 +247,9 @@ class ExpertCache:
         return out
 
     # -- subclass hooks -----------------------------------------------------------------------
+
+    def _make_store(self) -> dict[int, int]:
+        return {}
 
     def _on_step_start(self, ids: Sequence[int]) -> None:
         pass
@@ -310,75 +316,66 @@ class LRUCache(ExpertCache):
 
     kind = "lru"
 
-    def __init__(self, num_experts: int, capacity: int, **kw) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()
-        super().__init__(num_experts, capacity, **kw)
+    def _make_store(self) -> dict[int, int]:
+        return OrderedDict()  # least recent first; values: load step
 
     def _touch(self, e: int) -> None:
-        self._order[e] = None
-        self._order.move_to_end(e)
+        self._loaded_at.move_to_end(e)
 
     def _victim(self) -> int:
-        return next(iter(self._order))
-
-    def _forget(self, e: int) -> None:
-        del self._order[e]
+        return next(iter(self._loaded_at))
 
     def replay(self, steps: Iterable[Sequence[int]]) -> CacheStats:
         """Tight-loop LRU replay (identical semantics to ``access_step``; this is the fast simulator)."""
-        order = self._order  # expert -> None, least recent first
-        loaded = self._loaded_at
-        cap = self.capacity
-        n = self.num_experts
-        st = self.stats
+        loaded = self._loaded_at  # OrderedDict: expert -> load step, least recent first
+        cap, n, st = self.capacity, self.num_experts, self.stats
         step = self._step
-        accesses = hits = misses = evictions = 0
-        lt_sum = lt_sq = lt_cnt = 0
-        lt_sum_E = st.lifetime_sum_E
-        lt_cnt_E = st.lifetime_count_E
+        accesses = hits = misses = lt_sum = lt_sq = lt_cnt = 0
+        lt_sum_E, lt_cnt_E = st.lifetime_sum_E, st.lifetime_count_E
         eb = self._expert_bytes
         per_expert_bytes = eb is not None and not isinstance(eb, int)
         bytes_loaded = 0
-        move = order.move_to_end
+        move = loaded.move_to_end
+        pop_lru = loaded.popitem
         for ids in steps:
             step += 1
+            if len(set(ids)) != len(ids):  # a repeated expert (repeated -1 slots are fine)
+                valid = [e for e in ids if e >= 0]
+                if len(set(valid)) != len(valid):
+                    raise ValueError(f"an expert is requested twice in one step: {list(ids)}")
             miss_list = None
-            nvalid = 0
             for e in ids:
-                if e < 0:
-                    continue
-                nvalid += 1
                 if e in loaded:
                     move(e)
                 elif miss_list is None:
                     miss_list = [e]
                 else:
                     miss_list.append(e)
-            accesses += nvalid
+            nvalid = len(ids)
             if miss_list is None:
+                accesses += nvalid
                 hits += nvalid
                 continue
+            if -1 in miss_list:  # dropped slots (pruning baseline)
+                miss_list = [e for e in miss_list if e != -1]
+                nvalid -= len(ids) - len([e for e in ids if e != -1])
+            accesses += nvalid
             hits += nvalid - len(miss_list)
             for e in miss_list:
-                if not 0 <= e < n:
-                    raise ValueError(f"expert id {e} out of range [0, {n})")
-                if e in loaded:
-                    raise ValueError(f"expert {e} requested twice in one step: {list(ids)}")
+                if e in loaded or not 0 <= e < n:
+                    raise ValueError(f"bad step {list(ids)}: ids must be distinct and in [0, {n})")
                 misses += 1
                 if per_expert_bytes:
                     bytes_loaded += int(eb[e])
                 if len(loaded) >= cap:
-                    victim = next(iter(order))
-                    del order[victim]
-                    lt = step - loaded.pop(victim)
-                    evictions += 1
+                    victim, t0 = pop_lru(last=False)
+                    lt = step - t0
                     lt_sum += lt
                     lt_sq += lt * lt
                     lt_cnt += 1
                     lt_sum_E[victim] += lt
                     lt_cnt_E[victim] += 1
                 loaded[e] = step
-                order[e] = None
             if len(miss_list) < nvalid:
                 for e in ids:
                     if e in loaded:
@@ -388,7 +385,7 @@ class LRUCache(ExpertCache):
         st.accesses += accesses
         st.hits += hits
         st.misses += misses
-        st.evictions += evictions
+        st.evictions += lt_cnt
         st.lifetime_sum += lt_sum
         st.lifetime_sumsq += lt_sq
         st.lifetime_count += lt_cnt
@@ -422,8 +419,9 @@ class LFUCache(ExpertCache):
         self._recency[e] = self._clock
 
     def _victim(self) -> int:
-        count, recency = self._count, self._recency
-        return min(self._loaded_at, key=lambda e: (count[e], recency[e]))
+        count, recency, serving = self._count, self._recency, self._serving
+        pool = [e for e in self._loaded_at if e not in serving] or self._loaded_at  # rule 1; C < K: any
+        return min(pool, key=lambda e: (count[e], recency[e]))
 
     def _forget(self, e: int) -> None:
         del self._recency[e]
@@ -517,15 +515,109 @@ class BeladyCache(ExpertCache):
         pass  # recency plays no part in Belady
 
     def _victim(self) -> int:
-        heap, version, loaded = self._heap, self._version, self._loaded_at
-        while True:
+        heap, version, loaded, serving = self._heap, self._version, self._loaded_at, self._serving
+        held = []  # valid entries of experts serving this step (rule 1), pushed back afterwards
+        victim = None
+        while heap:
             neg_when, e, v = heap[0]
-            if e in loaded and version.get(e) == v:
-                return e
-            heapq.heappop(heap)
+            if not (e in loaded and version.get(e) == v):
+                heapq.heappop(heap)
+            elif e in serving:
+                held.append(heapq.heappop(heap))
+            else:
+                victim = e
+                break
+        for item in held:
+            heapq.heappush(heap, item)
+        return victim if victim is not None else held[0][1]  # C < K: farthest of the step's experts
 
     def _forget(self, e: int) -> None:
         self._version[e] = self._version.get(e, 0) + 1  # invalidate its heap entry
+
+    def replay(self, steps: Iterable[Sequence[int]] | None = None) -> CacheStats:
+        """Tight-loop replay of the whole future (``steps`` may be omitted; if given it must be the
+        future). Same decisions as ``access_step``: hits first, then loads evicting the resident expert
+        whose next request is farthest (ties: lowest id)."""
+        if steps is not None and [list(s) for s in steps] != self._future[self._t + 1:]:
+            raise ValueError("Belady replay: the steps differ from the future the cache was given")
+        if self._t >= 0:  # mixed use with access_step: fall back to the generic path
+            return super().replay(self._future[self._t + 1:])
+        for row in self._future:
+            valid = [e for e in row if e >= 0]
+            if len(set(valid)) != len(valid):
+                raise ValueError(f"an expert is requested twice in one step: {row}")
+        loaded, cap, n, st = self._loaded_at, self.capacity, self.num_experts, self.stats
+        nxt_of = dict(self._next_of)  # resident expert -> step of its next request
+        heap = [(-w, e) for e, w in nxt_of.items()]
+        heapq.heapify(heap)
+        push, pop = heapq.heappush, heapq.heappop
+        step = self._step
+        accesses = hits = misses = lt_sum = lt_sq = lt_cnt = 0
+        lt_sum_E, lt_cnt_E = st.lifetime_sum_E, st.lifetime_count_E
+        eb = self._expert_bytes
+        per_expert_bytes = eb is not None and not isinstance(eb, int)
+        bytes_loaded = 0
+        for row, nexts in zip(self._future, self._next_use):
+            step += 1
+            miss_list = None
+            for e, w in zip(row, nexts):
+                if e < 0:
+                    continue
+                accesses += 1
+                if e in loaded:
+                    hits += 1
+                    nxt_of[e] = w
+                    push(heap, (-w, e))
+                elif miss_list is None:
+                    miss_list = [(e, w)]
+                else:
+                    miss_list.append((e, w))
+            if miss_list is None:
+                continue
+            for e, w in miss_list:
+                if not 0 <= e < n:
+                    raise ValueError(f"expert id {e} out of range [0, {n})")
+                misses += 1
+                if per_expert_bytes:
+                    bytes_loaded += int(eb[e])
+                if len(loaded) >= cap:
+                    serving = {x for x in row if x >= 0}
+                    held = []  # rule 1: experts of this step are evicted only when nothing else is left
+                    victim = None
+                    while heap:  # lazy deletion: skip entries that are stale or not resident
+                        negw, cand = pop(heap)
+                        if cand in loaded and nxt_of[cand] == -negw:
+                            if cand in serving:
+                                held.append((negw, cand))
+                                continue
+                            victim = cand
+                            break
+                    for item in held:
+                        push(heap, item)
+                    if victim is None:
+                        victim = held[0][1]
+                    lt = step - loaded.pop(victim)
+                    del nxt_of[victim]
+                    lt_sum += lt
+                    lt_sq += lt * lt
+                    lt_cnt += 1
+                    lt_sum_E[victim] += lt
+                    lt_cnt_E[victim] += 1
+                loaded[e] = step
+                nxt_of[e] = w
+                push(heap, (-w, e))
+        self._t = len(self._future) - 1
+        st.steps += step - self._step
+        self._step = step
+        st.accesses += accesses
+        st.hits += hits
+        st.misses += misses
+        st.evictions += lt_cnt
+        st.lifetime_sum += lt_sum
+        st.lifetime_sumsq += lt_sq
+        st.lifetime_count += lt_cnt
+        st.bytes_loaded += bytes_loaded if per_expert_bytes else (misses * eb if eb else 0)
+        return self.finish()
 
 
 def make_cache(

@@ -12,8 +12,10 @@ Contracts (pinned by tests):
 
 - every policy returns exactly K distinct ids per token in ``[0, E)``, except ``prune`` which returns
   ``h`` ids and pads the remaining ``K - h`` slots with id ``-1`` and weight 0;
-- with zero strength (λ = 0, α = 0, β = 0, p = 0, M ≤ K, h = K), with every expert resident, or with
-  nothing resident besides the top-J, a cache-aware policy selects exactly the original top-K;
+- with zero strength (λ = 0, α = 0, β = 0, p = 0, M ≤ K, h = K) or with every expert resident, a cache-aware
+  policy selects exactly the original top-K; with nothing resident besides the top-J, Max-Rank, cumsum,
+  Cache-Prior and ERAS thresholding do too (ERAS biasing does not: it penalises non-resident experts by
+  β·(1−freq), which differs per expert and can reorder them);
 - 001 Appendix B: r = [E1..E6], C = {E3, E4, E6}, M = 4, K = 2, J = 1 selects {E1, E3}.
 
 Specs: 001 (Mixture of Cache-Conditional Experts) Eq. 5-10 and Algorithms 1-2; 003 (MoE-ERAS)
@@ -176,6 +178,18 @@ def _with_top_j(resident_TE: torch.Tensor, z_TE: torch.Tensor, j: int) -> torch.
     return resident_TE.scatter(1, torch.topk(z_TE, j, dim=1).indices, True)
 
 
+def _rerank_topk(score_TE: torch.Tensor, z_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-K of modified scores with ties broken by the original ranking (then by id).
+
+    Re-ranking can create ties the logits do not have (float rounding of z + c, softmax underflow); they
+    must resolve in the original order, so that a uniform boost (every expert resident) or a zero
+    strength selects exactly the original top-K.
+    """
+    order_TE = _rank_order(z_TE)
+    pos_TK = torch.sort(score_TE.gather(1, order_TE), dim=1, descending=True, stable=True).indices[:, :k]
+    return order_TE.gather(1, pos_TK)
+
+
 def _per_row(value: float | torch.Tensor, z_TE: torch.Tensor) -> float | torch.Tensor:
     """A scalar hyper-parameter, or a [T] tensor broadcast over experts (one value per row)."""
     if isinstance(value, torch.Tensor):
@@ -190,7 +204,9 @@ def _per_row(value: float | torch.Tensor, z_TE: torch.Tensor) -> float | torch.T
 def topk_rank(z_TE: torch.Tensor, k: int) -> torch.Tensor:
     """Original routing: the K experts with the highest logits."""
     _check(z_TE, k)
-    return torch.topk(z_TE, k, dim=1).indices
+    # Stable sort, not torch.topk: ties (common with float16/bf16 logits) must break exactly as in the
+    # other policies (lower id first), or a zero-strength policy would not reproduce the original routing.
+    return _rank_order(z_TE)[:, :k]
 
 
 def prune_rank(z_TE: torch.Tensor, k: int, h: int) -> torch.Tensor:
@@ -294,7 +310,7 @@ def cache_prior_rank(
         boosted_TE = torch.add(z_TE.float(), mask_TE.float(), alpha=boost)
     else:
         boosted_TE = torch.addcmul(z_TE.float(), mask_TE.float(), boost)
-    return torch.topk(boosted_TE, k, dim=1).indices
+    return _rerank_topk(boosted_TE, z_TE, k)
 
 
 def eras_threshold_rank(
@@ -316,7 +332,7 @@ def eras_threshold_rank(
         raise ValueError(f"ERAS α must be ≥ 0, got {alpha}")
     mask_TE = _with_top_j(_mask_TE(resident, z_TE), z_TE, j)
     scores_TE = scores_from_logits(z_TE, scoring)
-    return torch.topk(torch.where(mask_TE, scores_TE + alpha, scores_TE), k, dim=1).indices
+    return _rerank_topk(torch.where(mask_TE, scores_TE + alpha, scores_TE), z_TE, k)
 
 
 def eras_bias_rank(
@@ -339,4 +355,4 @@ def eras_bias_rank(
     mask_TE = _with_top_j(_mask_TE(resident, z_TE), z_TE, j)
     penalty = beta * (1.0 - freq_E.float().to(z_TE.device))
     z = z_TE.float()
-    return torch.topk(torch.where(mask_TE, z, z - penalty), k, dim=1).indices
+    return _rerank_topk(torch.where(mask_TE, z, z - penalty), z_TE, k)

@@ -1,0 +1,67 @@
+"""``expertcache train``: train a shipped model from scratch, ship it into the package, or (re)write its card.
+
+    expertcache train --model granular [--out runs/granular] [--ship]   # train (resumes from <out>/ckpt.pt)
+    expertcache train --card-only src/expertcache/assets/models/granular  # evaluate + write MODEL_CARD.md
+
+Training flags are generated from :class:`expertcache.train.configs.TrainConfig` (one flag per field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def register(subparsers) -> None:
+    from expertcache.train.configs import MODEL_SPECS, TrainConfig
+
+    p = subparsers.add_parser(
+        "train", help="train a small MoE LM from scratch (or write its model card)",
+        description="Train one of the shipped MoE models on the Debian-docs corpus (deterministic, resumable), "
+        "optionally copy it into the package, or write MODEL_CARD.md for a trained model folder.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        kw = {"type": type(getattr(defaults, f.name)), "default": getattr(defaults, f.name)}
+        if f.name == "model":
+            kw["choices"] = sorted(MODEL_SPECS)
+        p.add_argument(_flag(f.name), dest=f.name, **kw)
+    p.add_argument("--ship", action="store_true",
+                   help="after training, copy <out>/model into src/expertcache/assets/models/<model>")
+    p.add_argument("--card-only", metavar="MODEL_DIR", default=None,
+                   help="do not train: evaluate MODEL_DIR and write MODEL_CARD.md and card.json into it")
+    p.add_argument("--card-tokens", type=int, default=0,
+                   help="with --card-only: cap on held-out / WikiText tokens scored (0 = all)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from expertcache.train.configs import TrainConfig
+
+    command = "expertcache " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "expertcache train"
+    if args.card_only:
+        from expertcache.train.card import write_card
+
+        path = write_card(args.card_only, data_dir=args.data_dir, max_tokens=args.card_tokens, threads=args.threads,
+                          command=command)
+        print(f"wrote {path}")
+        return 0
+    from expertcache.train.loop import train
+
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    summary = train(cfg, command=command, progress=not args.no_progress)
+    print(f"trained {cfg.model}: {summary['tokens_seen']} tokens in {summary['train_wall_s']:.0f} s; "
+          f"last eval {summary['last_eval']}")
+    if args.ship:
+        from expertcache.train.loop import ship
+
+        print(f"shipped to {ship(cfg)}")
+    return 0

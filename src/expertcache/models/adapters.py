@@ -1,0 +1,391 @@
+"""Per-family routing rules of Hugging Face MoE models (transformers 5.x layouts).
+
+Letter legend: T tokens (batch rows flattened, row-major), E routed experts, K experts per token,
+D hidden size, G expert groups.
+
+In transformers 5.x every supported MoE block is ``router -> experts``: a router module (attribute
+``gate`` or ``router``) returns ``(router_logits_TE, weights_TK, ids_TK)`` and an experts module with
+stacked weights consumes ``(hidden_TD, ids_TK, weights_TK)``. This module knows, for each family:
+
+- where the MoE blocks and their routers are, and which decoder layers must be MoE (checked loudly);
+- the *ranking input* a routing policy ranks (the raw logits for most models; DeepSeek-V3 ranks the
+  bias-corrected sigmoid scores) and which experts are allowed at all (group-limited top-k);
+- the model's *own* weight rule for an arbitrary set of selected ids (``weights``), so that a
+  re-ranked selection is weighted exactly as the model would weight it.
+
+Contracts (pinned by tests):
+
+- ``weights(router, z_TE, ids_TK)`` with the model's original top-K ids reproduces the weights the stock
+  router returns (same formula, same dtype);
+- ``ids_TK`` passed to ``weights`` are ordered by descending router logit, dropped slots (-1) last; a
+  dropped slot gets weight 0;
+- shared experts (Qwen2-MoE ``shared_expert``, DeepSeek ``shared_experts``) are outside the router
+  seam and never cached or re-routed; dense layers (DeepSeek ``first_k_dense_replace``, Qwen
+  ``mlp_only_layers``/``decoder_sparse_step``) have no router and are skipped.
+
+Per family (router seam, policy ranking input, weight rule):
+
+============  ==============  ==========================================  ==========================================
+model_type    router          policies rank                               weights of the selected ids
+============  ==============  ==========================================  ==========================================
+olmoe         ``mlp.gate``    logits                                      softmax(z)[ids], renorm iff norm_topk_prob
+qwen2_moe     ``mlp.gate``    logits (shared expert untouched)            same
+qwen3_moe     ``mlp.gate``    logits                                      same
+mixtral       ``mlp.gate``    logits                                      softmax(z)[ids], always renormalised
+deepseek_v2   ``mlp.gate``    logits; group_limited_greedy: logits of     softmax(z)[ids] · routed_scaling_factor
+                              the model's top groups only                 (no renormalisation, as in transformers)
+deepseek_v3   ``mlp.gate``    sigmoid(z) + e_score_correction_bias,       sigmoid(z)[ids], renorm iff norm_topk_prob,
+                              within the model's top groups               · routed_scaling_factor
+phimoe        ``mlp.router``  logits                                      sparsemixer at the given ids (see below)
+gpt_oss       ``mlp.router``  logits (router bias included)               softmax(z[ids]) = softmax(z) renormalised
+============  ==============  ==========================================  ==========================================
+
+``cumsum`` and ``eras-threshold`` read router probabilities as softmax(z) over all E for every softmax
+family (PhiMoE and GPT-OSS included, whose combine weights follow their own rule) and sigmoid(z) for
+DeepSeek-V3 without bias or group limit.
+
+Refused (ValueError at patch time): ``cumsum`` and ``eras-threshold`` on DeepSeek-V3 with a non-zero
+correction bias or a group limit, and on DeepSeek-V2 with ``group_limited_greedy``: both need the
+probabilities of the ranked experts, and there the ranking variable is not the model's probability
+(biased / group-restricted), so the core policies cannot express them exactly. Group selection itself is
+never changed by a policy: experts outside the model's chosen groups are neither promoted nor selected.
+For DeepSeek-V3 Cache-Prior's Δavg and ERAS-bias's penalty are in the units of the biased sigmoid score.
+
+Nothing here holds state; the stateful patch lives in :mod:`expertcache.models.patch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "family_for", "MoELayer", "find_moe_layers",
+           "order_by_logits", "ranks_logits"]
+
+
+def order_by_logits(ids_TK: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
+    """``ids_TK`` sorted by descending logit ``z_TE`` (stable; -1 slots last). Every supported model's
+    combine weight is monotone in its own logit, so this is the descending-weight order the caches
+    need (001 Sec. 4.2: the higher-weight expert is evicted first)."""
+    valid_TK = ids_TK >= 0
+    key_TK = torch.where(valid_TK, z_TE.float().gather(1, ids_TK.clamp(min=0)),
+                         torch.full((), float("-inf")))
+    order_TK = torch.sort(key_TK, dim=1, descending=True, stable=True).indices
+    return ids_TK.gather(1, order_TK)
+
+
+def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """scores at ids; 0 at dropped (-1) slots."""
+    w_TK = scores_TE.gather(1, ids_TK.clamp(min=0))
+    return torch.where(ids_TK >= 0, w_TK, torch.zeros((), dtype=w_TK.dtype))
+
+
+def _restrict(zr_TE: torch.Tensor, allowed_TE: torch.Tensor) -> torch.Tensor:
+    """Push experts outside the allowed set just below the lowest allowed value of their token, so every
+    ranking puts them last while the per-token range (Cache-Prior's Δ) stays that of the allowed set."""
+    zr_TE = zr_TE.float()
+    big = torch.finfo(zr_TE.dtype).max
+    lo_T = torch.where(allowed_TE, zr_TE, torch.full((), big)).amin(dim=1, keepdim=True)
+    hi_T = torch.where(allowed_TE, zr_TE, torch.full((), -big)).amax(dim=1, keepdim=True)
+    below_T = lo_T - 1e-3 * (hi_T - lo_T) - 1e-6 * (1.0 + lo_T.abs())
+    return torch.where(allowed_TE, zr_TE, below_T)
+
+
+# ---------------------------------------------------------------------------------------------
+# families
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one transformers model family routes.
+
+    model_type: ``config.model_type``. router_attr: the MoE block's router attribute. router_class: the
+    expected router class name (checked). block_class: the expected MoE block class name (checked).
+    scoring: 'softmax' or 'sigmoid' (the score the combine weights come from).
+    unsupported_policies(router): routing policies this family cannot express exactly (raise if asked).
+    """
+
+    model_type: str
+    router_attr: str
+    router_class: str
+    block_class: str
+    scoring: str
+    renormalize: Callable[[nn.Module], bool]
+    weights: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    ranking: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+    expected_moe_layers: Callable[[object], list[int]]
+    unsupported_policies: Callable[[nn.Module], dict[str, str]] = lambda router: {}
+    note: str = ""
+
+
+# -- rank inputs ---------------------------------------------------------------------------------
+
+
+def _rank_logits(router: nn.Module, z_TE: torch.Tensor):
+    """Plain top-K over the logits: the policy ranks the logits, every expert allowed."""
+    return z_TE, None
+
+
+def _rank_deepseek_v2(router: nn.Module, z_TE: torch.Tensor):
+    """'greedy' (V2-Lite): top-K of softmax = top-K of logits. 'group_limited_greedy': only experts of the
+    ``topk_group`` groups with the highest max-score are allowed (the model's own group choice)."""
+    if router.topk_method == "greedy" or not _group_limited(router):
+        return z_TE, None
+    if router.topk_method != "group_limited_greedy":
+        raise NotImplementedError(f"deepseek_v2 topk_method {router.topk_method!r} is not supported")
+    scores_TE = z_TE.float().softmax(dim=-1)
+    g = router.num_group
+    group_scores_TG = scores_TE.view(-1, g, router.num_experts // g).max(dim=-1).values
+    allowed_TE = _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts)
+    return _restrict(z_TE, allowed_TE), allowed_TE
+
+
+def _rank_deepseek_v3(router: nn.Module, z_TE: torch.Tensor):
+    """The model ranks ``sigmoid(z) + e_score_correction_bias`` within its top ``topk_group`` groups (group
+    score = sum of the two best biased scores). With a zero bias and no group limit this is the same
+    order as the logits, which are then ranked directly."""
+    bias_E = router.e_score_correction_bias.float().to(z_TE.device)
+    if not _group_limited(router) and not bool(bias_E.any()):
+        return z_TE, None
+    choice_TE = z_TE.float().sigmoid() + bias_E
+    if not _group_limited(router):
+        return choice_TE, None
+    g = router.num_group
+    group_scores_TG = choice_TE.view(-1, g, router.num_experts // g).topk(2, dim=-1)[0].sum(dim=-1)
+    allowed_TE = _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts)
+    return _restrict(choice_TE, allowed_TE), allowed_TE
+
+
+def _group_limited(router: nn.Module) -> bool:
+    g, tg = getattr(router, "num_group", None), getattr(router, "topk_group", None)
+    return bool(g) and g > 1 and tg is not None and tg < g
+
+
+def _allowed_from_groups(group_scores_TG: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    t, g = group_scores_TG.shape
+    group_idx_TG = torch.topk(group_scores_TG, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, group_idx_TG, True)
+    return group_mask_TG.unsqueeze(-1).expand(t, g, num_experts // g).reshape(t, num_experts)
+
+
+# -- weight rules (the model's formula for any ids) ---------------------------------------------
+
+
+def _weights_softmax_topk(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """OLMoE / Qwen2-MoE / Qwen3-MoE / Mixtral: softmax over all E in fp32, gathered, renormalised over the
+    selected ids iff ``norm_topk_prob`` (Mixtral always)."""
+    w_TK = _gather_valid(torch.softmax(z_TE, dim=-1, dtype=torch.float), ids_TK)
+    if _renorm_softmax(router):
+        w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
+    return w_TK
+
+
+def _renorm_softmax(router: nn.Module) -> bool:
+    return bool(getattr(router, "norm_topk_prob", True))  # Mixtral's router has no flag: always renormalises
+
+
+def _weights_deepseek_v2(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """softmax over all E (fp32) gathered at the ids, times ``routed_scaling_factor``; no renormalisation
+    (the transformers V2 router ignores ``norm_topk_prob``)."""
+    w_TK = _gather_valid(z_TE.float().softmax(dim=-1, dtype=torch.float32), ids_TK)
+    return w_TK * router.routed_scaling_factor
+
+
+def _weights_deepseek_v3(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """Unbiased ``sigmoid(z)`` gathered at the ids (the correction bias only affects the ranking),
+    renormalised iff ``norm_topk_prob`` (denominator + 1e-20 as in the model), times
+    ``routed_scaling_factor``."""
+    w_TK = _gather_valid(z_TE.float().sigmoid(), ids_TK)
+    if router.norm_topk_prob:
+        w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return w_TK * router.routed_scaling_factor
+
+
+def _weights_gpt_oss(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """softmax over the selected ids' logits (router bias included in the logits); equal to the full
+    softmax renormalised over the selected ids. Dropped slots are excluded (-inf)."""
+    sel_TK = z_TE.gather(1, ids_TK.clamp(min=0))
+    sel_TK = torch.where(ids_TK >= 0, sel_TK, torch.full((), float("-inf"), dtype=sel_TK.dtype))
+    return torch.softmax(sel_TK, dim=1, dtype=sel_TK.dtype)
+
+
+def _weights_phimoe(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """PhiMoE's eval-mode sparsemixer evaluated at the given ids (K = 2).
+
+    The model takes slot 1 = argmax and weights it by the softmax over the experts whose logit is within
+    the relative threshold ``2·router_jitter_noise`` of it; slot 2 = argmax of the rest, weighted by the
+    softmax over the rest (slot 1 masked out) within the same threshold of slot 2's logit. Here the
+    argmaxes are replaced by the selected ids in order: exact for the original selection. When a policy
+    selects a lower-ranked expert for slot 2, experts with higher logits that were not selected stay in
+    its softmax (they pass the threshold), so its weight is smaller than if it were the argmax: that is
+    the model's formula applied as written, not a re-derivation. With J = 0 slot 1 may also be a
+    non-argmax expert and is treated the same way.
+    """
+    if ids_TK.shape[1] != 2:
+        raise ValueError(f"phimoe's sparsemixer routes exactly 2 experts per token, got K={ids_TK.shape[1]}")
+    eps = router.router_jitter_noise
+    scores_TE = z_TE
+    neg_inf = torch.full((), float("-inf"), dtype=scores_TE.dtype)
+    a_T1 = ids_TK[:, :1]
+    thr_T1 = scores_TE.gather(1, a_T1)
+    factor_TE = scores_TE.abs().clamp(min=thr_T1)
+    far_TE = ((thr_T1 - scores_TE) / factor_TE) > (2 * eps)
+    w1_T1 = torch.softmax(scores_TE.masked_fill(far_TE, neg_inf), dim=-1).gather(1, a_T1)
+    masked_TE = torch.scatter(scores_TE, -1, a_T1, float("-inf"))
+    b_T1 = ids_TK[:, 1:2].clamp(min=0)
+    thr2_T1 = scores_TE.gather(1, b_T1)
+    factor2_TE = scores_TE.abs().clamp(min=thr2_T1)
+    far2_TE = ((thr2_T1 - scores_TE) / factor2_TE) > (2 * eps)
+    w2_T1 = torch.softmax(masked_TE.masked_fill(far2_TE, neg_inf), dim=-1).gather(1, b_T1)
+    w2_T1 = torch.where(ids_TK[:, 1:2] >= 0, w2_T1, torch.zeros((), dtype=w2_T1.dtype))
+    return torch.cat([w1_T1, w2_T1], dim=-1)
+
+
+# -- which layers are MoE -------------------------------------------------------------------------
+
+
+def _all_layers(cfg) -> list[int]:
+    return list(range(cfg.num_hidden_layers))
+
+
+def _qwen_layers(cfg) -> list[int]:
+    return [i for i in range(cfg.num_hidden_layers)
+            if i not in cfg.mlp_only_layers and cfg.num_experts > 0 and (i + 1) % cfg.decoder_sparse_step == 0]
+
+
+def _deepseek_layers(cfg) -> list[int]:
+    return [i for i in range(cfg.num_hidden_layers) if i >= cfg.first_k_dense_replace]
+
+
+_NOT_PROB = ("needs the router probabilities of the ranked experts, but this model ranks {what}; "
+             "not expressible with the core policies (see expertcache.models.adapters)")
+
+
+def _deepseek_v2_unsupported(router: nn.Module) -> dict[str, str]:
+    if not _group_limited(router) or router.topk_method == "greedy":
+        return {}
+    msg = _NOT_PROB.format(what="within the top groups only (group_limited_greedy)")
+    return {"cumsum": msg, "eras-threshold": msg}
+
+
+def _deepseek_v3_unsupported(router: nn.Module) -> dict[str, str]:
+    if not _group_limited(router) and not bool(router.e_score_correction_bias.any()):
+        return {}
+    msg = _NOT_PROB.format(what="bias-corrected sigmoid scores within the top groups")
+    return {"cumsum": msg, "eras-threshold": msg}
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in [
+        Family("olmoe", "gate", "OlmoeTopKRouter", "OlmoeSparseMoeBlock", "softmax",
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers),
+        Family("mixtral", "gate", "MixtralTopKRouter", "MixtralSparseMoeBlock", "softmax",
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers),
+        Family("qwen2_moe", "gate", "Qwen2MoeTopKRouter", "Qwen2MoeSparseMoeBlock", "softmax",
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers,
+               note="the gated shared expert is outside the router seam: never cached or re-routed"),
+        Family("qwen3_moe", "gate", "Qwen3MoeTopKRouter", "Qwen3MoeSparseMoeBlock", "softmax",
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers),
+        Family("deepseek_v2", "gate", "DeepseekV2TopkRouter", "DeepseekV2Moe", "softmax",
+               lambda r: False, _weights_deepseek_v2, _rank_deepseek_v2, _deepseek_layers,
+               _deepseek_v2_unsupported,
+               note="shared experts never cached; leading dense layers (first_k_dense_replace) skipped"),
+        Family("deepseek_v3", "gate", "DeepseekV3TopkRouter", "DeepseekV3MoE", "sigmoid",
+               lambda r: bool(r.norm_topk_prob), _weights_deepseek_v3, _rank_deepseek_v3, _deepseek_layers,
+               _deepseek_v3_unsupported,
+               note="policies rank sigmoid(z)+e_score_correction_bias within the model's top groups; "
+                    "weights from the unbiased sigmoid scores"),
+        Family("phimoe", "router", "PhimoeTopKRouter", "PhimoeSparseMoeBlock", "softmax",
+               lambda r: False, _weights_phimoe, _rank_logits, _all_layers,
+               note="weights: sparsemixer evaluated at the selected ids (see _weights_phimoe)"),
+        Family("gpt_oss", "router", "GptOssTopKRouter", "GptOssMLP", "softmax",
+               lambda r: True, _weights_gpt_oss, _rank_logits, _all_layers,
+               note="weights: softmax over the selected logits (router bias included)"),
+    ]
+}
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def family_for(model_or_config) -> Family:
+    """The :class:`Family` of a model (or config) from ``config.model_type``; ValueError listing the
+    supported model types otherwise."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"unsupported MoE architecture model_type={model_type!r}; expertcache supports "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return FAMILIES[model_type]
+
+
+def ranks_logits(family: Family, router: nn.Module) -> bool:
+    """Whether policies on this router rank the raw router logits (True for every family except DeepSeek-V3
+    with a non-zero correction bias or group limit, and DeepSeek-V2 with group_limited_greedy). When False,
+    re-ranking a recorded trace's logits open-loop (``expertcache.sim.simulate``) is not what the live
+    model does."""
+    z_TE = torch.zeros(1, router.num_experts)
+    zr_TE, allowed_TE = family.ranking(router, z_TE)
+    return zr_TE is z_TE and allowed_TE is None
+
+
+# ---------------------------------------------------------------------------------------------
+# locating MoE layers
+
+
+@dataclass
+class MoELayer:
+    """One MoE layer of a loaded model. ``index`` is its ordinal among MoE layers (the trace's layer axis),
+    ``layer_id`` its decoder-layer index."""
+
+    index: int
+    layer_id: int
+    block: nn.Module
+    router: nn.Module
+    num_experts: int
+    top_k: int
+
+
+def find_moe_layers(model: nn.Module, family: Family) -> list[MoELayer]:
+    """The MoE layers of ``model`` in decoder order, checked against the family's layout: every layer the
+    config says is MoE has a ``family.block_class`` block whose router is a ``family.router_class`` with a
+    [E, D] weight, and no other layer has one. Raises RuntimeError on any mismatch (loud adapter)."""
+    cfg = model.config
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise RuntimeError(f"{family.model_type}: expected decoder layers at model.model.layers "
+                           f"(a transformers 5.x CausalLM); found {type(layers).__name__}")
+    expected = family.expected_moe_layers(cfg)
+    found: list[MoELayer] = []
+    for i, layer in enumerate(layers):
+        block = getattr(layer, "mlp", None)
+        router = getattr(block, family.router_attr, None) if block is not None else None
+        if router is None or type(router).__name__ != family.router_class:
+            continue
+        if type(block).__name__ != family.block_class:
+            raise RuntimeError(f"{family.model_type} layer {i}: MoE block is {type(block).__name__}, "
+                               f"expected {family.block_class} (unsupported transformers layout?)")
+        e, k = int(router.num_experts), int(router.top_k)
+        weight = router.weight
+        if weight.dim() != 2 or weight.shape[0] != e or weight.shape[1] != cfg.hidden_size:
+            raise RuntimeError(f"{family.model_type} layer {i}: router weight {tuple(weight.shape)} is not "
+                               f"[E={e}, D={cfg.hidden_size}]")
+        experts = getattr(block, "experts", None)
+        if experts is None or getattr(experts, "num_experts", None) != e:
+            raise RuntimeError(f"{family.model_type} layer {i}: experts module missing or not holding E={e} "
+                               "stacked experts")
+        found.append(MoELayer(len(found), i, block, router, e, k))
+    ids = [m.layer_id for m in found]
+    if ids != expected:
+        raise RuntimeError(f"{family.model_type}: MoE layers found at {ids}, but the config says {expected} "
+                           "(unsupported transformers layout?)")
+    if not found:
+        raise RuntimeError(f"{family.model_type}: the model has no MoE layers")
+    shapes = {(m.num_experts, m.top_k) for m in found}
+    if len(shapes) != 1:
+        raise RuntimeError(f"{family.model_type}: MoE layers differ in (E, K): {sorted(shapes)}")
+    return found

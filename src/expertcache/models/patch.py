@@ -1,0 +1,420 @@
+"""Cache-aware routing inside a loaded Hugging Face MoE model: :func:`patch_model` and :class:`MoEPatch`.
+
+Letter legend: B batch rows, S new tokens per row in one forward call, T = B·S, E experts, K per token,
+L MoE layers.
+
+Example::
+
+    model = load_model("allenai/OLMoE-1B-7B-0924")
+    rc = RoutingConfig(policy="cache-prior", lam=0.5, top_j=2)
+    with patch_model(model, rc, capacity=0.5, record=True) as patch:
+        for input_ids in sequences:          # [1, S] each
+            model(input_ids)
+            patch.new_sequence()
+        row = patch.stats().to_row()         # miss rate, lifetimes, per layer, resolved config
+        patch.trace().save("olmoe.safetensors")
+
+How it works. Each MoE layer's router instance gets its ``forward`` replaced (no weights are copied or
+moved). The replacement calls the model's own router forward, then, for every row and every token of the
+forward call in time order:
+
+1. ``mask`` = that row's cache residency at this layer (all True without a cache);
+2. ``Router.rank`` selects K ids (the routing policy), ordered by descending router weight;
+3. ``cache.access_step(ids)`` serves the token (hits/misses, eviction) -- the next token sees the result.
+
+The combine weights of the selected ids come from the family's own weight rule
+(:mod:`expertcache.models.adapters`), and the expert compute stays batched (the model's experts module
+runs unchanged on the returned ``(ids, weights)``).
+
+Contracts:
+
+- ``policy='original'`` returns exactly the stock router's outputs (bit-identical logits); any cache is
+  only observed. A cache-aware policy with strength 0 selects the same ids, weighted by the family's
+  formula (equal to the stock weights up to float rounding).
+- **Batch > 1**: every row of the batch has its own cache per layer (row b of every forward call is one
+  sequence); caches of rows ≥ 1 are created on first use. Padding tokens (``attention_mask == 0`` in the
+  mask given to the model's forward, last S columns) keep the original routing, do not touch the cache
+  and are not recorded. A 4-D or missing attention mask means every token is real.
+- **Scope**: ``scope='all'`` applies the policy to every token. ``scope='generation'`` applies it only in
+  forward calls with exactly one new token per row (decoding steps); a call with more than one new token
+  (prefill, or a teacher-forced evaluation pass) uses the original routing, but the caches are still
+  updated with its selections, and Cache-Prior's running Δavg still sees its logits. (A one-token prompt
+  therefore counts as a decoding step.)
+- **Sequences**: caches persist across forward calls. :meth:`MoEPatch.new_sequence` marks the end of the
+  current sequence(s): ``between_sequences='reset'`` replaces every cache by a fresh one (statistics are
+  kept), ``'carry'`` keeps them. Policy state (Δavg) always carries over.
+- Hits and misses are counted once per (token, layer, expert); ``stats()`` equals
+  :func:`expertcache.sim.replay` of ``trace().ids_TLK`` under the same eviction and capacity (batch 1).
+- Patched routers are for inference: a router in training mode raises, and the weights of tokens routed
+  by a non-original policy are computed from detached logits (no gradient through the routing).
+- Routing runs on the CPU (logits are copied per layer); the expert compute stays on the model's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from expertcache import __version__
+from expertcache.cache import CacheStats, ExpertCache, make_cache, resolve_capacity
+from expertcache.models.adapters import (Family, MoELayer, family_for, find_moe_layers, order_by_logits,
+                                         ranks_logits)
+from expertcache.routing import Router, RoutingConfig
+
+__all__ = ["patch_model", "MoEPatch", "SCOPES", "BETWEEN_SEQUENCES"]
+
+SCOPES = ("all", "generation")
+BETWEEN_SEQUENCES = ("reset", "carry")
+
+
+def patch_model(
+    model: nn.Module,
+    routing: RoutingConfig,
+    *,
+    eviction: str = "lru",
+    capacity: int | float | str | None = None,
+    scope: str = "all",
+    between_sequences: str = "reset",
+    initial: str | Iterable[int] | None = None,
+    seed: int = 0,
+    gamma: float = 0.9,
+    record: bool = False,
+    freq_LE: np.ndarray | torch.Tensor | None = None,
+) -> "MoEPatch":
+    """Install ``routing`` and one live expert cache per MoE layer into a loaded transformers MoE model.
+
+    model: a ``*ForCausalLM`` of a supported ``model_type`` (see ``SUPPORTED_MODEL_TYPES``), in eval mode.
+    routing: the routing policy. eviction: 'lru' | 'lfu' | 'gamma' (``gamma`` its discount).
+    capacity: experts per layer cache, an int count or a fraction of E (``0.5``); None = no cache (every
+        expert resident: cache-aware policies then equal top-K).
+    scope: 'all' | 'generation' (see the module docstring). between_sequences: 'reset' | 'carry'.
+    initial, seed: initial cache contents ('random' draws C experts with ``seed + layer``).
+    record: keep per-token router logits, selected ids and weights for :meth:`MoEPatch.trace`.
+    freq_LE: [L, E] activation-frequency profile for 'eras-bias'.
+
+    Returns the :class:`MoEPatch` (also a context manager that unpatches on exit). Raises ValueError for an
+    unsupported model type, an option out of range or a policy the family cannot express exactly.
+    """
+    return MoEPatch(model, routing, eviction=eviction, capacity=capacity, scope=scope,
+                    between_sequences=between_sequences, initial=initial, seed=seed, gamma=gamma,
+                    record=record, freq_LE=freq_LE)
+
+
+@dataclass
+class _Recorded:
+    """One row's selections at one layer for one forward call (real tokens only), numpy."""
+
+    logits_SE: np.ndarray
+    ids_SK: np.ndarray
+    weights_SK: np.ndarray
+
+
+class MoEPatch:
+    """A patched model's routing state: policy, per-row per-layer caches, recording. See the module
+    docstring for the semantics; build it with :func:`patch_model`."""
+
+    def __init__(self, model, routing: RoutingConfig, *, eviction, capacity, scope, between_sequences, initial,
+                 seed, gamma, record, freq_LE) -> None:
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        if between_sequences not in BETWEEN_SEQUENCES:
+            raise ValueError(f"between_sequences must be one of {BETWEEN_SEQUENCES}, got {between_sequences!r}")
+        if eviction == "belady":
+            raise ValueError("belady needs the future requests, which a live run only decides as it goes; "
+                             "record a trace and use expertcache.sim.replay(..., eviction='belady')")
+        if getattr(model, "_expertcache_patch", None) is not None:
+            raise RuntimeError("model is already patched; call .unpatch() on the existing MoEPatch first")
+        self.model = model
+        self.family: Family = family_for(model)
+        self.layers: list[MoELayer] = find_moe_layers(model, self.family)
+        self.routing = routing
+        self.num_experts = self.layers[0].num_experts
+        self.top_k = self.layers[0].top_k
+        router0 = self.layers[0].router
+        for m in self.layers:
+            bad = self.family.unsupported_policies(m.router)
+            if routing.policy in bad:
+                raise ValueError(f"{self.family.model_type} (layer {m.layer_id}): policy {routing.policy!r} "
+                                 f"{bad[routing.policy]}")
+        self.renormalize = bool(self.family.renormalize(router0))
+        freq = None if freq_LE is None else torch.as_tensor(np.asarray(freq_LE), dtype=torch.float32)
+        if freq is not None and tuple(freq.shape) != (len(self.layers), self.num_experts):
+            raise ValueError(f"freq_LE must be [L={len(self.layers)}, E={self.num_experts}], got {tuple(freq.shape)}")
+        self.router = Router(routing, num_experts=self.num_experts, k=self.top_k, renormalize=self.renormalize,
+                             scoring=self.family.scoring, freq_LE=freq)
+        self.eviction = eviction
+        self.capacity = None if capacity is None else resolve_capacity(capacity, self.num_experts)
+        self.scope = scope
+        self.between_sequences = between_sequences
+        self.initial = initial
+        self.seed = seed
+        self.gamma = gamma
+        self.record = record
+        # state
+        self._streams: list[list[ExpertCache]] = []  # [row][layer]
+        self._retired: list[CacheStats | None] = [None] * len(self.layers)
+        self._rec: list[list[list[_Recorded]]] = []  # [row][layer][call]
+        self._done: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # finished sequences (TLE, TLK, TLK)
+        self._shape: tuple[int, int] | None = None  # (B, S) of the MoE block being run
+        self._attention_mask: torch.Tensor | None = None
+        self._hooks: list[Any] = []
+        self._patched = False
+        self._install()
+
+    # -- installation ---------------------------------------------------------------------------
+
+    def _install(self) -> None:
+        base = self.model.model
+        self._hooks.append(base.register_forward_pre_hook(self._capture_mask, with_kwargs=True))
+        self._hooks.append(base.register_forward_hook(self._clear_mask, with_kwargs=True))
+        self._previous_forwards = []
+        for m in self.layers:
+            self._hooks.append(m.block.register_forward_pre_hook(self._capture_shape))
+            # an instance-level forward (e.g. accelerate's offload hooks) is wrapped, not bypassed
+            self._previous_forwards.append(m.router.__dict__.get("forward"))
+            m.router.forward = self._make_forward(m, m.router.forward)
+        self.model._expertcache_patch = self
+        self._patched = True
+
+    def unpatch(self) -> None:
+        """Restore the stock routers and remove every hook (idempotent). Caches and recordings stay readable."""
+        if not self._patched:
+            return
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for m, previous in zip(self.layers, self._previous_forwards):
+            if previous is None:
+                del m.router.forward
+            else:
+                m.router.forward = previous
+        self.model._expertcache_patch = None
+        self._patched = False
+
+    def __enter__(self) -> "MoEPatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.unpatch()
+
+    def _capture_mask(self, module, args, kwargs) -> None:
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        self._attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def _clear_mask(self, module, args, kwargs, output) -> None:
+        self._attention_mask = None
+
+    def _capture_shape(self, module, args) -> None:
+        x = args[0]
+        self._shape = (int(x.shape[0]), int(x.shape[1])) if x.dim() == 3 else (1, int(x.shape[0]))
+
+    def _make_forward(self, m: MoELayer, stock_forward):
+        def forward(hidden_states, *args, **kwargs):
+            if m.router.training:
+                raise RuntimeError("expertcache-patched routers are inference-only; call model.eval()")
+            logits_TE, weights_TK, ids_TK = stock_forward(hidden_states, *args, **kwargs)
+            weights_TK, ids_TK = self._route(m, logits_TE, weights_TK, ids_TK)
+            return logits_TE, weights_TK, ids_TK
+
+        return forward
+
+    # -- caches -----------------------------------------------------------------------------------
+
+    def _new_caches(self) -> list[ExpertCache]:
+        return [make_cache(self.eviction, self.num_experts, self.capacity, initial=self.initial,
+                           seed=self.seed + m.index, gamma=self.gamma) for m in self.layers]
+
+    def _ensure_rows(self, rows: int) -> None:
+        while self.capacity is not None and len(self._streams) < rows:
+            self._streams.append(self._new_caches())
+        while len(self._rec) < rows:
+            self._rec.append([[] for _ in self.layers])
+
+    @property
+    def caches(self) -> list[ExpertCache]:
+        """The live caches of batch row 0, one per MoE layer (empty list without a cache)."""
+        if self.capacity is None:
+            return []
+        self._ensure_rows(1)
+        return self._streams[0]
+
+    @property
+    def row_caches(self) -> list[list[ExpertCache]]:
+        """All live caches, ``[row][layer]``."""
+        return self._streams
+
+    def reset_caches(self) -> None:
+        """Replace every cache by a fresh one (initial state); statistics so far are kept in ``stats()``."""
+        for row in self._streams:
+            for li, cache in enumerate(row):
+                self._retire(li, cache)
+        self._streams = []
+
+    def _retire(self, li: int, cache: ExpertCache) -> None:
+        s = cache.finish()
+        self._retired[li] = s if self._retired[li] is None else self._retired[li].merge(s)
+
+    def new_sequence(self) -> None:
+        """End the current sequence(s): close their recording; with ``between_sequences='reset'`` also
+        start fresh caches."""
+        self._finish_recording()
+        if self.between_sequences == "reset":
+            self.reset_caches()
+
+    def stats(self):
+        """Cache statistics so far as an :class:`expertcache.sim.SimResult` (``per_layer`` CacheStats,
+        ``overall``, ``miss_rate`` = misses / (tokens · L · K), ``to_row()``), over all rows and sequences."""
+        from expertcache.sim import SimResult
+
+        if self.capacity is None:
+            raise ValueError("this patch has no cache (capacity=None): there are no cache statistics")
+        per_layer = []
+        for li in range(len(self.layers)):
+            total = self._retired[li]
+            for row in self._streams:
+                s = row[li].finish()
+                total = s if total is None else total.merge(s)
+            per_layer.append(total if total is not None else CacheStats(self.num_experts))
+        return SimResult(per_layer, top_k=self.top_k, config=self.describe())
+
+    def describe(self) -> dict[str, Any]:
+        """The resolved configuration of this patch (JSON-serialisable), for result rows."""
+        cfg = self.model.config
+        return dict(mode="closed-loop", version=__version__, model=str(getattr(cfg, "_name_or_path", "") or ""),
+                    model_type=self.family.model_type, num_experts=self.num_experts, top_k=self.top_k,
+                    moe_layers=[m.layer_id for m in self.layers], routing=self.routing.to_dict(),
+                    policy_ranks_logits=ranks_logits(self.family, self.layers[0].router),
+                    eviction=self.eviction, capacity=self.capacity, gamma=self.gamma, scope=self.scope,
+                    between_sequences=self.between_sequences,
+                    initial=self.initial if self.initial is None or isinstance(self.initial, str)
+                    else sorted(int(e) for e in self.initial), seed=self.seed)
+
+    # -- routing ----------------------------------------------------------------------------------
+
+    def _real_tokens(self, b: int, s: int) -> torch.Tensor:
+        """bool [B, S]: which new tokens are real (not padding)."""
+        mask = self._attention_mask
+        if mask is None:
+            return torch.ones(b, s, dtype=torch.bool)
+        if mask.shape[0] != b or mask.shape[1] < s:
+            raise RuntimeError(f"attention_mask {tuple(mask.shape)} does not cover the batch of {b} rows × "
+                               f"{s} new tokens")
+        return mask[:, -s:].to("cpu") != 0
+
+    def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
+        policy = self.routing.policy != "original"
+        if not policy and self.capacity is None and not self.record:
+            return w0_TK, ids0_TK  # nothing to route, serve or record
+        t = z_TE.shape[0]
+        b, s = self._shape if self._shape is not None else (1, t)
+        if b * s != t:
+            b, s = 1, t
+        real_BS = self._real_tokens(b, s)
+        policy = policy and not (self.scope == "generation" and s > 1)
+        self._ensure_rows(b)
+        z_cpu_TE = z_TE.detach().to("cpu")
+        ids_out_TK = ids0_TK.detach().to("cpu").clone()
+        w_out_TK = w0_TK.detach().to("cpu").clone()
+        zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
+        if not policy and self.routing.policy == "cache-prior":
+            self.router.delta_for(m.index).update(zr_TE[real_BS.reshape(-1)])
+        for row in range(b):
+            pos = torch.nonzero(real_BS[row]).flatten() + row * s  # flat token indices of this row
+            if pos.numel() == 0:
+                continue
+            cache = self._streams[row][m.index] if self.capacity is not None else None
+            z_PE = z_cpu_TE[pos]
+            if not policy:
+                ids_PK = order_by_logits(ids_out_TK[pos], z_PE)
+                if cache is not None:
+                    for ids in ids_PK.tolist():
+                        cache.access_step(ids)
+                w_PK = self.family.weights(m.router, z_PE, ids_PK) if self.record else None
+            else:
+                zr_PE = zr_TE[pos]
+                allowed_PE = None if allowed_TE is None else allowed_TE[pos]
+                ids_PK = self._select(m.index, zr_PE, z_PE, allowed_PE, cache)
+                w_PK = self.family.weights(m.router, z_PE, ids_PK)
+                filled_PK = torch.where(ids_PK >= 0, ids_PK, ids_PK[:, :1])  # dropped slot: slot 0's expert again, weight 0
+                ids_out_TK[pos] = filled_PK.to(ids_out_TK.dtype)
+                w_out_TK[pos] = w_PK.to(w_out_TK.dtype)
+            if self.record:
+                self._rec[row][m.index].append(_Recorded(
+                    z_PE.float().numpy().copy(), ids_PK.numpy().astype(np.int32),
+                    w_PK.float().numpy().copy()))
+        if not policy:
+            return w0_TK, ids0_TK
+        return w_out_TK.to(w0_TK.device), ids_out_TK.to(ids0_TK.device)
+
+    def _select(self, layer: int, zr_PE, z_PE, allowed_PE, cache: ExpertCache | None) -> torch.Tensor:
+        """The policy's ids [P, K] for P consecutive tokens of one row, token by token against the live
+        cache (each token's ``access_step`` before the next token is ranked), ordered by descending logit."""
+        if cache is None or not self.routing.cache_aware:
+            resident_PE = torch.ones_like(zr_PE, dtype=torch.bool)
+            if allowed_PE is not None:
+                resident_PE = resident_PE & allowed_PE
+            ids_PK = order_by_logits(self.router.rank(layer, zr_PE, resident_PE), z_PE)
+            if cache is not None:
+                for ids in ids_PK.tolist():
+                    cache.access_step(ids)
+            return ids_PK
+        out: list[list[int]] = []
+        z_rows = z_PE.float().tolist()
+        for p in range(zr_PE.shape[0]):
+            resident_1E = torch.tensor(cache.resident_mask()).unsqueeze(0)
+            if allowed_PE is not None:
+                resident_1E = resident_1E & allowed_PE[p:p + 1]
+            ids = self.router.rank(layer, zr_PE[p:p + 1], resident_1E)[0].tolist()
+            z_row = z_rows[p]
+            ids.sort(key=lambda e: -z_row[e] if e >= 0 else float("inf"))  # = order_by_logits (stable)
+            cache.access_step(ids)
+            out.append(ids)
+        return torch.tensor(out, dtype=torch.long).reshape(len(out), self.top_k)
+
+    # -- recording ----------------------------------------------------------------------------------
+
+    def _assemble_rows(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        seqs = []
+        for row in self._rec:
+            if not row[0]:
+                continue
+            per_layer = [(np.concatenate([r.logits_SE for r in calls]), np.concatenate([r.ids_SK for r in calls]),
+                          np.concatenate([r.weights_SK for r in calls])) for calls in row]
+            lengths = {p[0].shape[0] for p in per_layer}
+            if len(lengths) != 1:
+                raise RuntimeError(f"recorded layers saw different token counts {sorted(lengths)}")
+            seqs.append(tuple(np.stack([p[i] for p in per_layer], axis=1) for i in range(3)))
+        return seqs
+
+    def _finish_recording(self) -> None:
+        self._done.extend(self._assemble_rows())
+        self._rec = []
+
+    def trace(self):
+        """A :class:`expertcache.trace.RoutingTrace` of everything recorded so far (finished sequences, then
+        the rows of the current one; one sequence per row per ``new_sequence``), with the router logits,
+        the selected ids (descending weight, -1 = dropped) and their combine weights."""
+        from expertcache.trace import RoutingTrace, TraceMeta
+
+        if not self.record:
+            raise ValueError("nothing recorded: patch the model with record=True")
+        seqs = self._done + self._assemble_rows()
+        n_l, e, k = len(self.layers), self.num_experts, self.top_k
+        if seqs:
+            logits = np.concatenate([sq[0] for sq in seqs]).astype(np.float32)
+            ids = np.concatenate([sq[1] for sq in seqs])
+            weights = np.concatenate([sq[2] for sq in seqs]).astype(np.float32)
+        else:
+            logits, ids, weights = (np.zeros((0, n_l, e), np.float32), np.zeros((0, n_l, k), np.int32),
+                                    np.zeros((0, n_l, k), np.float32))
+        starts = list(np.cumsum([0] + [sq[0].shape[0] for sq in seqs[:-1]]).astype(int)) if seqs else [0]
+        d = self.describe()
+        meta = TraceMeta(model=d["model"] or self.family.model_type, num_experts=e, top_k=k,
+                         renormalize=self.renormalize, num_layers=n_l, scoring=self.family.scoring,
+                         source="live:" + self.family.model_type, layer_ids=[m.layer_id for m in self.layers],
+                         sequence_starts=[int(x) for x in starts], extra={"patch": d})
+        return RoutingTrace(logits_TLE=logits, ids_TLK=ids, meta=meta, weights_TLK=weights)

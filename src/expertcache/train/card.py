@@ -1,0 +1,289 @@
+"""Evaluate a trained model folder and write its ``MODEL_CARD.md`` (and the same figures as ``card.json``).
+
+Every figure is computed here from the folder's own weights and tokenizer (bf16 weights upcast to fp32):
+
+- held-out perplexity: the held-out split of the training corpus, docs joined with eos, cut into non-overlapping
+  ``seq_len``-token chunks, each scored from scratch (first token of a chunk = context only);
+- unigram perplexity of exactly the same target tokens under the same tokenizer, (a) with token frequencies of the
+  training split (add-one smoothed) and (b) fitted on those held-out tokens themselves (the best any unigram can do);
+- WikiText-2 test perplexity: ``wiki.test.raw`` tokenized as one text, same chunking;
+- expert load per layer: share of top-k selections per expert over the held-out tokens (min / max / normalised
+  entropy H/log E, 1 = perfectly balanced);
+- cache behaviour: top-k ids per token ``[T, L, K]`` (descending router weight) of ``cache_tokens`` held-out
+  tokens (the first ``cache_tokens / P`` tokens of each of the P source packages' held-out text), in text order, replayed with :func:`expertcache.sim.replay` through one cache per layer
+  (LRU and Belady) at C = N/2 and C = N/4, cache kept across chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expertcache import __version__
+from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, split_documents
+
+OPENING_SOURCES = ("linux-doc-6.1", "python3.11-doc", "perl-doc")  # first held-out document of each
+OPENING_TOKENS = 64  # prompt length and greedy continuation length
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+@torch.no_grad()
+def score_stream(model, stream_N: np.ndarray, seq_len: int, top_k: int, batch_size: int = 16,
+                 keep_ids_tokens: int = 0):
+    """Score ``stream_N`` in non-overlapping chunks. Returns (nll per target ``[M]`` float64, targets ``[M]``,
+    selection counts ``[L, E]``, ids ``[T, L, K]`` of the first ``keep_ids_tokens`` tokens in text order)."""
+    n = (len(stream_N) // seq_len) * seq_len
+    chunks_CT = torch.from_numpy(stream_N[:n].astype(np.int64)).view(-1, seq_len)
+    nll, targets, counts_LE, ids = [], [], None, []
+    kept = 0
+    for i in range(0, len(chunks_CT), batch_size):
+        x_BT = chunks_CT[i : i + batch_size]
+        out = model(input_ids=x_BT, output_router_logits=True, use_cache=False)
+        logp_BTV = torch.log_softmax(out.logits.float(), dim=-1)
+        nll.append(-logp_BTV[:, :-1].gather(-1, x_BT[:, 1:, None])[..., 0].reshape(-1).double().numpy())
+        targets.append(x_BT[:, 1:].reshape(-1).numpy())
+        topk_LNK = torch.stack([torch.topk(r.float(), top_k, dim=-1).indices for r in out.router_logits])
+        E = out.router_logits[0].shape[-1]
+        c = torch.stack([torch.bincount(t.reshape(-1), minlength=E) for t in topk_LNK]).numpy()
+        counts_LE = c if counts_LE is None else counts_LE + c
+        if kept < keep_ids_tokens:
+            take = min(keep_ids_tokens - kept, topk_LNK.shape[1])
+            ids.append(topk_LNK[:, :take].permute(1, 0, 2).numpy())  # [N, L, K], rows in text order
+            kept += take
+    ids_TLK = np.concatenate(ids) if ids else np.zeros((0, len(counts_LE), top_k), dtype=np.int64)
+    return np.concatenate(nll), np.concatenate(targets), counts_LE, ids_TLK
+
+
+def load_balance(counts_LE: np.ndarray) -> list[dict]:
+    """Per layer: fraction of selections per expert (min, max) and normalised entropy H / log E."""
+    rows = []
+    for layer, c in enumerate(counts_LE):
+        f = c / c.sum()
+        h = -(f[f > 0] * np.log(f[f > 0])).sum() / math.log(len(f))
+        rows.append({"layer": layer, "min_frac": float(f.min()), "max_frac": float(f.max()),
+                     "uniform_frac": 1 / len(f), "norm_entropy": float(h)})
+    return rows
+
+
+def cache_figures(ids_TLK: np.ndarray, num_experts: int) -> list[dict]:
+    """LRU and Belady replay of fixed selections at C = N/2 and N/4 (one row per policy and size)."""
+    from expertcache.sim import replay
+
+    rows = []
+    for div in (2, 4):
+        cap = num_experts // div
+        for eviction in ("lru", "belady"):
+            r = replay(ids_TLK, num_experts, cap, eviction=eviction).to_row()
+            rows.append({"capacity": cap, "capacity_label": f"N/{div}", "eviction": eviction,
+                         "miss_rate": r["miss_rate"], "mean_lifetime": r["mean_lifetime"],
+                         "layer_miss_rates": r["layer_miss_rates"], "tokens": r["tokens"]})
+    return rows
+
+
+def evaluate_model_dir(model_dir: str | Path, data_dir: str | None = None, max_tokens: int = 0,
+                       cache_tokens: int = 16384, threads: int = 1, progress: bool = True) -> dict:
+    """All card figures for ``model_dir`` as one JSON-serialisable dict (see the module docstring)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    model_dir = Path(model_dir)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                 experts_implementation="grouped_mm").eval()
+    cfg = model.config
+    seq_len = cfg.max_position_embeddings
+    top_k = cfg.num_experts_per_tok
+    num_experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    corpus = resolve_data_dir(data_dir)
+    train_docs, heldout_docs = split_documents(load_documents(corpus))
+    eos = tok.eos_token_id
+    heldout_N = encode_stream(tok, [d["text"] for d in heldout_docs], eos)
+    if max_tokens:
+        heldout_N = heldout_N[:max_tokens]
+    log = (lambda *a: print(*a, flush=True)) if progress else (lambda *a: None)
+    log(f"card: scoring {len(heldout_N)} held-out tokens")
+    nll_M, targets_M, counts_LE, _ = score_stream(model, heldout_N, seq_len, top_k)
+    # cache trace: an equal slice of contiguous held-out text from each source package, in text order
+    packages = sorted({d["source"].split(":", 1)[0] for d in heldout_docs})
+    per_pkg = max(seq_len, (cache_tokens // len(packages)) // seq_len * seq_len)
+    cache_N = np.concatenate([encode_stream(tok, [d["text"] for d in heldout_docs
+                                                  if d["source"].split(":", 1)[0] == pkg], eos)[:per_pkg]
+                              for pkg in packages])
+    _, _, _, ids_TLK = score_stream(model, cache_N, seq_len, top_k, keep_ids_tokens=len(cache_N))
+
+    train_N = encode_stream(tok, [d["text"] for d in train_docs], eos)
+    V = len(tok)
+    p_train_V = (np.bincount(train_N, minlength=V) + 1.0) / (len(train_N) + V)
+    p_self_V = np.bincount(targets_M, minlength=V) / len(targets_M)
+    uni_train = float(np.exp(-np.log(p_train_V[targets_M]).mean()))
+    uni_self = float(np.exp(-np.log(p_self_V[targets_M]).mean()))
+    ppl = float(np.exp(nll_M.mean()))
+
+    wiki_path = corpus.parent / "wikitext-2-raw-v1" / "wiki.test.raw"
+    wiki = None
+    if wiki_path.exists():
+        wiki_N = np.asarray(tok.backend_tokenizer.encode(wiki_path.read_text(encoding="utf-8"),
+                                                         add_special_tokens=False).ids, dtype=np.int64)
+        if max_tokens:
+            wiki_N = wiki_N[:max_tokens]
+        log(f"card: scoring {len(wiki_N)} WikiText-2 tokens")
+        w_nll, w_t, _, _ = score_stream(model, wiki_N, seq_len, top_k)
+        wiki = {"path": str(wiki_path), "ppl": float(np.exp(w_nll.mean())), "tokens_scored": int(len(w_t)),
+                "chars": len(wiki_path.read_text(encoding="utf-8"))}
+
+    continuations = []
+    for src in OPENING_SOURCES:
+        doc = next((d for d in heldout_docs if d["source"].startswith(src + ":")), None)
+        if doc is None:
+            continue
+        prompt_ids = tok.backend_tokenizer.encode(doc["text"], add_special_tokens=False).ids[:OPENING_TOKENS]
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=OPENING_TOKENS, do_sample=False,
+                             pad_token_id=tok.pad_token_id, eos_token_id=eos)
+        continuations.append({"source": doc["source"], "prompt": tok.decode(prompt_ids),
+                              "continuation": tok.decode(out[0, len(prompt_ids):].tolist())})
+
+    summary_path = model_dir / "train_summary.json"
+    train_summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return {
+        "model_dir": str(model_dir), "arch": type(model).__name__, "expertcache": __version__,
+        "torch": torch.__version__, "threads": threads, "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+        "num_experts": num_experts, "top_k": top_k, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+        "expert_ffn": cfg.intermediate_size, "heads": cfg.num_attention_heads, "seq_len": seq_len, "vocab": V,
+        "params_total": total, "params_experts": experts, "experts_share": experts / total,
+        "weights_dtype": str(next(iter(_safetensors_dtypes(model_dir)), "unknown")),
+        "heldout": {"docs": len(heldout_docs), "tokens_scored": int(len(targets_M)), "ppl": ppl,
+                    "unigram_ppl_train_freqs": uni_train, "unigram_ppl_self_fit": uni_self,
+                    "ratio_to_best_unigram": ppl / min(uni_train, uni_self)},
+        "wikitext2": wiki, "load_balance": load_balance(counts_LE), "cache": cache_figures(ids_TLK, num_experts),
+        "cache_tokens": int(len(ids_TLK)), "cache_packages": packages, "continuations": continuations, "train": train_summary,
+    }
+
+
+def _safetensors_dtypes(model_dir: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+
+def render_card(r: dict, command: str) -> str:
+    """MODEL_CARD.md text from :func:`evaluate_model_dir`'s dict; ``command`` is the command that produced it."""
+    t = r["train"]
+    tc = t.get("config", {})
+    name = Path(r["model_dir"]).name
+    h = r["heldout"]
+    train_cmd = t.get("command") or f"expertcache train --model {name} --ship"
+    L = [f"# expertcache shipped model: `{name}`", ""]
+    L += [f"A small {r['arch']} Mixture-of-Experts LM trained from scratch by expertcache as the package's embedded "
+          f"default. {r['num_experts']} experts per layer, top-{r['top_k']}. Not a general-purpose model: it "
+          f"knows Linux-kernel / Python / Perl / Debian documentation and fortune-file prose.", ""]
+    L += ["## Architecture", "",
+          "| | |", "|---|---|",
+          f"| class | `{r['arch']}` (transformers {_tf_version()}) |",
+          f"| layers × hidden × heads | {r['layers']} × {r['hidden']} × {r['heads']} |",
+          f"| experts per layer / top-k / expert width | {r['num_experts']} / {r['top_k']} / {r['expert_ffn']} |",
+          f"| context length | {r['seq_len']} tokens |",
+          f"| vocabulary | {r['vocab']} (byte-level BPE trained on the training split) |",
+          f"| parameters (tied embeddings counted once) | {r['params_total']:,} |",
+          f"| expert parameters | {r['params_experts']:,} ({r['experts_share']:.1%}) |",
+          f"| weights on disk | {r['weights_dtype']} (trained in fp32, cast for shipping to stay under 16 MB) |",
+          f"| folder size | {r['dir_bytes'] / 1e6:.2f} MB ({r['dir_bytes']:,} bytes) |", ""]
+    L += ["## Training", "",
+          f"Command: `{train_cmd}` (resumable; flags default to `TrainConfig` in `expertcache/train/configs.py`).", "",
+          f"- data: `corpus-debian-docs` (see its PROVENANCE.md), every document whose sha256(source) starts with "
+          f"\"0\" held out ({h['docs']} documents); {t.get('train_tokens_available', 0):,} training tokens available",
+          f"- tokens seen: {t.get('tokens_seen', 0):,} ({t.get('steps_done', 0)} steps × {tc.get('batch_size')} × "
+          f"{tc.get('seq_len')}), AdamW lr {tc.get('lr')} (warmup {tc.get('warmup_steps')}, cosine to "
+          f"{tc.get('min_lr_ratio')}×), weight decay {tc.get('weight_decay')}, clip {tc.get('grad_clip')}, "
+          f"seed {tc.get('seed')}, fp32, load-balancing loss coef {t.get('spec', {}).get('router_aux_loss_coef')}, "
+          f"experts implementation `{tc.get('experts_implementation')}`",
+          f"- training time: {t.get('train_wall_s', 0) / 60:.1f} min on {tc.get('threads')} thread(s) of a "
+          f"{r['cpu_count']}-core CPU ({r['cpu']}), no accelerator; the two cores were shared with the other "
+          f"shipped model's training and other jobs, so wall time overstates the compute used",
+          "- loss curve: `loss_curve.png`; per-step losses: `train_log.jsonl`; full run summary: `train_summary.json`",
+          ""]
+    L += ["## Evaluation", "", f"All figures below: `{command}` (also in `card.json`).", "",
+          "| text | tokens scored | perplexity |", "|---|---|---|",
+          f"| held-out split (model) | {h['tokens_scored']:,} | **{h['ppl']:.2f}** |",
+          f"| held-out split, unigram with training-split frequencies | same | {h['unigram_ppl_train_freqs']:.1f} |",
+          f"| held-out split, unigram fitted on these tokens | same | {h['unigram_ppl_self_fit']:.1f} |"]
+    if r["wikitext2"]:
+        w = r["wikitext2"]
+        L.append(f"| WikiText-2 test (`wiki.test.raw`, {w['chars']:,} chars, out of domain) | {w['tokens_scored']:,} "
+                 f"| {w['ppl']:.1f} |")
+    L += ["", f"Model / best unigram perplexity = {h['ratio_to_best_unigram']:.3f} (bar: ≤ 0.1). Chunks of "
+          f"{r['seq_len']} tokens, non-overlapping, each scored from scratch.", ""]
+    L += ["### Expert load (held-out split)", "",
+          f"Share of top-{r['top_k']} selections per expert (uniform = {1 / r['num_experts']:.4f}); entropy "
+          "normalised by log N (1 = perfectly balanced).", "",
+          "| layer | min share | max share | entropy |", "|---|---|---|---|"]
+    L += [f"| {b['layer']} | {b['min_frac']:.4f} | {b['max_frac']:.4f} | {b['norm_entropy']:.3f} |"
+          for b in r["load_balance"]]
+    L += ["", "### Cache behaviour (original routing)", "",
+          f"Top-{r['top_k']} selections of {r['cache_tokens']:,} held-out tokens (the first "
+          f"{r['cache_tokens'] // len(r['cache_packages'])} tokens of the held-out text of each of "
+          f"{', '.join(r['cache_packages'])}; text order) replayed "
+          "through one cache per layer (`expertcache.sim.replay`, cache kept across chunks). Miss rate = misses / "
+          "(tokens × layers × K); lifetime = tokens an expert stays resident after being loaded.", "",
+          "| capacity C | eviction | miss rate | mean lifetime (tokens) | per-layer miss rates |",
+          "|---|---|---|---|---|"]
+    for c in r["cache"]:
+        life = "–" if c["mean_lifetime"] is None else f"{c['mean_lifetime']:.1f}"
+        L.append(f"| {c['capacity']} ({c['capacity_label']}) | {c['eviction']} | {c['miss_rate']:.3f} | {life} | "
+                 + ", ".join(f"{m:.3f}" for m in c["layer_miss_rates"]) + " |")
+    L += ["", "### Greedy continuations of held-out document openings", "",
+          f"First {OPENING_TOKENS} tokens of the first held-out document of each source package, then "
+          f"{OPENING_TOKENS} greedy tokens (no sampling, no repetition penalty).", ""]
+    for c in r["continuations"]:
+        L += [f"**{c['source']}**", "", "```text", c["prompt"] + "⟦" + c["continuation"] + "⟧", "```", ""]
+    L += ["(⟦…⟧ marks the model's continuation.)", "",
+          "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+          "from expertcache.assets import shipped_model_dir", "",
+          f"path = shipped_model_dir({name!r})",
+          "model = AutoModelForCausalLM.from_pretrained(path)  # bf16 weights; pass dtype=torch.float32 to upcast",
+          "tok = AutoTokenizer.from_pretrained(path)", "```", ""]
+    return "\n".join(L)
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def write_card(model_dir: str | Path, data_dir: str | None = None, max_tokens: int = 0, threads: int = 1,
+               command: str = "") -> Path:
+    """Evaluate ``model_dir`` and write ``card.json`` and ``MODEL_CARD.md`` into it. Returns the card path."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "model.safetensors").exists():
+        raise FileNotFoundError(f"{model_dir} is not a trained model folder (no model.safetensors)")
+    r = evaluate_model_dir(model_dir, data_dir or None, max_tokens=max_tokens, threads=threads)
+    command = command or f"expertcache train --card-only {model_dir}"
+    r["command"] = command
+    card = model_dir / "MODEL_CARD.md"
+    for _ in range(2):  # the folder size includes the card itself
+        r["dir_bytes"] = _dir_bytes(model_dir)
+        (model_dir / "card.json").write_text(json.dumps(r, indent=2) + "\n")
+        card.write_text(render_card(r, command))
+    return card

@@ -1,0 +1,123 @@
+"""The shipped model architectures and the training defaults, in one place.
+
+Two real Hugging Face MoE architectures, sized to ship inside the package (<= 16 MB in bf16) and to train on a
+2-core CPU in about an hour. Both have the same width, depth, total and *active* expert parameters, so they differ
+only in expert granularity:
+
+- ``granular``: OLMoE (``OlmoeForCausalLM``), 32 experts of width 104 per layer, top-8 (fine-grained experts);
+- ``coarse``:   Mixtral (``MixtralForCausalLM``), 8 experts of width 416 per layer, top-2;
+- ``tiny``:     a 2-layer OLMoE debug config for tests (seconds to train).
+
+Letter legend used in names across ``expertcache.train``: B batch, T tokens per sequence, V vocab, E experts,
+K experts per token, L layers, D hidden width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of one model. ``arch`` is ``"olmoe"`` or ``"mixtral"``; ``ffn`` is the width of one expert."""
+
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    experts: int
+    top_k: int
+    ffn: int
+    router_aux_loss_coef: float = 0.01
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "granular": ModelSpec("olmoe", hidden=144, layers=4, heads=4, experts=32, top_k=8, ffn=104),
+    "coarse": ModelSpec("mixtral", hidden=144, layers=4, heads=4, experts=8, top_k=2, ffn=416),
+    "tiny": ModelSpec("olmoe", hidden=32, layers=2, heads=2, experts=8, top_k=2, ffn=16),
+}
+
+
+@dataclass
+class TrainConfig:
+    """Every training default. The ``expertcache train`` flags are generated from these fields.
+
+    One step sees ``batch_size * seq_len`` tokens. The learning rate warms up linearly for ``warmup_steps`` and then
+    follows a cosine from ``lr`` down to ``lr * min_lr_ratio`` at ``steps``. Training is in fp32; the exported weights
+    are cast to ``save_dtype``. ``data_dir=""`` means: ``$EXPERTCACHE_DATA/corpus-debian-docs`` if that variable is
+    set, else ``../shared/data/corpus-debian-docs`` relative to the repository.
+    """
+
+    model: str = "granular"
+    out: str = ""  # run directory; "" = runs/<model>
+    data_dir: str = ""
+    seed: int = 0
+    vocab_size: int = 8192
+    seq_len: int = 256
+    batch_size: int = 8
+    steps: int = 2000
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_tokens: int = 32768  # held-out tokens scored at each eval during training
+    ckpt_every: int = 100
+    threads: int = 1
+    # fwd+bwd+AdamW tokens/s, 1 thread, B=8 T=256, OLMoE d160 L4 E32 K4: grouped_mm 2088, eager 1707, batched_mm 84
+    experts_implementation: str = "grouped_mm"
+    save_dtype: str = "bfloat16"
+    max_docs: int = 0  # 0 = all documents; >0 keeps the first N (tests)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODEL_SPECS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {sorted(MODEL_SPECS)}")
+        if self.save_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"save_dtype must be float32, bfloat16 or float16, not {self.save_dtype!r}")
+        for name in ("seq_len", "batch_size", "steps", "vocab_size", "ckpt_every", "log_every", "eval_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def build_hf_config(spec: ModelSpec, vocab_size: int, seq_len: int, bos_id: int, eos_id: int, pad_id: int,
+                    experts_implementation: str = "grouped_mm"):
+    """Return the transformers config (``OlmoeConfig`` or ``MixtralConfig``) for ``spec``, tied embeddings,
+    ``output_router_logits=True`` so the forward adds the model's own load-balancing loss."""
+    from transformers import MixtralConfig, OlmoeConfig
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=spec.ffn, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.heads, max_position_embeddings=seq_len,
+        tie_word_embeddings=True, num_experts_per_tok=spec.top_k, output_router_logits=True,
+        router_aux_loss_coef=spec.router_aux_loss_coef, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
+        use_cache=True,
+    )
+    if spec.arch == "olmoe":
+        cfg = OlmoeConfig(num_experts=spec.experts, norm_topk_prob=False, **common)
+    elif spec.arch == "mixtral":
+        cfg = MixtralConfig(num_local_experts=spec.experts, **common)
+    else:
+        raise ValueError(f"unknown arch {spec.arch!r}")
+    cfg._experts_implementation = experts_implementation
+    return cfg
+
+
+def build_model(cfg):
+    """Fresh, randomly initialised ``OlmoeForCausalLM`` / ``MixtralForCausalLM`` for a transformers config."""
+    from transformers import MixtralForCausalLM, OlmoeForCausalLM
+
+    cls = OlmoeForCausalLM if cfg.model_type == "olmoe" else MixtralForCausalLM
+    return cls(cfg)
+
+
+def count_params(model) -> tuple[int, int]:
+    """(total, experts) parameter counts; tied embeddings are counted once."""
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    return total, experts

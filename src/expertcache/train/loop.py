@@ -1,0 +1,274 @@
+"""The training loop: seeded, deterministic, resumable; writes a Hugging Face checkpoint, a JSONL log and a PNG.
+
+Run directory layout (``cfg.out``)::
+
+    tokenizer/            byte-level BPE trained on the training split
+    data/train.npy        uint16 token stream of the training split (docs joined with eos)
+    data/heldout.npy      same for the held-out split
+    ckpt.pt               latest resumable checkpoint (model, optimizer, step, RNG, log), replaced atomically
+    log.jsonl             one row per ``log_every`` steps ({"step","loss","aux_loss","lr",...}) and per eval
+    model/                the exported HF checkpoint (config.json, model.safetensors, tokenizer, loss_curve.png,
+                          train_log.jsonl, train_summary.json), refreshed at every eval and at the end
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expertcache import __version__
+from expertcache.train.configs import MODEL_SPECS, TrainConfig, build_hf_config, build_model, count_params
+from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, sample_batch, split_documents
+from expertcache.train.tokenizer import load_tokenizer, train_tokenizer
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Learning rate for 0-based ``step``: linear warmup to ``lr``, then cosine to ``lr * min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def prepare_data(cfg: TrainConfig, run_dir: Path):
+    """(tokenizer, train stream ``[N]``, held-out stream ``[M]``); reuses what ``run_dir`` already holds."""
+    tok_dir, data_dir = run_dir / "tokenizer", run_dir / "data"
+    if (tok_dir / "tokenizer.json").exists() and (data_dir / "heldout.npy").exists():
+        return load_tokenizer(tok_dir), np.load(data_dir / "train.npy"), np.load(data_dir / "heldout.npy")
+    docs = load_documents(resolve_data_dir(cfg.data_dir), cfg.max_docs)
+    train_docs, heldout_docs = split_documents(docs)
+    if not train_docs or not heldout_docs:
+        raise ValueError(f"split gave {len(train_docs)} training and {len(heldout_docs)} held-out documents")
+    tok = train_tokenizer([d["text"] for d in train_docs], cfg.vocab_size, tok_dir, cfg.seq_len)
+    train_N = encode_stream(tok, [d["text"] for d in train_docs], tok.eos_token_id)
+    heldout_N = encode_stream(tok, [d["text"] for d in heldout_docs], tok.eos_token_id)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, arr in (("train", train_N), ("heldout", heldout_N)):
+        np.save(data_dir / f"{name}.tmp.npy", arr)
+        os.replace(data_dir / f"{name}.tmp.npy", data_dir / f"{name}.npy")
+    meta = {"docs_train": len(train_docs), "docs_heldout": len(heldout_docs), "tokens_train": int(len(train_N)),
+            "tokens_heldout": int(len(heldout_N))}
+    (data_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return tok, train_N, heldout_N
+
+
+@torch.no_grad()
+def evaluate_nll(model, stream_N: np.ndarray, seq_len: int, max_tokens: int = 0, batch_size: int = 16) -> tuple[float, int]:
+    """(mean next-token NLL in nats, tokens scored) over non-overlapping ``seq_len``-token chunks of ``stream_N``
+    (each chunk scored from scratch; the first token of a chunk is context only). ``max_tokens > 0`` caps the text."""
+    n = len(stream_N) if not max_tokens else min(len(stream_N), max_tokens)
+    chunks_CT = torch.from_numpy(stream_N[: (n // seq_len) * seq_len].astype(np.int64)).view(-1, seq_len)
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(chunks_CT), batch_size):
+        x_BT = chunks_CT[i : i + batch_size]
+        logits_BTV = model(input_ids=x_BT, output_router_logits=False).logits.float()
+        nll = torch.nn.functional.cross_entropy(logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]),
+                                                x_BT[:, 1:].reshape(-1), reduction="sum")
+        total += nll.item()
+        count += x_BT[:, 1:].numel()
+    model.train(was_training)
+    return total / max(count, 1), count
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def plot_losses(rows: list[dict], path: Path, title: str) -> None:
+    """Loss-curve PNG (train CE per logged window; held-out CE at each eval) from log rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["tokens"] / 1e6, r["loss"]) for r in rows if "loss" in r]
+    held = [(r["tokens"] / 1e6, r["heldout_loss"]) for r in rows if "heldout_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
+    if train:
+        ax.plot(*zip(*train), label="train CE (window mean)", lw=1)
+    if held:
+        ax.plot(*zip(*held), "o-", label="held-out CE", ms=3)
+    ax.set_xlabel("tokens seen (M)")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def export_model(model, tok, cfg: TrainConfig, run_dir: Path, rows: list[dict], summary: dict) -> Path:
+    """Write ``run_dir/model`` (HF checkpoint in ``cfg.save_dtype`` + tokenizer + log + PNG + summary); the folder is
+    built next to the old one and swapped in, so a reader never sees a half-written export."""
+    import copy
+
+    final, tmp = run_dir / "model", run_dir / "model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export = copy.deepcopy(model).to(getattr(torch, cfg.save_dtype))
+    export.config.use_cache = True
+    export.config.output_router_logits = False  # inference default; training passes output_router_logits=True
+    export.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.copy(run_dir / "tokenizer" / "tokenizer_config.json", tmp / "tokenizer_config.json")
+    with open(tmp / "train_log.jsonl", "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    plot_losses(rows, tmp / "loss_curve.png", f"expertcache {cfg.model}: {summary['command']}")
+    (tmp / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for f in tmp.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600; shipped files must be world-readable
+    old = run_dir / "model.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: int | None = None) -> dict:
+    """Train ``cfg.model`` from scratch, or resume from ``<out>/ckpt.pt`` if it exists with the same config.
+
+    Returns the training summary (also written to ``<out>/model/train_summary.json``). The batch of every step is a
+    pure function of ``(seed, step)`` and the model init of ``seed``, so a resumed run reproduces an uninterrupted run
+    exactly (same losses, same weights) on the same machine and thread count. ``stop_at`` ends the run early after
+    that step (checkpoint written, as if interrupted there).
+    """
+    from tqdm import tqdm
+
+    torch.set_num_threads(cfg.threads)
+    run_dir = Path(cfg.out or f"runs/{cfg.model}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tok, train_N, heldout_N = prepare_data(cfg, run_dir)
+    spec = MODEL_SPECS[cfg.model]
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    random.seed(cfg.seed)
+    hf_cfg = build_hf_config(spec, len(tok), cfg.seq_len, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
+                             cfg.experts_implementation)
+    model = build_model(hf_cfg)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    step, rows, elapsed = 0, [], 0.0
+    ckpt_path = run_dir / "ckpt.pt"
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt["config"] != cfg.to_dict():
+            diff = {k: (ckpt["config"].get(k), v) for k, v in cfg.to_dict().items() if ckpt["config"].get(k) != v}
+            raise ValueError(f"{ckpt_path} was written with a different config (checkpoint, now): {diff}; "
+                             f"use another --out or delete it")
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optim"])
+        step, rows, elapsed = ckpt["step"], ckpt["log"], ckpt["elapsed_s"]
+        _set_rng_state(ckpt["rng"])
+    with open(run_dir / "log.jsonl", "w") as fh:  # the log always matches the checkpoint we continue from
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    total, experts = count_params(model)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+
+    def summary() -> dict:
+        return {"model": cfg.model, "arch": type(model).__name__, "command": command, "config": cfg.to_dict(),
+                "spec": MODEL_SPECS[cfg.model].__dict__, "params_total": total, "params_experts": experts,
+                "experts_share": experts / total, "steps_done": step, "tokens_seen": step * tokens_per_step,
+                "train_tokens_available": int(len(train_N)), "heldout_tokens": int(len(heldout_N)),
+                "train_wall_s": round(elapsed, 1), "threads": cfg.threads, "torch": torch.__version__,
+                "expertcache": __version__, "last_eval": next((r for r in reversed(rows) if "heldout_loss" in r), None)}
+
+    def save_ckpt() -> None:
+        _atomic_torch_save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step, "log": rows,
+                            "rng": _rng_state(), "config": cfg.to_dict(), "elapsed_s": elapsed}, ckpt_path)
+
+    log_fh = open(run_dir / "log.jsonl", "a")
+    window: list[tuple[float, float]] = []
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.model}", disable=not progress, mininterval=20,
+               unit="step")
+    t_last = time.time()
+    while step < (cfg.steps if stop_at is None else min(stop_at, cfg.steps)):
+        lr = lr_at(cfg, step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch_BT1 = torch.from_numpy(sample_batch(train_N, cfg.batch_size, cfg.seq_len, cfg.seed, step))
+        # CE on all T targets of the T+1 window (HF's labels= would shift and drop one), plus the model's own
+        # load-balancing loss (``out.aux_loss``, from output_router_logits=True) times router_aux_loss_coef.
+        out = model(input_ids=batch_BT1[:, :-1], output_router_logits=True, use_cache=False)
+        ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]),
+                                               batch_BT1[:, 1:].reshape(-1))
+        loss = ce + model.config.router_aux_loss_coef * out.aux_loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        now = time.time()
+        elapsed += now - t_last
+        t_last = now
+        window.append((ce.item(), out.aux_loss.item()))
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            row = {"step": step, "tokens": step * tokens_per_step, "loss": float(np.mean([w[0] for w in window])),
+                   "aux_loss": float(np.mean([w[1] for w in window])), "lr": lr, "elapsed_s": round(elapsed, 2)}
+            window.clear()
+            rows.append(row)
+            log_fh.write(json.dumps(row) + "\n")
+            log_fh.flush()
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{step * tokens_per_step / max(elapsed, 1e-9):.0f}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            nll, n = evaluate_nll(model, heldout_N, cfg.seq_len, cfg.eval_tokens)
+            row = {"step": step, "tokens": step * tokens_per_step, "heldout_loss": nll, "heldout_ppl": math.exp(nll),
+                   "heldout_tokens_scored": n, "elapsed_s": round(elapsed, 2)}
+            rows.append(row)
+            log_fh.write(json.dumps(row) + "\n")
+            log_fh.flush()
+            t_last = time.time()  # evaluation time is not training time
+        if step % cfg.ckpt_every == 0 or step == cfg.steps or step == stop_at:
+            save_ckpt()
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                export_model(model, tok, cfg, run_dir, rows, summary())
+            t_last = time.time()
+    bar.close()
+    log_fh.close()
+    result = summary()
+    export_model(model, tok, cfg, run_dir, rows, result)
+    return result
+
+
+def ship(cfg: TrainConfig) -> Path:
+    """Copy ``<out>/model`` into ``expertcache/assets/models/<model>`` (replacing it; an existing MODEL_CARD.md and
+    card.json are kept). Returns the destination."""
+    from expertcache.assets import MODELS_DIR
+
+    src = Path(cfg.out or f"runs/{cfg.model}") / "model"
+    if not (src / "model.safetensors").exists():
+        raise FileNotFoundError(f"nothing to ship: {src} has no model.safetensors (train first)")
+    dest = MODELS_DIR / cfg.model
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        shutil.copy(f, dest / f.name)
+    return dest
