@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     for cfg in policies:
         r = bench_policy(cfg, e, k, args.repeats)
         rows.append(r)
-        print(f"  {cfg.label():32s} {r['median_us']:7.1f} us")
+        print(f"  {cfg.label():38s} {r['median_us']:7.1f} us")
     if args.out:
         for r in rows:
             append_jsonl(args.out, {**r, "version": __version__, "machine": machine, "tokens": args.tokens,

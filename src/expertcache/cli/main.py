@@ -16,6 +16,14 @@ from expertcache import __version__
 COMMANDS = [
     "expertcache.cli.simulate",
     "expertcache.cli.train",
+    "expertcache.cli.analyze",
+    "expertcache.cli.eval",
+    "expertcache.cli.sweep",
+    "expertcache.cli.report",
+    "expertcache.cli.sensitivity",
+    "expertcache.cli.trace",
+    "expertcache.cli.generate",
+    "expertcache.cli.bench",
 ]
 
 

@@ -28,8 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_cache_args(p)
     p.add_argument("--belady", action="store_true", help="also report Belady's optimal miss rate "
                    "for the same selections (offline bound)")
-    p.add_argument("--freq-from", default=None, help="trace to build the ERAS-bias activation profile "
-                   "from (default: the simulated trace itself)")
+    p.add_argument("--freq-from", default=None, help="ERAS-bias activation profile: a trace to build it from, "
+                   "or a .npy/.json profile from `expertcache analyze --profile-out` (default: the simulated trace)")
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON row instead of a table")
     p.add_argument("--out", default=None, help="also append the JSON row to this JSONL file")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
@@ -51,8 +51,12 @@ def run(args: argparse.Namespace) -> int:
     trace = RoutingTrace.load(args.trace or default_trace_path())
     freq = None
     if routing.policy == "eras-bias":
-        src = RoutingTrace.load(args.freq_from) if args.freq_from else trace
-        freq = activation_frequency(src.ids_TLK, src.meta.num_experts)
+        if args.freq_from:
+            from expertcache.analysis import load_freq
+
+            freq = load_freq(args.freq_from, trace.num_layers, trace.meta.num_experts)
+        else:
+            freq = activation_frequency(trace.ids_TLK, trace.meta.num_experts)
     if args.eviction == "belady" and routing.cache_aware:
         raise ValueError("--eviction belady needs fixed selections; use --eviction lru --belady for the bound")
     result = simulate(trace, routing, args.capacity, eviction=args.eviction, gamma=args.gamma,

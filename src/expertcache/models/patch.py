@@ -45,6 +45,11 @@ Contracts:
   kept), ``'carry'`` keeps them. Policy state (Δavg) always carries over.
 - Hits and misses are counted once per (token, layer, expert); ``stats()`` equals
   :func:`expertcache.sim.replay` of ``trace().ids_TLK`` under the same eviction and capacity (batch 1).
+- **Sensitivity perturbation** (001 Sec. 2.3, Fig. 2): ``replace_rank=r`` (1-based, with
+  ``policy='original'`` only) replaces the expert at weight rank r of every routed token by an expert drawn
+  uniformly from the E − K experts outside the model's top-K (a ``torch.Generator`` seeded with ``seed``,
+  so runs are reproducible); the selection is then re-ordered by logit and weighted by the family's rule,
+  like any policy's. It obeys ``scope`` and feeds the caches like a policy.
 - Patched routers are for inference: a router in training mode raises, and the weights of tokens routed
   by a non-original policy are computed from detached logits (no gradient through the routing).
 - Routing runs on the CPU (logits are copied per layer); the expert compute stays on the model's device.
@@ -84,6 +89,7 @@ def patch_model(
     gamma: float = 0.9,
     record: bool = False,
     freq_LE: np.ndarray | torch.Tensor | None = None,
+    replace_rank: int | None = None,
 ) -> "MoEPatch":
     """Install ``routing`` and one live expert cache per MoE layer into a loaded transformers MoE model.
 
@@ -95,13 +101,15 @@ def patch_model(
     initial, seed: initial cache contents ('random' draws C experts with ``seed + layer``).
     record: keep per-token router logits, selected ids and weights for :meth:`MoEPatch.trace`.
     freq_LE: [L, E] activation-frequency profile for 'eras-bias'.
+    replace_rank: sensitivity perturbation, 1-based rank r in [1, K] whose expert is replaced by a random
+        expert outside the top-K (``policy='original'`` only; see the module docstring).
 
     Returns the :class:`MoEPatch` (also a context manager that unpatches on exit). Raises ValueError for an
     unsupported model type, an option out of range or a policy the family cannot express exactly.
     """
     return MoEPatch(model, routing, eviction=eviction, capacity=capacity, scope=scope,
                     between_sequences=between_sequences, initial=initial, seed=seed, gamma=gamma,
-                    record=record, freq_LE=freq_LE)
+                    record=record, freq_LE=freq_LE, replace_rank=replace_rank)
 
 
 @dataclass
@@ -118,7 +126,7 @@ class MoEPatch:
     docstring for the semantics; build it with :func:`patch_model`."""
 
     def __init__(self, model, routing: RoutingConfig, *, eviction, capacity, scope, between_sequences, initial,
-                 seed, gamma, record, freq_LE) -> None:
+                 seed, gamma, record, freq_LE, replace_rank=None) -> None:
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         if between_sequences not in BETWEEN_SEQUENCES:
@@ -146,6 +154,14 @@ class MoEPatch:
             raise ValueError(f"freq_LE must be [L={len(self.layers)}, E={self.num_experts}], got {tuple(freq.shape)}")
         self.router = Router(routing, num_experts=self.num_experts, k=self.top_k, renormalize=self.renormalize,
                              scoring=self.family.scoring, freq_LE=freq)
+        if replace_rank is not None:
+            if routing.policy != "original":
+                raise ValueError(f"replace_rank is a perturbation of the original routing; got policy {routing.policy!r}")
+            if not 1 <= int(replace_rank) <= self.top_k or self.top_k >= self.num_experts:
+                raise ValueError(f"replace_rank must be in [1, K={self.top_k}] with K < E={self.num_experts}, "
+                                 f"got {replace_rank}")
+        self.replace_rank = None if replace_rank is None else int(replace_rank)
+        self._replace_gen = torch.Generator().manual_seed(seed)
         self.eviction = eviction
         self.capacity = None if capacity is None else resolve_capacity(capacity, self.num_experts)
         self.scope = scope
@@ -291,7 +307,7 @@ class MoEPatch:
                     eviction=self.eviction, capacity=self.capacity, gamma=self.gamma, scope=self.scope,
                     between_sequences=self.between_sequences,
                     initial=self.initial if self.initial is None or isinstance(self.initial, str)
-                    else sorted(int(e) for e in self.initial), seed=self.seed)
+                    else sorted(int(e) for e in self.initial), seed=self.seed, replace_rank=self.replace_rank)
 
     # -- routing ----------------------------------------------------------------------------------
 
@@ -306,7 +322,7 @@ class MoEPatch:
         return mask[:, -s:].to("cpu") != 0
 
     def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
-        policy = self.routing.policy != "original"
+        policy = self.routing.policy != "original" or self.replace_rank is not None
         if not policy and self.capacity is None and not self.record:
             return w0_TK, ids0_TK  # nothing to route, serve or record
         t = z_TE.shape[0]
@@ -337,7 +353,13 @@ class MoEPatch:
             else:
                 zr_PE = zr_TE[pos]
                 allowed_PE = None if allowed_TE is None else allowed_TE[pos]
-                ids_PK = self._select(m.index, zr_PE, z_PE, allowed_PE, cache)
+                if self.replace_rank is not None:
+                    ids_PK = self._replaced(order_by_logits(ids_out_TK[pos], z_PE), z_PE)
+                    if cache is not None:
+                        for ids in ids_PK.tolist():
+                            cache.access_step(ids)
+                else:
+                    ids_PK = self._select(m.index, zr_PE, z_PE, allowed_PE, cache)
                 w_PK = self.family.weights(m.router, z_PE, ids_PK)
                 filled_PK = torch.where(ids_PK >= 0, ids_PK, ids_PK[:, :1])  # dropped slot: slot 0's expert again, weight 0
                 ids_out_TK[pos] = filled_PK.to(ids_out_TK.dtype)
@@ -349,6 +371,16 @@ class MoEPatch:
         if not policy:
             return w0_TK, ids0_TK
         return w_out_TK.to(w0_TK.device), ids_out_TK.to(ids0_TK.device)
+
+    def _replaced(self, ids_PK: torch.Tensor, z_PE: torch.Tensor) -> torch.Tensor:
+        """``ids_PK`` (the original top-K, descending logit) with the expert at rank ``replace_rank`` replaced by
+        a uniformly drawn expert outside the top-K, re-ordered by descending logit."""
+        p, e = z_PE.shape
+        u_PE = torch.rand(p, e, generator=self._replace_gen)
+        u_PE.scatter_(1, ids_PK.clamp(min=0), -1.0)  # never draw a top-K expert
+        ids_PK = ids_PK.clone()
+        ids_PK[:, self.replace_rank - 1] = u_PE.argmax(dim=1)
+        return order_by_logits(ids_PK, z_PE)
 
     def _select(self, layer: int, zr_PE, z_PE, allowed_PE, cache: ExpertCache | None) -> torch.Tensor:
         """The policy's ids [P, K] for P consecutive tokens of one row, token by token against the live

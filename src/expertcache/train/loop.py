@@ -150,8 +150,20 @@ def export_model(model, tok, cfg: TrainConfig, run_dir: Path, rows: list[dict], 
     return final
 
 
-def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: int | None = None) -> dict:
+def build_shipped_model(cfg: TrainConfig, tok) -> tuple[torch.nn.Module, dict]:
+    """The default model builder of :func:`train`: (fresh ``MODEL_SPECS[cfg.model]`` model, spec as a dict)."""
+    spec = MODEL_SPECS[cfg.model]
+    hf_cfg = build_hf_config(spec, len(tok), cfg.seq_len, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
+                             cfg.experts_implementation)
+    return build_model(hf_cfg), dict(spec.__dict__)
+
+
+def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: int | None = None,
+          builder=None) -> dict:
     """Train ``cfg.model`` from scratch, or resume from ``<out>/ckpt.pt`` if it exists with the same config.
+
+    ``builder(cfg, tokenizer) -> (model, spec_dict)`` makes the fresh model (called right after seeding);
+    the default is :func:`build_shipped_model`. A model whose output has no ``aux_loss`` is trained on CE alone.
 
     Returns the training summary (also written to ``<out>/model/train_summary.json``). The batch of every step is a
     pure function of ``(seed, step)`` and the model init of ``seed``, so a resumed run reproduces an uninterrupted run
@@ -164,13 +176,10 @@ def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: i
     run_dir = Path(cfg.out or f"runs/{cfg.model}")
     run_dir.mkdir(parents=True, exist_ok=True)
     tok, train_N, heldout_N = prepare_data(cfg, run_dir)
-    spec = MODEL_SPECS[cfg.model]
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     random.seed(cfg.seed)
-    hf_cfg = build_hf_config(spec, len(tok), cfg.seq_len, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
-                             cfg.experts_implementation)
-    model = build_model(hf_cfg)
+    model, spec_info = (builder or build_shipped_model)(cfg, tok)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
@@ -195,7 +204,7 @@ def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: i
 
     def summary() -> dict:
         return {"model": cfg.model, "arch": type(model).__name__, "command": command, "config": cfg.to_dict(),
-                "spec": MODEL_SPECS[cfg.model].__dict__, "params_total": total, "params_experts": experts,
+                "spec": spec_info, "params_total": total, "params_experts": experts,
                 "experts_share": experts / total, "steps_done": step, "tokens_seen": step * tokens_per_step,
                 "train_tokens_available": int(len(train_N)), "heldout_tokens": int(len(heldout_N)),
                 "train_wall_s": round(elapsed, 1), "threads": cfg.threads, "torch": torch.__version__,
@@ -220,7 +229,10 @@ def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: i
         out = model(input_ids=batch_BT1[:, :-1], output_router_logits=True, use_cache=False)
         ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]),
                                                batch_BT1[:, 1:].reshape(-1))
-        loss = ce + model.config.router_aux_loss_coef * out.aux_loss
+        aux = getattr(out, "aux_loss", None)
+        if aux is None:
+            aux = torch.zeros(())
+        loss = ce + getattr(model.config, "router_aux_loss_coef", 0.0) * aux
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -229,7 +241,7 @@ def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: i
         now = time.time()
         elapsed += now - t_last
         t_last = now
-        window.append((ce.item(), out.aux_loss.item()))
+        window.append((ce.item(), aux.item()))
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps:
             row = {"step": step, "tokens": step * tokens_per_step, "loss": float(np.mean([w[0] for w in window])),

@@ -1,0 +1,88 @@
+"""Offloaded decode throughput: every policy on the shipped granular model at C = N/2 and N/4, and the
+OLMoE-1B-7B-shape random-weight model (a few layers) with flash-faithful disk reads at C = N/2.
+
+    nice -n 10 python benchmarks/bench_offload.py [--layers 4] [--tokens 32] [--repeats 3] [--threads 1]
+
+Writes benchmarks/results/offload.jsonl (one row per policy and round) and prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from expertcache.offload import OffloadConfig
+from expertcache.offload.bench import machine_info, run_bench, table
+from expertcache.offload.make_model import make_bench_model
+from expertcache.offload.runtime import resolve_model_path
+from expertcache.results import append_jsonl
+
+OUT = Path(__file__).resolve().parent / "results" / "offload.jsonl"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", choices=("granular", "olmoe", "ppl"), default=None)
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"machine: {machine_info()}", flush=True)
+    out = lambda row: append_jsonl(args.out, dict(row, bench="bench_offload.py"))
+    log = lambda *a: print(*a, flush=True)
+    if args.only in (None, "granular"):
+        path = resolve_model_path("granular")
+        from expertcache.cli.bench import _prompt
+
+        prompt = _prompt(path, 16, 1, 0)
+        for c in (16, 8):
+            log(f"\n## granular (OLMoE 32 experts, top-8, trained), C={c}/32, disk io=direct")
+            res = run_bench(path, OffloadConfig(tier="disk", io="direct", capacity=c, context=16 + args.tokens),
+                            prompt_BS=prompt, tokens=args.tokens, repeats=args.repeats, on_row=out, log=log)
+            log(table(res))
+    if args.only in (None, "ppl"):
+        for row in quant_ppl():
+            append_jsonl(args.out, dict(row, bench="bench_offload.py"))
+    if args.only in (None, "olmoe"):
+        path = make_bench_model("olmoe-1b-7b", layers=args.layers)
+        prompt = torch.randint(3, 50304, (1, 16), generator=torch.Generator().manual_seed(0))
+        log(f"\n## olmoe-1b-7b shape (random weights, {args.layers} layers), C=32/64, disk io=direct")
+        forced = torch.randint(3, 50304, (1, args.tokens), generator=torch.Generator().manual_seed(1))
+        res = run_bench(path, OffloadConfig(tier="disk", io="direct", capacity=32, context=16 + args.tokens),
+                        policies=["original+lru", "cache-prior"], prompt_BS=prompt, tokens=args.tokens,
+                        forced_BN=forced,
+                        repeats=args.repeats, on_row=out, log=log)
+        log(table(res))
+    return 0
+
+
+def quant_ppl(model: str = "granular", seq_len: int = 128, windows: int = 16) -> list[dict]:
+    """Held-out perplexity of bf16, int8 and int4 experts (largest group size in 64..1 dividing D and F), all experts resident, original routing."""
+    from expertcache.offload import OffloadedModel
+    from expertcache.offload.bench import heldout_ppl, heldout_stream
+
+    import json as _json
+    import math
+
+    path = resolve_model_path(model)
+    cfg = _json.loads((path / "config.json").read_text())
+    dims = (cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    group = next(g for g in (64, 32, 16, 8, 4, 2, 1) if all(x % g == 0 for x in dims))  # 144, 104 -> 8
+    stream = heldout_stream(path)
+    rows = []
+    for quant in (None, "int8", "int4"):
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant=quant, group=group))
+        rows.append(dict(kind="offload-quant-ppl", model=model, quant=quant or "bf16", group=group, ppl=heldout_ppl(rt, stream, seq_len, windows),
+                         expert_bytes=rt.expert_bytes, tokens=(seq_len - 1) * windows))
+        print(rows[-1], flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""``expertcache eval``: closed-loop evaluation of a routing policy inside a real model on a local task."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from expertcache.cli.common import add_cache_args, add_routing_args, routing_from_args
+
+DESCRIPTION = """\
+Run a task on the model with the routing policy and one live expert cache per MoE layer installed, and
+report the task quality together with the cache miss rate, the mean expert lifetime and Belady's optimal
+miss rate for the same recorded selections.
+
+This is CLOSED LOOP: the policy's choices change the hidden states and so every later router decision.
+Tasks (local files, see --data-dir): wikitext (perplexity on 1024-token chunks, or the model's context if
+shorter), mmlu (5-shot, answer-letter log-likelihood, accuracy), gsm8k (8-shot chain of thought, greedy,
+exact match; the policy acts during generation only unless --scope all). Every item is one sequence;
+--between-sequences says whether the caches carry over between items or restart empty.
+"""
+
+
+def add_model_task_args(p: argparse.ArgumentParser, *, task_required: bool = True) -> None:
+    from expertcache.eval.tasks import TASKS
+
+    g = p.add_argument_group("model and task")
+    g.add_argument("--model", default="granular", help="checkpoint folder, or a shipped model: granular | coarse "
+                   "(default: granular)")
+    g.add_argument("--task", choices=TASKS, required=task_required, default=None, help="evaluation task")
+    g.add_argument("--limit", type=int, default=None, help="evaluate only the first N items (chunks, questions)")
+    g.add_argument("--data-dir", default=None, help="data folder holding wikitext-2-raw-v1/, mmlu/, gsm8k/ "
+                   "(default: $EXPERTCACHE_DATA, else <repo>/../shared/data)")
+    g.add_argument("--shots", type=int, default=None, help="few-shot exemplars (default: mmlu 5, gsm8k 8)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="gsm8k: generation limit (capped at half the "
+                   "context; default 256)")
+    g.add_argument("--scope", choices=("all", "generation"), default=None,
+                   help="apply the policy to every token or to decoding steps only (default: the task's: "
+                   "gsm8k generation, else all)")
+    g.add_argument("--freq-from", default=None, help="eras-bias: trace to build the activation profile from")
+    g.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="closed-loop evaluation (quality + miss rate) of a policy inside a model",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_task_args(p)
+    add_routing_args(p)
+    add_cache_args(p)
+    p.add_argument("--replace-rank", type=int, default=None, help="sensitivity perturbation (policy original): "
+                   "replace the expert at this 1-based rank by a random expert outside the top-K")
+    p.add_argument("--trace-out", default=None, help="also save the recorded routing trace to this file")
+    p.add_argument("--json", action="store_true", help="print one machine-readable JSON row instead of a table")
+    p.add_argument("--out", default=None, help="also append the JSON row to this JSONL file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def freq_profile(args, routing):
+    if routing.policy != "eras-bias":
+        return None
+    if not args.freq_from:
+        raise ValueError("eras-bias needs --freq-from TRACE (e.g. one recorded with `expertcache trace record`)")
+    from expertcache.sim import activation_frequency
+    from expertcache.trace import RoutingTrace
+
+    tr = RoutingTrace.load(args.freq_from)
+    return activation_frequency(tr.ids_TLK, tr.meta.num_experts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from expertcache.eval import evaluate, prepare
+    from expertcache.results import append_jsonl
+
+    torch.set_num_threads(args.threads)
+    routing = routing_from_args(args)
+    if args.eviction == "belady":
+        raise ValueError("a live cache cannot use belady (it needs the future); every eval row already reports "
+                         "belady_miss_rate for the same selections")
+    freq = freq_profile(args, routing)
+    model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
+                             max_new_tokens=args.max_new_tokens)
+    row = evaluate(model, task, routing, eviction=args.eviction, capacity=args.capacity, gamma=args.gamma,
+                   initial=args.initial, seed=args.seed, between_sequences=args.between_sequences, scope=args.scope,
+                   freq_LE=freq, replace_rank=args.replace_rank, progress=not args.no_progress,
+                   trace_out=args.trace_out, model_name=args.model)
+    if args.out:
+        append_jsonl(args.out, row)
+    if args.json:
+        print(json.dumps(row, sort_keys=True))
+    else:
+        print_table(row, routing.label(), file=sys.stdout)
+    return 0
+
+
+def _pct(x):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+
+def print_table(row: dict, label: str, file=sys.stdout) -> None:
+    c = row["config"]
+    t = c["task"]
+    q = row["quality"]
+    qs = f"{q:.3f}" if row["quality_name"] == "ppl" else f"{100 * q:.1f}%"
+    print(f"model     {c['model']} ({c['model_type']}, {len(c['moe_layers'])} MoE layers, N={c['num_experts']}, "
+          f"K={c['top_k']})", file=file)
+    print(f"task      {row['task']}: {t['items']} items, context {t.get('context')}"
+          + (f", {t['mean_shots']:.1f} shots on average" if "mean_shots" in t else ""), file=file)
+    print(f"routing   {label}   scope {c['scope']}   cache: {c['eviction']} C={c['capacity']}/{c['num_experts']} "
+          f"({c['between_sequences']} between sequences)   [closed loop]", file=file)
+    line = (f"{row['quality_name']} {qs}   miss rate {_pct(row['miss_rate'])}   Belady {_pct(row['belady_miss_rate'])}"
+            f"   mean lifetime {row['mean_lifetime'] or float('nan'):.1f} tokens")
+    if row.get("generation_miss_rate") is not None:
+        line += f"   generation-only miss rate {_pct(row['generation_miss_rate'])}"
+    print(line, file=file)

@@ -1,0 +1,149 @@
+"""``expertcache generate``: stream tokens from an MoE model whose experts are offloaded to disk or host RAM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from expertcache.cli.common import add_routing_args, routing_from_args
+
+DESCRIPTION = """\
+Generate text with the experts offloaded: only C experts per MoE layer are in fast memory (from --memory or
+--cache-experts); the rest are read from the checkpoint's safetensors files on every miss (--tier disk,
+flash-faithful O_DIRECT reads by default) or copied from host RAM (--tier host). The router uses the chosen
+policy against the live cache. Tokens are streamed to stdout; a summary line (tok/s, hit rate, bytes read)
+goes to stderr.
+
+  expertcache generate --memory 200MiB --policy cache-prior --lam 0.5 "The kernel"
+  expertcache generate --model coarse --cache-experts 4 "apt-get install"
+"""
+
+
+def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "direct") -> None:
+    """--model, --memory / --cache-experts, --tier, --io, --quant, --group, --dtype, --eviction, --gamma."""
+    from expertcache.offload.store import IO_MODES, TIERS
+    from expertcache.offload.quant import QUANT_MODES
+
+    parser.add_argument("--model", default="granular",
+                        help="checkpoint folder, or a shipped model: granular | coarse (default: granular)")
+    g = parser.add_argument_group("offloading")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--memory", default=None,
+                      help="fast-memory budget (e.g. 3GiB, 200MiB): non-expert weights + KV cache + expert slots")
+    size.add_argument("--cache-experts", type=int, default=None, metavar="C",
+                      help="expert slots per MoE layer (default: all N if no --memory)")
+    g.add_argument("--tier", choices=TIERS, default="disk", help="where the experts live (default: disk)")
+    g.add_argument("--io", choices=IO_MODES, default=default_io,
+                   help=f"disk reads: direct (O_DIRECT), fadvise (drop page cache first), cached (default: {default_io})")
+    g.add_argument("--quant", choices=QUANT_MODES, default=None, help="quantised experts (group-wise)")
+    g.add_argument("--group", type=int, default=64, help="quantisation group size (default: 64)")
+    g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="compute dtype (default: the checkpoint's)")
+    g.add_argument("--eviction", choices=("lru", "lfu", "gamma"), default="lru", help="eviction policy (default: lru)")
+    g.add_argument("--gamma", type=float, default=0.9, help="γ of the gamma cache (default 0.9)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def add_routing_alias(parser: argparse.ArgumentParser) -> None:
+    from expertcache.routing import POLICIES
+
+    parser.add_argument("--routing", dest="routing_policy", choices=POLICIES, default=argparse.SUPPRESS,
+                        help="alias of --policy")
+
+
+def offload_from_args(args, *, context: int, batch: int = 1):
+    import torch
+
+    from expertcache.offload import OffloadConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
+                         quant=args.quant, group=args.group, context=context, batch=batch)
+
+
+def dtype_from_args(args):
+    import torch
+
+    return None if args.dtype is None else getattr(torch, args.dtype)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream tokens with experts offloaded to disk or host RAM",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", help="prompt text (or space-separated token ids for a model without a tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy, default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON row (stderr)")
+    add_offload_args(p)
+    add_routing_args(p)
+    add_routing_alias(p)
+    p.set_defaults(func=run)
+
+
+def load_prompt(path, prompt: str):
+    """(input ids [1, S], tokenizer or None)."""
+    import torch
+
+    if (path / "tokenizer.json").is_file():
+        from expertcache.train.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(path)
+        ids = tok(prompt, return_tensors="pt").input_ids
+        return ids, tok
+    try:
+        ids = [int(x) for x in prompt.split()]
+    except ValueError:
+        raise ValueError(f"{path} has no tokenizer.json: give the prompt as space-separated token ids") from None
+    return torch.tensor([ids]), None
+
+
+def run(args: argparse.Namespace) -> int:
+    from expertcache.offload import OffloadedModel
+    from expertcache.offload.runtime import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    ids, tok = load_prompt(path, args.prompt)
+    if ids.shape[1] == 0:
+        raise ValueError("empty prompt")
+    offload = offload_from_args(args, context=ids.shape[1] + args.max_new_tokens)
+    rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args), routing=routing_from_args(args),
+                                        eviction=args.eviction, gamma=args.gamma)
+    out = sys.stdout
+    shown = ""
+    generated: list[int] = []
+
+    def on_token(t_B1):
+        nonlocal shown
+        generated.append(int(t_B1[0, 0]))
+        if tok is None:
+            out.write(f"{generated[-1]} ")
+        else:
+            text = tok.decode(generated, skip_special_tokens=True)
+            out.write(text[len(shown):])
+            shown = text
+        out.flush()
+
+    eos = getattr(rt.config, "eos_token_id", None)
+    r = rt.generate(ids, args.max_new_tokens, temperature=args.temperature, seed=args.seed, on_token=on_token,
+                    stop=eos if isinstance(eos, int) else None)
+    out.write("\n")
+    s = rt.stats()
+    d = r["decode_stats"]
+    tok_s = r["decode_tokens"] / r["decode_s"] if r["decode_s"] > 0 else float("nan")
+    row = dict(kind="generate", prompt_tokens=int(ids.shape[1]), new_tokens=int(r["tokens"].shape[1]),
+               prefill_s=r["prefill_s"], decode_s=r["decode_s"], decode_tok_s=tok_s, hit_rate=s["hit_rate"],
+               decode_hit_rate=d["hit_rate"], bytes_read=s["bytes_read"], misses=s["misses"],
+               config=rt.describe())
+    if args.json:
+        print(json.dumps(row), file=sys.stderr)
+    else:
+        print(f"[{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, {rt.routing.label()}+{rt.eviction}, "
+              f"{offload.tier}{'/' + offload.io if offload.tier == 'disk' else ''}] "
+              f"{tok_s:.2f} tok/s decode, prefill {r['prefill_s']:.2f} s, hit rate {s['hit_rate']:.3f} "
+              f"(decode {d['hit_rate']:.3f}), {s['bytes_read'] / 2**20:.1f} MiB read in {s['expert_loads']} expert loads",
+              file=sys.stderr)
+    return 0

@@ -1,0 +1,85 @@
+"""``expertcache report``: Pareto tables and figures from result rows (JSONL)."""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+
+DESCRIPTION = """\
+Turn JSONL result rows (from eval, sweep, simulate --out, sensitivity) into:
+
+  pareto.md                  the non-dominated runs (miss rate vs quality) per group, printed and written
+  tradeoff-<group>.png       quality vs miss rate per policy, with Original/LRU and Belady points (001 Fig. 4, 9)
+  cache-size-<group>.png     miss rate vs cache size: LRU, Belady, best cache-prior within 1/5/10% quality
+                             loss (001 Fig. 10), for groups swept over at least two cache sizes
+  raster.png                 with --trace: hit/miss raster of one layer over tokens (001 Fig. 7)
+  sensitivity-<model>.png    for rows of `expertcache sensitivity` (001 Fig. 2)
+
+A group is (mode, model:task or trace, cache size, eviction). Open-loop rows use the router_mass proxy as
+quality (see `expertcache sweep --help`).
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="Pareto table and figures from JSONL result rows",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("rows", nargs="*", help="JSONL files of result rows")
+    p.add_argument("--out-dir", required=True, help="folder for pareto.md and the PNGs")
+    p.add_argument("--trace", action="append", default=[], metavar="FILE[=LABEL]",
+                   help="a routing trace for the hit/miss raster (repeat for stacked panels)")
+    p.add_argument("--layer", type=int, default=0, help="raster: MoE layer index (default 0)")
+    p.add_argument("--start", type=int, default=0, help="raster: first token (default 0)")
+    p.add_argument("--tokens", type=int, default=100, help="raster: tokens shown (default 100)")
+    p.add_argument("--raster-capacity", default=None, help="raster: cache size (default: the trace's, else N/2)")
+    p.add_argument("--prefix", default="", help="prefix of the written file names")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from expertcache.eval.report import (group_rows, pareto_markdown, plot_cache_sizes, plot_raster,
+                                         plot_sensitivity, plot_tradeoff, slug)
+    from expertcache.results import read_jsonl
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [r for f in args.rows for r in read_jsonl(f)]
+    if not rows and not args.trace:
+        raise ValueError("nothing to report: give JSONL row files and/or --trace")
+    written = []
+    groups = group_rows(rows)
+    if groups:
+        md = pareto_markdown(groups)
+        print(md)
+        (out / f"{args.prefix}pareto.md").write_text(md + "\n", encoding="utf-8")
+        written.append(out / f"{args.prefix}pareto.md")
+        for (mode, source, cap, ev), rs in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+            n = rs[0].get("config", {}).get("num_experts", "?")
+            written.append(plot_tradeoff(rs, out / f"{args.prefix}tradeoff-{slug(source, mode, f'c{cap}', ev)}.png",
+                                         title=f"{source} ({mode}), cache {cap}/{n}, {ev}"))
+        by_source = defaultdict(list)
+        for (mode, source, cap, ev), rs in groups.items():
+            by_source[(mode, source, ev)].extend(rs)
+        for (mode, source, ev), rs in sorted(by_source.items()):
+            if len({r["config"]["capacity"] for r in rs}) >= 2:
+                written.append(plot_cache_sizes(rs, out / f"{args.prefix}cache-size-{slug(source, mode, ev)}.png",
+                                                title=f"{source} ({mode}), {ev}"))
+    sens = defaultdict(list)
+    for r in rows:
+        if r.get("kind") == "sensitivity":
+            sens[str(r["config"].get("model", ""))].append(r)
+    for model, rs in sens.items():
+        written.append(plot_sensitivity(rs, out / f"{args.prefix}sensitivity-{slug(model)}.png",
+                                        title=f"{model}: WikiText sensitivity to the expert selection"))
+    if args.trace:
+        from expertcache.trace import RoutingTrace
+
+        traces = []
+        for spec in args.trace:
+            file, _, label = spec.partition("=")
+            traces.append((label or Path(file).name, RoutingTrace.load(file)))
+        written.append(plot_raster(traces, out / f"{args.prefix}raster.png", layer=args.layer, start=args.start,
+                                   tokens=args.tokens, capacity=args.raster_capacity))
+    for w in written:
+        print(f"wrote {w}")
+    return 0

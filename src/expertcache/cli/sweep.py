@@ -1,0 +1,118 @@
+"""``expertcache sweep``: policy × strength × cache size × eviction, open loop on a trace or closed loop on a
+model and task; resumable JSONL rows."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from expertcache.cache import EVICTION_POLICIES
+from expertcache.routing import POLICIES, RoutingConfig
+
+DESCRIPTION = """\
+Sweep routing policies and their strength over cache sizes and eviction policies, appending one JSON row
+per run (full config, package version, seed, metrics) to --out. Rows carry a config key: re-running the
+same command skips the runs already in the file, so an interrupted sweep resumes.
+
+Open loop (--trace FILE): the simulator re-routes the trace's fixed logits (fast). Quality is a proxy,
+router_mass = router probability of the served experts / that of the top-K (1 = original routing).
+Closed loop (--model M --task T): the patched model runs the task for every configuration (slow; use --limit).
+
+Grids (001): prune h in 1..K; max-rank M in K..N; cumsum p, cache-prior lambda, eras-threshold alpha at --grid
+points in [0, 1]; eras-bias beta in [0, --beta-max]. --strengths replaces the continuous grids.
+"""
+
+_DEFAULT_POLICIES = "original,prune,max-rank,cumsum,cache-prior"
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in str(text).split(",") if x.strip()]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from expertcache.cli.eval import add_model_task_args
+
+    p = sub.add_parser("sweep", help="sweep policies x strengths x cache sizes x evictions into JSONL rows",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=None, help="open loop: routing trace to simulate")
+    add_model_task_args(p, task_required=False)
+    g = p.add_argument_group("grid")
+    g.add_argument("--policies", default=_DEFAULT_POLICIES,
+                   help=f"comma-separated policies among {', '.join(POLICIES)} (default: {_DEFAULT_POLICIES})")
+    g.add_argument("--grid", type=int, default=50, help="points of the continuous grids in [0, 1] (001: 50)")
+    g.add_argument("--strengths", default=None, help="explicit comma-separated values for p / lambda / alpha / beta")
+    g.add_argument("--beta-max", type=float, default=4.0, help="eras-bias: largest beta (default 4)")
+    g.add_argument("--top-j", type=int, default=RoutingConfig.top_j,
+                   help=f"always keep the original top-J (default {RoutingConfig.top_j})")
+    g.add_argument("--delta", type=float, default=None, help="cache-prior: fixed delta (default: running average)")
+    g.add_argument("--capacity", default="0.5", help="comma-separated cache sizes: counts or fractions of N "
+                   "(default 0.5)")
+    g.add_argument("--eviction", default="lru", help=f"comma-separated evictions among "
+                   f"{', '.join(EVICTION_POLICIES)} (default lru)")
+    g.add_argument("--gamma", type=float, default=0.9, help="gamma of the gamma cache (default 0.9)")
+    g.add_argument("--initial", default="empty", choices=("empty", "random"), help="initial cache state")
+    g.add_argument("--seed", type=int, default=0, help="seed for a random initial state")
+    g.add_argument("--between-sequences", choices=("carry", "reset"), default="carry",
+                   help="keep caches across sequences (carry) or start each sequence empty (reset)")
+    p.add_argument("--out", required=True, help="JSONL file to append rows to (resumes if it exists)")
+    p.add_argument("--dry-run", action="store_true", help="print how many runs are planned and pending, run nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from expertcache.eval.sweep import config_key, done_keys, open_loop_row, plan, run_sweep
+
+    if bool(args.trace) == bool(args.task):
+        raise ValueError("give either --trace FILE (open loop) or --model M --task T (closed loop)")
+    policies = _csv(args.policies)
+    evictions = _csv(args.eviction)
+    for e in evictions:
+        if e not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction {e!r}; choose among {', '.join(EVICTION_POLICIES)}")
+    strengths = [float(x) for x in _csv(args.strengths)] if args.strengths else None
+    common = dict(policies=policies, capacities=_csv(args.capacity), evictions=evictions, points=args.grid,
+                  top_j=args.top_j, beta_max=args.beta_max, strengths=strengths, delta=args.delta, gamma=args.gamma,
+                  initial=args.initial, seed=args.seed, between_sequences=args.between_sequences)
+    progress = not args.no_progress
+    import torch
+
+    torch.set_num_threads(args.threads)  # tiny per-token ops: extra threads only spin
+    if args.trace:
+        from expertcache.sim import activation_frequency
+        from expertcache.trace import RoutingTrace
+
+        trace = RoutingTrace.load(args.trace)
+        m = trace.meta
+        runs = plan(mode="open-loop", source=dict(trace=str(args.trace)), k=m.top_k, num_experts=m.num_experts,
+                    **common)
+        freq = activation_frequency(trace.ids_TLK, m.num_experts) if "eras-bias" in policies else None
+        execute = lambda r: open_loop_row(trace, r, freq_LE=freq)  # noqa: E731
+    else:
+        from expertcache.cli.eval import freq_profile
+        from expertcache.eval import evaluate, prepare
+
+        freq = freq_profile(args, RoutingConfig("eras-bias")) if "eras-bias" in policies else None
+        model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
+                                 max_new_tokens=args.max_new_tokens)
+        from expertcache.models import family_for, find_moe_layers
+
+        layer0 = find_moe_layers(model, family_for(model))[0]
+        source = dict(model=str(args.model), task=args.task, limit=args.limit, shots=args.shots,
+                      max_new_tokens=args.max_new_tokens if args.task == "gsm8k" else None)
+        runs = plan(mode="closed-loop", source=source, k=layer0.top_k, num_experts=layer0.num_experts,
+                    scope=args.scope or task.default_scope, **common)
+
+        def execute(r):
+            return evaluate(model, task, RoutingConfig.from_dict(r["routing"]), eviction=r["eviction"],
+                            capacity=r["capacity"], gamma=r["gamma"] or 0.9, initial=r["initial"], seed=r["seed"],
+                            between_sequences=r["between_sequences"], scope=r["scope"], freq_LE=freq,
+                            model_name=str(args.model))
+    if args.dry_run:
+        done = done_keys(args.out)
+        pending = sum(config_key(r) not in done for r in runs)
+        print(f"{len(runs)} runs planned, {pending} pending, {len(runs) - pending} already in {args.out}")
+        return 0
+    executed, skipped = run_sweep(runs, args.out, execute, progress=progress)
+    print(f"sweep: {executed} runs appended to {args.out}, {skipped} already there (skipped)", file=sys.stderr)
+    return 0

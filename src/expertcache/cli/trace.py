@@ -1,0 +1,117 @@
+"""``expertcache trace record|info``: record a routing trace from a model (original routing), describe a trace."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+DESCRIPTION = """\
+record: run the model on text with its ORIGINAL routing and save every token's router logits (float16 by
+        default), selected experts and weights as a routing trace (the input of `simulate` and open-loop
+        `sweep`). Text: the WikiText-2 raw test blob (--task wikitext) or a UTF-8 file (--task text-file
+        --file F), tokenised and cut into sequences of the model's context (at most 1024 tokens); the first
+        --tokens tokens are kept. The shipped demo trace is
+          expertcache trace record --model granular --task wikitext --tokens 4096 \\
+              --out src/expertcache/assets/traces/granular-wikitext2.trace.safetensors
+info:   shape, metadata, size, and the LRU / Belady miss rates of the recorded selections at --capacity.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="record a routing trace from a model, or describe one",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tsub = p.add_subparsers(dest="trace_command", metavar="{record,info}")
+    r = tsub.add_parser("record", help="record a trace under the original routing")
+    r.add_argument("--model", default="granular", help="checkpoint folder or shipped model (default granular)")
+    r.add_argument("--task", choices=("wikitext", "text-file"), default="wikitext", help="text source")
+    r.add_argument("--file", default=None, help="--task text-file: the UTF-8 text file")
+    r.add_argument("--data-dir", default=None, help="data folder (default $EXPERTCACHE_DATA, else ../shared/data)")
+    r.add_argument("--tokens", type=int, default=4096, help="tokens to record (default 4096)")
+    r.add_argument("--logits-dtype", choices=("float16", "float32"), default="float16")
+    r.add_argument("--no-weights", action="store_true", help="do not store the combine weights (smaller file)")
+    r.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    r.add_argument("--out", required=True, help="trace file to write (atomically)")
+    r.set_defaults(func=run_record)
+    i = tsub.add_parser("info", help="describe a trace")
+    i.add_argument("file", help="trace file")
+    i.add_argument("--capacity", default="0.5", help="cache size for the miss rates shown (default 0.5)")
+    i.set_defaults(func=run_info)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _truncate(trace, n: int):
+    from expertcache.trace import RoutingTrace, TraceMeta
+
+    if trace.num_tokens <= n:
+        return trace
+    m = trace.meta
+    meta = TraceMeta(**{**m.__dict__, "sequence_starts": [s for s in m.sequence_starts if s < n]})
+    w = None if trace.weights_TLK is None else trace.weights_TLK[:n]
+    return RoutingTrace(trace.logits_TLE[:n], trace.ids_TLK[:n], meta, w)
+
+
+def run_record(args: argparse.Namespace) -> int:
+    import torch
+
+    from expertcache.eval.data import resolve_eval_data_dir, wikitext_text
+    from expertcache.eval.runner import load_model_and_tokenizer
+    from expertcache.eval.tasks import WikiTextTask, context_length
+    from expertcache.models import patch_model
+    from expertcache.routing import RoutingConfig
+
+    torch.set_num_threads(args.threads)
+    if args.tokens < 1:
+        raise ValueError("--tokens must be ≥ 1")
+    if args.task == "text-file":
+        if not args.file:
+            raise ValueError("--task text-file needs --file FILE")
+        with open(args.file, encoding="utf-8") as f:
+            text, label = f.read(), os.path.basename(args.file)
+    else:
+        text, label = wikitext_text(resolve_eval_data_dir("wikitext", args.data_dir)), "wikitext-2-raw-v1 test"
+    model, tok = load_model_and_tokenizer(args.model)
+    ctx = context_length(model)
+    task = WikiTextTask(tok, context=ctx, text=text, limit=math.ceil(args.tokens / ctx))
+    if len(task) * ctx < args.tokens:
+        print(f"note: the text has only {len(task) * ctx} tokens in whole chunks of {ctx}", file=sys.stderr)
+    with patch_model(model, RoutingConfig(), capacity=None, record=True) as patch:
+        out = task.run(model, patch, progress=True)
+        trace = patch.trace()
+    trace = _truncate(trace, args.tokens)
+    trace.meta.model = str(args.model)
+    trace.meta.extra.update(text=label, context=ctx, chunk_tokens=ctx, ppl=out["quality"])
+    if args.no_weights:
+        trace.weights_TLK = None
+    path = trace.save(args.out, logits_dtype=args.logits_dtype)
+    os.chmod(path, 0o644)  # the atomic write's temporary file is private; traces are shipped as package data
+    print(f"wrote {path}: {trace.num_tokens} tokens x {trace.num_layers} MoE layers, N={trace.meta.num_experts}, "
+          f"K={trace.meta.top_k}, {len(trace.meta.sequence_starts)} sequences of {ctx} tokens, "
+          f"{os.path.getsize(path) / 1e6:.2f} MB (perplexity of the recorded chunks {out['quality']:.2f})")
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from expertcache.cache import resolve_capacity
+    from expertcache.sim import replay
+    from expertcache.trace import RoutingTrace
+
+    tr = RoutingTrace.load(args.file)
+    m = tr.meta
+    cap = resolve_capacity(args.capacity, m.num_experts)
+    lru = replay(tr.ids_TLK, m.num_experts, cap, eviction="lru")
+    bel = replay(tr.ids_TLK, m.num_experts, cap, eviction="belady")
+    print(f"file        {args.file} ({os.path.getsize(args.file) / 1e6:.2f} MB, format {m.format_version})")
+    print(f"model       {m.model}  source {m.source}  scoring {m.scoring}  renormalize {m.renormalize}")
+    print(f"shape       {tr.num_tokens} tokens x {m.num_layers} MoE layers (decoder layers {m.layer_ids}), "
+          f"N={m.num_experts}, K={m.top_k}; logits {tr.logits_TLE.dtype}, weights "
+          f"{'yes' if tr.weights_TLK is not None else 'no'}")
+    more = " ..." if len(m.sequence_starts) > 6 else ""
+    print(f"sequences   {len(m.sequence_starts)} (starts {m.sequence_starts[:6]}{more})")
+    extra = {k: v for k, v in (m.extra or {}).items() if k != "patch"}
+    if extra:
+        print(f"extra       {extra}")
+    print(f"replay      C={cap}/{m.num_experts}, carried across sequences: LRU miss rate {100 * lru.miss_rate:.1f}%, "
+          f"Belady {100 * bel.miss_rate:.1f}%, LRU mean lifetime {lru.overall.mean_lifetime:.1f} tokens")
+    return 0

@@ -1,0 +1,176 @@
+"""Sweeps over policy × strength × cache size × eviction, as resumable JSONL rows.
+
+Two modes:
+
+- **open loop** (:func:`open_loop_row`): the simulator re-routes a recorded trace (fast; the logits are
+  fixed, so choices do not feed back). Its quality is a proxy, ``router_mass``: the router probability mass
+  of the experts served divided by that of the router's own top-K, averaged over tokens and layers (1.0 for
+  the original routing; lower when a policy swaps high-probability experts for resident ones);
+- **closed loop**: :func:`expertcache.eval.runner.evaluate` on a model and task (real quality).
+
+Every planned run has a *config key* (:func:`config_key`: a hash of the canonical JSON of what identifies
+the run: mode, source, routing, cache). Rows carry it as ``sweep_key``; :func:`run_sweep` skips planned
+runs whose key is already in the output file, so an interrupted sweep resumes where it stopped (rows are
+appended atomically, one whole line each, by :func:`expertcache.results.append_jsonl`).
+
+Grids (001 Sec. 4.2): prune h ∈ {1..K}; Max-Rank M ∈ {K..E} (M ≤ K promotes nothing, i.e. equals the
+original routing, so 001's "0..K" would be degenerate under its own definition of M); cumsum p,
+Cache-Prior λ and ERAS α at ``points`` equidistant values in [0, 1]; ERAS β in [0, ``beta_max``].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from expertcache import __version__
+from expertcache.cache import resolve_capacity
+from expertcache.routing import POLICIES, RoutingConfig
+
+__all__ = ["policy_grid", "plan", "config_key", "done_keys", "drop_torn_tail", "run_sweep", "open_loop_row",
+           "router_mass"]
+
+
+def policy_grid(policy: str, *, k: int, num_experts: int, points: int = 50, top_j: int = 1, beta_max: float = 4.0,
+                strengths: Iterable[float] | None = None, delta: float | None = None) -> list[RoutingConfig]:
+    """The routing configs of one policy's sweep (see the module docstring for the grids). ``strengths``
+    replaces the continuous grid (p, λ, α, β)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    unit = [float(x) for x in strengths] if strengths is not None else \
+        [round(float(x), 6) for x in np.linspace(0.0, 1.0, points)]
+    if policy == "original":
+        return [RoutingConfig()]
+    if policy == "prune":
+        return [RoutingConfig("prune", h=h) for h in range(1, k + 1)]
+    if policy == "max-rank":
+        return [RoutingConfig("max-rank", m=m, top_j=top_j) for m in range(k, num_experts + 1)]
+    if policy == "cumsum":
+        return [RoutingConfig("cumsum", p=p, top_j=top_j) for p in unit]
+    if policy == "cache-prior":
+        return [RoutingConfig("cache-prior", lam=x, top_j=top_j, delta=delta) for x in unit]
+    if policy == "eras-threshold":
+        return [RoutingConfig("eras-threshold", alpha=x, top_j=top_j) for x in unit]
+    betas = unit if strengths is not None else [round(beta_max * x, 6) for x in unit]
+    return [RoutingConfig("eras-bias", beta=x, top_j=top_j) for x in betas]
+
+
+def plan(*, mode: str, source: dict[str, Any], policies: Iterable[str], k: int, num_experts: int,
+         capacities: Iterable[str | int | float], evictions: Iterable[str], points: int = 50, top_j: int = 1,
+         beta_max: float = 4.0, strengths=None, delta=None, gamma: float = 0.9, initial: str = "empty",
+         seed: int = 0, between_sequences: str = "carry", scope: str | None = None) -> list[dict[str, Any]]:
+    """Every run of the sweep as a JSON-able dict (its identity; see :func:`config_key`), capacity-major.
+    Belady eviction is planned only for fixed selections (original, prune); in closed loop never (every
+    closed-loop row reports ``belady_miss_rate`` anyway)."""
+    caps = []
+    for c in capacities:
+        cap = resolve_capacity(c, num_experts)
+        if cap not in caps:
+            caps.append(cap)
+    out = []
+    for cap in caps:
+        for ev in evictions:
+            for pol in policies:
+                if ev == "belady" and (mode == "closed-loop" or pol not in ("original", "prune")):
+                    continue
+                for rc in policy_grid(pol, k=k, num_experts=num_experts, points=points, top_j=min(top_j, k),
+                                      beta_max=beta_max, strengths=strengths, delta=delta):
+                    out.append(dict(mode=mode, source=source, routing=rc.to_dict(), eviction=ev, capacity=cap,
+                                    gamma=gamma if ev == "gamma" else None, initial=initial, seed=seed,
+                                    between_sequences=between_sequences, scope=scope))
+    return out
+
+
+def config_key(run: dict[str, Any]) -> str:
+    """A stable key of one planned run (sha1 of its canonical JSON, 16 hex digits)."""
+    return hashlib.sha1(json.dumps(run, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def done_keys(path: str | Path) -> set[str]:
+    """Config keys of the rows already in ``path`` (empty if it does not exist)."""
+    from expertcache.results import read_jsonl
+
+    path = Path(path)
+    if not path.exists():
+        return set()
+    return {r["sweep_key"] for r in read_jsonl(path) if "sweep_key" in r}
+
+
+def drop_torn_tail(path: str | Path) -> bool:
+    """Cut an unterminated last line (a row torn by an interrupted write) off ``path`` so that appended rows
+    start on a fresh line; returns whether anything was cut. The torn run is simply run again."""
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return False
+        f.truncate(data.rfind(b"\n") + 1)
+    return True
+
+
+def run_sweep(runs: list[dict[str, Any]], out: str | Path, execute: Callable[[dict[str, Any]], dict[str, Any]],
+              *, progress: bool = False) -> tuple[int, int]:
+    """Execute the runs whose key is not yet in ``out``, appending one row each (with ``sweep_key`` and
+    ``sweep``); returns (executed, skipped)."""
+    from expertcache.results import append_jsonl
+
+    drop_torn_tail(out)
+    done = done_keys(out)
+    todo = [r for r in runs if config_key(r) not in done]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc="sweep", unit="run")
+    for run in todo:
+        row = execute(run)
+        row.update(sweep_key=config_key(run), sweep=run, version=__version__, seed=run["seed"])
+        append_jsonl(out, row)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return len(todo), len(runs) - len(todo)
+
+
+def router_mass(logits_TLE: np.ndarray, served_TLK: np.ndarray, k: int, scoring: str = "softmax") -> float:
+    """Open-loop quality proxy: mean over tokens and layers of (router probability of the served experts) /
+    (probability of the router's top-K). Probabilities: softmax over all E (sigmoid for sigmoid routers);
+    dropped slots (-1) count 0."""
+    z = np.asarray(logits_TLE, dtype=np.float32)
+    if scoring == "sigmoid":
+        p = 1.0 / (1.0 + np.exp(-z))
+    else:
+        p = np.exp(z - z.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+    ids = np.asarray(served_TLK).astype(np.int64)
+    served = np.where(ids >= 0, np.take_along_axis(p, np.clip(ids, 0, None), axis=-1), 0.0).sum(-1)
+    top = -np.partition(-p, k - 1, axis=-1)[..., :k]
+    return float((served / top.sum(-1)).mean()) if served.size else float("nan")
+
+
+def open_loop_row(trace, run: dict[str, Any], *, freq_LE=None) -> dict[str, Any]:
+    """Simulate one planned run on ``trace``; the simulator's row plus the quality proxy and Belady bound."""
+    from expertcache.sim import simulate
+
+    t0 = time.perf_counter()
+    rc = RoutingConfig.from_dict(run["routing"])
+    res = simulate(trace, rc, run["capacity"], eviction=run["eviction"], gamma=run["gamma"] or 0.9,
+                   initial=None if run["initial"] == "empty" else run["initial"], seed=run["seed"],
+                   belady=run["eviction"] != "belady", freq_LE=freq_LE,
+                   between_sequences=run["between_sequences"])
+    row = res.to_row()
+    if run["eviction"] == "belady":
+        row["belady_miss_rate"] = row["miss_rate"]
+    row["config"]["trace"] = run["source"].get("trace")
+    row.update(kind="sweep", mode="open-loop", quality_name="router_mass",
+               quality=router_mass(trace.logits_TLE, res.ids_TLK, trace.meta.top_k, trace.meta.scoring),
+               higher_is_better=True, seconds=time.perf_counter() - t0)
+    return row

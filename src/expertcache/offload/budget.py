@@ -1,0 +1,88 @@
+"""Memory budget → expert-cache slots per layer.
+
+``fast-tier bytes = non-expert weights + KV cache + L · C · expert_bytes`` (L MoE layers, C slots each).
+Given a budget, C is the largest count that fits (at most N). A budget below
+``non-expert + KV + L · K · expert_bytes`` (K experts per token, every layer) is refused with a
+:class:`BudgetError` that states that minimum. Sizes are those of the fast tier (compute dtype for
+non-expert weights and KV, storage dtype -- bf16 or quantised -- for expert slots).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+__all__ = ["BudgetError", "MemoryPlan", "parse_bytes", "plan_memory", "format_bytes", "kv_cache_bytes"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+class BudgetError(ValueError):
+    """The memory budget cannot hold the non-expert weights, the KV cache and K experts per layer."""
+
+
+def parse_bytes(text: str | int) -> int:
+    """``'3GiB'`` → 3221225472; accepts B, KB/MB/GB (10³), KiB/MiB/GiB (2¹⁰), and plain byte counts."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read memory size {text!r}; use e.g. 3GiB, 512MiB, 2GB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def kv_cache_bytes(config, context: int, batch: int, dtype_bytes: int) -> int:
+    """Keys and values of every attention layer for ``batch × context`` tokens."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * context * batch * dtype_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a budget is spent. ``slots`` is C (experts per layer in the fast tier)."""
+
+    budget: int | None
+    non_expert_bytes: int
+    kv_bytes: int
+    expert_bytes: int
+    num_layers: int
+    slots: int
+    minimum: int
+
+    @property
+    def total(self) -> int:
+        return self.non_expert_bytes + self.kv_bytes + self.num_layers * self.slots * self.expert_bytes
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), total=self.total)
+
+
+def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int, kv_bytes: int, expert_bytes: int,
+                num_layers: int, num_experts: int, top_k: int) -> MemoryPlan:
+    """Resolve ``budget`` (bytes) or an explicit ``slots`` count into a :class:`MemoryPlan`.
+
+    Exactly one of ``budget`` / ``slots`` is given. Raises BudgetError (with the minimum) when the budget is
+    too small for K experts per layer, ValueError for slots outside [1, N]."""
+    minimum = non_expert_bytes + kv_bytes + num_layers * top_k * expert_bytes
+    if (budget is None) == (slots is None):
+        raise ValueError("give either a memory budget or a cache size in experts per layer, not both")
+    if budget is not None:
+        if budget < minimum:
+            raise BudgetError(
+                f"memory budget {format_bytes(budget)} is too small: non-expert weights "
+                f"{format_bytes(non_expert_bytes)} + KV cache {format_bytes(kv_bytes)} + K={top_k} experts × "
+                f"{num_layers} layers × {format_bytes(expert_bytes)} need at least {format_bytes(minimum)} "
+                f"({minimum} bytes)")
+        slots = min(num_experts, (budget - non_expert_bytes - kv_bytes) // (num_layers * expert_bytes))
+    elif not 1 <= slots <= num_experts:
+        raise ValueError(f"cache size must be between 1 and N={num_experts} experts per layer, got {slots}")
+    return MemoryPlan(budget, non_expert_bytes, kv_bytes, expert_bytes, num_layers, int(slots), minimum)

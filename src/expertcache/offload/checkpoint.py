@@ -1,0 +1,265 @@
+"""Reading a safetensors checkpoint by key, without loading it: validated headers and expert byte ranges.
+
+A safetensors file is ``[u64 little-endian header length N][N bytes JSON header][data]``; the header maps
+each key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` with offsets relative to the data section.
+:func:`read_header` parses and checks that header itself (no mmap of the file, no torch import of the
+data), so a single expert can be read with one ``pread`` of its byte range.
+
+Loud on damage: a truncated file, a header that is not JSON, offsets outside the file or inconsistent with
+dtype × shape, and a missing expert key all raise :class:`CheckpointError` (a ``ValueError``) naming the
+file and key; nothing is ever read past what the header promises.
+
+Expert layouts (per MoE layer ``i``, expert ``e``; D hidden, F expert intermediate size):
+
+=========================  ===================================================================  =========
+model_type                 per-expert keys (what transformers 5.x ``save_pretrained`` writes)   fused keys
+=========================  ===================================================================  =========
+olmoe, qwen2_moe,          ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``      see below
+qwen3_moe                  ([F, D], [F, D], [D, F])
+mixtral                    ``model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``  see below
+=========================  ===================================================================  =========
+
+Fused (transformers 5.x in-memory names, also accepted on disk): ``model.layers.{i}.mlp.experts.gate_up_proj``
+[E, 2F, D] (gate rows first) and ``...experts.down_proj`` [E, D, F]; one expert is the slice ``[e]``, a
+contiguous byte range because E is the outer dimension.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["CheckpointError", "TensorEntry", "read_header", "Checkpoint", "ExpertParts", "ByteRange",
+           "OFFLOAD_MODEL_TYPES", "DTYPES"]
+
+#: model types the offloaded runtime supports (expert layouts above).
+OFFLOAD_MODEL_TYPES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER = 100 * 2**20  # the safetensors reference implementation refuses headers above 100 MB
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is damaged, truncated, or lacks a tensor the model needs."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: ``start`` is the absolute byte offset of its data in ``file``."""
+
+    file: Path
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """``nbytes`` bytes at absolute offset ``offset`` of ``file``, to be placed at ``dest`` (bytes) in a
+    packed expert buffer."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    dest: int
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file, validated against the file size (see the module docstring).
+
+    Raises CheckpointError for any inconsistency, FileNotFoundError if the file does not exist."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{path}: header length {n} does not fit in the file of {size} bytes "
+                                  "(truncated, or not a safetensors file)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    base = 8 + n
+    out: dict[str, TensorEntry] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: corrupt header entry for {key!r} ({exc!r})") from None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        expected = math.prod(shape) * itemsize
+        if not 0 <= begin <= end or end - begin != expected:
+            raise CheckpointError(f"{path}: tensor {key!r} has data_offsets [{begin}, {end}] but dtype "
+                                  f"{info['dtype']} × shape {list(shape)} needs {expected} bytes (corrupt header)")
+        if base + end > size:
+            raise CheckpointError(f"{path}: tensor {key!r} ends at byte {base + end} but the file has only "
+                                  f"{size} bytes (truncated file)")
+        out[key] = TensorEntry(path, key, dtype, shape, base + begin, end - begin)
+    return out
+
+
+@dataclass(frozen=True)
+class ExpertParts:
+    """Where one expert's weights are and how they are packed into one contiguous buffer.
+
+    reads: byte ranges to copy (file order); nbytes: packed size; dtype: storage dtype. The packed buffer
+    holds ``gate_up`` [2F, D] (gate rows, then up rows) at element offset ``gate_up_at`` and ``down`` [D, F]
+    at ``down_at`` -- the layout of transformers' fused ``OlmoeExperts.gate_up_proj[e]`` / ``down_proj[e]``.
+    """
+
+    reads: tuple[ByteRange, ...]
+    nbytes: int
+    dtype: torch.dtype
+    d: int
+    f: int
+    gate_up_at: int
+    down_at: int
+
+
+class Checkpoint:
+    """All tensors of a checkpoint folder (``model.safetensors``, or the shards named in
+    ``model.safetensors.index.json``, or every ``*.safetensors``), by key; headers only.
+
+    ``expert(layer_id, e)`` locates one expert of decoder layer ``layer_id`` (see the module docstring);
+    ``tensor(key)`` reads one tensor (used for the non-expert weights).
+    """
+
+    def __init__(self, folder: str | os.PathLike, model_type: str, num_experts: int) -> None:
+        self.folder = Path(folder)
+        if model_type not in OFFLOAD_MODEL_TYPES:
+            raise ValueError(f"offloading supports model types {', '.join(OFFLOAD_MODEL_TYPES)}; "
+                             f"got {model_type!r}")
+        self.model_type = model_type
+        self.num_experts = num_experts
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: corrupt shard index ({exc!r})") from None
+            paths = [self.folder / f for f in files]
+        elif (self.folder / "model.safetensors").is_file():
+            paths = [self.folder / "model.safetensors"]
+        else:
+            paths = sorted(p for p in self.folder.glob("*.safetensors") if not p.name.startswith("expertcache-"))
+        if not paths:
+            raise FileNotFoundError(f"{self.folder}: no safetensors checkpoint (model.safetensors or shards)")
+        self.entries: dict[str, TensorEntry] = {}
+        for p in paths:
+            if not p.is_file():
+                raise CheckpointError(f"{p}: shard named in the index is missing")
+            self.entries.update(read_header(p))
+        self._parts: dict[tuple[int, int], ExpertParts] = {}
+
+    # -- experts ---------------------------------------------------------------------------------
+
+    def _per_expert_keys(self, layer_id: int, e: int) -> tuple[str, str, str]:
+        if self.model_type == "mixtral":
+            p = f"model.layers.{layer_id}.block_sparse_moe.experts.{e}."
+            return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+        p = f"model.layers.{layer_id}.mlp.experts.{e}."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    def _fused_keys(self, layer_id: int) -> tuple[str, str]:
+        p = f"model.layers.{layer_id}.mlp.experts."
+        return p + "gate_up_proj", p + "down_proj"
+
+    def is_expert_key(self, key: str) -> bool:
+        return ".experts." in key
+
+    def expert(self, layer_id: int, e: int) -> ExpertParts:
+        """The byte ranges and packed layout of expert ``e`` of decoder layer ``layer_id``; CheckpointError
+        naming the key if it is missing or has the wrong shape."""
+        cached = self._parts.get((layer_id, e))
+        if cached is not None:
+            return cached
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"expert id {e} out of range [0, {self.num_experts})")
+        gate_k, up_k, down_k = self._per_expert_keys(layer_id, e)
+        fused_gu, fused_down = self._fused_keys(layer_id)
+        if gate_k in self.entries or up_k in self.entries or down_k in self.entries:
+            parts = self._per_expert(layer_id, e, gate_k, up_k, down_k)
+        elif fused_gu in self.entries:
+            parts = self._fused(layer_id, e, fused_gu, fused_down)
+        else:
+            raise CheckpointError(f"{self.folder}: missing expert key {gate_k!r} (nor fused {fused_gu!r}) for "
+                                  f"expert {e} of layer {layer_id}")
+        self._parts[(layer_id, e)] = parts
+        return parts
+
+    def _need(self, key: str) -> TensorEntry:
+        if key not in self.entries:
+            raise CheckpointError(f"{self.folder}: missing expert key {key!r}")
+        return self.entries[key]
+
+    def _per_expert(self, layer_id, e, gate_k, up_k, down_k) -> ExpertParts:
+        gate, up, down = self._need(gate_k), self._need(up_k), self._need(down_k)
+        f, d = gate.shape
+        for t, want in ((gate, (f, d)), (up, (f, d)), (down, (d, f))):
+            if t.shape != want:
+                raise CheckpointError(f"{t.file}: {t.key} has shape {list(t.shape)}, expected {list(want)}")
+            if t.dtype != gate.dtype:
+                raise CheckpointError(f"{t.file}: {t.key} is {t.dtype}, other parts of the expert {gate.dtype}")
+        esize = gate.nbytes // (f * d)
+        parts = sorted((gate, up, down), key=lambda t: (str(t.file), t.start))
+        same_file = len({t.file for t in parts}) == 1
+        contiguous = same_file and all(a.start + a.nbytes == b.start for a, b in zip(parts, parts[1:]))
+        if contiguous and [t.key for t in parts].index(gate_k) + 1 == [t.key for t in parts].index(up_k):
+            # one read in file order (transformers writes ``down, gate, up`` adjacent): gate|up stays fused
+            at = {t.key: (t.start - parts[0].start) // esize for t in parts}
+            reads = (ByteRange(parts[0].file, parts[0].start, sum(t.nbytes for t in parts), 0),)
+            return ExpertParts(reads, sum(t.nbytes for t in parts), gate.dtype, d, f, at[gate_k], at[down_k])
+        reads = (ByteRange(gate.file, gate.start, gate.nbytes, 0), ByteRange(up.file, up.start, up.nbytes, gate.nbytes),
+                 ByteRange(down.file, down.start, down.nbytes, 2 * gate.nbytes))
+        return ExpertParts(reads, 3 * gate.nbytes, gate.dtype, d, f, 0, 2 * f * d)
+
+    def _fused(self, layer_id, e, gu_k, down_k) -> ExpertParts:
+        gu, down = self._need(gu_k), self._need(down_k)
+        if len(gu.shape) != 3 or gu.shape[0] != self.num_experts or gu.shape[1] % 2:
+            raise CheckpointError(f"{gu.file}: {gu_k} has shape {list(gu.shape)}, expected [E={self.num_experts}, 2F, D]")
+        _, f2, d = gu.shape
+        f = f2 // 2
+        if down.shape != (self.num_experts, d, f) or down.dtype != gu.dtype:
+            raise CheckpointError(f"{down.file}: {down_k} has shape {list(down.shape)} {down.dtype}, expected "
+                                  f"[{self.num_experts}, {d}, {f}] {gu.dtype}")
+        gu_bytes, down_bytes = gu.nbytes // self.num_experts, down.nbytes // self.num_experts
+        reads = (ByteRange(gu.file, gu.start + e * gu_bytes, gu_bytes, 0),
+                 ByteRange(down.file, down.start + e * down_bytes, down_bytes, gu_bytes))
+        return ExpertParts(reads, gu_bytes + down_bytes, gu.dtype, d, f, 0, 2 * f * d)
+
+    # -- other tensors ---------------------------------------------------------------------------
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """Read one tensor (a fresh CPU tensor of its stored dtype and shape)."""
+        t = self.entries.get(key)
+        if t is None:
+            raise CheckpointError(f"{self.folder}: missing tensor {key!r}")
+        buf = bytearray(t.nbytes)
+        with open(t.file, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [buf], t.start)
+        if got != t.nbytes:
+            raise CheckpointError(f"{t.file}: short read of {key!r} ({got} of {t.nbytes} bytes; truncated file)")
+        if t.nbytes == 0:
+            return torch.empty(t.shape, dtype=t.dtype)
+        return torch.frombuffer(buf, dtype=t.dtype).reshape(t.shape)

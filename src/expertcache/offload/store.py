@@ -1,0 +1,255 @@
+"""The slow tiers of the expert store: a disk tier (flash-faithful or page-cached) and a host-RAM tier.
+
+An *expert source* says which bytes make up one expert (:class:`NativeSource`: the slices of the model's
+own safetensors files; :class:`QuantSource`: one blob of a quantised sidecar file written by
+:func:`quantize_checkpoint`). A *tier* copies those bytes into a destination buffer (a fast-tier slot, or a
+pinned staging buffer on the way to a GPU) and counts what it moved:
+
+- :class:`DiskTier` ``io='direct'``: ``O_DIRECT`` reads of the 4 KiB-aligned span around each range into an
+  aligned bounce buffer (every miss reads the device; the page cache is bypassed -- the phone/flash setting
+  of 001). ``io='fadvise'``: ``posix_fadvise(DONTNEED)`` on the range, then a buffered ``pread`` (the page
+  cache is dropped before each read, so it too reads the device). ``io='cached'``: plain ``pread`` (a warm
+  page cache makes this a RAM copy). ``bytes_read`` counts the bytes requested from the device (the aligned
+  span for ``direct``).
+- :class:`HostTier`: every expert of every MoE layer read once into host RAM (pinned when CUDA is
+  available), one contiguous row per expert; a miss is a memory copy (the PCIe setting of 003/004).
+
+Tiers know nothing about caches or routing.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from expertcache.offload.checkpoint import ByteRange, Checkpoint, CheckpointError, ExpertParts, read_header
+from expertcache.offload.quant import QuantLayout, pack_expert
+
+__all__ = ["IO_MODES", "TIERS", "NativeSource", "QuantSource", "DiskTier", "HostTier", "TierStats",
+           "quantize_checkpoint", "quant_sidecar_path", "direct_io_supported"]
+
+IO_MODES = ("direct", "fadvise", "cached")
+TIERS = ("disk", "host")
+_ALIGN = 4096
+
+
+class NativeSource:
+    """Experts as stored in the checkpoint: ``parts(layer_id, e)`` (ExpertParts) in the storage dtype."""
+
+    quant: QuantLayout | None = None
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+
+    def parts(self, layer_id: int, e: int) -> ExpertParts:
+        return self.checkpoint.expert(layer_id, e)
+
+
+def quant_sidecar_path(folder: str | os.PathLike, mode: str, group: int) -> Path:
+    return Path(folder) / f"expertcache-experts-{mode}-g{group}.safetensors"
+
+
+class QuantSource:
+    """Quantised experts of a sidecar file: key ``model.layers.{i}.experts.{e}.qblob`` (uint8 blob, see
+    :mod:`expertcache.offload.quant`), one read per expert."""
+
+    def __init__(self, path: str | os.PathLike, layout: QuantLayout, num_experts: int) -> None:
+        self.path = Path(path)
+        self.quant = layout
+        self.entries = read_header(self.path)
+        self.num_experts = num_experts
+        self._parts: dict[tuple[int, int], ExpertParts] = {}
+
+    def parts(self, layer_id: int, e: int) -> ExpertParts:
+        got = self._parts.get((layer_id, e))
+        if got is not None:
+            return got
+        key = f"model.layers.{layer_id}.experts.{e}.qblob"
+        t = self.entries.get(key)
+        if t is None:
+            raise CheckpointError(f"{self.path}: missing expert key {key!r}")
+        if t.nbytes != self.quant.nbytes or t.dtype != torch.uint8:
+            raise CheckpointError(f"{self.path}: {key} has {t.nbytes} bytes {t.dtype}, expected "
+                                  f"{self.quant.nbytes} uint8 for {self.quant}")
+        got = ExpertParts((ByteRange(t.file, t.start, t.nbytes, 0),), t.nbytes, torch.uint8, self.quant.d,
+                          self.quant.f, 0, 0)
+        self._parts[(layer_id, e)] = got
+        return got
+
+
+def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str, group: int = 64,
+                        out: str | os.PathLike | None = None) -> Path:
+    """Write the quantised sidecar of every expert of ``layer_ids`` (reads one expert at a time). Returns
+    its path (default: next to the checkpoint). Skips the work if an up-to-date sidecar exists."""
+    from expertcache.offload.writer import write_safetensors
+
+    p0 = checkpoint.expert(layer_ids[0], 0)
+    layout = QuantLayout(mode, p0.d, p0.f, group)
+    path = Path(out) if out is not None else quant_sidecar_path(checkpoint.folder, mode, group)
+    if path.is_file():
+        try:
+            n = len(read_header(path))
+            if n == len(layer_ids) * checkpoint.num_experts:
+                return path
+        except CheckpointError:
+            pass
+    tier = DiskTier("cached")
+
+    def make(layer_id: int, e: int):
+        def f():
+            parts = checkpoint.expert(layer_id, e)
+            buf = torch.empty(parts.nbytes, dtype=torch.uint8)
+            tier.fetch(parts, buf)
+            w = buf.view(parts.dtype)
+            fd = parts.f * parts.d
+            gu = w[parts.gate_up_at:parts.gate_up_at + 2 * fd].view(2 * parts.f, parts.d)
+            down = w[parts.down_at:parts.down_at + fd].view(parts.d, parts.f)
+            return pack_expert(gu, down, layout)
+        return f
+
+    entries = [(f"model.layers.{i}.experts.{e}.qblob", torch.uint8, (layout.nbytes,), make(i, e))
+               for i in layer_ids for e in range(checkpoint.num_experts)]
+    meta = {"format": "pt", "expertcache": "quantized-experts", "mode": mode, "group": str(group),
+            "d": str(p0.d), "f": str(p0.f)}
+    return write_safetensors(path, entries, meta)
+
+
+@dataclass
+class TierStats:
+    """Bytes and time spent moving experts out of a tier."""
+
+    loads: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second over all loads (0 if none)."""
+        return self.bytes_read / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return dict(loads=self.loads, bytes_read=self.bytes_read, seconds=self.seconds, bandwidth=self.bandwidth)
+
+
+def direct_io_supported(path: str | os.PathLike) -> bool:
+    """Whether ``path``'s filesystem accepts O_DIRECT opens (tmpfs and some overlays do not)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+@dataclass
+class DiskTier:
+    """Reads experts from the checkpoint files on every request (see the module docstring for ``io``)."""
+
+    io: str = "direct"
+    stats: TierStats = field(default_factory=TierStats)
+
+    def __post_init__(self) -> None:
+        if self.io not in IO_MODES:
+            raise ValueError(f"io must be one of {IO_MODES}, got {self.io!r}")
+        self._fds: dict[Path, int] = {}
+        self._bounce: mmap.mmap | None = None
+
+    def _fd(self, file: Path) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            flags = os.O_RDONLY | (os.O_DIRECT if self.io == "direct" else 0)
+            try:
+                fd = os.open(file, flags)
+            except OSError as exc:
+                if self.io == "direct":
+                    raise OSError(f"{file}: O_DIRECT is not supported on this filesystem ({exc}); use "
+                                  "--io fadvise (drops the page cache before each read) instead") from None
+                raise
+            self._fds[file] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def fetch(self, parts: ExpertParts, dest_u8: torch.Tensor) -> int:
+        """Copy the expert's bytes into ``dest_u8`` (CPU uint8, at least ``parts.nbytes``). Returns the bytes
+        read from the device."""
+        t0 = time.perf_counter()
+        moved = 0
+        view = dest_u8.numpy()
+        for r in parts.reads:
+            fd = self._fd(r.file)
+            if self.io == "direct":
+                moved += self._read_direct(fd, r, dest_u8)
+                continue
+            if self.io == "fadvise":
+                os.posix_fadvise(fd, r.offset, r.nbytes, os.POSIX_FADV_DONTNEED)
+            got = os.preadv(fd, [memoryview(view[r.dest:r.dest + r.nbytes])], r.offset)
+            if got != r.nbytes:
+                raise CheckpointError(f"{r.file}: short read at byte {r.offset} ({got} of {r.nbytes}; truncated file)")
+            moved += got
+        self.stats.loads += 1
+        self.stats.bytes_read += moved
+        self.stats.seconds += time.perf_counter() - t0
+        return moved
+
+    def _read_direct(self, fd: int, r: ByteRange, dest_u8: torch.Tensor) -> int:
+        start = r.offset - r.offset % _ALIGN
+        end = -(-(r.offset + r.nbytes) // _ALIGN) * _ALIGN
+        span = end - start
+        if self._bounce is None or len(self._bounce) < span:
+            if self._bounce is not None:
+                self._bounce.close()
+            self._bounce = mmap.mmap(-1, span)  # page-aligned anonymous memory
+        got = os.preadv(fd, [memoryview(self._bounce)[:span]], start)  # short at end of file is fine
+        if got < r.offset + r.nbytes - start:
+            raise CheckpointError(f"short O_DIRECT read at byte {start} ({got} of {span}; truncated file)")
+        src = torch.frombuffer(self._bounce, dtype=torch.uint8, count=span)
+        dest_u8[r.dest:r.dest + r.nbytes].copy_(src[r.offset - start:r.offset - start + r.nbytes])
+        return got
+
+
+class HostTier:
+    """Every expert of ``layer_ids`` in host RAM: one [E, nbytes] uint8 tensor per layer (pinned when CUDA
+    is available). Loaded once at construction from ``source`` with buffered reads."""
+
+    def __init__(self, source, layer_ids: list[int], num_experts: int, pin: bool | None = None) -> None:
+        pin = torch.cuda.is_available() if pin is None else pin
+        disk = DiskTier("cached")
+        self.stats = TierStats()
+        self.rows: dict[int, torch.Tensor] = {}
+        for i in layer_ids:
+            nbytes = source.parts(i, 0).nbytes
+            rows = torch.empty(num_experts, nbytes, dtype=torch.uint8, pin_memory=pin)
+            for e in range(num_experts):
+                disk.fetch(source.parts(i, e), rows[e])
+            self.rows[i] = rows
+        disk.close()
+        self.nbytes = sum(r.numel() for r in self.rows.values())
+
+    def fetch_row(self, layer_id: int, e: int) -> torch.Tensor:
+        return self.rows[layer_id][e]
+
+    def fetch(self, layer_id: int, e: int, dest_u8: torch.Tensor) -> int:
+        t0 = time.perf_counter()
+        row = self.rows[layer_id][e]
+        dest_u8[:row.numel()].copy_(row)
+        self.stats.loads += 1
+        self.stats.bytes_read += row.numel()
+        self.stats.seconds += time.perf_counter() - t0
+        return row.numel()

@@ -1,0 +1,334 @@
+"""Offloaded runtime invariants (CPU, tiny random models): logits equal the in-memory model at every cache
+size, live counts equal the simulator's replay, damaged checkpoints fail loudly, the disk tier really reads
+the device, the memory budget, quantised experts, prefetch, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from expertcache.models import load_model
+from expertcache.models.tiny import save_tiny
+from expertcache.offload import BudgetError, CheckpointError, OffloadConfig, OffloadedModel, plan_memory
+from expertcache.offload.budget import parse_bytes
+from expertcache.offload.checkpoint import Checkpoint, read_header
+from expertcache.offload.quant import QuantLayout, pack_expert, unpack_expert
+from expertcache.offload.store import DiskTier, direct_io_supported
+from expertcache.offload.writer import write_safetensors
+from expertcache.routing import RoutingConfig
+from expertcache.sim import replay
+
+ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is fastest and immune to oversubscription on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: save_tiny(a, root / a, seed=3) for a in ARCHS}
+
+
+def _n_experts(cfg) -> int:
+    return getattr(cfg, "num_experts", None) or cfg.num_local_experts
+
+
+def _rt(path, capacity=None, **kw):
+    io = kw.pop("io", "cached")
+    tier = kw.pop("tier", "disk")
+    quant = kw.pop("quant", None)
+    group = kw.pop("group", 16)
+    return OffloadedModel.from_pretrained(path, OffloadConfig(tier=tier, io=io, capacity=capacity, quant=quant,
+                                                              group=group), dtype=torch.float32, **kw)
+
+
+def _reference_logits(path, ids_BS):
+    ref = load_model(path)
+    with torch.no_grad():
+        return ref(ids_BS).logits
+
+
+def _offloaded_logits(rt: OffloadedModel, ids_BS: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of every position: prefill ``prefill`` tokens, then decode the rest one per forward."""
+    out = rt.forward(ids_BS[:, :prefill])
+    logits, past = [out.logits], out.past_key_values
+    for t in range(prefill, ids_BS.shape[1]):
+        out = rt.forward(ids_BS[:, t:t + 1], past)
+        logits.append(out.logits)
+        past = out.past_key_values
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_original_logits_equal_in_memory_at_every_capacity(tiny_dir, arch):
+    path = tiny_dir[arch]
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    want = _reference_logits(path, ids)
+    want1 = want[:1]
+    rt = _rt(path, capacity=1)
+    n = rt.num_experts
+    for c in range(1, n + 1):
+        rt.configure(capacity=c)
+        got = _offloaded_logits(rt, ids, prefill=3)  # batch 2: union steps
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{arch} C={c} batch 2")
+        rt.configure()
+        got1 = _offloaded_logits(rt, ids[:1], prefill=1)  # batch 1, one token per step
+        torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5, msg=f"{arch} C={c} batch 1")
+        s = rt.stats()
+        assert s["hits"] + s["misses"] == s["accesses"] > 0
+        assert s["expert_loads"] == s["misses"] + (0 if c >= rt.top_k else s["expert_loads"] - s["misses"])
+
+
+@pytest.mark.parametrize("policy,eviction", [(RoutingConfig("cache-prior", lam=0.5), "lru"),
+                                             (RoutingConfig("max-rank", m=4), "lfu"),
+                                             (RoutingConfig(), "gamma")])
+def test_live_counts_equal_replay(tiny_dir, policy, eviction):
+    rt = _rt(tiny_dir["olmoe"], capacity=3, routing=policy, eviction=eviction, record=True)
+    r = rt.generate(torch.tensor([[5]]), 25)
+    assert r["tokens"].shape == (1, 25)
+    ids_TLK = rt.recorded_ids_TLK()
+    assert ids_TLK.shape[:2] == (25, len(rt.layers))
+    sim = replay(ids_TLK, rt.num_experts, 3, eviction=eviction)
+    live = rt.cache_stats()
+    for li, (a, b) in enumerate(zip(live, sim.per_layer)):
+        assert (a.hits, a.misses, a.evictions) == (b.hits, b.misses, b.evictions), f"layer {li}"
+    assert rt.stats()["expert_loads"] == sum(s.misses for s in live)
+    assert rt.stats()["bytes_read"] == rt.expert_bytes * sum(s.misses for s in live)
+
+
+def test_cache_aware_policy_raises_hit_rate(tiny_dir):
+    rates = {}
+    for name, rc in (("lru", RoutingConfig()), ("cp", RoutingConfig("cache-prior", lam=1.0))):
+        rt = _rt(tiny_dir["olmoe"], capacity=3, routing=rc)
+        rt.generate(torch.tensor([[5, 9, 11]]), 30)
+        rates[name] = rt.stats()["hit_rate"]
+    assert rates["cp"] > rates["lru"]
+
+
+def test_host_tier_and_fused_layout_match(tiny_dir, tmp_path):
+    path = tiny_dir["olmoe"]
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(2))
+    want = _reference_logits(path, ids)
+    torch.testing.assert_close(_offloaded_logits(_rt(path, 3, tier="host"), ids, 2), want, rtol=1e-5, atol=1e-5)
+    # rewrite the checkpoint with transformers' fused [E, 2F, D] / [E, D, F] expert tensors
+    fused = tmp_path / "fused"
+    shutil.copytree(path, fused)
+    ckpt = Checkpoint(path, "olmoe", 8)
+    entries, layers = [], sorted({int(k.split(".")[2]) for k in ckpt.entries if ".experts." in k})
+    for k, t in ckpt.entries.items():
+        if ".experts." not in k:
+            entries.append((k, t.dtype, t.shape, (lambda k=k: ckpt.tensor(k))))
+    for i in layers:
+        p = f"model.layers.{i}.mlp.experts."
+        gu = torch.stack([torch.cat([ckpt.tensor(f"{p}{e}.gate_proj.weight"), ckpt.tensor(f"{p}{e}.up_proj.weight")])
+                          for e in range(8)])
+        down = torch.stack([ckpt.tensor(f"{p}{e}.down_proj.weight") for e in range(8)])
+        entries += [(p + "gate_up_proj", gu.dtype, tuple(gu.shape), (lambda t=gu: t)),
+                    (p + "down_proj", down.dtype, tuple(down.shape), (lambda t=down: t))]
+    write_safetensors(fused / "model.safetensors", entries)
+    torch.testing.assert_close(_offloaded_logits(_rt(fused, 2), ids, 2), want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefetch_loads_without_demand_misses(tiny_dir):
+    rt = _rt(tiny_dir["olmoe"], capacity=4)
+    assert rt.prefetch(0, [1, 2, 3]) == 3
+    assert rt.states[0].cache.resident() == {1, 2, 3}
+    s = rt.stats()
+    assert (s["accesses"], s["misses"], s["prefetched"], s["expert_loads"]) == (0, 0, 3, 3)
+    assert rt.prefetch(0, [1, 2]) == 0
+
+
+# -- damaged checkpoints ---------------------------------------------------------------------------
+
+
+def test_truncated_checkpoint_fails_clearly(tiny_dir, tmp_path):
+    bad = tmp_path / "trunc"
+    shutil.copytree(tiny_dir["olmoe"], bad)
+    f = bad / "model.safetensors"
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.truncate(size - 100)
+    with pytest.raises(CheckpointError, match="truncated"):
+        _rt(bad, 2)
+
+
+def test_corrupt_header_fails_clearly(tiny_dir, tmp_path):
+    bad = tmp_path / "corrupt"
+    shutil.copytree(tiny_dir["olmoe"], bad)
+    f = bad / "model.safetensors"
+    with open(f, "r+b") as fh:
+        fh.seek(9)
+        fh.write(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        _rt(bad, 2)
+    with open(f, "r+b") as fh:
+        fh.write(struct.pack("<Q", 10**12))
+    with pytest.raises(CheckpointError, match="header length"):
+        read_header(f)
+
+
+def test_missing_expert_key_fails_clearly(tiny_dir, tmp_path):
+    bad = tmp_path / "missing"
+    shutil.copytree(tiny_dir["mixtral"], bad)
+    ckpt = Checkpoint(tiny_dir["mixtral"], "mixtral", 8)
+    gone = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
+    entries = [(k, t.dtype, t.shape, (lambda k=k: ckpt.tensor(k))) for k, t in ckpt.entries.items() if k != gone]
+    write_safetensors(bad / "model.safetensors", entries)
+    with pytest.raises(CheckpointError, match="missing expert key.*experts.5.w3"):
+        _rt(bad, 2)
+
+
+def test_unsupported_family_lists_supported(tmp_path):
+    path = save_tiny("deepseek_v2", tmp_path / "ds")
+    with pytest.raises(ValueError, match="olmoe, mixtral, qwen2_moe, qwen3_moe"):
+        _rt(path, 2)
+
+
+# -- the disk tier really reads the device ----------------------------------------------------------
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(l for l in f if l.startswith("read_bytes:")).split()[1])
+
+
+@pytest.mark.parametrize("io", ["direct", "fadvise"])
+def test_flash_faithful_reads_hit_the_device(tiny_dir, tmp_path, io):
+    if not os.path.exists("/proc/self/io"):
+        pytest.skip("no /proc/self/io on this system")
+    path = tmp_path / "m.safetensors"
+    write_safetensors(path, [(f"model.layers.0.mlp.experts.0.{n}.weight", torch.float32, (256, 256),
+                              lambda: torch.randn(256, 256)) for n in ("down_proj", "gate_proj", "up_proj")])
+    if io == "direct" and not direct_io_supported(path):
+        pytest.skip("filesystem does not support O_DIRECT")
+    ckpt = Checkpoint(tmp_path, "olmoe", 1)
+    parts = ckpt.expert(0, 0)
+    tier = DiskTier(io)
+    dest = torch.empty(parts.nbytes, dtype=torch.uint8)
+    tier.fetch(parts, dest)  # warm the page cache as much as a buffered reader would
+    with open(path, "rb") as f:
+        f.read()
+    before = _read_bytes()
+    for _ in range(3):
+        tier.fetch(parts, dest)
+    moved = _read_bytes() - before
+    if moved == 0 and io == "fadvise":
+        pytest.skip("read_bytes not accounted for buffered reads on this filesystem")
+    assert moved >= 3 * parts.nbytes, f"{io}: only {moved} bytes read from the device for 3 × {parts.nbytes}"
+    want = torch.cat([ckpt.tensor(f"model.layers.0.mlp.experts.0.{n}.weight").reshape(-1)
+                      for n in ("down_proj", "gate_proj", "up_proj")])
+    assert torch.equal(dest.view(torch.float32), want)
+
+
+# -- memory budget --------------------------------------------------------------------------------
+
+
+def test_budget_slots_and_refusal(tiny_dir):
+    assert parse_bytes("3GiB") == 3 * 2**30 and parse_bytes("1.5MB") == 1_500_000 and parse_bytes("77") == 77
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    plan = plan_memory(budget=10_000, slots=None, non_expert_bytes=1000, kv_bytes=1000, expert_bytes=100,
+                       num_layers=4, num_experts=64, top_k=2)
+    assert plan.slots == 20 and plan.total <= 10_000
+    with pytest.raises(BudgetError, match=r"at least .*\(2800 bytes\)"):
+        plan_memory(budget=2799, slots=None, non_expert_bytes=1000, kv_bytes=1000, expert_bytes=100, num_layers=4,
+                    num_experts=64, top_k=2)
+    rt = _rt(tiny_dir["olmoe"])
+    assert rt.capacity == rt.num_experts
+    minimum = rt.plan.minimum
+    small = OffloadedModel.from_pretrained(tiny_dir["olmoe"], OffloadConfig(io="cached", memory=minimum),
+                                           dtype=torch.float32)
+    assert small.capacity == small.top_k
+    with pytest.raises(BudgetError, match=f"need at least .*{minimum} bytes"):
+        OffloadedModel.from_pretrained(tiny_dir["olmoe"], OffloadConfig(io="cached", memory=minimum - 1),
+                                       dtype=torch.float32)
+
+
+# -- quantised experts ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,tol", [("int8", 0.01), ("int4", 0.2)])
+def test_quantised_expert_roundtrip(mode, tol):
+    g = torch.Generator().manual_seed(0)
+    gu, down = torch.randn(64, 32, generator=g), torch.randn(32, 32, generator=g)
+    layout = QuantLayout(mode, 32, 32, 16)
+    blob = pack_expert(gu, down, layout)
+    assert blob.dtype == torch.uint8 and blob.numel() == layout.nbytes
+    gu2, down2 = unpack_expert(blob, layout, torch.float32)
+    for a, b in ((gu, gu2), (down, down2)):
+        rel = ((a - b).norm() / a.norm()).item()
+        assert rel < tol, rel
+
+
+def test_quantised_offload_runs_and_stays_close(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "q"
+    shutil.copytree(tiny_dir["olmoe"], path)
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(4))
+    want = _reference_logits(path, ids)
+    for mode, tol in (("int8", 0.05), ("int4", 0.5)):
+        rt = _rt(path, 3, quant=mode)
+        assert rt.source.path.is_file() and rt.source.path.name.endswith(f"expertcache-experts-{mode}-g16.safetensors")
+        assert not any(p.name.startswith("expertcache-") for p in path.iterdir())  # model folder untouched
+        got = _offloaded_logits(rt, ids, 2)
+        assert (got - want).abs().max().item() < tol
+        assert rt.expert_bytes < 3 * 32 * 32 * 4  # smaller than fp32 experts
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+
+def test_cli_generate_and_bench(tiny_dir, tmp_path, capsys):
+    from expertcache.cli.main import main
+
+    path = str(tiny_dir["qwen2_moe"])
+    assert main(["generate", "--model", path, "--cache-experts", "2", "--io", "cached", "--routing", "cache-prior",
+                 "--lam", "0.5", "--max-new-tokens", "5", "--dtype", "float32", "5 6 7"]) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out.split()) == 5 and "tok/s" in cap.err and "hit rate" in cap.err and "MiB read" in cap.err
+    out = tmp_path / "rows.jsonl"
+    assert main(["bench", "--model", path, "--cache-experts", "4", "--io", "cached", "--tokens", "4",
+                 "--repeats", "1", "--policies", "original+lru", "cache-prior", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| cache-prior |" in text and "roofline" in text
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert {r["name"] for r in rows} == {"original+lru", "cache-prior"}
+    assert all(r["config"]["capacity"] == 4 for r in rows)
+    assert main(["generate", "--model", path, "--memory", "1KiB", "--io", "cached", "5"]) == 2
+    assert "at least" in capsys.readouterr().err
+
+
+def test_make_model_keys_match_transformers_layout():
+    from expertcache.offload.make_model import _disk_entries
+
+    got = _disk_entries("mixtral", "model.layers.3.mlp.experts.gate_up_proj", (2, 8, 4))
+    assert got == [("model.layers.3.block_sparse_moe.experts.0.w1.weight", (4, 4)),
+                   ("model.layers.3.block_sparse_moe.experts.0.w3.weight", (4, 4)),
+                   ("model.layers.3.block_sparse_moe.experts.1.w1.weight", (4, 4)),
+                   ("model.layers.3.block_sparse_moe.experts.1.w3.weight", (4, 4))]
+    assert _disk_entries("olmoe", "model.layers.0.mlp.experts.down_proj", (1, 4, 2)) == \
+        [("model.layers.0.mlp.experts.0.down_proj.weight", (4, 2))]
+
+
+@pytest.mark.slow
+def test_make_bench_model_olmoe_one_layer(tmp_path):
+    from expertcache.offload.make_model import make_bench_model
+
+    path = make_bench_model("olmoe-1b-7b", layers=1, out=tmp_path / "olmoe")
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(capacity=32, io="cached"))
+    assert rt.expert_bytes == 3 * 2048 * 1024 * 2 and rt.num_experts == 64 and rt.top_k == 8
+    r = rt.generate(torch.randint(0, 50304, (1, 4)), 3)
+    assert r["tokens"].shape == (1, 3)
