@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import platform
 import pstats
 import statistics
@@ -78,12 +79,17 @@ class _variant:
 
 
 def load(name: str):
-    """(model, sequence length cap) of a tiny arch or 'granular' (the shipped model, bf16 -> float32)."""
+    """(model, sequence length cap) of a tiny arch, 'granular' (the shipped model, bf16 -> float32) or a checkpoint
+    path (anything with a '/', loaded in float32)."""
     if name == "granular":
         from expertcache.assets import shipped_model_dir
         from expertcache.models import load_model
 
         model = load_model(shipped_model_dir("granular"))
+    elif "/" in name:  # a checkpoint folder, e.g. a realistic-size model from `expertcache bench --make-model`
+        from expertcache.models import load_model
+
+        model = load_model(os.path.expanduser(name))
     else:
         from expertcache.models.tiny import build_tiny
 
@@ -174,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("prefill", "decode", "both"), default="both",
                     help="prefill: one forward of --seq tokens; decode: per-step time of one-token forwards "
                     "with the KV cache (8-token prompt, then --seq - 8 steps); both (default)")
-    ap.add_argument("--archs", default=",".join(TINY_ARCHS), help="comma-separated tiny archs")
+    ap.add_argument("--archs", default=",".join(TINY_ARCHS), help="comma-separated tiny archs and/or checkpoint paths")
     ap.add_argument("--no-granular", action="store_true", help="skip the shipped granular model")
     ap.add_argument("--torch-router", action="store_true", help=f"add the variant {TORCH_ROUTER!r}: Cache-Prior "
                     "with the Router's one-token numpy path off (batched torch policy per token)")

@@ -303,11 +303,15 @@ class ExpertCache:
 
     # -- bulk replay --------------------------------------------------------------------------
 
-    def replay(self, steps: Iterable[Sequence[int]]) -> CacheStats:
-        """Serve a whole sequence of steps (e.g. ``ids_TK.tolist()``) and ``finish()``. Same result as
+    def serve(self, steps: Iterable[Sequence[int]]) -> None:
+        """Serve a sequence of steps (e.g. ``ids_TK.tolist()``) from the current state. Same result as
         calling ``access_step`` for each step; subclasses may override with a faster loop."""
         for ids in steps:
             self.access_step(ids)
+
+    def replay(self, steps: Iterable[Sequence[int]]) -> CacheStats:
+        """:meth:`serve` the steps, then ``finish()``: the statistics so far."""
+        self.serve(steps)
         return self.finish()
 
 
@@ -325,8 +329,8 @@ class LRUCache(ExpertCache):
     def _victim(self) -> int:
         return next(iter(self._loaded_at))
 
-    def replay(self, steps: Iterable[Sequence[int]]) -> CacheStats:
-        """Tight-loop LRU replay (identical semantics to ``access_step``; this is the fast simulator)."""
+    def serve(self, steps: Iterable[Sequence[int]]) -> None:
+        """Tight-loop LRU serving (identical semantics to ``access_step``; this is the fast simulator)."""
         loaded = self._loaded_at  # OrderedDict: expert -> load step, least recent first
         cap, n, st = self.capacity, self.num_experts, self.stats
         step = self._step
@@ -390,7 +394,6 @@ class LRUCache(ExpertCache):
         st.lifetime_sumsq += lt_sq
         st.lifetime_count += lt_cnt
         st.bytes_loaded += bytes_loaded if per_expert_bytes else (misses * eb if eb else 0)
-        return self.finish()
 
 
 class LFUCache(ExpertCache):

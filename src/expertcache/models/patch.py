@@ -333,8 +333,10 @@ class MoEPatch:
         policy = policy and not (self.scope == "generation" and s > 1)
         self._ensure_rows(b)
         z_cpu_TE = z_TE.detach().to("cpu")
-        ids_out_TK = ids0_TK.detach().to("cpu").clone()
-        w_out_TK = w0_TK.detach().to("cpu").clone()
+        ids_out_TK = ids0_TK.detach().to("cpu")
+        if policy:  # written per row below; without a policy the stock selection is served unchanged
+            ids_out_TK = ids_out_TK.clone()
+            w_out_TK = w0_TK.detach().to("cpu").clone()
         zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
         if not policy and self.routing.policy == "cache-prior":
             self.router.delta_for(m.index).update(zr_TE[real_BS.reshape(-1)])
@@ -347,8 +349,7 @@ class MoEPatch:
             if not policy:
                 ids_PK = order_by_logits(ids_out_TK[pos], z_PE)
                 if cache is not None:
-                    for ids in ids_PK.tolist():
-                        cache.access_step(ids)
+                    cache.serve(ids_PK.tolist())
                 w_PK = self.family.weights(m.router, z_PE, ids_PK) if self.record else None
             else:
                 zr_PE = zr_TE[pos]
@@ -356,8 +357,7 @@ class MoEPatch:
                 if self.replace_rank is not None:
                     ids_PK = self._replaced(order_by_logits(ids_out_TK[pos], z_PE), z_PE)
                     if cache is not None:
-                        for ids in ids_PK.tolist():
-                            cache.access_step(ids)
+                        cache.serve(ids_PK.tolist())
                 else:
                     ids_PK = self._select(m.index, zr_PE, z_PE, allowed_PE, cache)
                 w_PK = self.family.weights(m.router, z_PE, ids_PK)
@@ -391,8 +391,7 @@ class MoEPatch:
                 resident_PE = resident_PE & allowed_PE
             ids_PK = order_by_logits(self.router.rank(layer, zr_PE, resident_PE), z_PE)
             if cache is not None:
-                for ids in ids_PK.tolist():
-                    cache.access_step(ids)
+                cache.serve(ids_PK.tolist())
             return ids_PK
         out: list[list[int]] = []
         z_rows = z_PE.float().tolist()
