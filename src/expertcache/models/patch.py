@@ -329,7 +329,10 @@ class MoEPatch:
         b, s = self._shape if self._shape is not None else (1, t)
         if b * s != t:
             b, s = 1, t
-        real_BS = self._real_tokens(b, s)
+        all_real = self._attention_mask is None  # no padding: a row's tokens are one slice (no index tensors)
+        real_BS = None if all_real else self._real_tokens(b, s)
+        if real_BS is not None and bool(real_BS.all()):
+            all_real = True
         policy = policy and not (self.scope == "generation" and s > 1)
         self._ensure_rows(b)
         z_cpu_TE = z_TE.detach().to("cpu")
@@ -337,13 +340,17 @@ class MoEPatch:
         if policy:  # written per row below; without a policy the stock selection is served unchanged
             ids_out_TK = ids_out_TK.clone()
             w_out_TK = w0_TK.detach().to("cpu").clone()
-        zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
+        if policy or self.routing.policy == "cache-prior":
+            zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
         if not policy and self.routing.policy == "cache-prior":
-            self.router.delta_for(m.index).update(zr_TE[real_BS.reshape(-1)])
+            self.router.delta_for(m.index).update(zr_TE if all_real else zr_TE[real_BS.reshape(-1)])
         for row in range(b):
-            pos = torch.nonzero(real_BS[row]).flatten() + row * s  # flat token indices of this row
-            if pos.numel() == 0:
-                continue
+            if all_real:
+                pos = slice(row * s, (row + 1) * s)  # flat token indices of this row
+            else:
+                pos = torch.nonzero(real_BS[row]).flatten() + row * s
+                if pos.numel() == 0:
+                    continue
             cache = self._streams[row][m.index] if self.capacity is not None else None
             z_PE = z_cpu_TE[pos]
             if not policy:
