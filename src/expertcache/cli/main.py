@@ -22,6 +22,7 @@ COMMANDS = [
     "expertcache.cli.report",
     "expertcache.cli.sensitivity",
     "expertcache.cli.trace",
+    "expertcache.cli.mole",
     "expertcache.cli.generate",
     "expertcache.cli.bench",
 ]
