@@ -452,3 +452,17 @@ def test_resolve_capacity():
         resolve_capacity("abc", 8)
     with pytest.raises(ValueError):
         resolve_capacity(-2, 8)
+
+
+def test_belady_with_fewer_slots_than_k_keeps_the_experts_needed_soonest():
+    # C = 2 < K = 7 (found by hypothesis): every request of a step is served, and Belady may serve a missing
+    # expert with a transient load (lifetime 0) rather than evict one of the step's experts needed sooner.
+    steps = [[0, 1, 2, 3, 5, 4, 6], [0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 5, 6, 7]]
+    lru = make_cache("lru", 8, 2).replay(steps)
+    fast = make_cache("belady", 8, 2, future=steps).replay()
+    slow = make_cache("belady", 8, 2, future=steps)
+    for s in steps:
+        slow.access_step(s)
+    slow = slow.finish()
+    assert fast.misses == slow.misses == 17 <= lru.misses
+    assert fast.accesses == slow.accesses == 21 and fast.evictions == slow.evictions

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from expertcache.sim.simulator import check_selections
+
 __all__ = ["activation_rate", "activation_frequency", "router_signal", "expert_correlation",
            "layer_correlation", "top_pairs", "distinct_experts", "uniform_distinct", "summarize"]
 
@@ -34,12 +36,8 @@ BATCH_MODES = ("random", "consecutive")
 
 
 def _ids(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
-    ids_TLK = np.asarray(ids_TLK)
-    if ids_TLK.ndim != 3:
-        raise ValueError(f"selections must be [T, L, K], got shape {ids_TLK.shape}")
-    if ids_TLK.size and (ids_TLK.min() < -1 or ids_TLK.max() >= num_experts):
-        raise ValueError(f"expert ids must be in [-1, {num_experts})")
-    return ids_TLK.astype(np.int64, copy=False)
+    """``ids_TLK`` validated as the simulator validates selections, as int64."""
+    return check_selections(ids_TLK, num_experts).astype(np.int64, copy=False)
 
 
 def _counts_LE(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:

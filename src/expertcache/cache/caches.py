@@ -229,7 +229,12 @@ class ExpertCache:
             self.stats.misses += 1
             self._charge(e)
             if len(loaded) >= self.capacity:
-                self._evict(self._victim())
+                victim = self._victim()
+                if self._bypass(e, victim):  # served by a transient load: used, then dropped (lifetime 0)
+                    self.stats.evictions += 1
+                    self.stats._close(e, 0)
+                    continue
+                self._evict(victim)
             self._insert(e)
             self._touch(e)
         if misses and len(misses) < len(ids):
@@ -296,12 +301,32 @@ class ExpertCache:
         self.stats._close(e, self._step - t0)
         self._forget(e)
 
+    def _bypass(self, e: int, victim: int) -> bool:
+        """Whether the missing expert ``e`` should be served without staying resident instead of evicting
+        ``victim`` (only Belady, and only when C < K forces a choice among the step's own experts)."""
+        return False
+
     def _charge(self, e: int) -> None:
         b = self._expert_bytes
         if b is not None:
             self.stats.bytes_loaded += b if isinstance(b, int) else int(b[e])
 
     # -- bulk replay --------------------------------------------------------------------------
+
+    def _add_totals(self, step: int, accesses: int, hits: int, misses: int, lt_sum: int, lt_sq: int,
+                    lt_cnt: int, bytes_loaded: int) -> None:
+        """Add the totals of a tight-loop replay (which ran up to ``step``) to the statistics."""
+        st = self.stats
+        st.steps += step - self._step
+        self._step = step
+        st.accesses += accesses
+        st.hits += hits
+        st.misses += misses
+        st.evictions += lt_cnt
+        st.lifetime_sum += lt_sum
+        st.lifetime_sumsq += lt_sq
+        st.lifetime_count += lt_cnt
+        st.bytes_loaded += bytes_loaded
 
     def serve(self, steps: Iterable[Sequence[int]]) -> None:
         """Serve a sequence of steps (e.g. ``ids_TK.tolist()``) from the current state. Same result as
@@ -384,16 +409,8 @@ class LRUCache(ExpertCache):
                 for e in ids:
                     if e in loaded:
                         move(e)
-        st.steps += step - self._step
-        self._step = step
-        st.accesses += accesses
-        st.hits += hits
-        st.misses += misses
-        st.evictions += lt_cnt
-        st.lifetime_sum += lt_sum
-        st.lifetime_sumsq += lt_sq
-        st.lifetime_count += lt_cnt
-        st.bytes_loaded += bytes_loaded if per_expert_bytes else (misses * eb if eb else 0)
+        self._add_totals(step, accesses, hits, misses, lt_sum, lt_sq, lt_cnt,
+                         bytes_loaded if per_expert_bytes else (misses * eb if eb else 0))
 
 
 class LFUCache(ExpertCache):
@@ -465,6 +482,10 @@ class BeladyCache(ExpertCache):
 
     future: the whole sequence of steps this cache will serve, e.g. ``ids_TK.tolist()``; ``access_step``
     must then be called with exactly these steps in order (checked).
+
+    With C < K a step's own experts must displace each other; a missing expert whose next request is no
+    sooner than that of the step's farthest resident expert is then served by a transient load (counted as
+    a miss and an eviction with lifetime 0) instead of displacing it, so Belady stays a lower bound.
     """
 
     kind = "belady"
@@ -537,6 +558,11 @@ class BeladyCache(ExpertCache):
     def _forget(self, e: int) -> None:
         self._version[e] = self._version.get(e, 0) + 1  # invalidate its heap entry
 
+    def _bypass(self, e: int, victim: int) -> bool:
+        # C < K: the victim is one of this step's experts; keep whichever of the two is needed sooner (OPT with
+        # bypass: the step's requests are all served either way, only the resident set after it matters)
+        return victim in self._serving and self._step_next[e] >= self._next_of[victim]
+
     def replay(self, steps: Iterable[Sequence[int]] | None = None) -> CacheStats:
         """Tight-loop replay of the whole future (``steps`` may be omitted; if given it must be the
         future). Same decisions as ``access_step``: hits first, then loads evicting the resident expert
@@ -597,8 +623,12 @@ class BeladyCache(ExpertCache):
                             break
                     for item in held:
                         push(heap, item)
-                    if victim is None:
+                    if victim is None:  # C < K: the farthest of this step's experts, or e itself (see _bypass)
                         victim = held[0][1]
+                        if w >= -held[0][0]:
+                            lt_cnt += 1  # transient load: served, then dropped with lifetime 0
+                            lt_cnt_E[e] += 1
+                            continue
                     lt = step - loaded.pop(victim)
                     del nxt_of[victim]
                     lt_sum += lt
@@ -610,16 +640,8 @@ class BeladyCache(ExpertCache):
                 nxt_of[e] = w
                 push(heap, (-w, e))
         self._t = len(self._future) - 1
-        st.steps += step - self._step
-        self._step = step
-        st.accesses += accesses
-        st.hits += hits
-        st.misses += misses
-        st.evictions += lt_cnt
-        st.lifetime_sum += lt_sum
-        st.lifetime_sumsq += lt_sq
-        st.lifetime_count += lt_cnt
-        st.bytes_loaded += bytes_loaded if per_expert_bytes else (misses * eb if eb else 0)
+        self._add_totals(step, accesses, hits, misses, lt_sum, lt_sq, lt_cnt,
+                         bytes_loaded if per_expert_bytes else (misses * eb if eb else 0))
         return self.finish()
 
 

@@ -29,6 +29,18 @@ POLICY_COLORS = {"original": "black", "prune": "tab:gray", "max-rank": "tab:oran
                  "cache-prior": "tab:purple", "eras-threshold": "tab:blue", "eras-bias": "tab:cyan"}
 
 
+
+def _save(fig, path) -> Path:
+    """Lay out, write (creating the folder) and close ``fig``; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
 def _mpl():
     import matplotlib
 
@@ -195,12 +207,7 @@ def plot_tradeoff(rows: Sequence[dict], path: str | Path, title: str = "") -> Pa
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _loss(q: float, ref: float, higher: bool) -> float:
@@ -256,12 +263,7 @@ def plot_cache_sizes(rows: Sequence[dict], path: str | Path, title: str = "", bu
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_raster(traces: Sequence[tuple[str, Any]], path: str | Path, *, layer: int = 0, start: int = 0,
@@ -297,12 +299,7 @@ def plot_raster(traces: Sequence[tuple[str, Any]], path: str | Path, *, layer: i
         ax.set_title(f"{label} — layer {layer}, C={cap}/{m.num_experts}, {eviction}: miss rate {100 * mr:.1f}% "
                      f"in this window", fontsize=8)
     axes[-1, 0].set_xlabel("token")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_sensitivity(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
@@ -325,12 +322,7 @@ def plot_sensitivity(rows: Sequence[dict], path: str | Path, title: str = "") ->
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def slug(*parts) -> str:

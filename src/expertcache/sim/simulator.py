@@ -100,7 +100,8 @@ def selections_of(ids_TLK: np.ndarray, layer: int) -> list[list[int]]:
     return _steps(ids_TLK[:, layer, :])
 
 
-def _check_ids(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
+def check_selections(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
+    """``ids_TLK`` as an array, checked to be [T, L, K] with ids in [-1, num_experts) (ValueError otherwise)."""
     ids_TLK = np.asarray(ids_TLK)
     if ids_TLK.ndim != 3:
         raise ValueError(f"selections must be [T, L, K], got shape {ids_TLK.shape}")
@@ -126,7 +127,7 @@ def replay(
     through one cache per layer. ``between_sequences='reset'`` starts a fresh cache at every index in
     ``sequence_starts``; 'carry' keeps the cache across sequences."""
     t0 = time.perf_counter()
-    ids_TLK = _check_ids(ids_TLK, num_experts)
+    ids_TLK = check_selections(ids_TLK, num_experts)
     cap = resolve_capacity(capacity, num_experts)
     segments = _segments(ids_TLK.shape[0], sequence_starts, between_sequences)
     per_layer = []
@@ -163,7 +164,7 @@ def _initial_label(initial) -> Any:
 def activation_frequency(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """Per-layer normalised activation frequency [L, E] (003 Sec. III-A): the share of selections that go
     to each expert (rows sum to 1; uniform routing gives 1/E). Used by ERAS biasing."""
-    ids_TLK = _check_ids(ids_TLK, num_experts)
+    ids_TLK = check_selections(ids_TLK, num_experts)
     t, l, k = ids_TLK.shape
     freq = np.zeros((l, num_experts), dtype=np.float64)
     for layer in range(l):
