@@ -45,6 +45,11 @@ def add_cache_args(parser: argparse.ArgumentParser, *, default_capacity: str = "
     g.add_argument("--capacity", default=default_capacity,
                    help=f"experts per layer in fast memory: a count (16) or a fraction of N (0.5) "
                         f"(default: {default_capacity})")
+    add_cache_state_args(g)
+
+
+def add_cache_state_args(g) -> None:
+    """--gamma, --initial, --seed, --between-sequences: the cache options besides eviction and capacity."""
     g.add_argument("--gamma", type=float, default=0.9, help="γ of the gamma cache (1 = LFU, 0 = LRU; default 0.9)")
     g.add_argument("--initial", default="empty", choices=("empty", "random"), help="initial cache state")
     g.add_argument("--seed", type=int, default=0, help="seed for a random initial state")

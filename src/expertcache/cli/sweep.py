@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from expertcache.cache import EVICTION_POLICIES
+from expertcache.cli.common import add_cache_state_args
 from expertcache.routing import POLICIES, RoutingConfig
 
 DESCRIPTION = """\
@@ -49,11 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default 0.5)")
     g.add_argument("--eviction", default="lru", help=f"comma-separated evictions among "
                    f"{', '.join(EVICTION_POLICIES)} (default lru)")
-    g.add_argument("--gamma", type=float, default=0.9, help="gamma of the gamma cache (default 0.9)")
-    g.add_argument("--initial", default="empty", choices=("empty", "random"), help="initial cache state")
-    g.add_argument("--seed", type=int, default=0, help="seed for a random initial state")
-    g.add_argument("--between-sequences", choices=("carry", "reset"), default="carry",
-                   help="keep caches across sequences (carry) or start each sequence empty (reset)")
+    add_cache_state_args(g)
     p.add_argument("--out", required=True, help="JSONL file to append rows to (resumes if it exists)")
     p.add_argument("--dry-run", action="store_true", help="print how many runs are planned and pending, run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -63,11 +63,7 @@ class MoleTrainConfig(TrainConfig):
         for name in ("hidden", "layers", "heads", "ffn"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.save_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"save_dtype must be float32, bfloat16 or float16, not {self.save_dtype!r}")
-        for name in ("seq_len", "batch_size", "steps", "vocab_size", "ckpt_every", "log_every", "eval_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self.check_training_fields()
 
     def spec(self) -> dict:
         """The architecture fields (what :func:`build_model` reads)."""

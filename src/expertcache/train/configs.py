@@ -75,6 +75,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.model not in MODEL_SPECS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {sorted(MODEL_SPECS)}")
+        self.check_training_fields()
+
+    def check_training_fields(self) -> None:
+        """Validate the fields every training run shares (dtype, sizes, intervals); ValueError otherwise."""
         if self.save_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"save_dtype must be float32, bfloat16 or float16, not {self.save_dtype!r}")
         for name in ("seq_len", "batch_size", "steps", "vocab_size", "ckpt_every", "log_every", "eval_every"):
