@@ -1,4 +1,5 @@
-"""Per-layer expert caches: plain Python bookkeeping with integer expert ids, no torch.
+"""Per-layer expert caches: plain Python bookkeeping with integer expert ids, no torch (LRU can hand its
+state to the compiled loops of :mod:`expertcache.cache.kernels` for bulk serving).
 
 A cache holds at most C of the N experts of one MoE layer (1 ≤ C ≤ N). Time advances in *steps*: one
 step is one token at this layer, which requests a set of distinct experts (K of them; ``-1`` entries, the
@@ -31,6 +32,10 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+
+import numpy as np
+
+from expertcache.cache import kernels
 
 __all__ = [
     "CacheStats",
@@ -339,14 +344,160 @@ class ExpertCache:
         self.serve(steps)
         return self.finish()
 
+    def serve_array(self, ids_PK: np.ndarray, order_by: np.ndarray | None = None) -> None:
+        """:meth:`serve` P steps given as an int array [P, K] (-1 = dropped slot); subclasses may run a
+        compiled loop (same decisions). ``order_by`` (float [P, E], e.g. the router logits): serve each step's
+        ids in descending order of it (stable, -1 slots last) -- the descending-weight order of ``access_step``
+        -- instead of as given."""
+        ids_PK = np.asarray(ids_PK)
+        if order_by is not None:
+            ids_PK = _order_steps(ids_PK, np.asarray(order_by))
+        self.serve(ids_PK.tolist())
+
+    def select_serve(self, order_PE: np.ndarray, kres_PE: np.ndarray, knon_PE: np.ndarray, z_PE: np.ndarray,
+                     k: int) -> np.ndarray:
+        """Select K experts for each of P tokens against the live residency and serve each token before the
+        next one is selected (a cache-aware routing policy run token by token).
+
+        order_PE int [P, E]: each token's experts in rank order; kres_PE / knon_PE float32 [P, E]: the key of
+        the expert at each rank position if it is resident / not resident now (from
+        :meth:`expertcache.routing.Router.keys`); z_PE float32 [P, E]: the router logits by expert id. Per
+        token, the K positions with the highest keys are selected (ties: lower rank first), then ordered
+        by descending logit (stable), served with :meth:`access_step`, and returned: int64 [P, K].
+        (:mod:`expertcache.cache.kernels` documents the same rule for its compiled LRU loop.)
+        """
+        order_PE, kres_PE, knon_PE, z_PE = (np.asarray(a) for a in (order_PE, kres_PE, knon_PE, z_PE))
+        _check_keyed(order_PE, kres_PE, knon_PE, z_PE, k, self.num_experts)
+        out_PK = np.empty((order_PE.shape[0], k), np.int64)
+        for p in range(order_PE.shape[0]):
+            res_E = np.zeros(self.num_experts, bool)
+            res_E[list(self._loaded_at)] = True
+            order = order_PE[p]
+            key = np.where(res_E[order], kres_PE[p], knon_PE[p])
+            ids = order[np.argsort(-key, kind="stable")[:k]].tolist()
+            z = z_PE[p]
+            ids.sort(key=lambda e: -z[e])
+            self.access_step(ids)
+            out_PK[p] = ids
+        return out_PK
+
 
 class LRUCache(ExpertCache):
     """Least-recently-used eviction; within a step the higher-weight expert is evicted first."""
 
     kind = "lru"
 
+    def __init__(self, num_experts: int, capacity: int, **kw) -> None:
+        self._arrays: _LRUArrays | None = None  # array form of the state for the compiled loops
+        self._arrays_own = False  # True while the arrays, not the OrderedDict, hold residency and recency
+        self._unfolded = False  # True while compiled calls' counts (and the step) are not in stats/_step yet
+        super().__init__(num_experts, capacity, **kw)
+
+    # Every Python-side use of the residency, the statistics or the step takes them back from the arrays first.
+
+    @property
+    def _loaded_at(self) -> "OrderedDict[int, int]":
+        if self._arrays_own:
+            self._from_arrays()
+        return self._store
+
+    @_loaded_at.setter
+    def _loaded_at(self, value) -> None:
+        self._store = value
+
+    @property
+    def stats(self) -> CacheStats:
+        if self._unfolded:
+            self._fold()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: CacheStats) -> None:
+        self._stats = value
+
+    @property
+    def _step(self) -> int:
+        if self._unfolded:
+            self._fold()
+        return self._step_now
+
+    @_step.setter
+    def _step(self, value: int) -> None:
+        self._step_now = value
+
     def _make_store(self) -> dict[int, int]:
         return OrderedDict()  # least recent first; values: load step
+
+    # -- compiled loops (expertcache.cache.kernels) ----------------------------------------------
+
+    def _compiled(self) -> bool:
+        eb = self._expert_bytes
+        return kernels.AVAILABLE and (eb is None or isinstance(eb, int))
+
+    def _own_arrays(self) -> "_LRUArrays":
+        """The array state for a compiled call (built from the OrderedDict if that holds the state now);
+        call :meth:`_fold` after the call."""
+        a = self._arrays
+        if a is None:
+            a = self._arrays = _LRUArrays(self.num_experts, self.capacity)
+        if not self._arrays_own:
+            store = self._store
+            lru_E = a.lru_E
+            lru_E[kernels.RESIDENT] = 0
+            ids = np.fromiter(store.keys(), np.int64, len(store))
+            lru_E[kernels.RESIDENT, ids] = 1
+            lru_E[kernels.LOADED_AT, ids] = np.fromiter(store.values(), np.int64, len(store))
+            lru_E[kernels.STAMP, ids] = np.arange(len(store))  # dict order: least recent first
+            a.lru_S[kernels.CLOCK] = len(store)
+            a.lru_S[kernels.N_RES] = len(store)
+            self._arrays_own = True
+        if not self._unfolded:
+            a.lru_S[kernels.STEP] = self._step_now
+        self._unfolded = True  # the caller's compiled call counts into the arrays
+        return a
+
+    def _from_arrays(self) -> None:
+        lru_E = self._arrays.lru_E
+        ids = np.flatnonzero(lru_E[kernels.RESIDENT])
+        ids = ids[np.argsort(lru_E[kernels.STAMP, ids], kind="stable")]
+        self._store = OrderedDict(zip(ids.tolist(), lru_E[kernels.LOADED_AT, ids].tolist()))
+        self._arrays_own = False
+
+    def _fold(self) -> None:
+        """Add what compiled calls counted to the statistics and take the step back (done lazily, on the
+        first Python-side read of ``stats`` or ``_step``)."""
+        self._unfolded = False
+        a = self._arrays
+        s = a.lru_S
+        step, accesses, hits, misses, lt_sum, lt_sq, lt_cnt = s[kernels.STEP], *s[kernels.ACCESSES:].tolist()
+        if lt_cnt:
+            st = self.stats
+            lt_sum_E, lt_cnt_E = a.lru_E[kernels.LT_SUM], a.lru_E[kernels.LT_CNT]
+            for e in np.flatnonzero(lt_cnt_E).tolist():
+                st.lifetime_sum_E[e] += int(lt_sum_E[e])
+                st.lifetime_count_E[e] += int(lt_cnt_E[e])
+            lt_sum_E[:] = 0
+            lt_cnt_E[:] = 0
+        eb = self._expert_bytes
+        self._add_totals(int(step), accesses, hits, misses, lt_sum, lt_sq, lt_cnt, misses * eb if eb else 0)
+        s[kernels.ACCESSES:] = 0
+
+    def serve_array(self, ids_PK: np.ndarray, order_by: np.ndarray | None = None) -> None:
+        if not self._compiled():
+            return super().serve_array(ids_PK, order_by)
+        ids_PK = np.asarray(ids_PK)
+        a = self._own_arrays()
+        bad = kernels.lru_serve(ids_PK, a, None if order_by is None else np.asarray(order_by))
+        if bad >= 0:
+            raise ValueError(f"bad step {ids_PK[bad].tolist()}: ids must be distinct and in [0, {self.num_experts})")
+
+    def select_serve(self, order_PE: np.ndarray, kres_PE: np.ndarray, knon_PE: np.ndarray, z_PE: np.ndarray,
+                     k: int) -> np.ndarray:
+        if not self._compiled():
+            return super().select_serve(order_PE, kres_PE, knon_PE, z_PE, k)
+        _check_keyed(order_PE, kres_PE, knon_PE, z_PE, k, self.num_experts)
+        a = self._own_arrays()
+        return kernels.lru_select_serve(order_PE, kres_PE, knon_PE, z_PE, k, a)
 
     def _touch(self, e: int) -> None:
         self._loaded_at.move_to_end(e)
@@ -643,6 +794,35 @@ class BeladyCache(ExpertCache):
         self._add_totals(step, accesses, hits, misses, lt_sum, lt_sq, lt_cnt,
                          bytes_loaded if per_expert_bytes else (misses * eb if eb else 0))
         return self.finish()
+
+
+class _LRUArrays:
+    """Array form of an LRU cache's state (see :mod:`expertcache.cache.kernels`)."""
+
+    __slots__ = ("lru_E", "lru_S")
+
+    def __init__(self, num_experts: int, capacity: int) -> None:
+        self.lru_E = np.zeros((5, num_experts), np.int64)  # resident, stamp, loaded_at, lt_sum, lt_cnt
+        self.lru_S = np.zeros(10, np.int64)  # clock, step, n_resident, capacity, 6 counters
+        self.lru_S[kernels.CAP] = capacity
+
+
+def _order_steps(ids_PK: np.ndarray, z_PE: np.ndarray) -> np.ndarray:
+    """Each row of ``ids_PK`` in descending order of ``z_PE`` at those ids (stable; -1 entries last)."""
+    if z_PE.ndim != 2 or z_PE.shape[0] != ids_PK.shape[0]:
+        raise ValueError(f"order_by must be [P={ids_PK.shape[0]}, E], got {z_PE.shape}")
+    valid_PK = ids_PK >= 0
+    key_PK = np.where(valid_PK, np.take_along_axis(z_PE, np.where(valid_PK, ids_PK, 0), axis=1), -np.inf)
+    return np.take_along_axis(ids_PK, np.argsort(-key_PK, axis=1, kind="stable"), axis=1)
+
+
+def _check_keyed(order_PE, kres_PE, knon_PE, z_PE, k: int, num_experts: int) -> None:
+    shape = (order_PE.shape[0], num_experts)
+    if order_PE.ndim != 2 or any(tuple(a.shape) != shape for a in (order_PE, kres_PE, knon_PE, z_PE)):
+        raise ValueError(f"keyed selection needs order/keys/logits of shape [P, E={num_experts}], got "
+                         f"{[tuple(a.shape) for a in (order_PE, kres_PE, knon_PE, z_PE)]}")
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"K must be in [1, E={num_experts}], got {k}")
 
 
 def make_cache(

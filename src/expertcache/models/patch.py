@@ -66,6 +66,7 @@ from torch import nn
 
 from expertcache import __version__
 from expertcache.cache import CacheStats, ExpertCache, make_cache, resolve_capacity
+from expertcache.models import fused
 from expertcache.models.adapters import (Family, MoELayer, family_for, find_moe_layers, order_by_logits,
                                          ranks_logits)
 from expertcache.routing import Router, RoutingConfig
@@ -73,6 +74,8 @@ from expertcache.routing import Router, RoutingConfig
 __all__ = ["patch_model", "MoEPatch", "SCOPES", "BETWEEN_SEQUENCES"]
 
 SCOPES = ("all", "generation")
+_MAX_PENDING = 4096  # deferred tokens per (row, layer) before they are served anyway (bounds the memory)
+_SAME_SET_CHECK = 8  # calls of up to this many tokens (decoding) skip the weights when the policy kept every choice
 BETWEEN_SEQUENCES = ("reset", "carry")
 
 
@@ -119,6 +122,16 @@ class _Recorded:
     logits_SE: np.ndarray
     ids_SK: np.ndarray
     weights_SK: np.ndarray
+
+
+def _same_sets(a_PK: torch.Tensor, b_PK: torch.Tensor) -> bool:
+    """Whether every row of ``a_PK`` holds the same ids as that row of ``b_PK`` (in any order)."""
+    a, b = a_PK.numpy(), b_PK.numpy()
+    if a.shape != b.shape:
+        return False
+    if a.shape[1] > 1:
+        a, b = np.sort(a, axis=1), np.sort(b, axis=1)
+    return bool((a == b).all())
 
 
 class MoEPatch:
@@ -179,6 +192,15 @@ class MoEPatch:
         self._attention_mask: torch.Tensor | None = None
         self._hooks: list[Any] = []
         self._patched = False
+        # selections of residency-independent calls (original routing, nothing recorded) not yet served:
+        # (row, layer) -> [(ids int [P, K], logits float32 [P, E]), ...]; served in bulk before anything reads
+        # or serves a cache (see _flush)
+        self._pending: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._pending_tokens: dict[tuple[int, int], int] = {}
+        self._ensure_rows(1)  # row 0's caches now, not in the first forward
+        # the lean per-call path (_route_lean) applies to this configuration
+        self._lean = (routing.cache_aware and self.capacity is not None and not record and replace_rank is None
+                      and eviction == "lru")
         self._install()
 
     # -- installation ---------------------------------------------------------------------------
@@ -256,15 +278,41 @@ class MoEPatch:
         if self.capacity is None:
             return []
         self._ensure_rows(1)
+        self._flush()
         return self._streams[0]
 
     @property
     def row_caches(self) -> list[list[ExpertCache]]:
         """All live caches, ``[row][layer]``."""
+        self._flush()
         return self._streams
+
+    def _queue(self, row: int, li: int, ids_PK: torch.Tensor, z_PE: torch.Tensor) -> None:
+        """Defer serving a residency-independent selection (served in call order by :meth:`_flush`)."""
+        key = (row, li)
+        self._pending.setdefault(key, []).append((ids_PK.numpy().copy(), z_PE.float().numpy().copy()))
+        n = self._pending_tokens.get(key, 0) + ids_PK.shape[0]
+        self._pending_tokens[key] = n
+        if n >= _MAX_PENDING:
+            self._flush(key)
+
+    def _flush(self, key: tuple[int, int] | None = None) -> None:
+        """Serve the deferred selections (of one (row, layer), or all) in bulk: ids ordered by descending
+        logit (stable, -1 last, as ``order_by_logits``), then ``cache.serve_array``."""
+        if not self._pending:
+            return
+        for k in ([key] if key is not None else list(self._pending)):
+            items = self._pending.pop(k, None)
+            self._pending_tokens.pop(k, None)
+            if not items:
+                continue
+            ids_PK = np.concatenate([i for i, _ in items]) if len(items) > 1 else items[0][0]
+            z_PE = np.concatenate([z for _, z in items]) if len(items) > 1 else items[0][1]
+            self._streams[k[0]][k[1]].serve_array(ids_PK, order_by=z_PE)
 
     def reset_caches(self) -> None:
         """Replace every cache by a fresh one (initial state); statistics so far are kept in ``stats()``."""
+        self._flush()
         for row in self._streams:
             for li, cache in enumerate(row):
                 self._retire(li, cache)
@@ -288,6 +336,7 @@ class MoEPatch:
 
         if self.capacity is None:
             raise ValueError("this patch has no cache (capacity=None): there are no cache statistics")
+        self._flush()
         per_layer = []
         for li in range(len(self.layers)):
             total = self._retired[li]
@@ -322,62 +371,117 @@ class MoEPatch:
         return mask[:, -s:].to("cpu") != 0
 
     def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
-        policy = self.routing.policy != "original" or self.replace_rank is not None
-        if not policy and self.capacity is None and not self.record:
+        if self._lean:
+            out = self._route_lean(m, z_TE, w0_TK, ids0_TK)
+            if out is not None:
+                return out
+        has_policy = self.routing.policy != "original" or self.replace_rank is not None
+        if not has_policy and self.capacity is None and not self.record:
             return w0_TK, ids0_TK  # nothing to route, serve or record
         t = z_TE.shape[0]
         b, s = self._shape if self._shape is not None else (1, t)
         if b * s != t:
             b, s = 1, t
-        all_real = self._attention_mask is None  # no padding: a row's tokens are one slice (no index tensors)
-        real_BS = None if all_real else self._real_tokens(b, s)
+        real_BS = None if self._attention_mask is None else self._real_tokens(b, s)
         if real_BS is not None and bool(real_BS.all()):
-            all_real = True
-        policy = policy and not (self.scope == "generation" and s > 1)
-        self._ensure_rows(b)
-        z_cpu_TE = z_TE.detach().to("cpu")
-        ids_out_TK = ids0_TK.detach().to("cpu")
-        if policy:  # written per row below; without a policy the stock selection is served unchanged
-            ids_out_TK = ids_out_TK.clone()
-            w_out_TK = w0_TK.detach().to("cpu").clone()
-        if policy or self.routing.policy == "cache-prior":
-            zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
-        if not policy and self.routing.policy == "cache-prior":
-            self.router.delta_for(m.index).update(zr_TE if all_real else zr_TE[real_BS.reshape(-1)])
+            real_BS = None  # no padding: a row's tokens are one slice (no index tensors)
+        rows = []  # (row, flat token positions of its real tokens)
         for row in range(b):
-            if all_real:
-                pos = slice(row * s, (row + 1) * s)  # flat token indices of this row
+            if real_BS is None:
+                rows.append((row, slice(row * s, (row + 1) * s)))
             else:
                 pos = torch.nonzero(real_BS[row]).flatten() + row * s
-                if pos.numel() == 0:
-                    continue
+                if pos.numel():
+                    rows.append((row, pos))
+        self._ensure_rows(b)
+        z_cpu_TE = z_TE.detach().to("cpu")
+        ids_cpu_TK = ids0_TK.detach().to("cpu")
+        if not (has_policy and not (self.scope == "generation" and s > 1)):
+            self._observe(m, z_cpu_TE, ids_cpu_TK, rows, real_BS)
+            return w0_TK, ids0_TK
+        zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
+        selected = []  # (row, pos, ids_PK) in descending-logit order
+        for row, pos in rows:
             cache = self._streams[row][m.index] if self.capacity is not None else None
+            if cache is not None and self._pending:
+                self._flush((row, m.index))
             z_PE = z_cpu_TE[pos]
-            if not policy:
-                ids_PK = order_by_logits(ids_out_TK[pos], z_PE)
+            if self.replace_rank is not None:
+                ids_PK = self._replaced(order_by_logits(ids_cpu_TK[pos], z_PE), z_PE)
                 if cache is not None:
-                    cache.serve(ids_PK.tolist())
-                w_PK = self.family.weights(m.router, z_PE, ids_PK) if self.record else None
+                    cache.serve_array(ids_PK.numpy())
             else:
-                zr_PE = zr_TE[pos]
-                allowed_PE = None if allowed_TE is None else allowed_TE[pos]
-                if self.replace_rank is not None:
-                    ids_PK = self._replaced(order_by_logits(ids_out_TK[pos], z_PE), z_PE)
-                    if cache is not None:
-                        cache.serve(ids_PK.tolist())
-                else:
-                    ids_PK = self._select(m.index, zr_PE, z_PE, allowed_PE, cache)
-                w_PK = self.family.weights(m.router, z_PE, ids_PK)
-                filled_PK = torch.where(ids_PK >= 0, ids_PK, ids_PK[:, :1])  # dropped slot: slot 0's expert again, weight 0
+                ids_PK = self._select(m.index, zr_TE[pos], z_PE, None if allowed_TE is None else allowed_TE[pos],
+                                      cache)
+            selected.append((row, pos, ids_PK))
+        if not self.record and t <= _SAME_SET_CHECK and all(_same_sets(ids_PK, ids_cpu_TK[pos])
+                                                             for _, pos, ids_PK in selected):
+            return w0_TK, ids0_TK  # the policy kept the model's own choice for every token: its own weights
+        one_slice = len(selected) == 1 and real_BS is None  # batch 1 (the common case): no scatter
+        if not one_slice:
+            ids_out_TK = ids_cpu_TK.clone()
+            w_out_TK = w0_TK.detach().to("cpu").clone()
+        for row, pos, ids_PK in selected:
+            z_PE = z_cpu_TE[pos]
+            w_PK = self.family.weights(m.router, z_PE, ids_PK)
+            filled_PK = ids_PK
+            if self.routing.policy == "prune":  # dropped slot: slot 0's expert again, weight 0
+                filled_PK = torch.where(ids_PK >= 0, ids_PK, ids_PK[:, :1])
+            if self.record:
+                self._record(row, m.index, z_PE, ids_PK, w_PK)
+            if one_slice:
+                ids_out_TK, w_out_TK = filled_PK.to(ids0_TK.dtype), w_PK.to(w0_TK.dtype)
+            else:
                 ids_out_TK[pos] = filled_PK.to(ids_out_TK.dtype)
                 w_out_TK[pos] = w_PK.to(w_out_TK.dtype)
-            if self.record:
-                self._rec[row][m.index].append(_Recorded(
-                    z_PE.float().numpy().copy(), ids_PK.numpy().astype(np.int32),
-                    w_PK.float().numpy().copy()))
-        if not policy:
-            return w0_TK, ids0_TK
         return w_out_TK.to(w0_TK.device), ids_out_TK.to(ids0_TK.device)
+
+    def _route_lean(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
+        """The common case with less Python per call (decoding pays it per token and layer): one row, no
+        padding, float32 CPU logits, a cache-aware policy in scope, nothing recorded. Same result as the
+        general path; None when the call is not such a case."""
+        t = z_TE.shape[0]
+        shape = self._shape
+        if (self._attention_mask is not None or (shape is not None and shape[0] != 1) or z_TE.dtype != torch.float32
+                or z_TE.device.type != "cpu" or (t > 1 and self.scope == "generation")):
+            return None
+        if z_TE.requires_grad:
+            z_TE = z_TE.detach()
+        zr_TE, allowed_TE = self.family.ranking(m.router, z_TE)
+        cache = self._streams[0][m.index]
+        if self._pending:
+            self._flush((0, m.index))
+        ids_TK = self._select(m.index, zr_TE, z_TE, allowed_TE, cache)
+        if t == 1:
+            if sorted(ids_TK.tolist()[0]) == sorted(ids0_TK.tolist()[0]):
+                return w0_TK, ids0_TK  # the policy kept the model's own choice: its own weights
+        elif t <= _SAME_SET_CHECK and _same_sets(ids_TK, ids0_TK.detach()):
+            return w0_TK, ids0_TK
+        w_TK = self.family.weights(m.router, z_TE, ids_TK)
+        return w_TK.to(w0_TK.dtype), ids_TK.to(ids0_TK.dtype)
+
+    def _observe(self, m: MoELayer, z_cpu_TE, ids_cpu_TK, rows, real_BS) -> None:
+        """A call routed by the model itself (original policy, or outside the policy's scope): feed the
+        caches (deferred, in bulk, unless recording), Cache-Prior's running Δavg and the recording."""
+        if self.routing.policy == "cache-prior":
+            zr_TE, _ = self.family.ranking(m.router, z_cpu_TE)
+            self.router.delta_for(m.index).update(zr_TE if real_BS is None else zr_TE[real_BS.reshape(-1)])
+        for row, pos in rows:
+            if self.capacity is not None and not self.record:
+                self._queue(row, m.index, ids_cpu_TK[pos], z_cpu_TE[pos])
+                continue
+            z_PE = z_cpu_TE[pos]
+            ids_PK = order_by_logits(ids_cpu_TK[pos], z_PE)
+            if self.capacity is not None:
+                if self._pending:
+                    self._flush((row, m.index))
+                self._streams[row][m.index].serve_array(ids_PK.numpy())
+            if self.record:
+                self._record(row, m.index, z_PE, ids_PK, self.family.weights(m.router, z_PE, ids_PK))
+
+    def _record(self, row: int, li: int, z_PE, ids_PK, w_PK) -> None:
+        self._rec[row][li].append(_Recorded(z_PE.float().numpy().copy(), ids_PK.numpy().astype(np.int32),
+                                            w_PK.float().numpy().copy()))
 
     def _replaced(self, ids_PK: torch.Tensor, z_PE: torch.Tensor) -> torch.Tensor:
         """``ids_PK`` (the original top-K, descending logit) with the expert at rank ``replace_rank`` replaced by
@@ -398,8 +502,35 @@ class MoEPatch:
                 resident_PE = resident_PE & allowed_PE
             ids_PK = order_by_logits(self.router.rank(layer, zr_PE, resident_PE), z_PE)
             if cache is not None:
-                cache.serve(ids_PK.tolist())
+                cache.serve_array(ids_PK.numpy())
             return ids_PK
+        parts, p0, p = [], 0, zr_PE.shape[0]
+        while p0 < p:  # one compiled call (numba, LRU); a token it cannot take goes the per-token way
+            fast = fused.keyed_serve(self.router, layer, zr_PE[p0:], z_PE[p0:],
+                                     None if allowed_PE is None else allowed_PE[p0:], cache)
+            if fast is None:
+                break
+            ids_PK, done = fast
+            parts.append(torch.from_numpy(ids_PK[:done]))
+            p0 += done
+            if p0 < p:
+                parts.append(self._select_each(layer, zr_PE[p0:p0 + 1], z_PE[p0:p0 + 1],
+                                               None if allowed_PE is None else allowed_PE[p0:p0 + 1], cache))
+                p0 += 1
+        if p0 < p:
+            zr_PE, z_PE = zr_PE[p0:], z_PE[p0:]
+            allowed_PE = None if allowed_PE is None else allowed_PE[p0:]
+            keys = self.router.keys(layer, zr_PE, allowed_PE)
+            if keys is not None:  # all remaining tokens in one call (compiled for LRU when numba is installed)
+                z_np_PE = z_PE.float().numpy()
+                parts.append(torch.from_numpy(
+                    cache.select_serve(keys.order_PE, keys.kres_PE, keys.knon_PE, z_np_PE, self.top_k)))
+            else:
+                parts.append(self._select_each(layer, zr_PE, z_PE, allowed_PE, cache))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _select_each(self, layer: int, zr_PE, z_PE, allowed_PE, cache: ExpertCache) -> torch.Tensor:
+        """The reference path: ``Router.rank`` on one token at a time against the live residency."""
         out: list[list[int]] = []
         z_rows = z_PE.float().tolist()
         for p in range(zr_PE.shape[0]):

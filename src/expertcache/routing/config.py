@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from expertcache.routing import kernels as _rk
 from expertcache.routing.policies import (
     DeltaAvg,
     Selection,
@@ -107,6 +108,18 @@ class RoutingConfig:
         if self.policy == "cache-prior" and self.delta is not None:
             extra += f",delta={self.delta}"
         return f"{self.policy}({name}={getattr(self, name)}{extra})"
+
+
+@dataclass(frozen=True)
+class RankKeys:
+    """A cache-aware policy for P tokens in residency-free form (see :meth:`Router.keys`), numpy.
+
+    order_PE int64 [P, E]: experts by descending logit; kres_PE / knon_PE float32 [P, E]: the key of the
+    expert at each rank position if resident / not resident (select the K highest; ties: lower rank)."""
+
+    order_PE: np.ndarray
+    kres_PE: np.ndarray
+    knon_PE: np.ndarray
 
 
 @dataclass
@@ -276,6 +289,125 @@ class Router:
         boosted = np.where(mask, z + np.float32(boost), z)  # = torch.add(z, mask, alpha=boost) in float32
         pos = (-boosted[order]).argsort(kind="stable")[:self.k]  # = _rerank_topk
         return torch.from_numpy(order[pos].astype(np.int64)).reshape(1, self.k)
+
+    def keys(self, layer: int, z_PE: torch.Tensor, allowed_PE: torch.Tensor | None = None) -> RankKeys | None:
+        """A cache-aware policy for P consecutive tokens of one layer in residency-free form, for selecting
+        against a cache that changes between the tokens (:meth:`expertcache.cache.ExpertCache.select_serve`).
+
+        Per token: ``order`` = the experts by descending logit (stable), and the key each expert would have
+        if resident (``kres``) or not (``knon``), in rank order; the policy selects the K highest keys (ties:
+        lower rank first). Top-J positions get ``kres`` either way. ``allowed_PE`` (bool [P, E]) marks experts
+        the model allows (DeepSeek group limits): a disallowed expert is treated as not resident. Cache-Prior
+        with a running Δavg sees token p's Δavg after tokens 0..p, and this call advances it by P tokens.
+
+        The selection equals :meth:`rank` token by token (same float32 arithmetic and tie-breaking; pinned by
+        tests). Returns None (nothing changed; use :meth:`rank` per token) for a residency-independent policy,
+        logits that are not finite float32 CPU rows, or a tie at the top-J boundary.
+        """
+        c, e, k = self.config, self.num_experts, self.k
+        if not self.config.cache_aware or z_PE.dim() != 2 or z_PE.shape[1] != e:
+            return None
+        if z_PE.dtype != torch.float32 or z_PE.device.type != "cpu" or z_PE.requires_grad:
+            return None
+        if c.policy == "eras-bias" and (self.freq_LE is None or tuple(self.freq_LE.shape[1:]) != (e,)):
+            return None
+        z = z_PE.numpy()
+        j = min(c.top_j, k)
+        if _rk.AVAILABLE and c.policy in _rk.CODES:
+            return self._compiled_keys(layer, z, j, allowed_PE)
+        if not np.isfinite(z).all():
+            return None
+        order = np.argsort(-z, axis=1, kind="stable")  # = torch.sort(z, descending=True, stable=True)
+        zs = z[np.arange(z.shape[0])[:, None], order]  # logits in rank order
+        if 0 < j < e and bool((zs[:, j - 1] == zs[:, j]).any()):
+            return None
+        if c.policy == "cache-prior":
+            d = self.delta_for(layer)
+            if d.fixed is not None:
+                boost = d.fixed * c.lam
+                if not np.isfinite(boost):
+                    return None
+                boost_P1 = np.full((z.shape[0], 1), boost, np.float64)
+            else:  # DeltaAvg per token: float32 max - min, accumulated in float64 in token order
+                spread = (zs[:, 0] - zs[:, -1]).astype(np.float64)
+                total = np.cumsum(np.concatenate([[d.total], spread]))[1:]
+                count = d.count + np.arange(1, z.shape[0] + 1)
+                boost_P1 = ((total / count) * c.lam).reshape(-1, 1)
+                d.total, d.count = float(total[-1]), int(count[-1])
+            knon, kres = zs, zs + boost_P1.astype(np.float32)
+        elif c.policy in ("max-rank", "cumsum"):  # keys -group: 0 = top-J, -1 = resident and ranked < M, -2 = rest
+            if c.policy == "max-rank":
+                m_P1 = np.full((z.shape[0], 1), min(c.m, e))
+            else:  # Algorithm 2 as in cumsum_threshold_rank (torch cumsum: same summation order)
+                cum = scores_from_logits(z_PE, self.scoring).gather(1, torch.from_numpy(order)).cumsum(dim=1).numpy()
+                m_P1 = np.minimum((cum < c.p).sum(axis=1) + (1 if c.p > 0 else 0), e).reshape(-1, 1)
+            knon = np.full(z.shape, -2.0, np.float32)
+            kres = np.where(np.arange(e) < m_P1, np.float32(-1.0), knon)
+            kres[:, :j] = 0.0
+        elif c.policy == "eras-threshold":
+            knon = np.take_along_axis(scores_from_logits(z_PE, self.scoring).numpy(), order, axis=1)
+            kres = knon + np.float32(c.alpha)
+        else:  # eras-bias
+            kres = zs
+            knon = zs - self._penalty(layer)[order]
+        if j:
+            if knon is zs:
+                knon = knon.copy()
+            knon[:, :j] = kres[:, :j]
+        if allowed_PE is not None:
+            barred = ~np.take_along_axis(allowed_PE.numpy(), order, axis=1)
+            barred[:, :j] = False
+            kres = np.where(barred, knon, kres)
+        return RankKeys(order, np.ascontiguousarray(kres, np.float32), np.ascontiguousarray(knon, np.float32))
+
+    def kernel_params(self, layer: int, *, allowed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``(ip, fp, penalty_E)`` for :func:`expertcache.routing.kernels.token_keys` at ``layer`` (Δavg state
+        included; hand ``fp`` back to :meth:`commit_kernel_delta` after the call), or None for a policy
+        without compiled keys or when numba is not installed."""
+        c = self.config
+        if not _rk.AVAILABLE or c.policy not in _rk.CODES:
+            return None
+        cache = self.__dict__.setdefault("_kernel_params", {})
+        key = (layer, allowed)
+        params = cache.get(key)
+        if params is None or params[3] is not self.freq_LE:  # built once per layer (a new profile rebuilds)
+            d = self.delta_for(layer) if c.policy == "cache-prior" else None
+            if d is not None and d.fixed is not None and not np.isfinite(d.fixed * c.lam):
+                return None
+            ip, fp = _rk.pack(c.policy, min(c.top_j, self.k), m=min(c.m, self.num_experts), lam=c.lam,
+                              fixed=None if d is None else d.fixed, allowed=allowed)
+            penalty = self._penalty(layer) if c.policy == "eras-bias" else _rk._EMPTY_F
+            params = cache[key] = (ip, fp, penalty, self.freq_LE)
+        ip, fp, penalty, _ = params
+        if c.policy == "cache-prior":  # the running Δavg as it stands now
+            d = self.delta_for(layer)
+            fp[2] = d.total
+            fp[3] = d.count
+        return ip, fp, penalty
+
+    def commit_kernel_delta(self, layer: int, fp: np.ndarray) -> None:
+        """Take back the running Δavg a compiled call advanced (see :meth:`kernel_params`)."""
+        if self.config.policy == "cache-prior":
+            d = self.delta_for(layer)
+            if d.fixed is None:
+                d.total, d.count = float(fp[2]), int(fp[3])
+
+    def _compiled_keys(self, layer: int, z: np.ndarray, j: int, allowed_PE: torch.Tensor | None) -> RankKeys | None:
+        """:meth:`keys` for Cache-Prior, Max-Rank and ERAS biasing in one compiled call (same arithmetic)."""
+        c = self.config
+        d = self.delta_for(layer) if c.policy == "cache-prior" else None
+        if d is not None and d.fixed is not None and not np.isfinite(d.fixed * c.lam):
+            return None
+        status, order, kres, knon, (total, count) = _rk.rank_keys(
+            z, c.policy, j, m=min(c.m, self.num_experts), lam=c.lam, fixed=None if d is None else d.fixed,
+            total=0.0 if d is None else d.total, count=0 if d is None else d.count,
+            penalty_E=self._penalty(layer) if c.policy == "eras-bias" else None,
+            allowed_PE=None if allowed_PE is None else allowed_PE.numpy())
+        if status != _rk.OK:
+            return None
+        if d is not None and d.fixed is None:
+            d.total, d.count = total, count
+        return RankKeys(order, kres, knon)
 
     def route(self, layer: int | list[int], z_TE: torch.Tensor, resident: torch.Tensor | None) -> Selection:
         """Select and weight experts for T tokens of one layer (or one row per layer, see ``rank``);
