@@ -119,6 +119,10 @@ class Family:
     expected_moe_layers: Callable[[object], list[int]]
     unsupported_policies: Callable[[nn.Module], dict[str, str]] = lambda router: {}
     note: str = ""
+    #: ``weights`` as arithmetic the compiled loop can do (:mod:`expertcache.models.fused`): ``(scoring, renorm,
+    #: scale, eps)`` meaning w = score(z)[ids], divided by (sum + eps) iff renorm, times scale; None = not
+    #: expressible (the torch rule is used). Must equal ``weights`` up to float rounding (tested).
+    weight_rule: Callable[[nn.Module], tuple[str, bool, float, float] | None] = lambda router: None
 
 
 # -- rank inputs ---------------------------------------------------------------------------------
@@ -282,29 +286,36 @@ FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in [
         Family("olmoe", "gate", "OlmoeTopKRouter", "OlmoeSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers,
+               weight_rule=lambda r: ("softmax", _renorm_softmax(r), 1.0, 0.0)),
         Family("mixtral", "gate", "MixtralTopKRouter", "MixtralSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers,
+               weight_rule=lambda r: ("softmax", _renorm_softmax(r), 1.0, 0.0)),
         Family("qwen2_moe", "gate", "Qwen2MoeTopKRouter", "Qwen2MoeSparseMoeBlock", "softmax",
                _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers,
-               note="the gated shared expert is outside the router seam: never cached or re-routed"),
+               note="the gated shared expert is outside the router seam: never cached or re-routed",
+               weight_rule=lambda r: ("softmax", _renorm_softmax(r), 1.0, 0.0)),
         Family("qwen3_moe", "gate", "Qwen3MoeTopKRouter", "Qwen3MoeSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers,
+               weight_rule=lambda r: ("softmax", _renorm_softmax(r), 1.0, 0.0)),
         Family("deepseek_v2", "gate", "DeepseekV2TopkRouter", "DeepseekV2Moe", "softmax",
                lambda r: False, _weights_deepseek_v2, _rank_deepseek_v2, _deepseek_layers,
                _deepseek_v2_unsupported,
-               note="shared experts never cached; leading dense layers (first_k_dense_replace) skipped"),
+               note="shared experts never cached; leading dense layers (first_k_dense_replace) skipped",
+               weight_rule=lambda r: ("softmax", False, float(r.routed_scaling_factor), 0.0)),
         Family("deepseek_v3", "gate", "DeepseekV3TopkRouter", "DeepseekV3MoE", "sigmoid",
                lambda r: bool(r.norm_topk_prob), _weights_deepseek_v3, _rank_deepseek_v3, _deepseek_layers,
                _deepseek_v3_unsupported,
                note="policies rank sigmoid(z)+e_score_correction_bias within the model's top groups; "
-                    "weights from the unbiased sigmoid scores"),
+                    "weights from the unbiased sigmoid scores",
+               weight_rule=lambda r: ("sigmoid", bool(r.norm_topk_prob), float(r.routed_scaling_factor), 1e-20)),
         Family("phimoe", "router", "PhimoeTopKRouter", "PhimoeSparseMoeBlock", "softmax",
                lambda r: False, _weights_phimoe, _rank_logits, _all_layers,
                note="weights: sparsemixer evaluated at the selected ids (see _weights_phimoe)"),
         Family("gpt_oss", "router", "GptOssTopKRouter", "GptOssMLP", "softmax",
                lambda r: True, _weights_gpt_oss, _rank_logits, _all_layers,
-               note="weights: softmax over the selected logits (router bias included)"),
+               note="weights: softmax over the selected logits (router bias included)",
+               weight_rule=lambda r: ("softmax", True, 1.0, 0.0)),
     ]
 }
 

@@ -46,8 +46,10 @@ def _jit(fn):
 
 
 if AVAILABLE:
+    import numba
+
     @_jit
-    def _keyed_serve(zr_PE, z_PE, ip, fp, penalty_E, allowed_PE, k, out_PK, lru_E, lru_S):
+    def _keyed_serve(zr_PE, z_PE, ip, fp, penalty_E, allowed_PE, k, out_PK, lru_E, lru_S, wr, w_PK):
         p_count, e = zr_PE.shape
         order = np.empty(e, np.int64)
         tmp = np.empty(e, np.int64)
@@ -65,18 +67,65 @@ if AVAILABLE:
             for i in range(k):
                 out_PK[p, i] = ids[i]
             ck.serve_one(ids, k, lru_E, lru_S, miss_buf)
+            if wr[0] != 0.0:
+                _weights(z_PE[p], ids, k, wr, w_PK[p])
         return p_count
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _weights(z_E, ids, k, wr, w_K):
+        """The family's weight rule (``wr`` = [scoring 1 softmax / 2 sigmoid, renorm, scale, eps]) at ``ids``,
+        in float64, stored as float32."""
+        softmax = wr[0] == 1.0
+        mx = 0.0
+        norm = 1.0
+        if softmax:
+            mx = np.float64(z_E[ids[0]])
+            for i in range(k):
+                if z_E[ids[i]] > mx:
+                    mx = np.float64(z_E[ids[i]])
+            if wr[1] == 0.0:  # no renormalisation: the softmax over all E experts (renormalised, it cancels)
+                for x in range(z_E.shape[0]):
+                    if z_E[x] > mx:
+                        mx = np.float64(z_E[x])
+                norm = 0.0
+                for x in range(z_E.shape[0]):
+                    norm += np.exp(np.float64(z_E[x]) - mx)
+        total = 0.0
+        for i in range(k):
+            v = np.float64(z_E[ids[i]])
+            total += np.exp(v - mx) / norm if softmax else 1.0 / (1.0 + np.exp(-v))
+        for i in range(k):
+            v = np.float64(z_E[ids[i]])
+            w = np.exp(v - mx) / norm if softmax else 1.0 / (1.0 + np.exp(-v))
+            if wr[1] != 0.0:
+                w = w / (total + wr[3])
+            w_K[i] = w * wr[2]
 
 
 _NO_ALLOWED = np.zeros((1, 1), np.bool_)
 
 
+_NO_RULE = np.zeros(4, np.float64)
+_NO_W = np.zeros((1, 1), np.float32)
+
+
+def weight_rule_array(rule: tuple[str, bool, float, float] | None) -> np.ndarray | None:
+    """A family's ``weight_rule`` as the float64 [4] the compiled loop takes (None stays None)."""
+    if rule is None:
+        return None
+    scoring, renorm, scale, eps = rule
+    return np.array([{"softmax": 1.0, "sigmoid": 2.0}[scoring], float(renorm), float(scale), float(eps)])
+
+
 def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Tensor, allowed_PE: torch.Tensor | None,
-                cache) -> tuple[np.ndarray, int] | None:
+                cache, weight_rule: np.ndarray | None = None) -> tuple[np.ndarray, int] | None:
     """Select and serve P tokens in one compiled call: ``(ids int64 [P, K], done)`` where rows ``< done`` are
     selected and served (descending-logit order) and token ``done`` (if < P) must go the per-token way (a tie
     at the top-J boundary or a non-finite logit); None when this path does not apply (no numba, not an LRU
-    cache with integer byte costs, a policy without compiled keys, logits not float32 on the CPU)."""
+    cache with integer byte costs, a policy without compiled keys, logits not float32 on the CPU).
+
+    With ``weight_rule`` (:func:`weight_rule_array`) the result is ``(ids, done, weights float32 [P, K])``: the
+    family's combine weights of the selected ids, computed in the same loop."""
     if not AVAILABLE or type(cache) is not LRUCache or not cache._compiled():
         return None
     if zr_PE.dtype != torch.float32 or z_PE.dtype != torch.float32 or zr_PE.device.type != "cpu":
@@ -88,7 +137,11 @@ def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Ten
     a = cache._own_arrays()
     k = router.k
     out_PK = np.empty((zr_PE.shape[0], k), np.int64)
+    w_PK = _NO_W if weight_rule is None else np.empty((zr_PE.shape[0], k), np.float32)
     done = _keyed_serve(zr_PE.numpy(), z_PE.numpy(), ip, fp, penalty_E,
-                        _NO_ALLOWED if allowed_PE is None else allowed_PE.numpy(), k, out_PK, a.lru_E, a.lru_S)
+                        _NO_ALLOWED if allowed_PE is None else allowed_PE.numpy(), k, out_PK, a.lru_E, a.lru_S,
+                        _NO_RULE if weight_rule is None else weight_rule, w_PK)
     router.commit_kernel_delta(layer, fp)
-    return out_PK, int(done)
+    if weight_rule is None:
+        return out_PK, int(done)
+    return out_PK, int(done), w_PK

@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, ExpertCache, make_cache, resolve_capacity
+from expertcache.cache import CacheStats, ExpertCache, LRUCache, make_cache, resolve_capacity
 from expertcache.models import fused
 from expertcache.models.adapters import (Family, MoELayer, family_for, find_moe_layers, order_by_logits,
                                          ranks_logits)
@@ -188,7 +188,7 @@ class MoEPatch:
         self._retired: list[CacheStats | None] = [None] * len(self.layers)
         self._rec: list[list[list[_Recorded]]] = []  # [row][layer][call]
         self._done: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # finished sequences (TLE, TLK, TLK)
-        self._shape: tuple[int, int] | None = None  # (B, S) of the MoE block being run
+        self._batch: int | None = None  # B of the model forward being run (from its input ids / embeddings)
         self._attention_mask: torch.Tensor | None = None
         self._hooks: list[Any] = []
         self._patched = False
@@ -199,8 +199,17 @@ class MoEPatch:
         self._pending_tokens: dict[tuple[int, int], int] = {}
         self._ensure_rows(1)  # row 0's caches now, not in the first forward
         # the lean per-call path (_route_lean) applies to this configuration
-        self._lean = (routing.cache_aware and self.capacity is not None and not record and replace_rank is None
-                      and eviction == "lru")
+        self._lean_original = routing.policy == "original" and replace_rank is None
+        self._weight_rules = [fused.weight_rule_array(self.family.weight_rule(m.router)) if fused.AVAILABLE else None
+                              for m in self.layers]
+        self._lean = (self.capacity is not None and not record and replace_rank is None
+                      and (self._lean_original or (routing.cache_aware and eviction == "lru")))
+        if self._lean and fused.AVAILABLE and routing.cache_aware:  # set the compiled path up now, not per token
+            for li, cache in enumerate(self._streams[0]):
+                if isinstance(cache, LRUCache) and cache._compiled():
+                    cache._own_arrays()
+                for allowed in (False, True):
+                    self.router.kernel_params(li, allowed=allowed)
         self._install()
 
     # -- installation ---------------------------------------------------------------------------
@@ -211,7 +220,6 @@ class MoEPatch:
         self._hooks.append(base.register_forward_hook(self._clear_mask, with_kwargs=True))
         self._previous_forwards = []
         for m in self.layers:
-            self._hooks.append(m.block.register_forward_pre_hook(self._capture_shape))
             # an instance-level forward (e.g. accelerate's offload hooks) is wrapped, not bypassed
             self._previous_forwards.append(m.router.__dict__.get("forward"))
             m.router.forward = self._make_forward(m, m.router.forward)
@@ -242,13 +250,21 @@ class MoEPatch:
     def _capture_mask(self, module, args, kwargs) -> None:
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         self._attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        x = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(x, torch.Tensor):
+            x = kwargs.get("inputs_embeds")
+        self._batch = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
 
     def _clear_mask(self, module, args, kwargs, output) -> None:
         self._attention_mask = None
+        self._batch = None
 
-    def _capture_shape(self, module, args) -> None:
-        x = args[0]
-        self._shape = (int(x.shape[0]), int(x.shape[1])) if x.dim() == 3 else (1, int(x.shape[0]))
+    def _rows(self, t: int) -> tuple[int, int]:
+        """(B, S) of a router call over T = B·S tokens (one row if the batch size is unknown)."""
+        b = self._batch
+        if b is None or b < 1 or t % b:
+            return 1, t
+        return b, t // b
 
     def _make_forward(self, m: MoELayer, stock_forward):
         def forward(hidden_states, *args, **kwargs):
@@ -379,9 +395,7 @@ class MoEPatch:
         if not has_policy and self.capacity is None and not self.record:
             return w0_TK, ids0_TK  # nothing to route, serve or record
         t = z_TE.shape[0]
-        b, s = self._shape if self._shape is not None else (1, t)
-        if b * s != t:
-            b, s = 1, t
+        b, s = self._rows(t)
         real_BS = None if self._attention_mask is None else self._real_tokens(b, s)
         if real_BS is not None and bool(real_BS.all()):
             real_BS = None  # no padding: a row's tokens are one slice (no index tensors)
@@ -438,19 +452,35 @@ class MoEPatch:
 
     def _route_lean(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
         """The common case with less Python per call (decoding pays it per token and layer): one row, no
-        padding, float32 CPU logits, a cache-aware policy in scope, nothing recorded. Same result as the
-        general path; None when the call is not such a case."""
+        padding, float32 CPU logits, the original policy or a cache-aware one (LRU) in scope, nothing
+        recorded. Same result as the general path; None when the call is not such a case."""
         t = z_TE.shape[0]
-        shape = self._shape
-        if (self._attention_mask is not None or (shape is not None and shape[0] != 1) or z_TE.dtype != torch.float32
+        if (self._attention_mask is not None or (self._batch or 1) != 1 or z_TE.dtype != torch.float32
                 or z_TE.device.type != "cpu" or (t > 1 and self.scope == "generation")):
             return None
         if z_TE.requires_grad:
             z_TE = z_TE.detach()
+        if self._lean_original:  # served later, in bulk (see _flush)
+            self._queue(0, m.index, ids0_TK.detach(), z_TE)
+            return w0_TK, ids0_TK
         zr_TE, allowed_TE = self.family.ranking(m.router, z_TE)
         cache = self._streams[0][m.index]
         if self._pending:
             self._flush((0, m.index))
+        rule = self._weight_rules[m.index]
+        if rule is not None:  # selection, serving and the family's weights in one compiled call
+            fast = fused.keyed_serve(self.router, m.index, zr_TE, z_TE, allowed_TE, cache, rule)
+            if fast is not None:
+                ids_np, done, w_np = fast
+                if done == t:
+                    if t == 1 and sorted(ids_np[0].tolist()) == sorted(ids0_TK.tolist()[0]):
+                        return w0_TK, ids0_TK  # the policy kept the model's own choice: its own weights
+                    return torch.from_numpy(w_np).to(w0_TK.dtype), torch.from_numpy(ids_np).to(ids0_TK.dtype)
+                rest = self._select(m.index, zr_TE[done:], z_TE[done:],
+                                    None if allowed_TE is None else allowed_TE[done:], cache)
+                ids_TK = torch.cat([torch.from_numpy(ids_np[:done]), rest])
+                w_TK = self.family.weights(m.router, z_TE, ids_TK)
+                return w_TK.to(w0_TK.dtype), ids_TK.to(ids0_TK.dtype)
         ids_TK = self._select(m.index, zr_TE, z_TE, allowed_TE, cache)
         if t == 1:
             if sorted(ids_TK.tolist()[0]) == sorted(ids0_TK.tolist()[0]):
@@ -504,19 +534,23 @@ class MoEPatch:
             if cache is not None:
                 cache.serve_array(ids_PK.numpy())
             return ids_PK
-        parts, p0, p = [], 0, zr_PE.shape[0]
-        while p0 < p:  # one compiled call (numba, LRU); a token it cannot take goes the per-token way
-            fast = fused.keyed_serve(self.router, layer, zr_PE[p0:], z_PE[p0:],
-                                     None if allowed_PE is None else allowed_PE[p0:], cache)
-            if fast is None:
-                break
+        p = zr_PE.shape[0]
+        fast = fused.keyed_serve(self.router, layer, zr_PE, z_PE, allowed_PE, cache)
+        if fast is not None and fast[1] == p:  # one compiled call (numba, LRU) took every token
+            return torch.from_numpy(fast[0])
+        parts, p0 = [], 0
+        while fast is not None:  # a token the compiled call cannot take goes the per-token way
             ids_PK, done = fast
             parts.append(torch.from_numpy(ids_PK[:done]))
             p0 += done
+            fast = None
             if p0 < p:
                 parts.append(self._select_each(layer, zr_PE[p0:p0 + 1], z_PE[p0:p0 + 1],
                                                None if allowed_PE is None else allowed_PE[p0:p0 + 1], cache))
                 p0 += 1
+                if p0 < p:
+                    fast = fused.keyed_serve(self.router, layer, zr_PE[p0:], z_PE[p0:],
+                                             None if allowed_PE is None else allowed_PE[p0:], cache)
         if p0 < p:
             zr_PE, z_PE = zr_PE[p0:], z_PE[p0:]
             allowed_PE = None if allowed_PE is None else allowed_PE[p0:]
