@@ -48,6 +48,13 @@ def bench_cache(ids: np.ndarray, e: int, capacity: int, kind: str, repeats: int)
     for _ in range(repeats):
         t0 = time.perf_counter()
         total = 0
+        if kind == "lru-sim":  # expertcache.sim.replay on the [T, L, K] array: compiled LRU loop with numba
+            from expertcache.sim import replay
+
+            total = replay(ids, e, capacity, eviction="lru").overall.misses
+            times.append(time.perf_counter() - t0)
+            misses = total
+            continue
         for steps in steps_by_layer:
             cache = make_cache(kind, e, capacity, future=steps if kind == "belady" else None)
             total += cache.replay(steps).misses
@@ -94,8 +101,8 @@ def main(argv=None) -> int:
     ids = synthetic_selections(args.tokens, args.layers, e, k)
     print(f"trace: {args.tokens} tokens x {args.layers} layers x top-{k} of {e} = {ids.size / 1e6:.1f} M accesses; C={cap}")
     rows = []
-    for kind in ("lru", "belady", "gamma", "lfu"):
-        r = bench_cache(ids, e, cap, kind, args.repeats if kind in ("lru", "belady") else 1)
+    for kind in ("lru", "lru-sim", "belady", "gamma", "lfu"):
+        r = bench_cache(ids, e, cap, kind, args.repeats if kind in ("lru", "lru-sim", "belady") else 1)
         rows.append(r)
         print(f"  {kind:7s} {r['accesses_per_s'] / 1e6:6.2f} M accesses/s   (median {r['median_s']:.2f} s, "
               f"miss rate {100 * r['miss_rate']:.1f}%)")

@@ -46,9 +46,10 @@ VARIANTS = {
     "original": RoutingConfig("original"),
     "cache-prior": RoutingConfig("cache-prior", lam=0.5, top_j=1),
 }
-#: --torch-router adds this variant: Cache-Prior through the batched torch policy for every token (the
-#: Router's one-token numpy path switched off), to measure what that path saves in the same run.
-TORCH_ROUTER = "cache-prior-torch"
+#: --python-loops adds this variant: Cache-Prior with the compiled (numba) loops switched off -- keyed selection in
+#: numpy and Python, serving in Python -- to measure what the compiled loops save in the same run.
+TORCH_ROUTER = "cache-prior-python"
+_SWITCHES = ("expertcache.models.fused", "expertcache.cache.kernels", "expertcache.routing.kernels")
 
 
 class _variant:
@@ -58,24 +59,24 @@ class _variant:
         self.model, self.name = model, name
 
     def __enter__(self):
+        import importlib
+
         from expertcache.models import patch_model
-        from expertcache.routing import Router
 
         self.saved = None
-        if self.name == TORCH_ROUTER:
-            self.saved = Router._cache_prior_one
-            Router._cache_prior_one = lambda *a, **k: None
+        if self.name == TORCH_ROUTER:  # every compiled path off (their AVAILABLE flags)
+            self.saved = [(mod, mod.AVAILABLE) for mod in map(importlib.import_module, _SWITCHES)]
+            for mod, _ in self.saved:
+                mod.AVAILABLE = False
         routing = VARIANTS[self.name if self.name != TORCH_ROUTER else "cache-prior"]
         self.patch = None if routing is None else patch_model(self.model, routing, eviction="lru", capacity=0.5)
         return self
 
     def __exit__(self, *exc):
-        from expertcache.routing import Router
-
         if self.patch is not None:
             self.patch.unpatch()
-        if self.saved is not None:
-            Router._cache_prior_one = self.saved
+        for mod, value in self.saved or ():
+            mod.AVAILABLE = value
 
 
 def load(name: str):
@@ -192,8 +193,8 @@ def main(argv=None) -> int:
                     "with the KV cache (8-token prompt, then --seq - 8 steps); both (default)")
     ap.add_argument("--archs", default=",".join(TINY_ARCHS), help="comma-separated tiny archs and/or checkpoint paths")
     ap.add_argument("--no-granular", action="store_true", help="skip the shipped granular model")
-    ap.add_argument("--torch-router", action="store_true", help=f"add the variant {TORCH_ROUTER!r}: Cache-Prior "
-                    "with the Router's one-token numpy path off (batched torch policy per token)")
+    ap.add_argument("--python-loops", dest="torch_router", action="store_true",
+                    help=f"add the variant {TORCH_ROUTER!r}: Cache-Prior with the compiled (numba) loops off")
     ap.add_argument("--profile", default=None, metavar="MODEL", help="cProfile the patched variants of MODEL")
     ap.add_argument("--out", default=None, help="append JSONL rows here")
     args = ap.parse_args(argv)

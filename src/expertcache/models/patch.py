@@ -26,13 +26,31 @@ The combine weights of the selected ids come from the family's own weight rule
 (:mod:`expertcache.models.adapters`), and the expert compute stays batched (the model's experts module
 runs unchanged on the returned ``(ids, weights)``).
 
+What runs, and when (every path makes the same decisions; ``tests/test_keyed_select.py`` pins them against
+the token-by-token reference above):
+
+- **Residency-independent calls** (``policy='original'``, or a prefill outside ``scope='generation'``, with
+  nothing recorded) return the stock outputs at once and only queue their selections; the queue is served
+  in bulk (one compiled loop per layer, :meth:`LRUCache.serve_array`) before anything reads or serves a
+  cache: ``stats()``, ``caches``, ``row_caches``, ``new_sequence()``, ``reset_caches()`` and the next
+  cache-aware call (or after 4096 queued tokens per row and layer).
+- **Cache-aware policies** run steps 1-3 for all P tokens of a row in one compiled call when numba is
+  installed and the cache is LRU (:mod:`expertcache.models.fused`: the policy's keys from
+  :func:`expertcache.routing.kernels.token_keys`, selection and serving from :mod:`expertcache.cache.kernels`,
+  and, for families with a ``weight_rule``, the combine weights); a token the compiled loop cannot take
+  (a tie at the top-J boundary, a non-finite logit) goes the per-token way and the loop resumes after it.
+  Otherwise ``Router.keys`` + ``ExpertCache.select_serve``, else ``Router.rank`` token by token.
+- A decoding step whose policy kept the model's own choice (same ids as the stock router) returns the stock
+  weights unchanged.
+
 Contracts:
 
 - ``policy='original'`` returns exactly the stock router's outputs (bit-identical logits); any cache is
   only observed. A cache-aware policy with strength 0 selects the same ids, weighted by the family's
-  formula (equal to the stock weights up to float rounding).
+  formula (equal to the stock weights up to float rounding; the compiled weight rule computes in float64).
 - **Batch > 1**: every row of the batch has its own cache per layer (row b of every forward call is one
-  sequence); caches of rows ≥ 1 are created on first use. Padding tokens (``attention_mask == 0`` in the
+  sequence; B comes from the model's ``input_ids``/``inputs_embeds``); caches of rows ≥ 1 are created on
+  first use. Padding tokens (``attention_mask == 0`` in the
   mask given to the model's forward, last S columns) keep the original routing, do not touch the cache
   and are not recorded. A 4-D or missing attention mask means every token is real.
 - **Scope**: ``scope='all'`` applies the policy to every token. ``scope='generation'`` applies it only in
