@@ -56,9 +56,11 @@ Nothing here holds state; the stateful patch lives in :mod:`expertcache.models.p
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -85,7 +87,8 @@ def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor
 
 def _restrict(zr_TE: torch.Tensor, allowed_TE: torch.Tensor) -> torch.Tensor:
     """Push experts outside the allowed set just below the lowest allowed value of their token, so every
-    ranking puts them last while the per-token range (Cache-Prior's Δ) stays that of the allowed set."""
+    ranking puts them last while the per-token range (Cache-Prior's Δ) stays that of the allowed set.
+    float32 throughout; :func:`expertcache.routing.kernels.token_keys` repeats it bit for bit (tested)."""
     zr_TE = zr_TE.float()
     big = torch.finfo(zr_TE.dtype).max
     lo_T = torch.where(allowed_TE, zr_TE, torch.full((), big)).amin(dim=1, keepdim=True)
@@ -120,9 +123,13 @@ class Family:
     unsupported_policies: Callable[[nn.Module], dict[str, str]] = lambda router: {}
     note: str = ""
     #: ``weights`` as arithmetic the compiled loop can do (:mod:`expertcache.models.fused`): ``(scoring, renorm,
-    #: scale, eps)`` meaning w = score(z)[ids], divided by (sum + eps) iff renorm, times scale; None = not
-    #: expressible (the torch rule is used). Must equal ``weights`` up to float rounding (tested).
+    #: scale, eps)`` meaning w = score(z)[ids], divided by (sum + eps) iff renorm, times scale (scoring
+    #: 'sparsemixer': PhiMoE's rule, eps = its float32 threshold); None = not expressible (the torch rule is
+    #: used). Must equal ``weights`` up to float rounding (tested).
     weight_rule: Callable[[nn.Module], tuple[str, bool, float, float] | None] = lambda router: None
+    #: ``ranking`` before the restriction to the allowed experts: ``(values, allowed or None)``, for the
+    #: compiled loop, which restricts itself (None: ``ranking`` never restricts)
+    ranking_parts: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
 
 # -- rank inputs ---------------------------------------------------------------------------------
@@ -136,6 +143,11 @@ def _rank_logits(router: nn.Module, z_TE: torch.Tensor):
 def _rank_deepseek_v2(router: nn.Module, z_TE: torch.Tensor):
     """'greedy' (V2-Lite): top-K of softmax = top-K of logits. 'group_limited_greedy': only experts of the
     ``topk_group`` groups with the highest max-score are allowed (the model's own group choice)."""
+    return _restricted(*_rank_parts_deepseek_v2(router, z_TE))
+
+
+def _rank_parts_deepseek_v2(router: nn.Module, z_TE: torch.Tensor):
+    """:func:`_rank_deepseek_v2` before :func:`_restrict`: (values, allowed or None)."""
     if router.topk_method == "greedy" or not _group_limited(router):
         return z_TE, None
     if router.topk_method != "group_limited_greedy":
@@ -143,24 +155,46 @@ def _rank_deepseek_v2(router: nn.Module, z_TE: torch.Tensor):
     scores_TE = z_TE.float().softmax(dim=-1)
     g = router.num_group
     group_scores_TG = scores_TE.view(-1, g, router.num_experts // g).max(dim=-1).values
-    allowed_TE = _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts)
-    return _restrict(z_TE, allowed_TE), allowed_TE
+    return z_TE.float(), _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts)
 
 
 def _rank_deepseek_v3(router: nn.Module, z_TE: torch.Tensor):
     """The model ranks ``sigmoid(z) + e_score_correction_bias`` within its top ``topk_group`` groups (group
     score = sum of the two best biased scores). With a zero bias and no group limit this is the same
     order as the logits, which are then ranked directly."""
-    bias_E = router.e_score_correction_bias.float().to(z_TE.device)
-    if not _group_limited(router) and not bool(bias_E.any()):
+    return _restricted(*_rank_parts_deepseek_v3(router, z_TE))
+
+
+_BIAS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _correction_bias(router: nn.Module, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(float32 correction bias on ``device``, whether any entry is non-zero), cached per router until the
+    buffer changes (its version counter or storage)."""
+    b = router.e_score_correction_bias
+    key = (b.data_ptr(), b._version, device)
+    hit = _BIAS.get(router)
+    if hit is None or hit[0] != key:
+        bias_E = b.float().to(device)
+        hit = _BIAS[router] = (key, bias_E, bool(bias_E.any()))
+    return hit[1], hit[2]
+
+
+def _rank_parts_deepseek_v3(router: nn.Module, z_TE: torch.Tensor):
+    """:func:`_rank_deepseek_v3` before :func:`_restrict`: (values, allowed or None)."""
+    bias_E, any_bias = _correction_bias(router, z_TE.device)
+    if not _group_limited(router) and not any_bias:
         return z_TE, None
     choice_TE = z_TE.float().sigmoid() + bias_E
     if not _group_limited(router):
         return choice_TE, None
     g = router.num_group
     group_scores_TG = choice_TE.view(-1, g, router.num_experts // g).topk(2, dim=-1)[0].sum(dim=-1)
-    allowed_TE = _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts)
-    return _restrict(choice_TE, allowed_TE), allowed_TE
+    return choice_TE, _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts)
+
+
+def _restricted(values_TE: torch.Tensor, allowed_TE: torch.Tensor | None):
+    return (values_TE, None) if allowed_TE is None else (_restrict(values_TE, allowed_TE), allowed_TE)
 
 
 def _group_limited(router: nn.Module) -> bool:
@@ -302,16 +336,19 @@ FAMILIES: dict[str, Family] = {
                lambda r: False, _weights_deepseek_v2, _rank_deepseek_v2, _deepseek_layers,
                _deepseek_v2_unsupported,
                note="shared experts never cached; leading dense layers (first_k_dense_replace) skipped",
+               ranking_parts=_rank_parts_deepseek_v2,
                weight_rule=lambda r: ("softmax", False, float(r.routed_scaling_factor), 0.0)),
         Family("deepseek_v3", "gate", "DeepseekV3TopkRouter", "DeepseekV3MoE", "sigmoid",
                lambda r: bool(r.norm_topk_prob), _weights_deepseek_v3, _rank_deepseek_v3, _deepseek_layers,
                _deepseek_v3_unsupported,
+               ranking_parts=_rank_parts_deepseek_v3,
                note="policies rank sigmoid(z)+e_score_correction_bias within the model's top groups; "
                     "weights from the unbiased sigmoid scores",
                weight_rule=lambda r: ("sigmoid", bool(r.norm_topk_prob), float(r.routed_scaling_factor), 1e-20)),
         Family("phimoe", "router", "PhimoeTopKRouter", "PhimoeSparseMoeBlock", "softmax",
                lambda r: False, _weights_phimoe, _rank_logits, _all_layers,
-               note="weights: sparsemixer evaluated at the selected ids (see _weights_phimoe)"),
+               note="weights: sparsemixer evaluated at the selected ids (see _weights_phimoe)",
+               weight_rule=lambda r: ("sparsemixer", False, 1.0, float(np.float32(2 * r.router_jitter_noise)))),
         Family("gpt_oss", "router", "GptOssTopKRouter", "GptOssMLP", "softmax",
                lambda r: True, _weights_gpt_oss, _rank_logits, _all_layers,
                note="weights: softmax over the selected logits (router bias included)",

@@ -26,7 +26,7 @@ AVAILABLE = ck.AVAILABLE and rk.AVAILABLE
 #: sha256 (first 16 hex digits) of routing/kernels.py + cache/kernels.py, whose functions the loop below inlines.
 #: numba's on-disk cache only notices edits to *this* file, so an edit there must change this line (a test
 #: checks it); otherwise a stale compiled loop would be loaded.
-_DEPENDS_ON = "4bdeb09bed6f183c"
+_DEPENDS_ON = "c52cb1f61031e223"
 
 
 def kernel_sources_digest() -> str:
@@ -53,6 +53,7 @@ if AVAILABLE:
         p_count, e = zr_PE.shape
         order = np.empty(e, np.int64)
         tmp = np.empty(e, np.int64)
+        zbuf = np.empty(e, np.float32)
         kres = np.empty(e, np.float32)
         knon = np.empty(e, np.float32)
         bk = np.empty(k, np.float32)
@@ -61,7 +62,7 @@ if AVAILABLE:
         miss_buf = np.empty(k, np.int64)
         for p in range(p_count):
             if rk.token_keys(zr_PE[p], ip, fp, penalty_E, allowed_PE[p if ip[4] else 0], order, kres, knon,
-                             tmp) != rk.OK:
+                             tmp, zbuf) != rk.OK:
                 return p
             ck.select_one(order, kres, knon, z_PE[p], k, lru_E[0], bk, bp, ids)
             for i in range(k):
@@ -72,9 +73,34 @@ if AVAILABLE:
         return p_count
 
     @numba.njit(cache=True, nogil=True, inline="always")
+    def _sparsemixer_slot(z_E, a, skip, thr2eps):
+        """PhiMoE's eval-mode sparsemixer weight of expert ``a``: the softmax over the experts whose logit is
+        within the relative threshold of ``z[a]`` (float32 test, as torch does it), ``skip`` (>= 0) excluded."""
+        thr = z_E[a]
+        mx = -np.inf
+        for x in range(z_E.shape[0]):
+            if x != skip:
+                factor = max(abs(z_E[x]), thr)
+                if not ((thr - z_E[x]) / factor > thr2eps) and z_E[x] > mx:
+                    mx = np.float64(z_E[x])
+        norm = 0.0
+        for x in range(z_E.shape[0]):
+            if x != skip:
+                factor = max(abs(z_E[x]), thr)
+                if not ((thr - z_E[x]) / factor > thr2eps):
+                    norm += np.exp(np.float64(z_E[x]) - mx)
+        return np.exp(np.float64(thr) - mx) / norm
+
+    @numba.njit(cache=True, nogil=True, inline="always")
     def _weights(z_E, ids, k, wr, w_K):
-        """The family's weight rule (``wr`` = [scoring 1 softmax / 2 sigmoid, renorm, scale, eps]) at ``ids``,
-        in float64, stored as float32."""
+        """The family's weight rule at ``ids``: ``wr`` = [scoring (1 softmax, 2 sigmoid, 3 PhiMoE's
+        sparsemixer), renorm, scale, eps (sparsemixer: its float32 threshold 2·jitter)]; float64, stored
+        as float32."""
+        if wr[0] == 3.0:  # slot 1 = ids[0]; slot 2 = ids[1] with slot 1 masked out (K = 2)
+            thr2eps = np.float32(wr[3])
+            w_K[0] = _sparsemixer_slot(z_E, ids[0], -1, thr2eps)
+            w_K[1] = _sparsemixer_slot(z_E, ids[1], ids[0], thr2eps)
+            return
         softmax = wr[0] == 1.0
         mx = 0.0
         norm = 1.0
@@ -114,23 +140,26 @@ def weight_rule_array(rule: tuple[str, bool, float, float] | None) -> np.ndarray
     if rule is None:
         return None
     scoring, renorm, scale, eps = rule
-    return np.array([{"softmax": 1.0, "sigmoid": 2.0}[scoring], float(renorm), float(scale), float(eps)])
+    return np.array([{"softmax": 1.0, "sigmoid": 2.0, "sparsemixer": 3.0}[scoring], float(renorm), float(scale),
+                     float(eps)])
 
 
 def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Tensor, allowed_PE: torch.Tensor | None,
-                cache, weight_rule: np.ndarray | None = None) -> tuple[np.ndarray, int] | None:
+                cache, weight_rule: np.ndarray | None = None, restrict: bool = False) -> tuple[np.ndarray, int] | None:
     """Select and serve P tokens in one compiled call: ``(ids int64 [P, K], done)`` where rows ``< done`` are
     selected and served (descending-logit order) and token ``done`` (if < P) must go the per-token way (a tie
     at the top-J boundary or a non-finite logit); None when this path does not apply (no numba, not an LRU
     cache with integer byte costs, a policy without compiled keys, logits not float32 on the CPU).
 
     With ``weight_rule`` (:func:`weight_rule_array`) the result is ``(ids, done, weights float32 [P, K])``: the
-    family's combine weights of the selected ids, computed in the same loop."""
+    family's combine weights of the selected ids, computed in the same loop. ``restrict``: ``zr_PE`` are the
+    family's unrestricted ranking values (``Family.ranking_parts``) and the loop restricts them to
+    ``allowed_PE`` itself, exactly as ``Family.ranking`` would."""
     if not AVAILABLE or type(cache) is not LRUCache or not cache._compiled():
         return None
     if zr_PE.dtype != torch.float32 or z_PE.dtype != torch.float32 or zr_PE.device.type != "cpu":
         return None
-    params = router.kernel_params(layer, allowed=allowed_PE is not None)
+    params = router.kernel_params(layer, allowed=allowed_PE is not None, restrict=restrict and allowed_PE is not None)
     if params is None:
         return None
     ip, fp, penalty_E = params

@@ -85,8 +85,8 @@ from torch import nn
 from expertcache import __version__
 from expertcache.cache import CacheStats, ExpertCache, LRUCache, make_cache, resolve_capacity
 from expertcache.models import fused
-from expertcache.models.adapters import (Family, MoELayer, family_for, find_moe_layers, order_by_logits,
-                                         ranks_logits)
+from expertcache.models.adapters import (Family, MoELayer, _restrict, family_for, find_moe_layers,
+                                         order_by_logits, ranks_logits)
 from expertcache.routing import Router, RoutingConfig
 
 __all__ = ["patch_model", "MoEPatch", "SCOPES", "BETWEEN_SEQUENCES"]
@@ -226,8 +226,8 @@ class MoEPatch:
             for li, cache in enumerate(self._streams[0]):
                 if isinstance(cache, LRUCache) and cache._compiled():
                     cache._own_arrays()
-                for allowed in (False, True):
-                    self.router.kernel_params(li, allowed=allowed)
+                for allowed, restrict in ((False, False), (True, False), (True, True)):
+                    self.router.kernel_params(li, allowed=allowed, restrict=restrict)
         self._install()
 
     # -- installation ---------------------------------------------------------------------------
@@ -481,24 +481,28 @@ class MoEPatch:
         if self._lean_original:  # served later, in bulk (see _flush)
             self._queue(0, m.index, ids0_TK.detach(), z_TE)
             return w0_TK, ids0_TK
-        zr_TE, allowed_TE = self.family.ranking(m.router, z_TE)
         cache = self._streams[0][m.index]
         if self._pending:
             self._flush((0, m.index))
         rule = self._weight_rules[m.index]
         if rule is not None:  # selection, serving and the family's weights in one compiled call
-            fast = fused.keyed_serve(self.router, m.index, zr_TE, z_TE, allowed_TE, cache, rule)
+            parts = self.family.ranking_parts
+            values_TE, allowed_TE = (parts or self.family.ranking)(m.router, z_TE)
+            fast = fused.keyed_serve(self.router, m.index, values_TE, z_TE, allowed_TE, cache, rule,
+                                     restrict=parts is not None)
             if fast is not None:
                 ids_np, done, w_np = fast
                 if done == t:
                     if t == 1 and sorted(ids_np[0].tolist()) == sorted(ids0_TK.tolist()[0]):
                         return w0_TK, ids0_TK  # the policy kept the model's own choice: its own weights
                     return torch.from_numpy(w_np).to(w0_TK.dtype), torch.from_numpy(ids_np).to(ids0_TK.dtype)
+                zr_TE = values_TE if parts is None or allowed_TE is None else _restrict(values_TE, allowed_TE)
                 rest = self._select(m.index, zr_TE[done:], z_TE[done:],
                                     None if allowed_TE is None else allowed_TE[done:], cache)
                 ids_TK = torch.cat([torch.from_numpy(ids_np[:done]), rest])
                 w_TK = self.family.weights(m.router, z_TE, ids_TK)
                 return w_TK.to(w0_TK.dtype), ids_TK.to(ids0_TK.dtype)
+        zr_TE, allowed_TE = self.family.ranking(m.router, z_TE)
         ids_TK = self._select(m.index, zr_TE, z_TE, allowed_TE, cache)
         if t == 1:
             if sorted(ids_TK.tolist()[0]) == sorted(ids0_TK.tolist()[0]):

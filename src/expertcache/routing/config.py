@@ -360,22 +360,24 @@ class Router:
             kres = np.where(barred, knon, kres)
         return RankKeys(order, np.ascontiguousarray(kres, np.float32), np.ascontiguousarray(knon, np.float32))
 
-    def kernel_params(self, layer: int, *, allowed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def kernel_params(self, layer: int, *, allowed: bool = False,
+                      restrict: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """``(ip, fp, penalty_E)`` for :func:`expertcache.routing.kernels.token_keys` at ``layer`` (Δavg state
         included; hand ``fp`` back to :meth:`commit_kernel_delta` after the call), or None for a policy
-        without compiled keys or when numba is not installed."""
+        without compiled keys or when numba is not installed. ``allowed``: an allowed-experts mask comes
+        with the logits; ``restrict``: the loop restricts the values to it first (see ``token_keys``)."""
         c = self.config
         if not _rk.AVAILABLE or c.policy not in _rk.CODES:
             return None
         cache = self.__dict__.setdefault("_kernel_params", {})
-        key = (layer, allowed)
+        key = (layer, allowed, restrict)
         params = cache.get(key)
         if params is None or params[3] is not self.freq_LE:  # built once per layer (a new profile rebuilds)
             d = self.delta_for(layer) if c.policy == "cache-prior" else None
             if d is not None and d.fixed is not None and not np.isfinite(d.fixed * c.lam):
                 return None
             ip, fp = _rk.pack(c.policy, min(c.top_j, self.k), m=min(c.m, self.num_experts), lam=c.lam,
-                              fixed=None if d is None else d.fixed, allowed=allowed)
+                              fixed=None if d is None else d.fixed, allowed=allowed, restrict=restrict)
             penalty = self._penalty(layer) if c.policy == "eras-bias" else _rk._EMPTY_F
             params = cache[key] = (ip, fp, penalty, self.freq_LE)
         ip, fp, penalty, _ = params

@@ -95,15 +95,32 @@ def _stable_desc_order(z_E, order, tmp):
 
 
 @_jit_inline
-def token_keys(z_E, ip, fp, penalty_E, allowed_E, order, kres, knon, tmp):
-    """One token's keys into ``order``/``kres``/``knon`` (length E; ``tmp`` is scratch). ``ip`` int64
-    ``[code, j, m, has_fixed, has_allowed]``, ``fp`` float64 ``[lam, fixed, total, count]`` (Cache-Prior's
-    running Δavg: updated in place). Returns OK, NOT_FINITE or TOP_J_TIE (nothing updated then)."""
-    e = z_E.shape[0]
+def token_keys(z_in_E, ip, fp, penalty_E, allowed_E, order, kres, knon, tmp, zbuf):
+    """One token's keys into ``order``/``kres``/``knon`` (length E; ``tmp``, ``zbuf`` are scratch). ``ip``
+    int64 ``[code, j, m, has_fixed, has_allowed, restrict]``, ``fp`` float64 ``[lam, fixed, total, count]``
+    (Cache-Prior's running Δavg: updated in place). With ``restrict`` the values of experts outside
+    ``allowed_E`` are first pushed below the allowed ones exactly as ``models.adapters._restrict`` does (float32).
+    Returns OK, NOT_FINITE or TOP_J_TIE (nothing updated then)."""
+    e = z_in_E.shape[0]
     code, j, m = ip[0], ip[1], ip[2]
     for x in range(e):
-        if not np.isfinite(z_E[x]):
+        if not np.isfinite(z_in_E[x]):
             return NOT_FINITE
+    z_E = z_in_E
+    if ip[4] and ip[5]:  # lo - 1e-3·(hi - lo) - 1e-6·(1 + |lo|) over the allowed experts, in float32
+        lo = np.float32(np.inf)
+        hi = np.float32(-np.inf)
+        for x in range(e):
+            if allowed_E[x]:
+                v = z_in_E[x]
+                if v < lo:
+                    lo = v
+                if v > hi:
+                    hi = v
+        below = lo - np.float32(1e-3) * (hi - lo) - np.float32(1e-6) * (np.float32(1.0) + abs(lo))
+        for x in range(e):
+            zbuf[x] = z_in_E[x] if allowed_E[x] else below
+        z_E = zbuf
     _stable_desc_order(z_E, order, tmp)  # = torch.sort(descending=True, stable=True)
     if 0 < j < e and z_E[order[j - 1]] == z_E[order[j]]:
         return TOP_J_TIE
@@ -144,9 +161,10 @@ def token_keys(z_E, ip, fp, penalty_E, allowed_E, order, kres, knon, tmp):
 def _rank_keys(z_PE, ip, fp, penalty_E, allowed_PE, order_PE, kres_PE, knon_PE):
     e = z_PE.shape[1]
     tmp = np.empty(e, np.int64)
+    zbuf = np.empty(e, np.float32)
     for p in range(z_PE.shape[0]):
         status = token_keys(z_PE[p], ip, fp, penalty_E, allowed_PE[p if ip[4] else 0], order_PE[p], kres_PE[p],
-                            knon_PE[p], tmp)
+                            knon_PE[p], tmp, zbuf)
         if status != OK:
             return status
     return OK
@@ -157,9 +175,9 @@ _EMPTY_B = np.zeros((1, 1), np.bool_)
 
 
 def pack(policy: str, j: int, *, m: int = 0, lam: float = 0.0, fixed: float | None = None, total: float = 0.0,
-         count: int = 0, allowed: bool = False) -> tuple[np.ndarray, np.ndarray]:
+         count: int = 0, allowed: bool = False, restrict: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The (int, float) parameter arrays of :func:`token_keys`."""
-    ip = np.array([CODES[policy], j, m, fixed is not None, allowed], np.int64)
+    ip = np.array([CODES[policy], j, m, fixed is not None, allowed, restrict], np.int64)
     fp = np.array([lam, 0.0 if fixed is None else fixed, total, count], np.float64)
     return ip, fp
 
