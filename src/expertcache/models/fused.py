@@ -110,12 +110,14 @@ if AVAILABLE:
                 if z_E[ids[i]] > mx:
                     mx = np.float64(z_E[ids[i]])
             if wr[1] == 0.0:  # no renormalisation: the softmax over all E experts (renormalised, it cancels)
+                mx32 = z_E[0]
                 for x in range(z_E.shape[0]):
-                    if z_E[x] > mx:
-                        mx = np.float64(z_E[x])
+                    if z_E[x] > mx32:
+                        mx32 = z_E[x]
+                mx = np.float64(mx32)
                 norm = 0.0
-                for x in range(z_E.shape[0]):
-                    norm += np.exp(np.float64(z_E[x]) - mx)
+                for x in range(z_E.shape[0]):  # float32 exponentials (as torch's softmax), float64 sum
+                    norm += np.float64(np.exp(z_E[x] - mx32))
         total = 0.0
         for i in range(k):
             v = np.float64(z_E[ids[i]])
@@ -162,15 +164,15 @@ def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Ten
     params = router.kernel_params(layer, allowed=allowed_PE is not None, restrict=restrict and allowed_PE is not None)
     if params is None:
         return None
-    ip, fp, penalty_E = params
+    params.load()
     a = cache._own_arrays()
     k = router.k
     out_PK = np.empty((zr_PE.shape[0], k), np.int64)
     w_PK = _NO_W if weight_rule is None else np.empty((zr_PE.shape[0], k), np.float32)
-    done = _keyed_serve(zr_PE.numpy(), z_PE.numpy(), ip, fp, penalty_E,
+    done = _keyed_serve(zr_PE.numpy(), z_PE.numpy(), params.ip, params.fp, params.penalty,
                         _NO_ALLOWED if allowed_PE is None else allowed_PE.numpy(), k, out_PK, a.lru_E, a.lru_S,
                         _NO_RULE if weight_rule is None else weight_rule, w_PK)
-    router.commit_kernel_delta(layer, fp)
+    params.store()
     if weight_rule is None:
         return out_PK, int(done)
     return out_PK, int(done), w_PK

@@ -110,6 +110,29 @@ class RoutingConfig:
         return f"{self.policy}({name}={getattr(self, name)}{extra})"
 
 
+class KernelParams:
+    """One layer's parameters for the compiled key loop (:meth:`Router.kernel_params`): ``ip`` int64 and
+    ``fp`` float64 arrays, the ERAS ``penalty`` and the running Δavg (``delta``, None when fixed or unused)
+    that ``load()``/``store()`` move into and out of ``fp``."""
+
+    __slots__ = ("ip", "fp", "penalty", "delta", "profile")
+
+    def __init__(self, ip, fp, penalty, delta, profile) -> None:
+        self.ip, self.fp, self.penalty, self.delta, self.profile = ip, fp, penalty, delta, profile
+
+    def load(self) -> None:
+        d = self.delta
+        if d is not None:
+            self.fp[2] = d.total
+            self.fp[3] = d.count
+
+    def store(self) -> None:
+        d = self.delta
+        if d is not None:
+            d.total = float(self.fp[2])
+            d.count = int(self.fp[3])
+
+
 @dataclass(frozen=True)
 class RankKeys:
     """A cache-aware policy for P tokens in residency-free form (see :meth:`Router.keys`), numpy.
@@ -360,39 +383,28 @@ class Router:
             kres = np.where(barred, knon, kres)
         return RankKeys(order, np.ascontiguousarray(kres, np.float32), np.ascontiguousarray(knon, np.float32))
 
-    def kernel_params(self, layer: int, *, allowed: bool = False,
-                      restrict: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """``(ip, fp, penalty_E)`` for :func:`expertcache.routing.kernels.token_keys` at ``layer`` (Δavg state
-        included; hand ``fp`` back to :meth:`commit_kernel_delta` after the call), or None for a policy
-        without compiled keys or when numba is not installed. ``allowed``: an allowed-experts mask comes
-        with the logits; ``restrict``: the loop restricts the values to it first (see ``token_keys``)."""
+    def kernel_params(self, layer: int, *, allowed: bool = False, restrict: bool = False) -> "KernelParams | None":
+        """The parameters of :func:`expertcache.routing.kernels.token_keys` at ``layer`` as a
+        :class:`KernelParams` (built once per layer and kept; call its ``load()`` before and ``store()`` after
+        each compiled call, which move the running Δavg in and out), or None for a policy without compiled
+        keys or when numba is not installed. ``allowed``: an allowed-experts mask comes with the logits;
+        ``restrict``: the loop restricts the values to it first (see ``token_keys``)."""
         c = self.config
         if not _rk.AVAILABLE or c.policy not in _rk.CODES:
             return None
         cache = self.__dict__.setdefault("_kernel_params", {})
         key = (layer, allowed, restrict)
         params = cache.get(key)
-        if params is None or params[3] is not self.freq_LE:  # built once per layer (a new profile rebuilds)
+        if params is None or params.profile is not self.freq_LE:  # a new ERAS profile rebuilds
             d = self.delta_for(layer) if c.policy == "cache-prior" else None
             if d is not None and d.fixed is not None and not np.isfinite(d.fixed * c.lam):
                 return None
             ip, fp = _rk.pack(c.policy, min(c.top_j, self.k), m=min(c.m, self.num_experts), lam=c.lam,
                               fixed=None if d is None else d.fixed, allowed=allowed, restrict=restrict)
             penalty = self._penalty(layer) if c.policy == "eras-bias" else _rk._EMPTY_F
-            params = cache[key] = (ip, fp, penalty, self.freq_LE)
-        ip, fp, penalty, _ = params
-        if c.policy == "cache-prior":  # the running Δavg as it stands now
-            d = self.delta_for(layer)
-            fp[2] = d.total
-            fp[3] = d.count
-        return ip, fp, penalty
-
-    def commit_kernel_delta(self, layer: int, fp: np.ndarray) -> None:
-        """Take back the running Δavg a compiled call advanced (see :meth:`kernel_params`)."""
-        if self.config.policy == "cache-prior":
-            d = self.delta_for(layer)
-            if d.fixed is None:
-                d.total, d.count = float(fp[2]), int(fp[3])
+            params = cache[key] = KernelParams(ip, fp, penalty, None if d is None or d.fixed is not None else d,
+                                               self.freq_LE)
+        return params
 
     def _compiled_keys(self, layer: int, z: np.ndarray, j: int, allowed_PE: torch.Tensor | None) -> RankKeys | None:
         """:meth:`keys` for Cache-Prior, Max-Rank and ERAS biasing in one compiled call (same arithmetic)."""
