@@ -49,7 +49,7 @@ if AVAILABLE:
     import numba
 
     @_jit
-    def _keyed_serve(zr_PE, z_PE, ip, fp, penalty_E, allowed_PE, k, out_PK, lru_E, lru_S, wr, w_PK):
+    def _keyed_serve(zr_PE, z_PE, ip, fp, penalty_E, allowed_PE, k, out_PK, lru_E, lru_S, wr, w_PK, ids0_PK, w0_PK):
         p_count, e = zr_PE.shape
         order = np.empty(e, np.int64)
         tmp = np.empty(e, np.int64)
@@ -69,8 +69,25 @@ if AVAILABLE:
                 out_PK[p, i] = ids[i]
             ck.serve_one(ids, k, lru_E, lru_S, miss_buf)
             if wr[0] != 0.0:
+                if ids0_PK.shape[0] == p_count and _stock_weights(ids, k, ids0_PK[p], w0_PK[p], w_PK[p]):
+                    continue  # the model's own choice: its own weights
                 _weights(z_PE[p], ids, k, wr, w_PK[p])
         return p_count
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _stock_weights(ids, k, ids0_K, w0_K, w_K):
+        """If ``ids`` hold the same experts as the stock selection ``ids0_K``, write the stock weights in the
+        order of ``ids`` and return True."""
+        for i in range(k):
+            found = False
+            for j in range(k):
+                if ids0_K[j] == ids[i]:
+                    w_K[i] = w0_K[j]
+                    found = True
+                    break
+            if not found:
+                return False
+        return True
 
     @numba.njit(cache=True, nogil=True, inline="always")
     def _sparsemixer_slot(z_E, a, skip, thr2eps):
@@ -137,6 +154,19 @@ _NO_RULE = np.zeros(4, np.float64)
 _NO_W = np.zeros((1, 1), np.float32)
 
 
+_NO_IDS0 = np.zeros((0, 1), np.int64)
+
+
+def _stock_arrays(stock) -> tuple[np.ndarray, np.ndarray]:
+    if stock is None:
+        return _NO_IDS0, _NO_W
+    ids0, w0 = stock
+    if (ids0.dtype != torch.int64 or w0.dtype != torch.float32 or ids0.device.type != "cpu"
+            or w0.device.type != "cpu" or ids0.shape != w0.shape or ids0.dim() != 2):
+        return _NO_IDS0, _NO_W
+    return ids0.detach().numpy(), w0.detach().numpy()
+
+
 def weight_rule_array(rule: tuple[str, bool, float, float] | None) -> np.ndarray | None:
     """A family's ``weight_rule`` as the float64 [4] the compiled loop takes (None stays None)."""
     if rule is None:
@@ -147,7 +177,8 @@ def weight_rule_array(rule: tuple[str, bool, float, float] | None) -> np.ndarray
 
 
 def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Tensor, allowed_PE: torch.Tensor | None,
-                cache, weight_rule: np.ndarray | None = None, restrict: bool = False) -> tuple[np.ndarray, int] | None:
+                cache, weight_rule: np.ndarray | None = None, restrict: bool = False,
+                stock: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[np.ndarray, int] | None:
     """Select and serve P tokens in one compiled call: ``(ids int64 [P, K], done)`` where rows ``< done`` are
     selected and served (descending-logit order) and token ``done`` (if < P) must go the per-token way (a tie
     at the top-J boundary or a non-finite logit); None when this path does not apply (no numba, not an LRU
@@ -156,7 +187,8 @@ def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Ten
     With ``weight_rule`` (:func:`weight_rule_array`) the result is ``(ids, done, weights float32 [P, K])``: the
     family's combine weights of the selected ids, computed in the same loop. ``restrict``: ``zr_PE`` are the
     family's unrestricted ranking values (``Family.ranking_parts``) and the loop restricts them to
-    ``allowed_PE`` itself, exactly as ``Family.ranking`` would."""
+    ``allowed_PE`` itself, exactly as ``Family.ranking`` would. ``stock`` = the model's own ``(ids, weights)``
+    [P, K] (int64, float32): a token whose selection has the same experts gets the stock weights."""
     if not AVAILABLE or type(cache) is not LRUCache or not cache._compiled():
         return None
     if zr_PE.dtype != torch.float32 or z_PE.dtype != torch.float32 or zr_PE.device.type != "cpu":
@@ -171,7 +203,7 @@ def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Ten
     w_PK = _NO_W if weight_rule is None else np.empty((zr_PE.shape[0], k), np.float32)
     done = _keyed_serve(zr_PE.numpy(), z_PE.numpy(), params.ip, params.fp, params.penalty,
                         _NO_ALLOWED if allowed_PE is None else allowed_PE.numpy(), k, out_PK, a.lru_E, a.lru_S,
-                        _NO_RULE if weight_rule is None else weight_rule, w_PK)
+                        _NO_RULE if weight_rule is None else weight_rule, w_PK, *_stock_arrays(stock))
     params.store()
     if weight_rule is None:
         return out_PK, int(done)

@@ -489,7 +489,7 @@ class MoEPatch:
             parts = self.family.ranking_parts
             values_TE, allowed_TE = (parts or self.family.ranking)(m.router, z_TE)
             fast = fused.keyed_serve(self.router, m.index, values_TE, z_TE, allowed_TE, cache, rule,
-                                     restrict=parts is not None)
+                                     restrict=parts is not None, stock=(ids0_TK, w0_TK))
             if fast is not None:
                 ids_np, done, w_np = fast
                 if done == t:
