@@ -18,9 +18,11 @@ from expertcache.cache import kernels as ck
 from expertcache.routing import Router
 from expertcache.routing import kernels as rk
 
-__all__ = ["AVAILABLE", "keyed_serve"]
+__all__ = ["AVAILABLE", "COMPILED_POLICIES", "keyed_serve", "weight_rule_array"]
 
 AVAILABLE = ck.AVAILABLE and rk.AVAILABLE
+#: policies whose keys the loop computes itself (the others select and serve compiled via Router.keys)
+COMPILED_POLICIES = tuple(rk.CODES)
 
 
 #: sha256 (first 16 hex digits) of routing/kernels.py + cache/kernels.py, whose functions the loop below inlines.

@@ -218,7 +218,8 @@ class MoEPatch:
         self._ensure_rows(1)  # row 0's caches now, not in the first forward
         # the lean per-call path (_route_lean) applies to this configuration
         self._lean_original = routing.policy == "original" and replace_rank is None
-        self._weight_rules = [fused.weight_rule_array(self.family.weight_rule(m.router)) if fused.AVAILABLE else None
+        compiled_policy = fused.AVAILABLE and routing.policy in fused.COMPILED_POLICIES
+        self._weight_rules = [fused.weight_rule_array(self.family.weight_rule(m.router)) if compiled_policy else None
                               for m in self.layers]
         self._lean = (self.capacity is not None and not record and replace_rank is None
                       and (self._lean_original or (routing.cache_aware and eviction == "lru")))
