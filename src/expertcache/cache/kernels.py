@@ -56,8 +56,9 @@ CLOCK, STEP, N_RES, CAP, ACCESSES, HITS, MISSES, LIFETIME_SUM, LIFETIME_SUMSQ, L
 
 
 @_jit_inline
-def _serve_one(ids, kk, lru_E, lru_S, miss_buf):
-    """Serve one step (``ids[:kk]``, -1 = dropped slot, already validated) under LRU."""
+def serve_one(ids, kk, lru_E, lru_S, miss_buf):
+    """Serve one step (``ids[:kk]``, -1 = dropped slot, already validated) under LRU (also called by other
+    compiled drivers, e.g. :mod:`expertcache.models.fused`)."""
     resident_E = lru_E[0]
     stamp_E = lru_E[1]
     loaded_at_E = lru_E[2]
@@ -148,7 +149,7 @@ def _lru_serve(ids_PK, z_PE, by_z, lru_E, lru_S):
         for i in range(k):
             if ids[i] >= 0:
                 seen[ids[i]] = False
-        _serve_one(ids, k, lru_E, lru_S, miss_buf)
+        serve_one(ids, k, lru_E, lru_S, miss_buf)
     return -1
 
 
@@ -181,12 +182,6 @@ def select_one(order_E, kres_E, knon_E, z_E, k, resident_E, bk, bp, ids):
         ids[j] = e
 
 
-@_jit_inline
-def serve_one(ids, k, lru_E, lru_S, miss_buf):
-    """:func:`_serve_one` for other compiled drivers (e.g. :mod:`expertcache.models.fused`)."""
-    _serve_one(ids, k, lru_E, lru_S, miss_buf)
-
-
 @_jit
 def _lru_select_serve(order_PE, kres_PE, knon_PE, z_PE, k, out_PK, lru_E, lru_S):
     miss_buf = np.empty(k, np.int64)
@@ -198,7 +193,7 @@ def _lru_select_serve(order_PE, kres_PE, knon_PE, z_PE, k, out_PK, lru_E, lru_S)
         select_one(order_PE[p], kres_PE[p], knon_PE[p], z_PE[p], k, resident_E, bk, bp, ids)
         for i in range(k):
             out_PK[p, i] = ids[i]
-        _serve_one(ids, k, lru_E, lru_S, miss_buf)
+        serve_one(ids, k, lru_E, lru_S, miss_buf)
 
 
 _NO_Z = np.zeros((1, 1), np.float32)
