@@ -517,51 +517,53 @@ class LRUCache(ExpertCache):
         bytes_loaded = 0
         move = loaded.move_to_end
         pop_lru = loaded.popitem
-        for ids in steps:
-            step += 1
-            if len(set(ids)) != len(ids):  # a repeated expert (repeated -1 slots are fine)
-                valid = [e for e in ids if e >= 0]
-                if len(set(valid)) != len(valid):
-                    raise ValueError(f"an expert is requested twice in one step: {list(ids)}")
-            miss_list = None
-            for e in ids:
-                if e in loaded:
-                    move(e)
-                elif miss_list is None:
-                    miss_list = [e]
-                else:
-                    miss_list.append(e)
-            nvalid = len(ids)
-            if miss_list is None:
-                accesses += nvalid
-                hits += nvalid
-                continue
-            if -1 in miss_list:  # dropped slots (pruning baseline)
-                miss_list = [e for e in miss_list if e != -1]
-                nvalid -= len(ids) - len([e for e in ids if e != -1])
-            accesses += nvalid
-            hits += nvalid - len(miss_list)
-            for e in miss_list:
-                if e in loaded or not 0 <= e < n:
-                    raise ValueError(f"bad step {list(ids)}: ids must be distinct and in [0, {n})")
-                misses += 1
-                if per_expert_bytes:
-                    bytes_loaded += int(eb[e])
-                if len(loaded) >= cap:
-                    victim, t0 = pop_lru(last=False)
-                    lt = step - t0
-                    lt_sum += lt
-                    lt_sq += lt * lt
-                    lt_cnt += 1
-                    lt_sum_E[victim] += lt
-                    lt_cnt_E[victim] += 1
-                loaded[e] = step
-            if len(miss_list) < nvalid:
+        try:
+            for ids in steps:
+                if len(set(ids)) != len(ids):  # a repeated expert (repeated -1 slots are fine)
+                    valid = [e for e in ids if e >= 0]
+                    if len(set(valid)) != len(valid):
+                        raise ValueError(f"an expert is requested twice in one step: {list(ids)}")
+                step += 1
+                miss_list = None
                 for e in ids:
                     if e in loaded:
                         move(e)
-        self._add_totals(step, accesses, hits, misses, lt_sum, lt_sq, lt_cnt,
-                         bytes_loaded if per_expert_bytes else (misses * eb if eb else 0))
+                    elif miss_list is None:
+                        miss_list = [e]
+                    else:
+                        miss_list.append(e)
+                nvalid = len(ids)
+                if miss_list is None:
+                    accesses += nvalid
+                    hits += nvalid
+                    continue
+                if -1 in miss_list:  # dropped slots (pruning baseline)
+                    miss_list = [e for e in miss_list if e != -1]
+                    nvalid -= len(ids) - len([e for e in ids if e != -1])
+                accesses += nvalid
+                hits += nvalid - len(miss_list)
+                for e in miss_list:
+                    if e in loaded or not 0 <= e < n:
+                        raise ValueError(f"bad step {list(ids)}: ids must be distinct and in [0, {n})")
+                    misses += 1
+                    if per_expert_bytes:
+                        bytes_loaded += int(eb[e])
+                    if len(loaded) >= cap:
+                        victim, t0 = pop_lru(last=False)
+                        lt = step - t0
+                        lt_sum += lt
+                        lt_sq += lt * lt
+                        lt_cnt += 1
+                        lt_sum_E[victim] += lt
+                        lt_cnt_E[victim] += 1
+                    loaded[e] = step
+                if len(miss_list) < nvalid:
+                    for e in ids:
+                        if e in loaded:
+                            move(e)
+        finally:  # a bad step stops the loop; what was served before it is counted
+            self._add_totals(step, accesses, hits, misses, lt_sum, lt_sq, lt_cnt,
+                             bytes_loaded if per_expert_bytes else (misses * eb if eb else 0))
 
 
 class LFUCache(ExpertCache):

@@ -29,11 +29,15 @@ and the token is served before the next token is ranked.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-try:  # optional compiled backend
+try:  # optional compiled backend; EXPERTCACHE_NO_NUMBA=1 switches it off (same decisions, in Python)
     import numba as _numba
 except ImportError:  # pragma: no cover - exercised on installs without numba
+    _numba = None
+if os.environ.get("EXPERTCACHE_NO_NUMBA", "") not in ("", "0"):
     _numba = None
 
 __all__ = ["AVAILABLE", "lru_serve", "lru_select_serve", "select_one", "serve_one"]

@@ -28,7 +28,7 @@ COMPILED_POLICIES = tuple(rk.CODES)
 #: sha256 (first 16 hex digits) of routing/kernels.py + cache/kernels.py, whose functions the loop below inlines.
 #: numba's on-disk cache only notices edits to *this* file, so an edit there must change this line (a test
 #: checks it); otherwise a stale compiled loop would be loaded.
-_DEPENDS_ON = "f9c11a87dc510f9c"
+_DEPENDS_ON = "245f1c780d75c525"
 
 
 def kernel_sources_digest() -> str:

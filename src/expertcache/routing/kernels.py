@@ -8,11 +8,15 @@ Cumulative-threshold and ERAS thresholding take probabilities from ``torch.softm
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-try:
+try:  # optional compiled backend; EXPERTCACHE_NO_NUMBA=1 switches it off (same decisions, in Python)
     import numba as _numba
-except ImportError:  # pragma: no cover - installs without numba use the numpy path
+except ImportError:  # pragma: no cover - exercised on installs without numba
+    _numba = None
+if os.environ.get("EXPERTCACHE_NO_NUMBA", "") not in ("", "0"):
     _numba = None
 
 __all__ = ["AVAILABLE", "CODES", "rank_keys", "token_keys", "pack"]
