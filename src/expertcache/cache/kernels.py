@@ -29,30 +29,16 @@ and the token is served before the next token is ranked.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-try:  # optional compiled backend; EXPERTCACHE_NO_NUMBA=1 switches it off (same decisions, in Python)
-    import numba as _numba
-except ImportError:  # pragma: no cover - exercised on installs without numba
-    _numba = None
-if os.environ.get("EXPERTCACHE_NO_NUMBA", "") not in ("", "0"):
-    _numba = None
+from expertcache import compiled
+from expertcache.compiled import jit as _jit
+from expertcache.compiled import jit_inline as _jit_inline
 
 __all__ = ["AVAILABLE", "lru_serve", "lru_select_serve", "select_one", "serve_one"]
 
-#: Whether the compiled loops are available (numba importable).
-AVAILABLE = _numba is not None
-
-
-def _jit(fn):
-    return _numba.njit(cache=True, nogil=True)(fn) if _numba is not None else fn
-
-
-def _jit_inline(fn):
-    """For helpers called from other compiled loops: inlined there (no per-call argument passing)."""
-    return _numba.njit(cache=True, nogil=True, inline="always")(fn) if _numba is not None else fn
+#: Whether the compiled loops are available (numba importable, not switched off).
+AVAILABLE = compiled.AVAILABLE
 
 
 RESIDENT, STAMP, LOADED_AT, LT_SUM, LT_CNT = 0, 1, 2, 3, 4

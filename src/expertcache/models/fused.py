@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from expertcache.cache import LRUCache
+from expertcache.compiled import jit, jit_inline
 from expertcache.cache import kernels as ck
 from expertcache.routing import Router
 from expertcache.routing import kernels as rk
@@ -28,7 +29,7 @@ COMPILED_POLICIES = tuple(rk.CODES)
 #: sha256 (first 16 hex digits) of routing/kernels.py + cache/kernels.py, whose functions the loop below inlines.
 #: numba's on-disk cache only notices edits to *this* file, so an edit there must change this line (a test
 #: checks it); otherwise a stale compiled loop would be loaded.
-_DEPENDS_ON = "245f1c780d75c525"
+_DEPENDS_ON = "fc763c5169823914"
 
 
 def kernel_sources_digest() -> str:
@@ -41,16 +42,8 @@ def kernel_sources_digest() -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _jit(fn):
-    import numba
-
-    return numba.njit(cache=True, nogil=True)(fn)
-
-
 if AVAILABLE:
-    import numba
-
-    @_jit
+    @jit
     def _keyed_serve(zr_PE, z_PE, ip, fp, penalty_E, allowed_PE, k, out_PK, lru_E, lru_S, wr, w_PK, ids0_PK, w0_PK):
         p_count, e = zr_PE.shape
         order = np.empty(e, np.int64)
@@ -76,7 +69,7 @@ if AVAILABLE:
                 _weights(z_PE[p], ids, k, wr, w_PK[p])
         return p_count
 
-    @numba.njit(cache=True, nogil=True, inline="always")
+    @jit_inline
     def _stock_weights(ids, k, ids0_K, w0_K, w_K):
         """If ``ids`` hold the same experts as the stock selection ``ids0_K``, write the stock weights in the
         order of ``ids`` and return True."""
@@ -91,7 +84,7 @@ if AVAILABLE:
                 return False
         return True
 
-    @numba.njit(cache=True, nogil=True, inline="always")
+    @jit_inline
     def _sparsemixer_slot(z_E, a, skip, thr2eps):
         """PhiMoE's eval-mode sparsemixer weight of expert ``a``: the softmax over the experts whose logit is
         within the relative threshold of ``z[a]`` (float32 test, as torch does it), ``skip`` (>= 0) excluded."""
@@ -110,7 +103,7 @@ if AVAILABLE:
                     norm += np.exp(np.float64(z_E[x]) - mx)
         return np.exp(np.float64(thr) - mx) / norm
 
-    @numba.njit(cache=True, nogil=True, inline="always")
+    @jit_inline
     def _weights(z_E, ids, k, wr, w_K):
         """The family's weight rule at ``ids``: ``wr`` = [scoring (1 softmax, 2 sigmoid, 3 PhiMoE's
         sparsemixer), renorm, scale, eps (sparsemixer: its float32 threshold 2·jitter)]; float64, stored

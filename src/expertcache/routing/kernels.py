@@ -8,34 +8,20 @@ Cumulative-threshold and ERAS thresholding take probabilities from ``torch.softm
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-try:  # optional compiled backend; EXPERTCACHE_NO_NUMBA=1 switches it off (same decisions, in Python)
-    import numba as _numba
-except ImportError:  # pragma: no cover - exercised on installs without numba
-    _numba = None
-if os.environ.get("EXPERTCACHE_NO_NUMBA", "") not in ("", "0"):
-    _numba = None
+from expertcache import compiled
+from expertcache.compiled import jit as _jit
+from expertcache.compiled import jit_inline as _jit_inline
 
 __all__ = ["AVAILABLE", "CODES", "rank_keys", "token_keys", "pack"]
 
-AVAILABLE = _numba is not None
+AVAILABLE = compiled.AVAILABLE
 
 #: policy -> kernel code
 CODES = {"cache-prior": 0, "max-rank": 1, "eras-bias": 2}
 
 OK, NOT_FINITE, TOP_J_TIE = 0, 1, 2
-
-
-def _jit(fn):
-    return _numba.njit(cache=True, nogil=True)(fn) if _numba is not None else fn
-
-
-def _jit_inline(fn):
-    """For helpers called from other compiled loops: inlined there (no per-call argument passing)."""
-    return _numba.njit(cache=True, nogil=True, inline="always")(fn) if _numba is not None else fn
 
 
 @_jit_inline

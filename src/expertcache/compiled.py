@@ -1,0 +1,32 @@
+"""The optional numba backend of the compiled loops (:mod:`expertcache.cache.kernels`,
+:mod:`expertcache.routing.kernels`, :mod:`expertcache.models.fused`), in one place.
+
+``AVAILABLE`` is False when numba is not installed or ``EXPERTCACHE_NO_NUMBA`` is set (to anything but
+``0``); then :func:`jit` and :func:`jit_inline` return the function unchanged and callers take their
+pure-Python paths, which make the same decisions. Compiled code is cached on disk (numba ``cache=True``).
+"""
+
+from __future__ import annotations
+
+import os
+
+try:
+    import numba
+except ImportError:  # pragma: no cover - exercised on installs without numba
+    numba = None
+if os.environ.get("EXPERTCACHE_NO_NUMBA", "") not in ("", "0"):
+    numba = None
+
+__all__ = ["AVAILABLE", "jit", "jit_inline"]
+
+AVAILABLE = numba is not None
+
+
+def jit(fn):
+    """Compile ``fn`` (nopython, no GIL, cached on disk) when numba is available."""
+    return numba.njit(cache=True, nogil=True)(fn) if numba is not None else fn
+
+
+def jit_inline(fn):
+    """For helpers called from other compiled loops: inlined there (no per-call argument passing)."""
+    return numba.njit(cache=True, nogil=True, inline="always")(fn) if numba is not None else fn
