@@ -22,11 +22,18 @@ __all__ = ["AVAILABLE", "jit", "jit_inline"]
 AVAILABLE = numba is not None
 
 
+def _njit(fn, **options):
+    try:
+        return numba.njit(cache=True, nogil=True, **options)(fn)
+    except RuntimeError:  # no writable cache location (read-only install, no user cache dir): compile per process
+        return numba.njit(cache=False, nogil=True, **options)(fn)
+
+
 def jit(fn):
-    """Compile ``fn`` (nopython, no GIL, cached on disk) when numba is available."""
-    return numba.njit(cache=True, nogil=True)(fn) if numba is not None else fn
+    """Compile ``fn`` (nopython, no GIL, cached on disk where possible) when numba is available."""
+    return _njit(fn) if numba is not None else fn
 
 
 def jit_inline(fn):
     """For helpers called from other compiled loops: inlined there (no per-call argument passing)."""
-    return numba.njit(cache=True, nogil=True, inline="always")(fn) if numba is not None else fn
+    return _njit(fn, inline="always") if numba is not None else fn
