@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from expertcache.cli.common import add_routing_args, routing_from_args
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import platform
 import random
 import statistics
-import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
