@@ -62,6 +62,10 @@ def resolve_capacity(spec: float | int | str, num_experts: int) -> int:
         value = float(text)
     except ValueError:
         raise ValueError(f"capacity must be an expert count or a fraction of N, got {spec!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"capacity must be a finite expert count or fraction of N, got {spec!r}")
+    if "." not in text and not (0 < value < 1) and value != int(value):
+        raise ValueError(f"capacity must be a whole expert count or a fraction of N, got {spec!r}")
     if "." in text or (0 < value < 1):
         if not 0 < value <= 1:
             raise ValueError(f"capacity fraction must be in (0, 1], got {spec!r}")

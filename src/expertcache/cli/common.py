@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import fields
 
 from expertcache.cache import EVICTION_POLICIES
@@ -10,7 +11,8 @@ from expertcache.routing import POLICIES, RoutingConfig
 
 _HELP = {
     "policy": "routing policy",
-    "top_j": "always keep the original top-J experts (001 uses 1)",
+    "top_j": "always keep the original top-J experts (default: the policy's paper: 1 for max-rank, cumsum and "
+             "cache-prior (001), 0 for eras-threshold and eras-bias (003))",
     "h": "prune: keep ranks < h (default K)",
     "m": "max-rank: promote resident experts ranked < M",
     "p": "cumsum: cumulative-probability threshold in [0, 1]",
@@ -26,7 +28,8 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("routing policy")
     for f in fields(RoutingConfig):
         flag = "--" + f.name.replace("_", "-")
-        kw = dict(dest=f"routing_{f.name}", default=f.default, help=f"{_HELP[f.name]} (default: {f.default})")
+        help_ = _HELP[f.name] if f.name == "top_j" else f"{_HELP[f.name]} (default: {f.default})"
+        kw = dict(dest=f"routing_{f.name}", default=f.default, help=help_)
         if f.name == "policy":
             g.add_argument(flag, choices=POLICIES, **kw)
         elif f.name in ("top_j", "h", "m"):
@@ -36,13 +39,34 @@ def add_routing_args(parser: argparse.ArgumentParser) -> None:
 
 
 def routing_from_args(args: argparse.Namespace) -> RoutingConfig:
-    return RoutingConfig(**{f.name: getattr(args, f"routing_{f.name}") for f in fields(RoutingConfig)})
+    """The RoutingConfig of the parsed flags; its validation errors name the flag (``--alpha ...``)."""
+    from expertcache.cli.main import UsageError
+
+    try:
+        return RoutingConfig(**{f.name: getattr(args, f"routing_{f.name}") for f in fields(RoutingConfig)})
+    except ValueError as exc:
+        raise UsageError(flag_message(str(exc), [f.name for f in fields(RoutingConfig)])) from None
+
+
+def flag_message(msg: str, names) -> str:
+    """``msg`` with a leading option name (``alpha must ...``) written as its flag (``--alpha must ...``)."""
+    for name in names:
+        if msg.startswith(name + " "):
+            return "--" + name.replace("_", "-") + msg[len(name):]
+    return msg
+
+
+def print_resolved(command: str, routing: RoutingConfig, extra: str = "") -> None:
+    """One line on stderr with the resolved routing configuration (policy defaults filled in)."""
+    import sys
+
+    print(f"expertcache {command}: routing {routing.label()}{extra}", file=sys.stderr)
 
 
 def add_cache_args(parser: argparse.ArgumentParser, *, default_capacity: str = "0.5") -> None:
     g = parser.add_argument_group("expert cache")
     g.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru", help="eviction policy (default: lru)")
-    g.add_argument("--capacity", default=default_capacity,
+    g.add_argument("--capacity", type=capacity_spec, default=default_capacity,
                    help=f"experts per layer in fast memory: a count (16) or a fraction of N (0.5) "
                         f"(default: {default_capacity})")
     add_cache_state_args(g)
@@ -50,8 +74,149 @@ def add_cache_args(parser: argparse.ArgumentParser, *, default_capacity: str = "
 
 def add_cache_state_args(g) -> None:
     """--gamma, --initial, --seed, --between-sequences: the cache options besides eviction and capacity."""
-    g.add_argument("--gamma", type=float, default=0.9, help="γ of the gamma cache (1 = LFU, 0 = LRU; default 0.9)")
+    g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma cache in [0, 1] (1 = LFU, 0 = LRU; "
+                   "default 0.9)")
     g.add_argument("--initial", default="empty", choices=("empty", "random"), help="initial cache state")
-    g.add_argument("--seed", type=int, default=0, help="seed for a random initial state")
+    g.add_argument("--seed", type=nonneg_int, default=0, help="seed for a random initial state")
     g.add_argument("--between-sequences", choices=("carry", "reset"), default="carry",
                    help="keep caches across sequences (carry) or start each sequence empty (reset)")
+
+
+# ---------------------------------------------------------------------------------------------
+# argparse types: every count / number flag is checked when parsed, and the message names the flag
+# (argparse prefixes "argument --flag: "); the parser prints it as one line and exits with code 2.
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    """argparse type: an integer ≥ 0."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {value}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (no nan / inf)."""
+    return _finite(text)
+
+
+def nonneg_float(text: str) -> float:
+    """argparse type: a finite float ≥ 0."""
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text!r}")
+    return value
+
+
+def unit_float(text: str) -> float:
+    """argparse type: a float in [0, 1]."""
+    value = _finite(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return value
+
+
+def capacity_spec(text: str) -> str:
+    """argparse type of ``--capacity``: an expert count (16) or a fraction of N (0.5); the range check against
+    N happens once N is known (:func:`expertcache.cache.resolve_capacity`)."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be an expert count ≥ 1 or a fraction of N in (0, 1], got {text!r}")
+    if "." not in str(text) and value != int(value):
+        raise argparse.ArgumentTypeError(f"expected an expert count or a fraction of N, got {text!r}")
+    return str(text).strip()
+
+
+def capacity_list(text: str) -> str:
+    """argparse type of sweep's ``--capacity``: comma-separated :func:`capacity_spec` values."""
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("give at least one cache size")
+    for x in items:
+        capacity_spec(x)
+    return ",".join(items)
+
+
+def memory_spec(text: str) -> str:
+    """argparse type of ``--memory``: a byte size such as 3GiB, 200MiB or a byte count (> 0)."""
+    from expertcache.offload.budget import parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return str(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# output paths: checked before any computation starts
+
+
+def check_output_path(path, flag: str, *, directory: bool = False):
+    """Refuse (UsageError naming ``flag`` and the path) an output that cannot be written: a folder where a
+    file is expected (or a file where a folder is), a path under a regular file, or a location without
+    write permission. Creates nothing. Returns the path as a ``Path``; ``None`` passes through."""
+    import os
+    from pathlib import Path
+
+    from expertcache.cli.main import UsageError
+
+    if path is None or path == "":
+        return None
+    p = Path(path).expanduser()
+    if directory:
+        if p.exists() and not p.is_dir():
+            raise UsageError(f"{flag} {path}: exists and is not a folder")
+    elif p.is_dir():
+        raise UsageError(f"{flag} {path}: is a folder, expected a file name")
+    anc = p if (directory and p.is_dir()) else p.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise UsageError(f"{flag} {path}: {anc} is a file, not a folder")
+    if p.exists() and not p.is_dir():
+        if not os.access(p, os.W_OK):
+            raise UsageError(f"{flag} {path}: not writable (permission denied)")
+    elif not os.access(anc, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot write into {anc} (permission denied)")
+    return p
+
+
+def check_input_file(path, flag: str):
+    """Refuse (FileNotFoundError naming ``flag``) an input path that is not an existing regular file."""
+    from pathlib import Path
+
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    if not p.is_file():
+        raise FileNotFoundError(f"{flag} {path}: not a regular file")
+    return p

@@ -45,13 +45,28 @@ STRENGTH = {
 }
 
 
+#: top-J each policy uses when none is given: 001 keeps the original top-1 (max-rank, cumsum, cache-prior);
+#: 003's ERAS policies have no such guarantee (J = 0). Unused by original and prune (kept at 1 so that their
+#: result rows keep their config keys).
+DEFAULT_TOP_J = {
+    "original": 1,
+    "prune": 1,
+    "max-rank": 1,
+    "cumsum": 1,
+    "cache-prior": 1,
+    "eras-threshold": 0,
+    "eras-bias": 0,
+}
+
+
 @dataclass(frozen=True)
 class RoutingConfig:
     """A routing policy and its hyper-parameters.
 
     policy: one of ``POLICIES``.
     top_j: experts of the original top-J that are always selected (max-rank, cumsum, cache-prior,
-        eras-*). 001 uses J = 1.
+        eras-*). None (the default) = the policy's paper: J = 1 for 001's policies, J = 0 for ERAS (003),
+        see ``DEFAULT_TOP_J``; resolved at construction, so ``config.top_j`` is always an int.
     h: pruning baseline keeps ranks < h (None = K).
     m: Max-Rank window M.
     p: cumulative-probability threshold in [0, 1].
@@ -62,7 +77,7 @@ class RoutingConfig:
     """
 
     policy: str = "original"
-    top_j: int = 1
+    top_j: int | None = None
     h: int | None = None
     m: int = 0
     p: float = 0.0
@@ -74,15 +89,28 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.top_j < 0:
-            raise ValueError(f"top-J must be ≥ 0, got {self.top_j}")
-        for name in ("p", "lam"):
+        if self.top_j is None:
+            object.__setattr__(self, "top_j", DEFAULT_TOP_J[self.policy])
+        for name in ("top_j", "m", "h"):
             value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
+            if value is None and name == "h":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{name} must be a whole number, got {value!r}")
+            if value < (1 if name == "h" else 0):
+                raise ValueError(f"{name} must be ≥ {1 if name == 'h' else 0}, got {value}")
+        for name in ("p", "lam", "alpha", "beta", "delta"):
+            value = getattr(self, name)
+            if value is None and name == "delta":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not np.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+            if name in ("p", "lam") and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
-        for name in ("alpha", "beta", "m"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
+            if value < 0:  # a negative delta / beta / alpha would make the policy avoid resident experts
+                raise ValueError(f"{name} must be ≥ 0, got {value}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,7 +193,11 @@ class Router:
         if not 1 <= self.k <= self.num_experts:
             raise ValueError(f"K must be in [1, E={self.num_experts}], got K={self.k}")
         if self.config.top_j > self.k:
-            raise ValueError(f"top-J={self.config.top_j} exceeds K={self.k}")
+            raise ValueError(f"top-J={self.config.top_j} exceeds K={self.k} (experts per token; --top-j)")
+        if self.config.h is not None and self.config.h > self.k:
+            raise ValueError(f"h={self.config.h} exceeds K={self.k} (prune keeps ranks < h of the top-K)")
+        if self.config.m > self.num_experts:
+            raise ValueError(f"m={self.config.m} exceeds N={self.num_experts} experts")
         if self.config.policy == "eras-bias" and self.freq_LE is None:
             raise ValueError("eras-bias needs an activation-frequency profile (freq_LE); "
                              "build one from a trace with expertcache.sim.activation_frequency")
