@@ -141,13 +141,15 @@ def unit_float(text: str) -> float:
 
 
 def capacity_spec(text: str) -> str:
-    """argparse type of ``--capacity``: an expert count (16) or a fraction of N (0.5); the range check against
-    N happens once N is known (:func:`expertcache.cache.resolve_capacity`)."""
-    value = _finite(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be an expert count ≥ 1 or a fraction of N in (0, 1], got {text!r}")
-    if "." not in str(text) and value != int(value):
-        raise argparse.ArgumentTypeError(f"expected an expert count or a fraction of N, got {text!r}")
+    """argparse type of ``--capacity``: an expert count (16) or a fraction of N (0.5), finite; the range check
+    against N happens once N is known (:func:`expertcache.cache.resolve_capacity`)."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"capacity must be an expert count (16) or a fraction of N (0.5), "
+                                         f"got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"capacity must be a finite expert count or fraction of N, got {text!r}")
     return str(text).strip()
 
 

@@ -7,7 +7,8 @@ import json
 import math
 import sys
 
-from expertcache.cli.common import add_cache_args, add_routing_args, routing_from_args
+from expertcache.cli.common import (add_cache_args, add_routing_args, check_input_file, check_output_path,
+                                    nonneg_int, positive_int, print_resolved, routing_from_args)
 
 DESCRIPTION = """\
 Run a task on the model with the routing policy and one live expert cache per MoE layer installed, and
@@ -29,17 +30,17 @@ def add_model_task_args(p: argparse.ArgumentParser, *, task_required: bool = Tru
     g.add_argument("--model", default="granular", help="checkpoint folder, or a shipped model: granular | coarse "
                    "(default: granular)")
     g.add_argument("--task", choices=TASKS, required=task_required, default=None, help="evaluation task")
-    g.add_argument("--limit", type=int, default=None, help="evaluate only the first N items (chunks, questions)")
+    g.add_argument("--limit", type=positive_int, default=None, help="evaluate only the first N items (chunks, questions)")
     g.add_argument("--data-dir", default=None, help="data folder holding wikitext-2-raw-v1/, mmlu/, gsm8k/ "
                    "(default: $EXPERTCACHE_DATA, else <repo>/../shared/data)")
-    g.add_argument("--shots", type=int, default=None, help="few-shot exemplars (default: mmlu 5, gsm8k 8)")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="gsm8k: generation limit (capped at half the "
+    g.add_argument("--shots", type=nonneg_int, default=None, help="few-shot exemplars (default: mmlu 5, gsm8k 8)")
+    g.add_argument("--max-new-tokens", type=positive_int, default=256, help="gsm8k: generation limit (capped at half the "
                    "context; default 256)")
     g.add_argument("--scope", choices=("all", "generation"), default=None,
                    help="apply the policy to every token or to decoding steps only (default: the task's: "
                    "gsm8k generation, else all)")
     g.add_argument("--freq-from", default=None, help="eras-bias: trace to build the activation profile from")
-    g.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    g.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_task_args(p)
     add_routing_args(p)
     add_cache_args(p)
-    p.add_argument("--replace-rank", type=int, default=None, help="sensitivity perturbation (policy original): "
+    p.add_argument("--replace-rank", type=positive_int, default=None, help="sensitivity perturbation (policy original): "
                    "replace the expert at this 1-based rank by a random expert outside the top-K")
     p.add_argument("--trace-out", default=None, help="also save the recorded routing trace to this file")
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON row instead of a table")
@@ -65,7 +66,7 @@ def freq_profile(args, routing):
     from expertcache.sim import activation_frequency
     from expertcache.trace import RoutingTrace
 
-    tr = RoutingTrace.load(args.freq_from)
+    tr = RoutingTrace.load(check_input_file(args.freq_from, "--freq-from"))
     return activation_frequency(tr.ids_TLK, tr.meta.num_experts)
 
 
@@ -75,12 +76,15 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.eval import evaluate, prepare
     from expertcache.results import append_jsonl
 
-    torch.set_num_threads(args.threads)
     routing = routing_from_args(args)
+    check_output_path(args.out, "--out")
+    check_output_path(args.trace_out, "--trace-out")
+    torch.set_num_threads(args.threads)
     if args.eviction == "belady":
         raise ValueError("a live cache cannot use belady (it needs the future); every eval row already reports "
                          "belady_miss_rate for the same selections")
     freq = freq_profile(args, routing)
+    print_resolved("eval", routing, f", cache {args.eviction} C={args.capacity}")
     model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
                              max_new_tokens=args.max_new_tokens)
     row = evaluate(model, task, routing, eviction=args.eviction, capacity=args.capacity, gamma=args.gamma,

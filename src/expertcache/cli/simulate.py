@@ -7,7 +7,8 @@ import json
 import math
 import sys
 
-from expertcache.cli.common import add_cache_args, add_routing_args, routing_from_args
+from expertcache.cli.common import (add_cache_args, add_routing_args, check_input_file, check_output_path,
+                                    print_resolved, routing_from_args)
 
 DESCRIPTION = """\
 Replay a routing trace through one expert cache per layer and report the miss rate, the mean expert
@@ -48,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.trace import RoutingTrace
 
     routing = routing_from_args(args)
+    check_output_path(args.out, "--out")
+    check_input_file(args.freq_from, "--freq-from")
+    print_resolved("simulate", routing, f", cache {args.eviction} C={args.capacity}")
     trace = RoutingTrace.load(args.trace or default_trace_path())
     freq = None
     if routing.policy == "eras-bias":

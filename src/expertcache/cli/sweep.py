@@ -7,7 +7,8 @@ import argparse
 import sys
 
 from expertcache.cache import EVICTION_POLICIES
-from expertcache.cli.common import add_cache_state_args
+from expertcache.cli.common import (add_cache_state_args, capacity_list, check_input_file, check_output_path,
+                                    flag_message, nonneg_float, nonneg_int, positive_int)
 from expertcache.routing import POLICIES, RoutingConfig
 
 DESCRIPTION = """\
@@ -40,34 +41,72 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("grid")
     g.add_argument("--policies", default=_DEFAULT_POLICIES,
                    help=f"comma-separated policies among {', '.join(POLICIES)} (default: {_DEFAULT_POLICIES})")
-    g.add_argument("--grid", type=int, default=50, help="points of the continuous grids in [0, 1] (001: 50)")
+    g.add_argument("--grid", type=positive_int, default=50, help="points of the continuous grids in [0, 1] (001: 50)")
     g.add_argument("--strengths", default=None, help="explicit comma-separated values for p / lambda / alpha / beta")
-    g.add_argument("--beta-max", type=float, default=4.0, help="eras-bias: largest beta (default 4)")
-    g.add_argument("--top-j", type=int, default=RoutingConfig.top_j,
-                   help=f"always keep the original top-J (default {RoutingConfig.top_j})")
-    g.add_argument("--delta", type=float, default=None, help="cache-prior: fixed delta (default: running average)")
-    g.add_argument("--capacity", default="0.5", help="comma-separated cache sizes: counts or fractions of N "
+    g.add_argument("--beta-max", type=nonneg_float, default=4.0, help="eras-bias: largest beta (default 4)")
+    g.add_argument("--top-j", type=nonneg_int, default=None,
+                   help="always keep the original top-J (default: each policy's paper: 1 for max-rank, cumsum, "
+                   "cache-prior; 0 for eras-threshold, eras-bias)")
+    g.add_argument("--delta", type=nonneg_float, default=None, help="cache-prior: fixed delta (default: running average)")
+    g.add_argument("--capacity", type=capacity_list, default="0.5", help="comma-separated cache sizes: counts or fractions of N "
                    "(default 0.5)")
     g.add_argument("--eviction", default="lru", help=f"comma-separated evictions among "
                    f"{', '.join(EVICTION_POLICIES)} (default lru)")
     add_cache_state_args(g)
-    p.add_argument("--out", required=True, help="JSONL file to append rows to (resumes if it exists)")
+    p.add_argument("--out", required=True, help="JSONL file to append rows to (resumes if it exists; a second sweep "
+                   "on the same file is refused while the first runs: lock <out>.lock)")
     p.add_argument("--dry-run", action="store_true", help="print how many runs are planned and pending, run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
+def _strengths(text: str) -> list[float]:
+    import math
+
+    out = []
+    for x in _csv(text):
+        try:
+            v = float(x)
+        except ValueError:
+            raise ValueError(f"--strengths: {x!r} is not a number") from None
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"--strengths: values must be finite and ≥ 0, got {x!r}")
+        out.append(v)
+    if not out:
+        raise ValueError("--strengths: give at least one value")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    from expertcache.eval.sweep import config_key, done_keys, open_loop_row, plan, run_sweep
+    from expertcache.cli.main import UsageError
+    from expertcache.eval.sweep import SweepLockedError, sweep_lock
 
     if bool(args.trace) == bool(args.task):
         raise ValueError("give either --trace FILE (open loop) or --model M --task T (closed loop)")
+    check_output_path(args.out, "--out")
+    check_input_file(args.trace, "--trace")
+    check_input_file(args.freq_from, "--freq-from")
+    if args.dry_run:
+        return _run(args)
+    try:
+        with sweep_lock(args.out):  # before the model loads: a second sweep on the same file fails at once
+            return _run(args)
+    except SweepLockedError as exc:
+        raise UsageError(f"--out {exc}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from expertcache.eval.sweep import config_key, done_keys, open_loop_row, plan, run_sweep
+
     policies = _csv(args.policies)
+    for pol in policies:
+        if pol not in POLICIES:
+            raise ValueError(f"--policies: unknown policy {pol!r}; choose among {', '.join(POLICIES)}")
     evictions = _csv(args.eviction)
     for e in evictions:
         if e not in EVICTION_POLICIES:
-            raise ValueError(f"unknown eviction {e!r}; choose among {', '.join(EVICTION_POLICIES)}")
-    strengths = [float(x) for x in _csv(args.strengths)] if args.strengths else None
+            raise ValueError(f"--eviction: unknown eviction {e!r}; choose among {', '.join(EVICTION_POLICIES)}")
+    strengths = _strengths(args.strengths) if args.strengths else None
     common = dict(policies=policies, capacities=_csv(args.capacity), evictions=evictions, points=args.grid,
                   top_j=args.top_j, beta_max=args.beta_max, strengths=strengths, delta=args.delta, gamma=args.gamma,
                   initial=args.initial, seed=args.seed, between_sequences=args.between_sequences)
@@ -81,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
         trace = RoutingTrace.load(args.trace)
         m = trace.meta
-        runs = plan(mode="open-loop", source=dict(trace=str(args.trace)), k=m.top_k, num_experts=m.num_experts,
-                    **common)
+        runs = _plan(plan, mode="open-loop", source=dict(trace=str(args.trace)), k=m.top_k,
+                     num_experts=m.num_experts, **common)
         freq = activation_frequency(trace.ids_TLK, m.num_experts) if "eras-bias" in policies else None
         execute = lambda r: open_loop_row(trace, r, freq_LE=freq)  # noqa: E731
     else:
@@ -97,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
         layer0 = find_moe_layers(model, family_for(model))[0]
         source = dict(model=str(args.model), task=args.task, limit=args.limit, shots=args.shots,
                       max_new_tokens=args.max_new_tokens if args.task == "gsm8k" else None)
-        runs = plan(mode="closed-loop", source=source, k=layer0.top_k, num_experts=layer0.num_experts,
-                    scope=args.scope or task.default_scope, **common)
+        runs = _plan(plan, mode="closed-loop", source=source, k=layer0.top_k, num_experts=layer0.num_experts,
+                     scope=args.scope or task.default_scope, **common)
 
         def execute(r):
             return evaluate(model, task, RoutingConfig.from_dict(r["routing"]), eviction=r["eviction"],
@@ -110,6 +149,21 @@ def run(args: argparse.Namespace) -> int:
         pending = sum(config_key(r) not in done for r in runs)
         print(f"{len(runs)} runs planned, {pending} pending, {len(runs) - pending} already in {args.out}")
         return 0
+    js = {r["routing"]["policy"]: r["routing"]["top_j"] for r in runs}
+    print(f"expertcache sweep: {len(runs)} runs; top-J per policy "
+          + ", ".join(f"{k} {v}" for k, v in js.items() if k not in ("original", "prune")), file=sys.stderr)
     executed, skipped = run_sweep(runs, args.out, execute, progress=progress)
     print(f"sweep: {executed} runs appended to {args.out}, {skipped} already there (skipped)", file=sys.stderr)
     return 0
+
+
+def _plan(plan, **kw):
+    """``plan`` with RoutingConfig errors naming the sweep flag (``--strengths``, ``--top-j``, ...)."""
+    try:
+        return plan(**kw)
+    except ValueError as exc:
+        msg = flag_message(str(exc), ["top_j", "delta"])
+        for name in ("p", "lam", "alpha", "beta"):
+            if msg.startswith(name + " "):
+                msg = "--strengths / --beta-max: " + msg
+        raise ValueError(msg) from None

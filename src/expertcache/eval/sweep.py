@@ -20,8 +20,10 @@ Cache-Prior λ and ERAS α at ``points`` equidistant values in [0, 1]; ERAS β i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -33,13 +35,53 @@ from expertcache.cache import resolve_capacity
 from expertcache.routing import POLICIES, RoutingConfig
 
 __all__ = ["policy_grid", "plan", "config_key", "done_keys", "drop_torn_tail", "run_sweep", "open_loop_row",
-           "router_mass"]
+           "router_mass", "sweep_lock", "SweepLockedError"]
 
 
-def policy_grid(policy: str, *, k: int, num_experts: int, points: int = 50, top_j: int = 1, beta_max: float = 4.0,
-                strengths: Iterable[float] | None = None, delta: float | None = None) -> list[RoutingConfig]:
+class SweepLockedError(RuntimeError):
+    """Another process is appending to the same sweep output file."""
+
+
+_HELD_LOCKS: dict[str, int] = {}  # resolved output path -> fd of its held lock file (this process)
+
+
+@contextlib.contextmanager
+def sweep_lock(out: str | Path):
+    """Hold an exclusive, non-blocking ``flock`` on ``<out>.lock`` for the duration: a second sweep (another
+    process) appending to the same file would duplicate rows, so it fails at once with SweepLockedError naming
+    the file. Re-entrant within one process. The lock file is left in place (removing it would race)."""
+    import fcntl
+
+    out = Path(out)
+    key = str(out.resolve())
+    if key in _HELD_LOCKS:
+        yield
+        return
+    lock = out.with_name(out.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SweepLockedError(f"{out} is being written by another sweep (lock {lock} is held); wait for it to "
+                               "finish or give another --out") from None
+    _HELD_LOCKS[key] = fd
+    try:
+        yield
+    finally:
+        del _HELD_LOCKS[key]
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def policy_grid(policy: str, *, k: int, num_experts: int, points: int = 50, top_j: int | None = None,
+                beta_max: float = 4.0, strengths: Iterable[float] | None = None,
+                delta: float | None = None) -> list[RoutingConfig]:
     """The routing configs of one policy's sweep (see the module docstring for the grids). ``strengths``
-    replaces the continuous grid (p, λ, α, β)."""
+    replaces the continuous grid (p, λ, α, β). ``top_j`` None = each policy's default (``DEFAULT_TOP_J``)."""
+    if points < 1:
+        raise ValueError(f"points (--grid) must be ≥ 1, got {points}")
     if policy not in POLICIES:
         raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
     unit = [float(x) for x in strengths] if strengths is not None else \
@@ -61,7 +103,8 @@ def policy_grid(policy: str, *, k: int, num_experts: int, points: int = 50, top_
 
 
 def plan(*, mode: str, source: dict[str, Any], policies: Iterable[str], k: int, num_experts: int,
-         capacities: Iterable[str | int | float], evictions: Iterable[str], points: int = 50, top_j: int = 1,
+         capacities: Iterable[str | int | float], evictions: Iterable[str], points: int = 50,
+         top_j: int | None = None,
          beta_max: float = 4.0, strengths=None, delta=None, gamma: float = 0.9, initial: str = "empty",
          seed: int = 0, between_sequences: str = "carry", scope: str | None = None) -> list[dict[str, Any]]:
     """Every run of the sweep as a JSON-able dict (its identity; see :func:`config_key`), capacity-major.
@@ -78,7 +121,7 @@ def plan(*, mode: str, source: dict[str, Any], policies: Iterable[str], k: int, 
             for pol in policies:
                 if ev == "belady" and (mode == "closed-loop" or pol not in ("original", "prune")):
                     continue
-                for rc in policy_grid(pol, k=k, num_experts=num_experts, points=points, top_j=min(top_j, k),
+                for rc in policy_grid(pol, k=k, num_experts=num_experts, points=points, top_j=None if top_j is None else min(top_j, k),
                                       beta_max=beta_max, strengths=strengths, delta=delta):
                     out.append(dict(mode=mode, source=source, routing=rc.to_dict(), eviction=ev, capacity=cap,
                                     gamma=gamma if ev == "gamma" else None, initial=initial, seed=seed,
@@ -121,6 +164,11 @@ def run_sweep(runs: list[dict[str, Any]], out: str | Path, execute: Callable[[di
     ``sweep``); returns (executed, skipped)."""
     from expertcache.results import append_jsonl
 
+    with sweep_lock(out):
+        return _run_sweep(runs, out, execute, progress=progress, append=append_jsonl)
+
+
+def _run_sweep(runs, out, execute, *, progress, append) -> tuple[int, int]:
     drop_torn_tail(out)
     done = done_keys(out)
     todo = [r for r in runs if config_key(r) not in done]
@@ -132,7 +180,7 @@ def run_sweep(runs: list[dict[str, Any]], out: str | Path, execute: Callable[[di
     for run in todo:
         row = execute(run)
         row.update(sweep_key=config_key(run), sweep=run, version=__version__, seed=run["seed"])
-        append_jsonl(out, row)
+        append(out, row)
         if bar is not None:
             bar.update(1)
     if bar is not None:
