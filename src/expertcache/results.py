@@ -23,9 +23,13 @@ def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    """Rows of a JSONL file; a torn (unterminated, unparsable) last line is skipped."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    """Rows of a JSONL file; a torn (unterminated, unparsable) last line is skipped. ValueError naming the file
+    (and line) for a file that is not UTF-8 or a line that is not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a UTF-8 JSONL file (undecodable byte at offset {exc.start})") from None
     for i, line in enumerate(lines):
         if not line.strip():
             continue

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from expertcache.cli.common import check_output_path, nonneg_int, positive_int
+
 DESCRIPTION = """\
 Profile the expert activations of a routing trace (003 MoE-ERAS section IV-A):
 
@@ -31,12 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile-out", default=None, help="write the ERAS profile freq [L, E] here (.npy or .json)")
     p.add_argument("--signal", choices=("probs", "selected"), default="probs",
                    help="correlate router probabilities (003) or 0/1 selection indicators (default: probs)")
-    p.add_argument("--max-batch", type=int, default=32, help="largest batch size for distinct experts (default: 32)")
+    p.add_argument("--max-batch", type=positive_int, default=32, help="largest batch size for distinct experts (default: 32)")
     p.add_argument("--batch-mode", choices=("random", "consecutive"), default="random",
                    help="batches of random tokens (independent sequences) or consecutive tokens of one sequence "
                    "(default: random)")
-    p.add_argument("--samples", type=int, default=256, help="random batches per batch size (default: 256)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random batches (default: 0)")
+    p.add_argument("--samples", type=positive_int, default=256, help="random batches per batch size (default: 256)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random batches (default: 0)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -50,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-batch and --samples must be ≥ 1")
     if args.profile_out and Path(args.profile_out).suffix not in (".npy", ".json"):
         raise UsageError(f"--profile-out must end in .npy or .json, got {args.profile_out!r}")
+    check_output_path(args.profile_out, "--profile-out")
+    check_output_path(args.out_dir, "--out-dir", directory=True)
     if args.trace is None:
         from expertcache.trace.demo import demo_trace_path
 

@@ -22,6 +22,7 @@ def _flag(name: str) -> str:
 
 
 def register(subparsers) -> None:
+    from expertcache.cli.common import finite_float, nonneg_int, positive_int
     from expertcache.mole.configs import KINDS, MoleTrainConfig
 
     p = subparsers.add_parser("mole", help="Mixture of Lookup Experts: train, export tables, generate, evaluate",
@@ -36,6 +37,10 @@ def register(subparsers) -> None:
         kw = {"type": type(f.default), "default": f.default}
         if f.name == "kind":
             kw["choices"] = KINDS
+        elif kw["type"] is float:
+            kw["type"] = finite_float
+        elif kw["type"] is int:
+            kw["type"] = nonneg_int
         t.add_argument(_flag(f.name), dest=f.name, **kw)
     t.add_argument("--tokenizer", default="", help="tokenizer folder (default: the shipped models' tokenizer)")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -47,35 +52,47 @@ def register(subparsers) -> None:
     e.add_argument("--quant", choices=("none", "int8", "nf4"), default="none",
                    help="table values: none (--dtype), int8 or nf4 (block-wise absmax, 64-value blocks)")
     e.add_argument("--dtype", choices=("float16", "float32"), default="float16", help="values with --quant none")
-    e.add_argument("--threads", type=int, default=1)
+    e.add_argument("--threads", type=positive_int, default=1)
     e.set_defaults(func=run_export)
 
     g = sub.add_parser("generate", help="stream a greedy continuation (table form reads the table per token)")
     g.add_argument("model_dir", metavar="TABLE_MODEL", help="exported table folder (or any compared model folder)")
     g.add_argument("prompt")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--read-mode", choices=("mmap", "pread", "flash", "direct"), default="flash",
                    help="how table rows are read: flash/direct bypass the page cache (default: flash)")
-    g.add_argument("--threads", type=int, default=1)
+    g.add_argument("--threads", type=positive_int, default=1)
     g.set_defaults(func=run_generate)
 
     v = sub.add_parser("eval", help="held-out perplexity, decode latency, bytes loaded per token (one JSON row)")
     v.add_argument("model_dir", metavar="MODEL_DIR", help="a compared model folder or an exported table folder")
     v.add_argument("--data-dir", default="", help="corpus folder (default: as for training)")
     v.add_argument("--tokenizer", default="", help="tokenizer folder (default: the model folder's)")
-    v.add_argument("--ppl-tokens", type=int, default=131072, help="held-out tokens scored (0 = all)")
+    v.add_argument("--ppl-tokens", type=nonneg_int, default=131072, help="held-out tokens scored (0 = all)")
     v.add_argument("--read-mode", choices=("mmap", "pread", "flash", "direct"), default="flash",
                    help="table reads during the latency runs (perplexity always uses mmap)")
-    v.add_argument("--batches", default="1,8", help="decode batch sizes timed")
-    v.add_argument("--prompt-tokens", type=int, default=64)
-    v.add_argument("--new-tokens", type=int, default=32)
-    v.add_argument("--moe-tokens", type=int, default=512, help="MoE: positions per sequence replayed through LRU")
-    v.add_argument("--moe-capacity", type=int, default=0,
+    v.add_argument("--batches", type=_batches, default="1,8", help="decode batch sizes timed")
+    v.add_argument("--prompt-tokens", type=positive_int, default=64)
+    v.add_argument("--new-tokens", type=positive_int, default=32)
+    v.add_argument("--moe-tokens", type=positive_int, default=512, help="MoE: positions per sequence replayed through LRU")
+    v.add_argument("--moe-capacity", type=nonneg_int, default=0,
                    help="MoE: experts per layer in fast memory (0 = equal fast memory with MoLE: ffn / width = K)")
-    v.add_argument("--threads", type=int, default=1)
+    v.add_argument("--threads", type=positive_int, default=1)
     v.add_argument("--label", default="", help="row label (default: the folder name)")
     v.add_argument("--out", default="", help="append the row to this JSONL file")
     v.set_defaults(func=run_eval)
+
+
+def _batches(text: str) -> str:
+    """argparse type of ``--batches``: comma-separated positive batch sizes."""
+    from expertcache.cli.common import positive_int
+
+    items = [x for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("give at least one batch size")
+    for x in items:
+        positive_int(x)
+    return ",".join(x.strip() for x in items)
 
 
 def _command() -> str:
@@ -86,15 +103,20 @@ def run_train(args: argparse.Namespace) -> int:
     from expertcache.mole.configs import MoleTrainConfig
     from expertcache.mole.train import train_mole
 
+    from expertcache.cli.common import check_output_path
+
     cfg = MoleTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MoleTrainConfig)})
+    check_output_path(cfg.out or None, "--out", directory=True)
     s = train_mole(cfg, command=_command(), progress=not args.no_progress, tokenizer_dir=args.tokenizer or None)
     print(f"trained {cfg.model}: {s['tokens_seen']} tokens in {s['train_wall_s']:.0f} s; last eval {s['last_eval']}")
     return 0
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from expertcache.cli.common import check_output_path
     from expertcache.mole.table import TableSpec, export_table
 
+    check_output_path(args.out, "--out", directory=True)
     out = export_table(args.model_dir, args.out, quant=args.quant, dtype=args.dtype, threads=args.threads)
     spec = TableSpec(**json.loads((out / "config.json").read_text())["lookup_table"])
     print(f"wrote {out}: {spec.quant} table [V={spec.vocab}, L={spec.layers}, N={spec.experts}, D={spec.hidden}], "
@@ -139,8 +161,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from expertcache.cli.common import check_output_path
     from expertcache.mole.report import evaluate
 
+    check_output_path(args.out or None, "--out")
     row = evaluate(args.model_dir, data_dir=args.data_dir, tokenizer_dir=args.tokenizer or None,
                    ppl_tokens=args.ppl_tokens, read_mode=args.read_mode,
                    batches=[int(b) for b in args.batches.split(",") if b], prompt_tokens=args.prompt_tokens,

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+from expertcache.cli.common import capacity_spec, check_input_file, check_output_path, nonneg_int, positive_int
 
 DESCRIPTION = """\
 Turn JSONL result rows (from eval, sweep, simulate --out, sensitivity) into:
@@ -17,7 +22,9 @@ Turn JSONL result rows (from eval, sweep, simulate --out, sensitivity) into:
   sensitivity-<model>.png    for rows of `expertcache sensitivity` (001 Fig. 2)
 
 A group is (mode, model:task or trace, cache size, eviction). Open-loop rows use the router_mass proxy as
-quality (see `expertcache sweep --help`).
+quality (see `expertcache sweep --help`). Rows repeating a configuration already read (the same sweep key,
+or the same kind, config and seed) are counted once (a note on stderr says how many). A file without result
+rows (e.g. JSON of something else) is an error naming the file.
 """
 
 
@@ -28,10 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out-dir", required=True, help="folder for pareto.md and the PNGs")
     p.add_argument("--trace", action="append", default=[], metavar="FILE[=LABEL]",
                    help="a routing trace for the hit/miss raster (repeat for stacked panels)")
-    p.add_argument("--layer", type=int, default=0, help="raster: MoE layer index (default 0)")
-    p.add_argument("--start", type=int, default=0, help="raster: first token (default 0)")
-    p.add_argument("--tokens", type=int, default=100, help="raster: tokens shown (default 100)")
-    p.add_argument("--raster-capacity", default=None, help="raster: cache size (default: the trace's, else N/2)")
+    p.add_argument("--layer", type=nonneg_int, default=0, help="raster: MoE layer index (default 0)")
+    p.add_argument("--start", type=nonneg_int, default=0, help="raster: first token (default 0)")
+    p.add_argument("--tokens", type=positive_int, default=100, help="raster: tokens shown (default 100)")
+    p.add_argument("--raster-capacity", type=capacity_spec, default=None,
+                   help="raster: cache size (default: the trace's, else N/2)")
     p.add_argument("--prefix", default="", help="prefix of the written file names")
     p.set_defaults(func=run)
 
@@ -39,13 +47,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from expertcache.eval.report import (group_rows, pareto_markdown, plot_cache_sizes, plot_raster,
                                          plot_sensitivity, plot_tradeoff, slug)
-    from expertcache.results import read_jsonl
-
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = [r for f in args.rows for r in read_jsonl(f)]
+    out = check_output_path(args.out_dir, "--out-dir", directory=True)
+    for f in args.rows:
+        check_input_file(f, "rows file")
+    for spec in args.trace:
+        check_input_file(spec.partition("=")[0], "--trace")
+    rows = load_rows(args.rows)
     if not rows and not args.trace:
         raise ValueError("nothing to report: give JSONL row files and/or --trace")
+    if rows and not group_rows(rows) and not any(r.get("kind") == "sensitivity" for r in rows) and not args.trace:
+        raise ValueError(f"nothing to report in {', '.join(args.rows)}: the rows have no quality (rows of "
+                         "`simulate --out` only have miss rates; use `sweep` for quality vs miss rate)")
+    out.mkdir(parents=True, exist_ok=True)
     written = []
     groups = group_rows(rows)
     if groups:
@@ -83,3 +96,39 @@ def run(args: argparse.Namespace) -> int:
     for w in written:
         print(f"wrote {w}")
     return 0
+
+
+def _row_key(row: dict) -> str:
+    """What identifies a run: its sweep key, else its kind, mode, config, seed, task and sensitivity point."""
+    if "sweep_key" in row:
+        return "sweep:" + str(row["sweep_key"])
+    ident = {k: row.get(k) for k in ("kind", "mode", "config", "seed", "task", "sensitivity", "rank")}
+    return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def load_rows(files) -> list[dict]:
+    """Result rows of the JSONL ``files``, each configuration once. ValueError naming the file (and line) for a
+    file that is not UTF-8, holds a line that is not JSON, a line that is not an object, or no result rows."""
+    from expertcache.results import read_jsonl
+
+    rows, seen, dropped = [], set(), 0
+    for f in files:
+        got = list(read_jsonl(f))
+        for i, r in enumerate(got, 1):
+            if not isinstance(r, dict):
+                raise ValueError(f"{f}: row {i} is a JSON {type(r).__name__}, not a result row (an object)")
+        result = [r for r in got if "miss_rate" in r or r.get("kind") == "sensitivity"]
+        if not result:
+            raise ValueError(f"{f}: no result rows (expected JSONL rows of eval, sweep, simulate --out or "
+                             "sensitivity, each with a miss_rate)")
+        for r in result:
+            key = _row_key(r)
+            if key in seen:
+                dropped += 1
+                continue
+            seen.add(key)
+            rows.append(r)
+    if dropped:
+        print(f"expertcache report: {dropped} row(s) repeat a configuration already read; counted once",
+              file=sys.stderr)
+    return rows

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from expertcache.cli.common import check_output_path, nonneg_int
+
 DESCRIPTION = """\
 Closed-loop WikiText perplexity of the model when its expert selection is perturbed by rank
 (r = 1 is the expert with the highest router weight):
@@ -25,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_task_args(p, task_required=False)
     p.add_argument("--mode", default="drop,replace", help="comma-separated: drop, replace (default both)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random replacements (default 0)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random replacements (default 0)")
     p.add_argument("--out", default=None, help="append the rows to this JSONL file")
     p.add_argument("--fig", default=None, help="write the figure to this PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -40,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.results import append_jsonl
     from expertcache.routing import RoutingConfig
 
+    check_output_path(args.out, "--out")
+    check_output_path(args.fig, "--fig")
     torch.set_num_threads(args.threads)
     if args.task not in (None, "wikitext"):
         raise ValueError("sensitivity is measured on --task wikitext (perplexity)")

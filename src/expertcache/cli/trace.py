@@ -7,6 +7,8 @@ import math
 import os
 import sys
 
+from expertcache.cli.common import capacity_spec, check_input_file, check_output_path, positive_int
+
 DESCRIPTION = """\
 record: run the model on text with its ORIGINAL routing and save every token's router logits (float16 by
         default), selected experts and weights as a routing trace (the input of `simulate` and open-loop
@@ -28,15 +30,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--task", choices=("wikitext", "text-file"), default="wikitext", help="text source")
     r.add_argument("--file", default=None, help="--task text-file: the UTF-8 text file")
     r.add_argument("--data-dir", default=None, help="data folder (default $EXPERTCACHE_DATA, else ../shared/data)")
-    r.add_argument("--tokens", type=int, default=4096, help="tokens to record (default 4096)")
+    r.add_argument("--tokens", type=positive_int, default=4096, help="tokens to record (default 4096)")
     r.add_argument("--logits-dtype", choices=("float16", "float32"), default="float16")
     r.add_argument("--no-weights", action="store_true", help="do not store the combine weights (smaller file)")
-    r.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    r.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     r.add_argument("--out", required=True, help="trace file to write (atomically)")
     r.set_defaults(func=run_record)
     i = tsub.add_parser("info", help="describe a trace")
     i.add_argument("file", help="trace file")
-    i.add_argument("--capacity", default="0.5", help="cache size for the miss rates shown (default 0.5)")
+    i.add_argument("--capacity", type=capacity_spec, default="0.5", help="cache size for the miss rates shown (default 0.5)")
     i.set_defaults(func=run_info)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -61,14 +63,15 @@ def run_record(args: argparse.Namespace) -> int:
     from expertcache.models import patch_model
     from expertcache.routing import RoutingConfig
 
+    check_output_path(args.out, "--out")
     torch.set_num_threads(args.threads)
-    if args.tokens < 1:
-        raise ValueError("--tokens must be ≥ 1")
     if args.task == "text-file":
+        from expertcache.eval.data import read_text_lines
+
         if not args.file:
             raise ValueError("--task text-file needs --file FILE")
-        with open(args.file, encoding="utf-8") as f:
-            text, label = f.read(), os.path.basename(args.file)
+        check_input_file(args.file, "--file")
+        text, label = "".join(read_text_lines(args.file)), os.path.basename(args.file)
     else:
         text, label = wikitext_text(resolve_eval_data_dir("wikitext", args.data_dir)), "wikitext-2-raw-v1 test"
     model, tok = load_model_and_tokenizer(args.model)

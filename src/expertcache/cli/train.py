@@ -19,6 +19,7 @@ def _flag(name: str) -> str:
 
 
 def register(subparsers) -> None:
+    from expertcache.cli.common import finite_float, nonneg_int
     from expertcache.train.configs import MODEL_SPECS, TrainConfig
 
     p = subparsers.add_parser(
@@ -32,12 +33,16 @@ def register(subparsers) -> None:
         kw = {"type": type(getattr(defaults, f.name)), "default": getattr(defaults, f.name)}
         if f.name == "model":
             kw["choices"] = sorted(MODEL_SPECS)
+        elif kw["type"] is float:
+            kw["type"] = finite_float
+        elif kw["type"] is int:
+            kw["type"] = nonneg_int
         p.add_argument(_flag(f.name), dest=f.name, **kw)
     p.add_argument("--ship", action="store_true",
                    help="after training, copy <out>/model into src/expertcache/assets/models/<model>")
     p.add_argument("--card-only", metavar="MODEL_DIR", default=None,
                    help="do not train: evaluate MODEL_DIR and write MODEL_CARD.md and card.json into it")
-    p.add_argument("--card-tokens", type=int, default=0,
+    p.add_argument("--card-tokens", type=nonneg_int, default=0,
                    help="with --card-only: cap on held-out / WikiText tokens scored (0 = all)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(func=run)
@@ -47,8 +52,12 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.train.configs import TrainConfig
 
     command = "expertcache " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "expertcache train"
+    from expertcache.cli.common import check_output_path
+
     if args.card_only:
         from expertcache.train.card import write_card
+
+        check_output_path(args.card_only, "--card-only", directory=True)
 
         path = write_card(args.card_only, data_dir=args.data_dir, max_tokens=args.card_tokens, threads=args.threads,
                           command=command)
@@ -57,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.train.loop import train
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    check_output_path(cfg.out or None, "--out", directory=True)
     summary = train(cfg, command=command, progress=not args.no_progress)
     print(f"trained {cfg.model}: {summary['tokens_seen']} tokens in {summary['train_wall_s']:.0f} s; "
           f"last eval {summary['last_eval']}")

@@ -48,6 +48,16 @@ def resolve_eval_data_dir(task: str, data_dir: str | os.PathLike | None = None) 
     return path
 
 
+def read_text_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file; ValueError naming the file (and line) if it is not UTF-8."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (undecodable byte at offset {exc.start})") from None
+
+
 def wikitext_text(folder: Path) -> str:
     """The WikiText-2 raw test split as one blob: its rows joined by blank lines (``"\\n\\n".join(rows)``, the
     text of the Hugging Face perplexity guide and of 001's preprocessing)."""
@@ -55,13 +65,12 @@ def wikitext_text(folder: Path) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (expected one {{\"text\": row}} per line)")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(str(json.loads(line)["text"]))
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{path}:{lineno}: expected {{\"text\": str}} ({exc})") from None
+    for lineno, line in enumerate(read_text_lines(path), 1):
+        if line.strip():
+            try:
+                rows.append(str(json.loads(line)["text"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: expected {{\"text\": str}} ({exc})") from None
     return "\n\n".join(rows)
 
 
@@ -76,7 +85,8 @@ class MMLUQuestion:
 def _read_mmlu_csv(path: Path, subject: str) -> list[MMLUQuestion]:
     out = []
     with open(path, encoding="utf-8", newline="") as f:
-        for i, row in enumerate(csv.DictReader(f), 2):
+        rows = _csv_rows(path, f)
+        for i, row in enumerate(rows, 2):
             try:
                 choices = tuple(row[f"choice{c}"] for c in range(4))
                 answer = int(row["answer"])
@@ -86,6 +96,15 @@ def _read_mmlu_csv(path: Path, subject: str) -> list[MMLUQuestion]:
             except (KeyError, ValueError, TypeError) as exc:
                 raise ValueError(f"{path}:{i}: expected question,choice0..choice3,answer(0-3) ({exc})") from None
     return out
+
+
+def _csv_rows(path: Path, f) -> list[dict]:
+    try:
+        return list(csv.DictReader(f))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (undecodable byte at offset {exc.start})") from None
+    except csv.Error as exc:
+        raise ValueError(f"{path}: not a readable CSV file ({exc})") from None
 
 
 def load_mmlu(folder: Path) -> tuple[dict[str, list[MMLUQuestion]], list[MMLUQuestion]]:
@@ -141,17 +160,16 @@ def load_gsm8k(folder: Path, split: str) -> list[GSMProblem]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                answer = _strip_calculator(str(row["answer"]))
-                target = final_number(answer)
-                if target is None:
-                    raise ValueError("no final number")
-                out.append(GSMProblem(str(row["question"]), answer, target))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{lineno}: expected {{question, answer ending in '#### N'}} ({exc})") from None
+    for lineno, line in enumerate(read_text_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            answer = _strip_calculator(str(row["answer"]))
+            target = final_number(answer)
+            if target is None:
+                raise ValueError("no final number")
+            out.append(GSMProblem(str(row["question"]), answer, target))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}:{lineno}: expected {{question, answer ending in '#### N'}} ({exc})") from None
     return out

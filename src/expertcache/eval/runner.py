@@ -45,15 +45,21 @@ def load_model_and_tokenizer(spec: str):
     from expertcache.models import load_model
 
     path = resolve_model_path(spec)
+    tok = None
+    if Path(str(path)).is_dir():  # a missing or broken tokenizer fails before the weights are read
+        from expertcache.models.loader import load_tokenizer_checked
+
+        tok = load_tokenizer_checked(path)
     try:
         model = load_model(path)
     except OSError as exc:
         raise FileNotFoundError(f"cannot load model {spec!r}: not a checkpoint folder, a shipped model (granular, "
                                 f"coarse) or a reachable hub name ({str(exc).splitlines()[0]})") from None
-    try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=Path(str(path)).is_dir())
-    except (OSError, ValueError) as exc:
-        raise FileNotFoundError(f"{path}: no usable tokenizer next to the model ({exc})") from None
+    if tok is None:
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise FileNotFoundError(f"{path}: no usable tokenizer next to the model ({exc})") from None
     return model, tok
 
 

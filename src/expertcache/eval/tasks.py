@@ -256,6 +256,8 @@ class GSM8KTask(Task):
 
 def build_task(name: str, tokenizer, *, context: int, data_dir=None, limit: int | None = None, **kw) -> Task:
     """The task ``name`` (one of ``TASKS``) with its data read and tokenised."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit (--limit) must be a whole number ≥ 1, got {limit!r}")
     if name == "wikitext":
         return WikiTextTask(tokenizer, context=context, data_dir=data_dir, limit=limit)
     if name == "mmlu":

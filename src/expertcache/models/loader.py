@@ -1,15 +1,107 @@
-"""Loading a Hugging Face MoE checkpoint (local folder or hub name) for expertcache."""
+"""Loading a Hugging Face MoE checkpoint (local folder or hub name) for expertcache, with the checks that turn
+a damaged or inconsistent folder into one clear error naming the file (before transformers sees it)."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from expertcache.models.adapters import family_for
 
-__all__ = ["load_model"]
+__all__ = ["load_model", "read_config_json", "check_weights_match_config", "load_tokenizer_checked"]
+
+
+def read_config_json(folder: str | os.PathLike) -> dict:
+    """``folder/config.json`` as a dict. FileNotFoundError / ValueError naming the file when it is missing,
+    not UTF-8, not JSON or not a JSON object."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found ({folder} is not a checkpoint folder)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    if "model_type" not in data:
+        raise ValueError(f"{path}: no model_type (not a transformers config)")
+    return data
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The model's safetensors files (not expertcache's quantised sidecars)."""
+    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("expertcache-"))
+
+
+def check_weights_match_config(folder: str | os.PathLike, config, model: nn.Module | None = None) -> None:
+    """Compare the tensor shapes the config implies with the safetensors headers of ``folder`` (no weights
+    are read): every tensor present under the same name must have the same shape, and the routed experts
+    (``.experts.`` keys, stored per expert or fused) must hold as many values as the config says. ValueError
+    naming the file and the config fields otherwise. ``model``: the model already built from ``config`` (on
+    the meta device), else one is built. Folders without safetensors files are left to transformers."""
+    from expertcache.offload.checkpoint import read_header
+
+    folder = Path(folder)
+    files = _weight_files(folder)
+    if not files:
+        return
+    disk: dict[str, tuple[tuple[int, ...], str]] = {}
+    for f in files:
+        for key, t in read_header(f).items():  # CheckpointError (a ValueError) names a truncated/corrupt file
+            disk[key] = (tuple(t.shape), f.name)
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    expected = model.state_dict(keep_vars=True)
+    fields = ", ".join(f"{k}={getattr(config, k)}" for k in ("hidden_size", "intermediate_size",
+                                                              "moe_intermediate_size", "num_experts",
+                                                              "num_local_experts", "n_routed_experts")
+                       if getattr(config, k, None) is not None)
+    for key, t in expected.items():
+        if key in disk and disk[key][0] != tuple(t.shape):
+            shape, name = disk[key]
+            raise ValueError(f"{folder / 'config.json'} ({fields}) does not match {folder / name}: {key} is "
+                             f"{list(shape)} in the file, the config implies {list(t.shape)}")
+    seen, want = set(), 0
+    for key, t in expected.items():
+        if ".experts." in key and id(t) not in seen:
+            seen.add(id(t))
+            want += t.numel()
+    have = 0
+    for key, (shape, _) in disk.items():
+        if ".experts." in key:
+            n = 1
+            for d in shape:
+                n *= d
+            have += n
+    if want and have and want != have:
+        raise ValueError(f"{folder / 'config.json'} ({fields}) does not match the expert tensors of "
+                         f"{', '.join(f.name for f in files)}: the config implies {want} expert weights, the files "
+                         f"hold {have}")
+
+
+def load_tokenizer_checked(folder: str | os.PathLike):
+    """The fast tokenizer of a local model folder. FileNotFoundError when ``tokenizer.json`` is missing,
+    ValueError naming the file when it cannot be read."""
+    from transformers import AutoTokenizer
+
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found (the model folder has no tokenizer; copy its tokenizer.json "
+                                "and tokenizer_config.json there)")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # tokenizers raises plain Exception for a malformed file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{path}: not a valid tokenizer file ({first})") from None
 
 
 def load_model(path_or_hub_name: str | os.PathLike, dtype: torch.dtype = torch.float32, **kwargs) -> nn.Module:
@@ -18,16 +110,21 @@ def load_model(path_or_hub_name: str | os.PathLike, dtype: torch.dtype = torch.f
     A local folder is read without touching the network; any other string is a hub name (needs network
     access or the local hub cache). ``kwargs`` go to ``from_pretrained`` (e.g. ``device_map``,
     ``revision``). Raises ValueError listing the supported ``model_type`` values when the checkpoint is
-    not one of them (checked from its config before the weights are read).
+    not one of them (checked from its config before the weights are read), and ValueError naming the file
+    when a local folder's ``config.json`` is not valid JSON or disagrees with its safetensors tensors.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = os.fspath(path_or_hub_name)
-    if os.path.isdir(path):
+    local = os.path.isdir(path)
+    if local:
         kwargs.setdefault("local_files_only", True)
+        read_config_json(path)
     config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items()
                                                  if k in ("local_files_only", "revision", "trust_remote_code")})
     family_for(config)  # fail before loading weights
+    if local:
+        check_weights_match_config(path, config)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     model.eval()
     return model
