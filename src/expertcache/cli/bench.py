@@ -7,7 +7,8 @@ import argparse
 import json
 import sys
 
-from expertcache.cli.generate import add_offload_args, dtype_from_args, offload_from_args
+from expertcache.cli.common import check_output_path, nonneg_int, positive_int
+from expertcache.cli.generate import add_offload_args, check_context, dtype_from_args, offload_from_args
 
 DESCRIPTION = """\
 Measure decode tokens/second of original routing + LRU and of each cache-aware policy with the same fast
@@ -34,15 +35,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--make-model", choices=tuple(BENCH_MODELS), default=None,
                    help="write a random-weight checkpoint at this model's published shapes and exit")
-    p.add_argument("--layers", type=int, default=None, help="--make-model: decoder layers (default: published)")
+    p.add_argument("--layers", type=positive_int, default=None, help="--make-model: decoder layers (default: published)")
     p.add_argument("--out-dir", default=None, help="--make-model: folder (default ~/.cache/expertcache/bench-models/...)")
     p.add_argument("--policies", nargs="+", choices=BENCH_POLICIES, default=None,
                    help="policies to run (default: all)")
-    p.add_argument("--tokens", type=int, default=32, help="decoded tokens per run (default: 32)")
-    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default: 16)")
-    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default: 1)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported (default: 3)")
-    p.add_argument("--prompt-seed", type=int, default=0, help="seed of the prompt")
+    p.add_argument("--tokens", type=positive_int, default=32, help="decoded tokens per run (default: 32)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=16, help="prompt length (default: 16)")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (default: 1)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians are reported (default: 3)")
+    p.add_argument("--prompt-seed", type=nonneg_int, default=0, help="seed of the prompt")
     p.add_argument("--out", default=None, help="append one JSONL row per (policy, round) to this file")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     add_offload_args(p)
@@ -54,18 +55,19 @@ def _prompt(path, n: int, batch: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     if (path / "tokenizer.json").is_file():
-        from expertcache.train.tokenizer import load_tokenizer
+        from expertcache.models.loader import load_tokenizer_checked
 
-        tok = load_tokenizer(path)
+        tok = load_tokenizer_checked(path)
         text = ("The Debian package manager installs, upgrades and removes software; the configuration files "
                 "of a package are kept in /etc and its documentation in /usr/share/doc. ")
         ids = tok(text * 4, return_tensors="pt").input_ids[:, :n]
         if batch > 1:
             ids = torch.cat([ids] + [ids.roll(i, dims=1) for i in range(1, batch)])
         return ids
-    import json as _json
 
-    vocab = _json.loads((path / "config.json").read_text())["vocab_size"]
+    from expertcache.models.loader import read_config_json
+
+    vocab = read_config_json(path)["vocab_size"]
     return torch.randint(3, vocab, (batch, n), generator=g)
 
 
@@ -74,9 +76,11 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.offload.runtime import resolve_model_path
     from expertcache.results import append_jsonl
 
+    check_output_path(args.out, "--out")
     if args.make_model:
         from expertcache.offload.make_model import make_bench_model
 
+        check_output_path(args.out_dir, "--out-dir", directory=True)
         path = make_bench_model(args.make_model, layers=args.layers, out=args.out_dir, quant=args.quant,
                                 group=args.group)
         size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
               "throughput at real expert sizes, not for quality.")
         return 0
     path = resolve_model_path(args.model)
+    check_context(path, args.prompt_tokens, args.tokens, "--tokens")
     prompt = _prompt(path, args.prompt_tokens, args.batch, args.prompt_seed)
     forced = None
     if not (path / "tokenizer.json").is_file():  # random-weight model: teacher-force random tokens

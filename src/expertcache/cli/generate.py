@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from expertcache.cli.common import add_routing_args, routing_from_args
+from expertcache.cli.common import (add_routing_args, memory_spec, nonneg_float, nonneg_int, positive_int,
+                                    print_resolved, routing_from_args, unit_float)
 
 DESCRIPTION = """\
 Generate text with the experts offloaded: only C experts per MoE layer are in fast memory (from --memory or
@@ -17,6 +18,10 @@ goes to stderr.
 
   expertcache generate --memory 200MiB --policy cache-prior --lam 0.5 "The kernel"
   expertcache generate --model coarse --cache-experts 4 "apt-get install"
+
+The prompt plus --max-new-tokens must fit in the model's context (max_position_embeddings in its
+config.json; 256 for the shipped models): a longer request is refused before anything runs (no silent
+truncation or sliding window). Non-finite logits (NaN/inf weights) stop the run with an error (exit 2).
 """
 
 
@@ -29,20 +34,21 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                         help="checkpoint folder, or a shipped model: granular | coarse (default: granular)")
     g = parser.add_argument_group("offloading")
     size = g.add_mutually_exclusive_group()
-    size.add_argument("--memory", default=None,
+    size.add_argument("--memory", type=memory_spec, default=None,
                       help="fast-memory budget (e.g. 3GiB, 200MiB): non-expert weights + KV cache + expert slots")
-    size.add_argument("--cache-experts", type=int, default=None, metavar="C",
+    size.add_argument("--cache-experts", type=positive_int, default=None, metavar="C",
                       help="expert slots per MoE layer (default: all N if no --memory)")
     g.add_argument("--tier", choices=TIERS, default="disk", help="where the experts live (default: disk)")
     g.add_argument("--io", choices=IO_MODES, default=default_io,
                    help=f"disk reads: direct (O_DIRECT), fadvise (drop page cache first), cached (default: {default_io})")
     g.add_argument("--quant", choices=QUANT_MODES, default=None, help="quantised experts (group-wise)")
-    g.add_argument("--group", type=int, default=64, help="quantisation group size (default: 64)")
+    g.add_argument("--group", type=positive_int, default=None,
+                   help="quantisation group size, dividing D and F (default: the largest such divisor ≤ 64)")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--eviction", choices=("lru", "lfu", "gamma"), default="lru", help="eviction policy (default: lru)")
-    g.add_argument("--gamma", type=float, default=0.9, help="γ of the gamma cache (default 0.9)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma cache in [0, 1] (default 0.9)")
+    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
 
 
 def add_routing_alias(parser: argparse.ArgumentParser) -> None:
@@ -73,9 +79,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream tokens with experts offloaded to disk or host RAM",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="prompt text (or space-separated token ids for a model without a tokenizer)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy, default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="tokens to generate (default: 64; prompt + this must fit in the model's context)")
+    p.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature (0 = greedy, default)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON row (stderr)")
     add_offload_args(p)
     add_routing_args(p)
@@ -87,29 +94,48 @@ def load_prompt(path, prompt: str):
     """(input ids [1, S], tokenizer or None)."""
     import torch
 
-    if (path / "tokenizer.json").is_file():
-        from expertcache.train.tokenizer import load_tokenizer
+    from expertcache.models.loader import load_tokenizer_checked, read_config_json
 
-        tok = load_tokenizer(path)
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tok = load_tokenizer_checked(path)  # names tokenizer.json when it is missing or broken
         ids = tok(prompt, return_tensors="pt").input_ids
         return ids, tok
     try:
         ids = [int(x) for x in prompt.split()]
     except ValueError:
-        raise ValueError(f"{path} has no tokenizer.json: give the prompt as space-separated token ids") from None
+        raise FileNotFoundError(f"{path / 'tokenizer.json'}: not found, so a text prompt cannot be encoded (add the "
+                                "model's tokenizer, or give the prompt as space-separated token ids)") from None
+    vocab = read_config_json(path).get("vocab_size")
+    bad = [i for i in ids if i < 0 or (isinstance(vocab, int) and i >= vocab)]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
     return torch.tensor([ids]), None
+
+
+def check_context(path, prompt_tokens: int, new_tokens: int, what: str = "--max-new-tokens") -> None:
+    """Refuse a request longer than the model's context (max_position_embeddings of config.json)."""
+    from expertcache.models.loader import read_config_json
+
+    limit = read_config_json(path).get("max_position_embeddings")
+    if isinstance(limit, int) and prompt_tokens + new_tokens > limit:
+        raise ValueError(f"the prompt ({prompt_tokens} tokens) + {what} {new_tokens} = {prompt_tokens + new_tokens} "
+                         f"positions exceed the model's context of {limit} (max_position_embeddings in "
+                         f"{path / 'config.json'}); shorten the prompt or lower {what}")
 
 
 def run(args: argparse.Namespace) -> int:
     from expertcache.offload import OffloadedModel
     from expertcache.offload.runtime import resolve_model_path
 
+    routing = routing_from_args(args)
     path = resolve_model_path(args.model)
     ids, tok = load_prompt(path, args.prompt)
     if ids.shape[1] == 0:
         raise ValueError("empty prompt")
+    check_context(path, ids.shape[1], args.max_new_tokens)
+    print_resolved("generate", routing, f", {args.eviction}")
     offload = offload_from_args(args, context=ids.shape[1] + args.max_new_tokens)
-    rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args), routing=routing_from_args(args),
+    rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args), routing=routing,
                                         eviction=args.eviction, gamma=args.gamma)
     out = sys.stdout
     shown = ""

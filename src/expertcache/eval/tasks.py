@@ -98,12 +98,21 @@ class WikiTextTask(Task):
         for chunk_S in _bar(self.chunks_NS, progress, "wikitext", len(self)):
             x_1S = chunk_S[None].to(device)
             logits_1SV = model(input_ids=x_1S, use_cache=False).logits
+            check_finite(logits_1SV[0, -1], "in a wikitext chunk")
             nll += float(torch.nn.functional.cross_entropy(logits_1SV[0, :-1].float(), x_1S[0, 1:],
                                                            reduction="sum"))
             count += x_1S.shape[1] - 1
             if patch is not None:
                 patch.new_sequence()
         return dict(quality=math.exp(nll / count), nll=nll / count, items=len(self), predicted_tokens=count)
+
+
+def check_finite(logits: torch.Tensor, where: str) -> None:
+    """ValueError when ``logits`` hold NaN or inf (non-finite weights or activations): a run must stop with a
+    message rather than report a NaN quality or decode garbage."""
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(f"non-finite logits (NaN/inf) {where}: the model's weights or activations are not "
+                         "finite; check the checkpoint")
 
 
 def _fit_prompt(tokenizer, parts: list[str], question: str, budget: int) -> tuple[list[int], int]:
@@ -166,6 +175,7 @@ class MMLUTask(Task):
         correct, loglik = 0, 0.0
         for ids, answer in _bar(list(zip(self.prompts, self.answers)), progress, "mmlu", len(self)):
             logits_V = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, -1].float()
+            check_finite(logits_V, "in an mmlu question")
             logp_4 = torch.log_softmax(logits_V, dim=-1)[self.letter_ids]
             correct += int(int(logp_4.argmax()) == answer)
             loglik += float(logp_4[answer])
@@ -186,6 +196,7 @@ def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, *, stop_t
     past = out.past_key_values
     new: list[int] = []
     for step in range(max_new_tokens):
+        check_finite(out.logits[0, -1], f"at generation step {step}")
         tok = int(out.logits[0, -1].argmax())
         new.append(tok)
         if tok == eos_id:

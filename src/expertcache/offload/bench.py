@@ -40,8 +40,8 @@ def policy_set(k: int) -> dict[str, tuple[RoutingConfig, str]]:
         "max-rank": (RoutingConfig("max-rank", m=min(2 * k, 64), top_j=1), "lru"),
         "cumsum": (RoutingConfig("cumsum", p=0.9, top_j=1), "lru"),
         "cache-prior": (RoutingConfig("cache-prior", lam=0.5, top_j=1), "lru"),
-        "eras-threshold": (RoutingConfig("eras-threshold", alpha=0.05, top_j=1), "lru"),
-        "eras-bias": (RoutingConfig("eras-bias", beta=1.0, top_j=1), "lru"),
+        "eras-threshold": (RoutingConfig("eras-threshold", alpha=0.05), "lru"),
+        "eras-bias": (RoutingConfig("eras-bias", beta=1.0), "lru"),
     }
 
 

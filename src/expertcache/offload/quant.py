@@ -16,13 +16,24 @@ returns ``gate_up`` [2F, D] and ``down`` [D, F] in the compute dtype.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["QUANT_MODES", "QuantLayout", "quantize_matrix", "dequantize_matrix", "pack_expert", "unpack_expert"]
+__all__ = ["QUANT_MODES", "QuantLayout", "default_group", "quantize_matrix", "dequantize_matrix", "pack_expert", "unpack_expert"]
 
 QUANT_MODES = ("int8", "int4")
+
+#: the largest group size :func:`default_group` picks
+MAX_DEFAULT_GROUP = 64
+
+
+def default_group(d: int, f: int, largest: int = MAX_DEFAULT_GROUP) -> int:
+    """The largest group size ≤ ``largest`` that divides both D and F (the quantised axes), e.g. 64 for
+    OLMoE-1B-7B (D = 2048, F = 1024) and 8 for the shipped granular model (D = 144, F = 104)."""
+    g = math.gcd(int(d), int(f))
+    return max(x for x in range(1, min(g, largest) + 1) if g % x == 0)
 
 
 @dataclass(frozen=True)
@@ -37,9 +48,12 @@ class QuantLayout:
     def __post_init__(self) -> None:
         if self.mode not in QUANT_MODES:
             raise ValueError(f"quantisation must be one of {QUANT_MODES}, got {self.mode!r}")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"group size (--group) must be a whole number ≥ 1, got {self.group!r}")
         for name, dim in (("D", self.d), ("F", self.f)):
             if dim % self.group:
-                raise ValueError(f"group size {self.group} does not divide {name}={dim}")
+                raise ValueError(f"group size (--group) {self.group} does not divide {name}={dim}; use a divisor of "
+                                 f"both D={self.d} and F={self.f} (default: {default_group(self.d, self.f)})")
 
     def _matrix_bytes(self, rows: int, cols: int) -> tuple[int, int, int]:
         n = rows * cols

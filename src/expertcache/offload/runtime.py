@@ -33,6 +33,7 @@ on a side stream (compute waits on an event). That path is written but untested 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -49,7 +50,8 @@ from expertcache.cache import CacheStats, ExpertCache, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
 from expertcache.offload.checkpoint import OFFLOAD_MODEL_TYPES, Checkpoint, CheckpointError, ExpertParts
-from expertcache.offload.quant import QuantLayout, unpack_expert
+from expertcache.models.loader import check_weights_match_config
+from expertcache.offload.quant import QuantLayout, default_group, unpack_expert
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats,
                                        quant_sidecar_path, quantize_checkpoint)
 from expertcache.routing import Router, RoutingConfig
@@ -77,7 +79,8 @@ class OffloadConfig:
     tier: 'disk' (read the checkpoint on every miss) or 'host' (all experts in host RAM). io: disk reads,
     'direct' | 'fadvise' | 'cached' (see :mod:`expertcache.offload.store`). capacity: slots per layer C, or
     None to derive it from ``memory`` (bytes or '3GiB'); both None = every expert (C = N). quant: None,
-    'int8' or 'int4' (group ``group``). context, batch: the KV cache the budget reserves.
+    'int8' or 'int4' (group ``group``; None = the largest divisor of D and F up to 64, see
+    :func:`~expertcache.offload.quant.default_group`). context, batch: the KV cache the budget reserves.
     """
 
     tier: str = "disk"
@@ -85,7 +88,7 @@ class OffloadConfig:
     capacity: int | None = None
     memory: int | str | None = None
     quant: str | None = None
-    group: int = 64
+    group: int | None = None
     context: int = 2048
     batch: int = 1
 
@@ -158,6 +161,8 @@ class OffloadedModel:
         self.renormalize = bool(family.renormalize(layers[0].router))
         if offload.quant:
             p0 = checkpoint.expert(layers[0].layer_id, 0)
+            if offload.group is None:  # the largest group ≤ 64 that divides D and F (every shipped model)
+                offload = self.offload = dataclasses.replace(offload, group=default_group(p0.d, p0.f))
             layout = QuantLayout(offload.quant, p0.d, p0.f, offload.group)
             side = quant_sidecar_path(path, offload.quant, offload.group)
             if not side.is_file():  # never write into the model folder: a cache keyed by the checkpoint
@@ -217,6 +222,7 @@ class OffloadedModel:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.eval()
+        check_weights_match_config(path, config, model)  # config.json vs the safetensors shapes, named
         layers = find_moe_layers(model, family)
         num_experts = layers[0].num_experts
         checkpoint = Checkpoint(path, family.model_type, num_experts)
@@ -465,6 +471,9 @@ class OffloadedModel:
         toks = []
         decode_s = 0.0
         for i in range(max_new_tokens):
+            if not bool(torch.isfinite(logits_BV).all()):
+                raise ValueError(f"non-finite logits (NaN/inf) at decode step {i}: the weights or activations of "
+                                 f"{self.path} are not finite")
             if forced_BN is not None:  # teacher-forced continuation (benchmarks: same tokens for every policy)
                 nxt_B1 = forced_BN[:, i:i + 1]
             elif temperature > 0:

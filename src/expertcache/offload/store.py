@@ -19,8 +19,10 @@ Tiers know nothing about caches or routing.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +30,55 @@ from pathlib import Path
 import torch
 
 from expertcache.offload.checkpoint import ByteRange, Checkpoint, CheckpointError, ExpertParts, read_header
-from expertcache.offload.quant import QuantLayout, pack_expert
+from expertcache.offload.quant import QuantLayout, default_group, pack_expert
 
 __all__ = ["IO_MODES", "TIERS", "NativeSource", "QuantSource", "DiskTier", "HostTier", "TierStats",
-           "quantize_checkpoint", "quant_sidecar_path", "direct_io_supported"]
+           "quantize_checkpoint", "quant_sidecar_path", "direct_io_supported", "verify_quant_sidecar",
+           "CHECKSUM_KEY"]
+
+#: tensor of a quantised sidecar holding one blake2b-128 digest per expert blob (uint8 [n, 16], rows in the
+#: order the blobs are stored in the file)
+CHECKSUM_KEY = "expertcache.checksums"
+_DIGEST = 16
+_VERIFIED: set[tuple] = set()  # (path, size, mtime, inode) of sidecars verified by this process
+
+
+def _digest(data) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST).digest()
+
+
+def _stamp(path: Path) -> tuple:
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def verify_quant_sidecar(path: str | os.PathLike, entries: dict | None = None) -> None:
+    """Check every expert blob of a quantised sidecar against its stored blake2b digest (one sequential read
+    of the file; remembered per process for an unchanged file). CheckpointError naming the file (and the
+    first damaged expert) on a mismatch, or when the file has no checksums (written by an older
+    expertcache)."""
+    path = Path(path)
+    stamp = _stamp(path)
+    if stamp in _VERIFIED:
+        return
+    entries = read_header(path) if entries is None else entries
+    ck = entries.get(CHECKSUM_KEY)
+    if ck is None:
+        raise CheckpointError(f"{path}: quantised experts without checksums (written by an older expertcache); "
+                              "delete the file and it is rebuilt from the checkpoint")
+    keys = sorted((k for k in entries if k.endswith(".qblob")), key=lambda k: entries[k].start)
+    if tuple(ck.shape) != (len(keys), _DIGEST) or ck.dtype != torch.uint8:
+        raise CheckpointError(f"{path}: checksum table {tuple(ck.shape)} does not match {len(keys)} experts")
+    with open(path, "rb") as f:
+        f.seek(ck.start)
+        table = f.read(ck.nbytes)
+        for i, key in enumerate(keys):
+            t = entries[key]
+            f.seek(t.start)
+            if _digest(f.read(t.nbytes)) != table[i * _DIGEST:(i + 1) * _DIGEST]:
+                raise CheckpointError(f"{path}: {key} fails its checksum (the file is damaged); delete the file and "
+                                      "it is rebuilt from the checkpoint")
+    _VERIFIED.add(stamp)
 
 IO_MODES = ("direct", "fadvise", "cached")
 TIERS = ("disk", "host")
@@ -56,12 +103,15 @@ def quant_sidecar_path(folder: str | os.PathLike, mode: str, group: int) -> Path
 
 class QuantSource:
     """Quantised experts of a sidecar file: key ``model.layers.{i}.experts.{e}.qblob`` (uint8 blob, see
-    :mod:`expertcache.offload.quant`), one read per expert."""
+    :mod:`expertcache.offload.quant`), one read per expert. The blobs are verified against the file's
+    checksums when it is opened (:func:`verify_quant_sidecar`; ``verify=False`` skips that)."""
 
-    def __init__(self, path: str | os.PathLike, layout: QuantLayout, num_experts: int) -> None:
+    def __init__(self, path: str | os.PathLike, layout: QuantLayout, num_experts: int, *, verify: bool = True) -> None:
         self.path = Path(path)
         self.quant = layout
         self.entries = read_header(self.path)
+        if verify:
+            verify_quant_sidecar(self.path, self.entries)
         self.num_experts = num_experts
         self._parts: dict[tuple[int, int], ExpertParts] = {}
 
@@ -82,22 +132,26 @@ class QuantSource:
         return got
 
 
-def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str, group: int = 64,
+def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str, group: int | None = None,
                         out: str | os.PathLike | None = None) -> Path:
-    """Write the quantised sidecar of every expert of ``layer_ids`` (reads one expert at a time). Returns
-    its path (default: next to the checkpoint). Skips the work if an up-to-date sidecar exists."""
+    """Write the quantised sidecar of every expert of ``layer_ids`` (reads one expert at a time), with a
+    blake2b digest per expert (tensor ``CHECKSUM_KEY``). Returns its path (default: next to the checkpoint).
+    Skips the work if an up-to-date sidecar exists whose checksums verify; rebuilds a damaged one (a note on
+    stderr). ``group`` None = :func:`~expertcache.offload.quant.default_group` of the expert shapes."""
     from expertcache.offload.writer import write_safetensors
 
     p0 = checkpoint.expert(layer_ids[0], 0)
+    group = default_group(p0.d, p0.f) if group is None else group
     layout = QuantLayout(mode, p0.d, p0.f, group)
     path = Path(out) if out is not None else quant_sidecar_path(checkpoint.folder, mode, group)
     if path.is_file():
         try:
-            n = len(read_header(path))
-            if n == len(layer_ids) * checkpoint.num_experts:
+            entries = read_header(path)
+            if len(entries) == len(layer_ids) * checkpoint.num_experts + 1:
+                verify_quant_sidecar(path, entries)
                 return path
-        except CheckpointError:
-            pass
+        except CheckpointError as exc:
+            print(f"expertcache: {exc}; rebuilding it", file=sys.stderr)
     tier = DiskTier("cached")
 
     def make(layer_id: int, e: int):
@@ -109,14 +163,22 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str,
             fd = parts.f * parts.d
             gu = w[parts.gate_up_at:parts.gate_up_at + 2 * fd].view(2 * parts.f, parts.d)
             down = w[parts.down_at:parts.down_at + fd].view(parts.d, parts.f)
-            return pack_expert(gu, down, layout)
+            blob = pack_expert(gu, down, layout)
+            digests.append(_digest(blob.numpy()))
+            return blob
         return f
 
+    digests: list[bytes] = []
     entries = [(f"model.layers.{i}.experts.{e}.qblob", torch.uint8, (layout.nbytes,), make(i, e))
                for i in layer_ids for e in range(checkpoint.num_experts)]
+    n = len(entries)
+    entries.append((CHECKSUM_KEY, torch.uint8, (n, _DIGEST),  # written last: every digest is known by then
+                    lambda: torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).reshape(n, _DIGEST)))
     meta = {"format": "pt", "expertcache": "quantized-experts", "mode": mode, "group": str(group),
-            "d": str(p0.d), "f": str(p0.f)}
-    return write_safetensors(path, entries, meta)
+            "d": str(p0.d), "f": str(p0.f), "checksum": f"blake2b-{8 * _DIGEST} per expert in {CHECKSUM_KEY}"}
+    out_path = write_safetensors(path, entries, meta)
+    _VERIFIED.add(_stamp(out_path))
+    return out_path
 
 
 @dataclass
