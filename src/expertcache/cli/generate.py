@@ -98,7 +98,7 @@ def load_prompt(path, prompt: str):
 
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         tok = load_tokenizer_checked(path)  # names tokenizer.json when it is missing or broken
-        ids = tok(prompt, return_tensors="pt").input_ids
+        ids = tok(prompt, return_tensors="pt", verbose=False).input_ids  # too long: refused by check_context
         return ids, tok
     try:
         ids = [int(x) for x in prompt.split()]

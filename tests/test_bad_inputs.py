@@ -1,0 +1,429 @@
+"""Every bad input -- file, flag, prompt, output path -- of every sub-command: exit code 2, ONE error line on
+stderr that names the culprit (the flag or the file), no traceback, and nothing computed or written first.
+
+Cases run in-process through ``expertcache.cli.main.main`` on tiny inputs (a synthetic trace, tiny random
+models, a copy of the shipped granular model with one file damaged), so the whole table stays fast.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from expertcache.cli.main import main
+from expertcache.models.tiny import save_tiny
+
+from test_trace_sim import make_trace
+
+SHIPPED = Path(__file__).resolve().parents[1] / "src" / "expertcache" / "assets" / "models" / "granular"
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch, tmp_path):
+    torch.set_num_threads(1)
+    monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Shared inputs: a trace, a regular file (to put outputs 'under'), a tiny model, granular variants."""
+    root = tmp_path_factory.mktemp("bad")
+    e = {"root": root}
+    e["trace"] = str(make_trace(t=120).save(root / "t.trace"))
+    e["file"] = root / "plain.txt"
+    e["file"].write_text("a regular file\n")
+    e["tiny"] = save_tiny("olmoe", root / "tiny", seed=1)
+    # a wikitext data folder whose file is not UTF-8 (line 2)
+    bad_data = root / "data-bad" / "wikitext-2-raw-v1"
+    bad_data.mkdir(parents=True)
+    (bad_data / "test.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    e["bad_data"] = str(root / "data-bad")
+    good_data = root / "data" / "wikitext-2-raw-v1"
+    good_data.mkdir(parents=True)
+    (good_data / "test.jsonl").write_text("\n".join(json.dumps({"text": "The kernel loads modules. " * 20})
+                                                    for _ in range(40)) + "\n")
+    e["data"] = str(root / "data")
+    # granular variants, each with one damaged file
+    for name in ("badjson", "mismatch", "notok", "badtok"):
+        shutil.copytree(SHIPPED, root / name)
+    (root / "badjson" / "config.json").write_text('{"model_type": "olmoe", "hidden_size": 144,,}')
+    cfg = json.loads((root / "mismatch" / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (root / "mismatch" / "config.json").write_text(json.dumps(cfg))
+    (root / "notok" / "tokenizer.json").unlink()
+    (root / "badtok" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    for name in ("badjson", "mismatch", "notok", "badtok"):
+        e[name] = str(root / name)
+    # a JSON file of something else, a JSONL file with a bad middle line, a truncated trace
+    e["other_json"] = root / "other.json"
+    e["other_json"].write_text(json.dumps({"name": "not rows", "values": [1, 2, 3]}) + "\n")
+    e["bad_jsonl"] = root / "bad.jsonl"
+    e["bad_jsonl"].write_text('{"miss_rate": 0.1, "quality": 1.0}\n{not json\n{"miss_rate": 0.2, "quality": 1.0}\n')
+    e["nonutf8_jsonl"] = root / "latin1.jsonl"
+    e["nonutf8_jsonl"].write_bytes(b'{"miss_rate": 0.1, "note": "caf\xe9"}\n')
+    data = Path(e["trace"]).read_bytes()
+    e["trunc_trace"] = root / "trunc.trace"
+    e["trunc_trace"].write_bytes(data[: len(data) // 2])
+    e["not_trace"] = root / "rows.trace"
+    e["not_trace"].write_text('{"a": 1}\n')
+    e["text_latin1"] = root / "latin1.txt"
+    e["text_latin1"].write_bytes(b"plain ascii\nthen caf\xe9\n")
+    return e
+
+
+def _check(argv, culprit, capsys):
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert code == 2, (code, err)
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1, err
+    assert culprit in errors[0], (culprit, errors[0])
+    return errors[0]
+
+
+# -- flags: (argv after the command's required inputs, text that must be in the error line) -----------------
+
+SIMULATE_FLAGS = [
+    (["--policy", "eras-threshold", "--alpha", "nan"], "--alpha"),
+    (["--policy", "eras-threshold", "--alpha", "-0.5"], "--alpha"),
+    (["--policy", "eras-bias", "--beta", "nan"], "--beta"),
+    (["--policy", "eras-bias", "--beta", "inf"], "--beta"),
+    (["--policy", "cache-prior", "--lam", "0.5", "--delta", "nan"], "--delta"),
+    (["--policy", "cache-prior", "--lam", "0.5", "--delta", "-3"], "--delta"),
+    (["--policy", "cache-prior", "--lam", "-0.1"], "--lam"),
+    (["--policy", "cache-prior", "--lam", "nan"], "--lam"),
+    (["--policy", "cumsum", "--p", "1.5"], "--p"),
+    (["--policy", "max-rank", "--m", "-1"], "--m"),
+    (["--policy", "max-rank", "--m", "99"], "m=99"),
+    (["--policy", "prune", "--h", "0"], "--h"),
+    (["--policy", "prune", "--h", "5"], "h=5"),
+    (["--policy", "cache-prior", "--top-j", "-1"], "--top-j"),
+    (["--policy", "cache-prior", "--top-j", "3"], "top-J=3"),
+    (["--policy", "cache-prior", "--top-j", "x"], "--top-j"),
+    (["--eviction", "gamma", "--gamma", "1.5"], "--gamma"),
+    (["--eviction", "gamma", "--gamma", "nan"], "--gamma"),
+    (["--capacity", "inf"], "--capacity"),
+    (["--capacity", "nan"], "--capacity"),
+    (["--capacity", "0"], "capacity"),
+    (["--capacity", "-3"], "capacity"),
+    (["--capacity", "99"], "capacity"),
+    (["--capacity", "2.5"], "capacity"),
+    (["--capacity", "1.5e3"], "capacity"),
+    (["--seed", "-1"], "--seed"),
+]
+
+
+@pytest.mark.parametrize("flags, culprit", SIMULATE_FLAGS, ids=[" ".join(f) for f, _ in SIMULATE_FLAGS])
+def test_simulate_flags(env, capsys, flags, culprit):
+    _check(["simulate", env["trace"], *flags], culprit, capsys)
+
+
+def test_routing_config_rejects_bad_values_for_library_users():
+    from expertcache.routing import RoutingConfig
+
+    for kw in (dict(alpha=math.nan), dict(beta=math.nan), dict(delta=math.nan), dict(delta=-3.0), dict(lam=-1.0),
+               dict(p=math.inf), dict(m=-2), dict(h=0), dict(top_j=-1), dict(top_j=1.5)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            RoutingConfig("cache-prior", **kw)
+
+
+def test_each_policy_defaults_to_its_papers_top_j(env, capsys):
+    """001's policies keep the top-1; 003's ERAS policies have no such guarantee -- and the run says so."""
+    from expertcache.routing import RoutingConfig
+
+    assert RoutingConfig("cache-prior", lam=0.5).top_j == 1
+    assert RoutingConfig("max-rank", m=4).top_j == 1
+    assert RoutingConfig("eras-threshold", alpha=0.2).top_j == 0
+    assert RoutingConfig("eras-bias", beta=1.0).top_j == 0
+    assert RoutingConfig("eras-threshold", alpha=0.2, top_j=2).top_j == 2
+    assert main(["simulate", env["trace"], "--policy", "eras-threshold", "--alpha", "0.3", "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["config"]["routing"]["top_j"] == 0
+    assert "eras-threshold(alpha=0.3,J=0)" in cap.err  # the resolved configuration, printed
+
+
+# -- output paths: a folder, under a regular file -- refused before any work -------------------------------
+
+
+def _out_cases(env):
+    d, f = env["root"], env["file"]
+    under = f / "x.jsonl"
+    tr = env["trace"]
+    return [
+        (["simulate", tr, "--out", d], "--out"),
+        (["simulate", tr, "--out", under], "--out"),
+        (["sweep", "--trace", tr, "--policies", "original", "--out", d], "--out"),
+        (["sweep", "--trace", tr, "--policies", "original", "--out", under], "--out"),
+        (["report", env["bad_jsonl"], "--out-dir", f], "--out-dir"),
+        (["report", env["bad_jsonl"], "--out-dir", f / "figs"], "--out-dir"),
+        (["eval", "--task", "wikitext", "--out", d], "--out"),
+        (["eval", "--task", "wikitext", "--trace-out", under], "--trace-out"),
+        (["trace", "record", "--out", d], "--out"),
+        (["trace", "record", "--out", under], "--out"),
+        (["analyze", tr, "--out-dir", f], "--out-dir"),
+        (["analyze", tr, "--profile-out", d], "--profile-out"),
+        (["sensitivity", "--fig", under], "--fig"),
+        (["bench", "--model", env["tiny"], "--out", d], "--out"),
+        (["bench", "--make-model", "olmoe-1b-7b", "--out-dir", f], "--out-dir"),
+        (["mole", "eval", env["tiny"], "--out", d], "--out"),
+        (["mole", "export", env["tiny"], "--out", f], "--out"),
+        (["train", "--out", f / "run"], "--out"),
+    ]
+
+
+def test_output_paths_are_checked_before_any_work(env, capsys):
+    for argv, culprit in _out_cases(env):
+        _check(argv, culprit, capsys)
+
+
+@pytest.mark.skipif(hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0,
+                    reason="root may write anywhere")
+def test_unwritable_output_folder(env, capsys, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        _check(["simulate", env["trace"], "--out", ro / "rows.jsonl"], "--out", capsys)
+    finally:
+        ro.chmod(0o700)
+
+
+# -- input files -------------------------------------------------------------------------------------------
+
+
+def test_bad_input_files(env, capsys):
+    e = env
+    cases = [
+        (["simulate", e["trunc_trace"]], "trunc.trace"),
+        (["simulate", e["not_trace"]], "rows.trace"),
+        (["simulate", e["trace"], "--policy", "eras-bias", "--beta", "1", "--freq-from", e["root"] / "nope.npy"],
+         "--freq-from"),
+        (["trace", "info", e["trunc_trace"]], "trunc.trace"),
+        (["analyze", e["not_trace"]], "rows.trace"),
+        (["report", e["other_json"], "--out-dir", e["root"] / "rep1"], "other.json"),
+        (["report", e["bad_jsonl"], "--out-dir", e["root"] / "rep2"], "bad.jsonl:2"),
+        (["report", e["nonutf8_jsonl"], "--out-dir", e["root"] / "rep3"], "latin1.jsonl"),
+        (["report", e["root"] / "missing.jsonl", "--out-dir", e["root"] / "rep4"], "missing.jsonl"),
+        (["sweep", "--trace", e["trunc_trace"], "--policies", "original", "--out", e["root"] / "s0.jsonl"],
+         "trunc.trace"),
+        (["trace", "record", "--task", "text-file", "--file", e["text_latin1"], "--out", e["root"] / "r.trace"],
+         "latin1.txt:2"),
+    ]
+    for argv, culprit in cases:
+        _check(argv, culprit, capsys)
+    assert not (e["root"] / "rep1").exists() and not (e["root"] / "r.trace").exists()
+
+
+@pytest.mark.parametrize("name, culprit", [("badjson", "config.json"), ("mismatch", "intermediate_size=96"),
+                                           ("notok", "tokenizer.json"), ("badtok", "tokenizer.json")])
+def test_damaged_model_folders(env, capsys, name, culprit):
+    line = _check(["eval", "--model", env[name], "--task", "wikitext", "--limit", "1", "--data-dir", env["data"],
+                   "--no-progress"], culprit, capsys)
+    assert name in line  # the folder is named too
+    if name != "mismatch":
+        _check(["generate", "--model", env[name], "--max-new-tokens", "2", "The kernel"], culprit, capsys)
+
+
+def test_non_utf8_data_file_names_file_and_line(env, capsys):
+    _check(["eval", "--model", "granular", "--task", "wikitext", "--limit", "1", "--data-dir", env["bad_data"],
+            "--no-progress"], "test.jsonl:2", capsys)
+
+
+# -- counts and numbers of eval / generate / bench / sweep / report / mole / train --------------------------
+
+
+def test_count_and_number_flags(env, capsys):
+    tiny, tr = env["tiny"], env["trace"]
+    cases = [
+        (["eval", "--task", "wikitext", "--limit", "0"], "--limit"),
+        (["eval", "--task", "wikitext", "--limit", "-1"], "--limit"),
+        (["eval", "--task", "gsm8k", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["eval", "--task", "mmlu", "--shots", "-2"], "--shots"),
+        (["eval", "--task", "wikitext", "--threads", "0"], "--threads"),
+        (["eval", "--task", "wikitext", "--replace-rank", "0"], "--replace-rank"),
+        (["sweep", "--trace", tr, "--out", env["root"] / "s.jsonl", "--limit", "0"], "--limit"),
+        (["sweep", "--trace", tr, "--out", env["root"] / "s.jsonl", "--grid", "0"], "--grid"),
+        (["sweep", "--trace", tr, "--out", env["root"] / "s.jsonl", "--beta-max", "nan"], "--beta-max"),
+        (["sweep", "--trace", tr, "--out", env["root"] / "s.jsonl", "--top-j", "-1"], "--top-j"),
+        (["sweep", "--trace", tr, "--out", env["root"] / "s.jsonl", "--delta", "-3"], "--delta"),
+        (["sweep", "--trace", tr, "--out", env["root"] / "s.jsonl", "--capacity", "0.5,inf"], "--capacity"),
+        (["sweep", "--trace", tr, "--out", env["root"] / "s.jsonl", "--strengths", "0.1,nan"], "--strengths"),
+        (["sweep", "--trace", tr, "--out", env["root"] / "s.jsonl", "--policies", "magic"], "--policies"),
+        (["sweep", "--trace", tr, "--out", env["root"] / "s.jsonl", "--eviction", "fifo"], "--eviction"),
+        (["report", env["bad_jsonl"], "--out-dir", env["root"] / "r", "--tokens", "0"], "--tokens"),
+        (["report", env["bad_jsonl"], "--out-dir", env["root"] / "r", "--layer", "-1"], "--layer"),
+        (["analyze", tr, "--samples", "0"], "--samples"),
+        (["trace", "record", "--out", env["root"] / "x.trace", "--tokens", "0"], "--tokens"),
+        (["trace", "info", tr, "--capacity", "nan"], "--capacity"),
+        (["generate", "--model", tiny, "--max-new-tokens", "0", "1 2"], "--max-new-tokens"),
+        (["generate", "--model", tiny, "--max-new-tokens", "-5", "1 2"], "--max-new-tokens"),
+        (["generate", "--model", tiny, "--temperature", "-1", "1 2"], "--temperature"),
+        (["generate", "--model", tiny, "--temperature", "nan", "1 2"], "--temperature"),
+        (["generate", "--model", tiny, "--memory", "lots", "1 2"], "--memory"),
+        (["generate", "--model", tiny, "--memory", "0", "1 2"], "--memory"),
+        (["generate", "--model", tiny, "--cache-experts", "0", "1 2"], "--cache-experts"),
+        (["generate", "--model", tiny, "--quant", "int8", "--group", "0", "1 2"], "--group"),
+        (["generate", "--model", tiny, "--quant", "int8", "--group", "-4", "1 2"], "--group"),
+        (["generate", "--model", tiny, "--quant", "int8", "--group", "7", "1 2"], "--group"),
+        (["generate", "--model", tiny, "--gamma", "2", "1 2"], "--gamma"),
+        (["generate", "--model", tiny, "--threads", "0", "1 2"], "--threads"),
+        (["generate", "--model", tiny, "--policy", "eras-threshold", "--alpha", "nan", "1 2"], "--alpha"),
+        (["generate", "--model", tiny, "999 2"], "999"),
+        (["generate", "--model", tiny, "hello"], "tokenizer.json"),
+        (["bench", "--model", tiny, "--tokens", "0"], "--tokens"),
+        (["bench", "--model", tiny, "--repeats", "0"], "--repeats"),
+        (["bench", "--model", tiny, "--batch", "0"], "--batch"),
+        (["bench", "--model", tiny, "--prompt-tokens", "-1"], "--prompt-tokens"),
+        (["bench", "--model", tiny, "--prompt-tokens", "200", "--tokens", "100"], "--tokens"),
+        (["mole", "eval", tiny, "--batches", "1,0"], "--batches"),
+        (["mole", "generate", tiny, "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["mole", "train", "--lr", "nan"], "--lr"),
+        (["train", "--lr", "inf"], "--lr"),
+        (["train", "--steps", "-3"], "--steps"),
+    ]
+    for argv, culprit in cases:
+        _check(argv, culprit, capsys)
+
+
+# -- prompts past the context ------------------------------------------------------------------------------
+
+
+def test_prompt_or_generation_past_the_context_is_refused(capsys):
+    line = _check(["generate", "--model", "granular", "The kernel " * 10_000], "max_position_embeddings", capsys)
+    assert "256" in line
+    _check(["generate", "--model", "granular", "--max-new-tokens", "256", "The kernel loads the module"],
+           "--max-new-tokens", capsys)
+    assert "Token indices" not in capsys.readouterr().err
+
+
+# -- silently wrong before: NaN weights, duplicated sweeps, damaged quantised experts -----------------------
+
+
+def _nan_experts(src: Path, dst: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    w = load_file(dst / "model.safetensors")
+    for k in w:
+        if ".experts." in k:
+            w[k] = torch.full_like(w[k], float("nan"))
+    save_file(w, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_nan_weights_stop_generation(env, capsys, tmp_path):
+    bad = _nan_experts(env["tiny"], tmp_path / "nan")
+    _check(["generate", "--model", bad, "--io", "cached", "--max-new-tokens", "3", "1 2 3"], "non-finite", capsys)
+
+
+def test_nan_weights_stop_eval(tmp_path, capsys, env):
+    bad = _nan_experts(SHIPPED, tmp_path / "nan-granular")
+    _check(["eval", "--model", bad, "--task", "wikitext", "--limit", "1", "--data-dir", env["data"],
+            "--no-progress"], "non-finite", capsys)
+
+
+def test_second_sweep_on_the_same_file_is_refused(env, capsys, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    fd = __import__("os").open(str(out) + ".lock", __import__("os").O_RDWR | __import__("os").O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another sweep holds the file
+        line = _check(["sweep", "--trace", env["trace"], "--policies", "original", "--out", out, "--no-progress"],
+                      "rows.jsonl", capsys)
+        assert "another sweep" in line and not out.exists()
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        __import__("os").close(fd)
+    assert main(["sweep", "--trace", env["trace"], "--policies", "original", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert len(out.read_text().splitlines()) == 1
+
+
+def test_report_counts_a_repeated_configuration_once(env, capsys, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    assert main(["sweep", "--trace", env["trace"], "--policies", "original,cache-prior", "--strengths", "0.5",
+                 "--out", str(rows), "--no-progress"]) == 0
+    text = rows.read_text()
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text(text + text)  # e.g. two sweeps appended before the lock existed
+    capsys.readouterr()
+    assert main(["report", str(twice), "--out-dir", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "2 row(s) repeat a configuration" in err
+    assert (tmp_path / "a" / "pareto.md").read_text().count("| 1 |") >= 1
+    assert "| 2 |" not in (tmp_path / "a" / "pareto.md").read_text()
+
+
+def test_report_refuses_rows_without_quality(env, capsys, tmp_path):
+    rows = tmp_path / "sim.jsonl"
+    assert main(["simulate", env["trace"], "--json", "--out", str(rows)]) == 0
+    _check(["report", rows, "--out-dir", tmp_path / "r"], "sim.jsonl", capsys)
+
+
+def test_quant_default_group_works_on_every_shipped_model(capsys):
+    from expertcache.assets import SHIPPED_MODELS, shipped_model_dir
+    from expertcache.offload.quant import default_group
+
+    for name in SHIPPED_MODELS:
+        cfg = json.loads((shipped_model_dir(name) / "config.json").read_text())
+        d, f = cfg["hidden_size"], cfg["intermediate_size"]
+        assert d % 64  # the old fixed default (64) could not quantise it
+        assert main(["generate", "--model", name, "--quant", "int4", "--io", "cached", "--max-new-tokens", "2",
+                     "--json", "The kernel"]) == 0
+        row = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+        g = row["config"]["group"]
+        assert row["config"]["quant"] == "int4" and g == default_group(d, f) and d % g == 0 and f % g == 0
+
+
+def test_bit_flipped_quantised_experts_are_rebuilt_or_refused(env, capsys, tmp_path, monkeypatch):
+    from expertcache.offload.checkpoint import read_header
+    from expertcache.offload import store
+
+    monkeypatch.setattr(store, "_VERIFIED", set())
+    model = tmp_path / "m"
+    shutil.copytree(env["tiny"], model)
+    argv = ["generate", "--model", str(model), "--quant", "int8", "--io", "cached", "--max-new-tokens", "4",
+            "--temperature", "0", "1 2 3"]
+    assert main(argv) == 0
+    want = capsys.readouterr().out
+    side = next((tmp_path / "cache" / "quant").glob("*.safetensors"))
+
+    def flip(path):
+        e = read_header(path)["model.layers.1.experts.3.qblob"]
+        with open(path, "r+b") as f:
+            f.seek(e.start + 5)
+            b = f.read(1)
+            f.seek(e.start + 5)
+            f.write(bytes([b[0] ^ 0x10]))
+        store._VERIFIED.clear()
+
+    flip(side)  # in the cache: detected and rebuilt, same text as before
+    assert main(argv) == 0
+    cap = capsys.readouterr()
+    assert "experts.3.qblob fails its checksum" in cap.err and "rebuilding" in cap.err
+    assert cap.out == want
+    # next to the model (never rewritten by expertcache): refused, naming the file
+    shutil.copy(side, model / side.name.split("-", 2)[-1])
+    flip(model / side.name.split("-", 2)[-1])
+    _check(argv, "fails its checksum", capsys)
+
+
+def test_flags_are_checked_before_the_trace_is_read(env, capsys):
+    """A bad flag wins over a long computation: the (missing) trace is never opened."""
+    _check(["simulate", env["root"] / "missing.trace", "--alpha", "nan", "--policy", "eras-threshold"], "--alpha",
+           capsys)
+    _check(["simulate", env["root"] / "missing.trace", "--out", env["root"]], "--out", capsys)
+
+
+def test_expected_group_default():
+    from expertcache.offload.quant import default_group
+
+    assert default_group(144, 104) == 8 and default_group(2048, 1024) == 64 and default_group(32, 48) == 16
+    assert np.all([default_group(d, f) >= 1 for d in (1, 7, 13) for f in (3, 5)])
