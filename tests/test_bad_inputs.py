@@ -222,7 +222,7 @@ def test_bad_input_files(env, capsys):
     assert not (e["root"] / "rep1").exists() and not (e["root"] / "r.trace").exists()
 
 
-@pytest.mark.parametrize("name, culprit", [("badjson", "config.json"), ("mismatch", "intermediate_size=96"),
+@pytest.mark.parametrize("name, culprit", [("badjson", "config.json: not valid JSON"), ("mismatch", "intermediate_size=96"),
                                            ("notok", "tokenizer.json"), ("badtok", "tokenizer.json")])
 def test_damaged_model_folders(env, capsys, name, culprit):
     line = _check(["eval", "--model", env[name], "--task", "wikitext", "--limit", "1", "--data-dir", env["data"],

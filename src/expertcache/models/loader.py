@@ -97,6 +97,7 @@ def load_tokenizer_checked(folder: str | os.PathLike):
     ValueError naming the file when it cannot be read."""
     from transformers import AutoTokenizer
 
+    read_config_json(folder)  # AutoTokenizer reads config.json too: name it when it is the broken file
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (the model folder has no tokenizer; copy its tokenizer.json "

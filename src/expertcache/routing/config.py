@@ -195,9 +195,9 @@ class Router:
         if self.config.top_j > self.k:
             raise ValueError(f"top-J={self.config.top_j} exceeds K={self.k} (experts per token; --top-j)")
         if self.config.h is not None and self.config.h > self.k:
-            raise ValueError(f"h={self.config.h} exceeds K={self.k} (prune keeps ranks < h of the top-K)")
+            raise ValueError(f"h={self.config.h} exceeds K={self.k} (--h: prune keeps ranks < h of the top-K)")
         if self.config.m > self.num_experts:
-            raise ValueError(f"m={self.config.m} exceeds N={self.num_experts} experts")
+            raise ValueError(f"m={self.config.m} exceeds N={self.num_experts} experts (--m)")
         if self.config.policy == "eras-bias" and self.freq_LE is None:
             raise ValueError("eras-bias needs an activation-frequency profile (freq_LE); "
                              "build one from a trace with expertcache.sim.activation_frequency")
