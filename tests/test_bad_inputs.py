@@ -427,3 +427,20 @@ def test_expected_group_default():
 
     assert default_group(144, 104) == 8 and default_group(2048, 1024) == 64 and default_group(32, 48) == 16
     assert np.all([default_group(d, f) >= 1 for d in (1, 7, 13) for f in (3, 5)])
+
+
+def test_module_entry_point_reports_usage_errors(env):
+    """``python -m expertcache.cli.main`` (a second copy of the module) still turns UsageError into exit 2."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "simulate", env["trace"], "--out",
+                           str(env["root"])], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--out" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_missing_model_folder_is_named(env, capsys):
+    _check(["eval", "--model", env["root"] / "nope", "--task", "wikitext", "--data-dir", env["data"]], "--model",
+           capsys)
+    _check(["generate", "--model", env["root"] / "nope", "hi"], "nope", capsys)

@@ -71,6 +71,19 @@ def _prompt(path, n: int, batch: int, seed: int):
     return torch.randint(3, vocab, (batch, n), generator=g)
 
 
+def _print_resolved(path, names) -> None:
+    """One stderr line with every benchmarked policy's resolved configuration (top-J included)."""
+    from expertcache.models.loader import read_config_json
+    from expertcache.offload.bench import policy_set
+
+    k = read_config_json(path).get("num_experts_per_tok")
+    if not isinstance(k, int):
+        return
+    pset = policy_set(k)
+    shown = [f"{n}={rc.label()}+{ev}" for n, (rc, ev) in pset.items() if not names or n in names]
+    print("expertcache bench: policies " + "; ".join(shown), file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from expertcache.offload.bench import run_bench, table
     from expertcache.offload.runtime import resolve_model_path
@@ -94,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if not (path / "tokenizer.json").is_file():  # random-weight model: teacher-force random tokens
         forced = _prompt(path, args.tokens, args.batch, args.prompt_seed + 1)
     offload = offload_from_args(args, context=prompt.shape[1] + args.tokens, batch=args.batch)
+    _print_resolved(path, args.policies)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     result = run_bench(path, offload, policies=args.policies, prompt_BS=prompt, tokens=args.tokens,
                        repeats=args.repeats, dtype=dtype_from_args(args), forced_BN=forced,

@@ -85,4 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # run the package module's main: ``python -m`` loads this file as __main__, a second copy whose UsageError
+    # would not be the class the commands raise
+    from expertcache.cli.main import main as _main
+
+    sys.exit(_main())

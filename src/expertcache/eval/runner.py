@@ -15,6 +15,7 @@ unpatches, and returns a JSON-serialisable row with
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,10 @@ def load_model_and_tokenizer(spec: str):
     from expertcache.models import load_model
 
     path = resolve_model_path(spec)
+    text = str(spec)
+    if not Path(text).expanduser().exists() and (os.sep in text or text.startswith((".", "~"))):
+        raise FileNotFoundError(f"--model {spec}: no such model folder (give a checkpoint folder, 'granular' or "
+                                "'coarse')")
     tok = None
     if Path(str(path)).is_dir():  # a missing or broken tokenizer fails before the weights are read
         from expertcache.models.loader import load_tokenizer_checked
