@@ -51,15 +51,17 @@ def env(tmp_path_factory):
                                                     for _ in range(40)) + "\n")
     e["data"] = str(root / "data")
     # granular variants, each with one damaged file
-    for name in ("badjson", "mismatch", "notok", "badtok"):
+    for name in ("badjson", "mismatch", "notok", "badtok", "trunc"):
         shutil.copytree(SHIPPED, root / name)
+    st = root / "trunc" / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
     (root / "badjson" / "config.json").write_text('{"model_type": "olmoe", "hidden_size": 144,,}')
     cfg = json.loads((root / "mismatch" / "config.json").read_text())
     cfg["intermediate_size"] = 96
     (root / "mismatch" / "config.json").write_text(json.dumps(cfg))
     (root / "notok" / "tokenizer.json").unlink()
     (root / "badtok" / "tokenizer.json").write_text('{"version": "1.0", "model": ')
-    for name in ("badjson", "mismatch", "notok", "badtok"):
+    for name in ("badjson", "mismatch", "notok", "badtok", "trunc"):
         e[name] = str(root / name)
     # a JSON file of something else, a JSONL file with a bad middle line, a truncated trace
     e["other_json"] = root / "other.json"
@@ -73,6 +75,8 @@ def env(tmp_path_factory):
     e["trunc_trace"].write_bytes(data[: len(data) // 2])
     e["not_trace"] = root / "rows.trace"
     e["not_trace"].write_text('{"a": 1}\n')
+    (root / "latin1.json").write_bytes(b'{"freq": "caf\xe9"}')
+    np.save(root / "objects.npy", np.array([{"a": 1}], dtype=object))
     e["text_latin1"] = root / "latin1.txt"
     e["text_latin1"].write_bytes(b"plain ascii\nthen caf\xe9\n")
     return e
@@ -207,6 +211,10 @@ def test_bad_input_files(env, capsys):
         (["simulate", e["trace"], "--policy", "eras-bias", "--beta", "1", "--freq-from", e["root"] / "nope.npy"],
          "--freq-from"),
         (["trace", "info", e["trunc_trace"]], "trunc.trace"),
+        (["simulate", e["trace"], "--policy", "eras-bias", "--beta", "1", "--freq-from", e["root"] / "latin1.json"],
+         "latin1.json"),
+        (["simulate", e["trace"], "--policy", "eras-bias", "--beta", "1", "--freq-from", e["root"] / "objects.npy"],
+         "objects.npy"),
         (["analyze", e["not_trace"]], "rows.trace"),
         (["report", e["other_json"], "--out-dir", e["root"] / "rep1"], "other.json"),
         (["report", e["bad_jsonl"], "--out-dir", e["root"] / "rep2"], "bad.jsonl:2"),
@@ -223,12 +231,13 @@ def test_bad_input_files(env, capsys):
 
 
 @pytest.mark.parametrize("name, culprit", [("badjson", "config.json: not valid JSON"), ("mismatch", "intermediate_size=96"),
-                                           ("notok", "tokenizer.json"), ("badtok", "tokenizer.json")])
+                                           ("notok", "tokenizer.json"), ("badtok", "tokenizer.json"),
+                                           ("trunc", "model.safetensors")])
 def test_damaged_model_folders(env, capsys, name, culprit):
     line = _check(["eval", "--model", env[name], "--task", "wikitext", "--limit", "1", "--data-dir", env["data"],
                    "--no-progress"], culprit, capsys)
     assert name in line  # the folder is named too
-    if name != "mismatch":
+    if name not in ("mismatch", "trunc"):
         _check(["generate", "--model", env[name], "--max-new-tokens", "2", "The kernel"], culprit, capsys)
 
 

@@ -68,7 +68,7 @@ def load_profile(path: str | os.PathLike) -> np.ndarray:
             freq = np.asarray(doc["freq"], dtype=np.float64)
         else:
             raise ValueError(f"profile file must end in {' or '.join(PROFILE_SUFFIXES)}, got {path.name!r}")
-    except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+    except (OSError, KeyError, TypeError, ValueError) as exc:  # ValueError: not UTF-8 / JSON, object arrays
         raise ValueError(f"{path} is not a readable activation profile: {exc}") from None
     freq = np.asarray(freq, dtype=np.float32)
     if freq.ndim != 2 or not np.isfinite(freq).all() or (freq < 0).any():
