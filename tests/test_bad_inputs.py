@@ -453,3 +453,17 @@ def test_missing_model_folder_is_named(env, capsys):
     _check(["eval", "--model", env["root"] / "nope", "--task", "wikitext", "--data-dir", env["data"]], "--model",
            capsys)
     _check(["generate", "--model", env["root"] / "nope", "hi"], "nope", capsys)
+
+
+def test_unwritable_location_is_refused_without_root(env, monkeypatch):
+    """The permission branch of check_output_path (the suite may run as root, who may write anywhere)."""
+    import os
+
+    from expertcache.cli.common import check_output_path
+    from expertcache.cli.main import UsageError
+
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    with pytest.raises(UsageError, match="--out .*permission denied"):
+        check_output_path(env["root"] / "new.jsonl", "--out")
+    with pytest.raises(UsageError, match="--out .*not writable"):
+        check_output_path(env["file"], "--out")
