@@ -237,6 +237,8 @@ def test_damaged_model_folders(env, capsys, name, culprit):
     line = _check(["eval", "--model", env[name], "--task", "wikitext", "--limit", "1", "--data-dir", env["data"],
                    "--no-progress"], culprit, capsys)
     assert name in line  # the folder is named too
+    if name in ("mismatch", "badjson"):
+        _check(["mole", "generate", env[name], "The kernel", "--max-new-tokens", "2"], culprit, capsys)
     if name not in ("mismatch", "trunc"):
         _check(["generate", "--model", env[name], "--max-new-tokens", "2", "The kernel"], culprit, capsys)
 
@@ -270,6 +272,8 @@ def test_count_and_number_flags(env, capsys):
         (["report", env["bad_jsonl"], "--out-dir", env["root"] / "r", "--tokens", "0"], "--tokens"),
         (["report", env["bad_jsonl"], "--out-dir", env["root"] / "r", "--layer", "-1"], "--layer"),
         (["analyze", tr, "--samples", "0"], "--samples"),
+        (["report", env["bad_jsonl"], "--out-dir", env["root"] / "r", "--prefix", "../up-"], "--prefix"),
+        (["sensitivity", "--fig", env["root"] / "fig.foo"], "--fig"),
         (["trace", "record", "--out", env["root"] / "x.trace", "--tokens", "0"], "--tokens"),
         (["trace", "info", tr, "--capacity", "nan"], "--capacity"),
         (["generate", "--model", tiny, "--max-new-tokens", "0", "1 2"], "--max-new-tokens"),

@@ -95,6 +95,21 @@ def _batches(text: str) -> str:
     return ",".join(x.strip() for x in items)
 
 
+def _check_model_dir(path) -> None:
+    """Fail with one line naming the file for a folder without a readable config.json, or a standard
+    transformers checkpoint (the dense / MoE compared models) whose config disagrees with its tensors."""
+    from pathlib import Path
+
+    from expertcache.models.loader import check_weights_match_config, read_config_json
+
+    cfg = read_config_json(path)
+    if cfg.get("lookup_table") or cfg.get("model_type") == "expertcache_mole":
+        return
+    from transformers import AutoConfig
+
+    check_weights_match_config(Path(path), AutoConfig.from_pretrained(str(path), local_files_only=True))
+
+
 def _command() -> str:
     return "expertcache " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "expertcache mole"
 
@@ -131,6 +146,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from expertcache.mole.bench import decode_n_tokens, load_any, prefill
 
     torch.set_num_threads(args.threads)
+    _check_model_dir(args.model_dir)
     model = load_any(args.model_dir, args.read_mode)  # (also registers MoLE with the Auto classes)
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     ids = tok.backend_tokenizer.encode(args.prompt, add_special_tokens=False).ids
@@ -165,6 +181,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from expertcache.mole.report import evaluate
 
     check_output_path(args.out or None, "--out")
+    _check_model_dir(args.model_dir)
     row = evaluate(args.model_dir, data_dir=args.data_dir, tokenizer_dir=args.tokenizer or None,
                    ppl_tokens=args.ppl_tokens, read_mode=args.read_mode,
                    batches=[int(b) for b in args.batches.split(",") if b], prompt_tokens=args.prompt_tokens,

@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.eval.report import (group_rows, pareto_markdown, plot_cache_sizes, plot_raster,
                                          plot_sensitivity, plot_tradeoff, slug)
     out = check_output_path(args.out_dir, "--out-dir", directory=True)
+    if "/" in args.prefix or "\\" in args.prefix or args.prefix in (".", ".."):
+        raise ValueError(f"--prefix {args.prefix!r}: a file-name prefix, without folders (use --out-dir)")
     for f in args.rows:
         check_input_file(f, "rows file")
     for spec in args.trace:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from expertcache.cli.common import check_output_path, nonneg_int
 
@@ -44,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path(args.out, "--out")
     check_output_path(args.fig, "--fig")
+    if args.fig and Path(args.fig).suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise ValueError(f"--fig {args.fig}: give a .png, .pdf or .svg file name")
     torch.set_num_threads(args.threads)
     if args.task not in (None, "wikitext"):
         raise ValueError("sensitivity is measured on --task wikitext (perplexity)")
