@@ -283,6 +283,7 @@ def test_count_and_number_flags(env, capsys):
         (["generate", "--model", tiny, "--memory", "lots", "1 2"], "--memory"),
         (["generate", "--model", tiny, "--memory", "0", "1 2"], "--memory"),
         (["generate", "--model", tiny, "--cache-experts", "0", "1 2"], "--cache-experts"),
+        (["generate", "--model", tiny, "--cache-experts", "99", "1 2"], "--cache-experts"),
         (["generate", "--model", tiny, "--quant", "int8", "--group", "0", "1 2"], "--group"),
         (["generate", "--model", tiny, "--quant", "int8", "--group", "-4", "1 2"], "--group"),
         (["generate", "--model", tiny, "--quant", "int8", "--group", "7", "1 2"], "--group"),

@@ -98,7 +98,7 @@ class WikiTextTask(Task):
         for chunk_S in _bar(self.chunks_NS, progress, "wikitext", len(self)):
             x_1S = chunk_S[None].to(device)
             logits_1SV = model(input_ids=x_1S, use_cache=False).logits
-            check_finite(logits_1SV[0, -1], "in a wikitext chunk")
+            check_finite(logits_1SV, "in a wikitext chunk")
             nll += float(torch.nn.functional.cross_entropy(logits_1SV[0, :-1].float(), x_1S[0, 1:],
                                                            reduction="sum"))
             count += x_1S.shape[1] - 1

@@ -84,5 +84,5 @@ def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int,
                 f"({minimum} bytes)")
         slots = min(num_experts, (budget - non_expert_bytes - kv_bytes) // (num_layers * expert_bytes))
     elif not 1 <= slots <= num_experts:
-        raise ValueError(f"cache size must be between 1 and N={num_experts} experts per layer, got {slots}")
+        raise ValueError(f"cache size (--cache-experts) must be between 1 and N={num_experts} experts per layer, got {slots}")
     return MemoryPlan(budget, non_expert_bytes, kv_bytes, expert_bytes, num_layers, int(slots), minimum)
