@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -188,7 +189,7 @@ def test_output_paths_are_checked_before_any_work(env, capsys):
         _check(argv, culprit, capsys)
 
 
-@pytest.mark.skipif(hasattr(__import__("os"), "geteuid") and __import__("os").geteuid() == 0,
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
                     reason="root may write anywhere")
 def test_unwritable_output_folder(env, capsys, tmp_path):
     ro = tmp_path / "ro"
@@ -346,7 +347,7 @@ def test_nan_weights_stop_eval(tmp_path, capsys, env):
 
 def test_second_sweep_on_the_same_file_is_refused(env, capsys, tmp_path):
     out = tmp_path / "rows.jsonl"
-    fd = __import__("os").open(str(out) + ".lock", __import__("os").O_RDWR | __import__("os").O_CREAT)
+    fd = os.open(str(out) + ".lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another sweep holds the file
         line = _check(["sweep", "--trace", env["trace"], "--policies", "original", "--out", out, "--no-progress"],
@@ -354,7 +355,7 @@ def test_second_sweep_on_the_same_file_is_refused(env, capsys, tmp_path):
         assert "another sweep" in line and not out.exists()
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
-        __import__("os").close(fd)
+        os.close(fd)
     assert main(["sweep", "--trace", env["trace"], "--policies", "original", "--out", str(out),
                  "--no-progress"]) == 0
     assert len(out.read_text().splitlines()) == 1
@@ -462,8 +463,6 @@ def test_missing_model_folder_is_named(env, capsys):
 
 def test_unwritable_location_is_refused_without_root(env, monkeypatch):
     """The permission branch of check_output_path (the suite may run as root, who may write anywhere)."""
-    import os
-
     from expertcache.cli.common import check_output_path
     from expertcache.cli.main import UsageError
 
