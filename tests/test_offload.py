@@ -89,7 +89,10 @@ def test_original_logits_equal_in_memory_at_every_capacity(tiny_dir, arch):
         torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5, msg=f"{arch} C={c} batch 1")
         s = rt.stats()
         assert s["hits"] + s["misses"] == s["accesses"] > 0
-        assert s["expert_loads"] == s["misses"] + (0 if c >= rt.top_k else s["expert_loads"] - s["misses"])
+        # every demand miss is one load (into a slot, or the scratch slot when C < K) and nothing else loads:
+        # no prefetch here; and every load reads one expert's bytes
+        assert s["prefetched"] == 0 and s["expert_loads"] == s["misses"] + s["prefetched"]
+        assert s["bytes_read"] == s["expert_loads"] * rt.expert_bytes
 
 
 @pytest.mark.parametrize("policy,eviction", [(RoutingConfig("cache-prior", lam=0.5), "lru"),
@@ -240,6 +243,9 @@ def test_budget_slots_and_refusal(tiny_dir):
     assert parse_bytes("3GiB") == 3 * 2**30 and parse_bytes("1.5MB") == 1_500_000 and parse_bytes("77") == 77
     with pytest.raises(ValueError):
         parse_bytes("lots")
+    plan = plan_memory(budget=parse_bytes("minimum"), slots=None, non_expert_bytes=1000, kv_bytes=1000,
+                       expert_bytes=100, num_layers=4, num_experts=64, top_k=2)
+    assert (plan.slots, plan.budget, plan.total) == (2, 2800, 2800)
     plan = plan_memory(budget=10_000, slots=None, non_expert_bytes=1000, kv_bytes=1000, expert_bytes=100,
                        num_layers=4, num_experts=64, top_k=2)
     assert plan.slots == 20 and plan.total <= 10_000
@@ -252,6 +258,9 @@ def test_budget_slots_and_refusal(tiny_dir):
     small = OffloadedModel.from_pretrained(tiny_dir["olmoe"], OffloadConfig(io="cached", memory=minimum),
                                            dtype=torch.float32)
     assert small.capacity == small.top_k
+    named = OffloadedModel.from_pretrained(tiny_dir["olmoe"], OffloadConfig(io="cached", memory="minimum"),
+                                           dtype=torch.float32)  # docs/OFFLOAD.md: --memory minimum gives C = K
+    assert named.capacity == named.top_k and named.plan.budget == named.plan.total == minimum
     with pytest.raises(BudgetError, match=f"need at least .*{minimum} bytes"):
         OffloadedModel.from_pretrained(tiny_dir["olmoe"], OffloadConfig(io="cached", memory=minimum - 1),
                                        dtype=torch.float32)
