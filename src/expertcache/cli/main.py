@@ -62,8 +62,7 @@ def missing_dependency_message(exc: ModuleNotFoundError) -> str | None:
     optional dependency of expertcache (then the error is a bug and keeps its traceback)."""
     root = (exc.name or "").split(".")[0]
     if root == "torch":
-        return ("needs PyTorch, which is not installed: install it first (README, set-up line; "
-                "CPU-only: pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+        return "needs PyTorch, which is not installed: see the set-up section of the README (CPU or CUDA build)"
     extra = OPTIONAL_EXTRAS.get(root)
     if extra is None:
         return None
