@@ -316,6 +316,21 @@ def test_cli_generate_and_bench(tiny_dir, tmp_path, capsys):
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert {r["name"] for r in rows} == {"original+lru", "cache-prior"}
     assert all(r["config"]["capacity"] == 4 for r in rows)
+    expert_bytes = rows[0]["config"]["expert_bytes"]
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    for r in rows:  # the roofline's numbers: predicted = compute + misses x expert bytes / bandwidth
+        assert r["bandwidth"] > 0 and r["t_compute"] > 0 and r["tokens"] in (3, 4)  # decode steps of 4 tokens
+        assert r["bytes_per_token"] == pytest.approx(r["misses_per_token"] * expert_bytes)
+        want = r["t_compute"] + r["misses_per_token"] * expert_bytes / r["bandwidth"]
+        assert r["predicted_s_per_token"] == pytest.approx(want, rel=1e-9)
+        assert r["roofline_ratio"] == pytest.approx(r["s_per_token"] / r["predicted_s_per_token"], rel=1e-9)
+        assert r["tok_s"] == pytest.approx(1 / r["s_per_token"], rel=1e-9)  # batch 1
+        # the printed table (medians of one repeat = this row): ms/token, roofline ms/token, measured/roofline
+        cols = table[r["name"]]
+        assert cols[-3:] == [f"{r['s_per_token'] * 1e3:.1f}", f"{r['predicted_s_per_token'] * 1e3:.1f}",
+                             f"{r['roofline_ratio']:.2f}"]
+        assert cols[3:5] == [f"{r['hit_rate']:.3f}", f"{r['bytes_per_token'] / 2**20:.1f}"]
     assert main(["generate", "--model", path, "--memory", "1KiB", "--io", "cached", "5"]) == 2
     assert "at least" in capsys.readouterr().err
 
