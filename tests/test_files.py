@@ -116,3 +116,25 @@ def test_quick_tour_outputs_are_ignored_by_git():
     proc = subprocess.run(["git", "check-ignore", *paths, "out/make-figures/x.png"], cwd=ROOT, capture_output=True,
                           text=True)
     assert sorted(proc.stdout.split()) == sorted(paths + ["out/make-figures/x.png"]), proc.stdout
+
+
+def test_readme_commands_and_ci_agree():
+    """README's first block is set-up, main job, tests; the set-up extra brings every optional package (tests
+    included); .ci/run runs exactly the README's test command after installing the same extra."""
+    tomllib = pytest.importorskip("tomllib")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme[readme.index("```bash") + 7:readme.index("```", readme.index("```bash") + 7)]
+    setup, job, test = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert setup.startswith("pip install") and job.startswith("expertcache generate") and test == "python -m pytest"
+    extra = re.search(r'"\.\[(\w+)\]"', setup).group(1)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def names(reqs):
+        return {re.split(r"[<>=!~\[ ]", r, 1)[0].lower().replace("-", "_") for r in reqs}
+
+    assert names(extras[extra]) >= {"pytest", "hypothesis"} | set().union(*(names(v) for v in extras.values()))
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f'-e ".[{extra}]"' in ci and test in [line.strip() for line in ci.splitlines()]
+    from expertcache.cli.main import OPTIONAL_EXTRAS
+
+    assert {e for e in OPTIONAL_EXTRAS.values()} <= set(extras)  # the messages name extras that exist
