@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Reproduce docs/figures/*.png and docs/results/*.jsonl|md (docs/EVAL.md describes them).
+# Reproduce the figures and result tables of docs/ (docs/EVAL.md describes them).
 #
-#   benchmarks/make_figures.sh            # shipped models, small sizes (~30-45 min on one idle CPU core)
+#   benchmarks/make_figures.sh                  # into out/make-figures/{results,figures}/ (git ignores out/)
+#   benchmarks/make_figures.sh --out DIR        # into DIR/{results,figures}/
+#   benchmarks/make_figures.sh --update-docs    # rewrite the tracked files: docs/results, docs/figures and the
+#                                               # shipped demo trace src/expertcache/assets/traces/
 #   WT_LIMIT=16 MMLU_LIMIT=200 GRID=50 benchmarks/make_figures.sh   # bigger runs
 #   COARSE=0 CLOSED_SIZES=0 benchmarks/make_figures.sh              # skip the coarse model / closed-loop cache sizes
+#
+# Shipped models, small sizes: ~30-45 min on one idle CPU core. Without --update-docs nothing tracked by git is
+# touched (the demo trace is recorded into the output folder too).
 #
 # Steps: record the demo trace from the shipped granular model (original routing, 4096 WikiText tokens,
 # also the default trace of `expertcache simulate`), open-loop sweeps on it, closed-loop sweeps of the
@@ -13,6 +19,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+OUT=out/make-figures
+UPDATE_DOCS=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) [[ $# -ge 2 && -n "$2" ]] || { echo "make_figures.sh: --out needs a folder" >&2; exit 2; }; OUT=$2; shift 2 ;;
+    --update-docs) UPDATE_DOCS=1; shift ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "make_figures.sh: unknown argument '$1' (use --out DIR or --update-docs)" >&2; exit 2 ;;
+  esac
+done
+
 WT_LIMIT=${WT_LIMIT:-4}        # WikiText chunks (of the model's context: 256 tokens for the shipped models)
 MMLU_LIMIT=${MMLU_LIMIT:-50}   # MMLU questions (interleaved over subjects)
 GSM_LIMIT=${GSM_LIMIT:-8}      # GSM8K problems
@@ -20,11 +37,19 @@ GRID=${GRID:-11}               # closed-loop points for p / lambda in [0, 1] (00
 OPEN_GRID=${OPEN_GRID:-50}     # open-loop points (cheap)
 COARSE=${COARSE:-1}            # also sweep / perturb the coarse (Mixtral) model
 CLOSED_SIZES=${CLOSED_SIZES:-1}  # closed-loop WikiText over cache sizes (001 Fig. 10 in closed loop)
-TRACE=src/expertcache/assets/traces/granular-wikitext2.trace.safetensors
-RES=docs/results
-FIG=docs/figures
+if [[ "$UPDATE_DOCS" == 1 ]]; then
+  TRACE=src/expertcache/assets/traces/granular-wikitext2.trace.safetensors
+  RES=docs/results
+  FIG=docs/figures
+else
+  TRACE=$OUT/granular-wikitext2.trace.safetensors
+  RES=$OUT/results
+  FIG=$OUT/figures
+fi
+echo "== writing results to $RES, figures to $FIG, demo trace to $TRACE"
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 EC=(nice -n 10 python -m expertcache.cli.main)
+[[ -n "${EXPERTCACHE_CMD:-}" ]] && read -ra EC <<< "$EXPERTCACHE_CMD"   # another runner (tests use 'echo')
 
 mkdir -p "$RES" "$FIG"
 if [[ "${KEEP:-0}" != 1 ]]; then

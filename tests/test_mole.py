@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -50,7 +51,10 @@ def test_same_tokens_for_every_kind(runs):
     assert tokens["dense"] == tokens["moe"] == tokens["mole"] == [128 * s for s in range(1, 7)]
     data = {k: np.load(runs / k / "data" / "train.npy") for k in logs}
     assert np.array_equal(data["dense"], data["mole"]) and np.array_equal(data["moe"], data["mole"])
-    assert all(logs[k][-1]["heldout_loss"] < 9.2 for k in logs)  # learned something from ln(8192) = 9.01 + init
+    # held-out loss well below uniform over the 8192-token vocabulary (ln 8192 = 9.01): measured 6.93 (mole),
+    # 6.96 (dense), 6.99 (moe) after these 6 steps; a model that does not learn stays at >= 9.0
+    assert all(logs[k][-1]["heldout_loss"] < math.log(8192) - 1.5 for k in logs), [logs[k][-1] for k in logs]
+    assert all(logs[k][-1]["heldout_loss"] < logs[k][0]["loss"] - 1.5 for k in logs)  # and below the first step's
     assert "aux_loss" in logs["moe"][0] and logs["moe"][0]["aux_loss"] > 0 and logs["mole"][0]["aux_loss"] == 0
 
 
@@ -139,6 +143,29 @@ def test_nf4_and_int8_roundtrip():
     levels = np.tile(Q.NF4_LEVELS, 4)[None]  # the 16 levels are reproduced exactly
     c, a = Q.quantize(levels, "nf4")
     np.testing.assert_array_equal(Q.dequantize(c, a, "nf4", 64), levels)
+
+
+# QLoRA's NF4 table as published (Dettmers et al. 2023, Appendix E; bitsandbytes' NF4 code book)
+QLORA_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+             0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+             0.7229568362236023, 1.0]
+
+
+def test_nf4_levels_are_qloras():
+    """The code book is QLoRA's, code i decodes to level i, and quantisation picks the nearest level (midpoints)."""
+    np.testing.assert_array_equal(Q.NF4_LEVELS, np.array(QLORA_NF4, dtype=np.float32))
+    # decode every code: byte (hi << 4 | lo) holds two values, low nibble first; block absmax 1.0
+    codes = np.array([[i | (i << 4) for i in range(16)] * 2], dtype=np.uint8)  # 64 values: 0,0,1,1,...,15,15 x2
+    got = Q.dequantize(codes, np.ones((1, 1), dtype=np.float16), "nf4", 64)[0]
+    np.testing.assert_array_equal(got, np.repeat(np.array(QLORA_NF4, dtype=np.float32), 2).tolist() * 2)
+    # just below / above each midpoint goes to the lower / upper level (absmax pinned to 1 by a 1.0 entry)
+    mids = (np.array(QLORA_NF4[1:]) + np.array(QLORA_NF4[:-1])) / 2
+    x = np.concatenate([[1.0], mids - 1e-4, mids + 1e-4, [-1.0, 0.0, 0.0, 0.0]]).astype(np.float32)[None]
+    assert x.shape == (1, 35)
+    y = Q.dequantize(*Q.quantize(x, "nf4"), "nf4", 35)[0]
+    np.testing.assert_array_equal(y[1:16], np.array(QLORA_NF4[:-1], dtype=np.float32))
+    np.testing.assert_array_equal(y[16:31], np.array(QLORA_NF4[1:], dtype=np.float32))
 
 
 def test_batched_lru_matches_simulator_at_batch_one():

@@ -89,7 +89,10 @@ def test_original_logits_equal_in_memory_at_every_capacity(tiny_dir, arch):
         torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5, msg=f"{arch} C={c} batch 1")
         s = rt.stats()
         assert s["hits"] + s["misses"] == s["accesses"] > 0
-        assert s["expert_loads"] == s["misses"] + (0 if c >= rt.top_k else s["expert_loads"] - s["misses"])
+        # every demand miss is one load (into a slot, or the scratch slot when C < K) and nothing else loads:
+        # no prefetch here; and every load reads one expert's bytes
+        assert s["prefetched"] == 0 and s["expert_loads"] == s["misses"] + s["prefetched"]
+        assert s["bytes_read"] == s["expert_loads"] * rt.expert_bytes
 
 
 @pytest.mark.parametrize("policy,eviction", [(RoutingConfig("cache-prior", lam=0.5), "lru"),
@@ -240,6 +243,9 @@ def test_budget_slots_and_refusal(tiny_dir):
     assert parse_bytes("3GiB") == 3 * 2**30 and parse_bytes("1.5MB") == 1_500_000 and parse_bytes("77") == 77
     with pytest.raises(ValueError):
         parse_bytes("lots")
+    plan = plan_memory(budget=parse_bytes("minimum"), slots=None, non_expert_bytes=1000, kv_bytes=1000,
+                       expert_bytes=100, num_layers=4, num_experts=64, top_k=2)
+    assert (plan.slots, plan.budget, plan.total) == (2, 2800, 2800)
     plan = plan_memory(budget=10_000, slots=None, non_expert_bytes=1000, kv_bytes=1000, expert_bytes=100,
                        num_layers=4, num_experts=64, top_k=2)
     assert plan.slots == 20 and plan.total <= 10_000
@@ -252,6 +258,9 @@ def test_budget_slots_and_refusal(tiny_dir):
     small = OffloadedModel.from_pretrained(tiny_dir["olmoe"], OffloadConfig(io="cached", memory=minimum),
                                            dtype=torch.float32)
     assert small.capacity == small.top_k
+    named = OffloadedModel.from_pretrained(tiny_dir["olmoe"], OffloadConfig(io="cached", memory="minimum"),
+                                           dtype=torch.float32)  # docs/OFFLOAD.md: --memory minimum gives C = K
+    assert named.capacity == named.top_k and named.plan.budget == named.plan.total == minimum
     with pytest.raises(BudgetError, match=f"need at least .*{minimum} bytes"):
         OffloadedModel.from_pretrained(tiny_dir["olmoe"], OffloadConfig(io="cached", memory=minimum - 1),
                                        dtype=torch.float32)
@@ -307,6 +316,21 @@ def test_cli_generate_and_bench(tiny_dir, tmp_path, capsys):
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert {r["name"] for r in rows} == {"original+lru", "cache-prior"}
     assert all(r["config"]["capacity"] == 4 for r in rows)
+    expert_bytes = rows[0]["config"]["expert_bytes"]
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+             for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    for r in rows:  # the roofline's numbers: predicted = compute + misses x expert bytes / bandwidth
+        assert r["bandwidth"] > 0 and r["t_compute"] > 0 and r["tokens"] in (3, 4)  # decode steps of 4 tokens
+        assert r["bytes_per_token"] == pytest.approx(r["misses_per_token"] * expert_bytes)
+        want = r["t_compute"] + r["misses_per_token"] * expert_bytes / r["bandwidth"]
+        assert r["predicted_s_per_token"] == pytest.approx(want, rel=1e-9)
+        assert r["roofline_ratio"] == pytest.approx(r["s_per_token"] / r["predicted_s_per_token"], rel=1e-9)
+        assert r["tok_s"] == pytest.approx(1 / r["s_per_token"], rel=1e-9)  # batch 1
+        # the printed table (medians of one repeat = this row): ms/token, roofline ms/token, measured/roofline
+        cols = table[r["name"]]
+        assert cols[-3:] == [f"{r['s_per_token'] * 1e3:.1f}", f"{r['predicted_s_per_token'] * 1e3:.1f}",
+                             f"{r['roofline_ratio']:.2f}"]
+        assert cols[3:5] == [f"{r['hit_rate']:.3f}", f"{r['bytes_per_token'] / 2**20:.1f}"]
     assert main(["generate", "--model", path, "--memory", "1KiB", "--io", "cached", "5"]) == 2
     assert "at least" in capsys.readouterr().err
 

@@ -12,9 +12,8 @@ from expertcache.eval.sweep import config_key, open_loop_row, plan, policy_grid,
 from expertcache.results import read_jsonl
 from expertcache.routing import RoutingConfig
 
+from figures_check import assert_drawn, record_figures
 from test_trace_sim import make_trace
-
-PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture()
@@ -157,8 +156,9 @@ def test_report_writes_table_and_figures(trace_file, tmp_path, capsys):
                                 config=dict(model="tiny", capacity=4, routing=RoutingConfig().to_dict())))
     capsys.readouterr()
     out_dir = tmp_path / "rep"
-    assert main(["report", str(rows), str(sens), "--out-dir", str(out_dir), "--trace", f"{trace_file}=orig",
-                 "--trace", trace_file, "--layer", "1", "--start", "90", "--tokens", "50"]) == 0
+    with record_figures() as drawn:
+        assert main(["report", str(rows), str(sens), "--out-dir", str(out_dir), "--trace", f"{trace_file}=orig",
+                     "--trace", trace_file, "--layer", "1", "--start", "90", "--tokens", "50"]) == 0
     printed = capsys.readouterr().out
     md = (out_dir / "pareto.md").read_text()
     assert md.strip() in printed and md.count("## ") == 2
@@ -166,7 +166,10 @@ def test_report_writes_table_and_figures(trace_file, tmp_path, capsys):
     assert len([p for p in pngs if p.startswith("tradeoff-")]) == 2
     assert len([p for p in pngs if p.startswith("cache-size-")]) == 1
     assert "raster.png" in pngs and "sensitivity-tiny.png" in pngs
-    assert all((out_dir / p).read_bytes()[:8] == PNG for p in pngs)
+    for p in pngs:  # something was drawn: data artists on the axes and coloured ink in the PNG
+        assert_drawn(out_dir / p, drawn, min_points=3)
+    assert drawn["raster.png"]["image_pixels"] >= 2 * 50  # two traces x 50 tokens (x experts)
+    assert drawn["sensitivity-tiny.png"]["points"] >= 3  # drop and replace curves over the ranks
     # the table lists exactly the non-dominated rows of each group
     from expertcache.eval.report import group_rows as gr
 

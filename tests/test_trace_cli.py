@@ -10,6 +10,8 @@ from expertcache.cli.main import main
 from expertcache.results import read_jsonl
 from expertcache.trace import RoutingTrace
 
+from figures_check import assert_drawn, record_figures
+
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
@@ -81,8 +83,9 @@ def test_shipped_demo_trace_is_small_enough():
 def test_sensitivity_command(env, tmp_path, capsys):
     model_dir, data_dir = env
     rows_file, fig = tmp_path / "sens.jsonl", tmp_path / "sens.png"
-    assert main(["sensitivity", "--model", model_dir, "--data-dir", data_dir, "--limit", "1", "--out",
-                 str(rows_file), "--fig", str(fig), "--no-progress"]) == 0
+    with record_figures() as drawn:
+        assert main(["sensitivity", "--model", model_dir, "--data-dir", data_dir, "--limit", "1", "--out",
+                     str(rows_file), "--fig", str(fig), "--no-progress"]) == 0
     rows = list(read_jsonl(rows_file))
     kinds = [(r["sensitivity"], r["rank"]) for r in rows]
     assert kinds == [("baseline", 0), ("drop", 2), ("drop", 3), ("drop", 4),
@@ -91,5 +94,5 @@ def test_sensitivity_command(env, tmp_path, capsys):
     assert all(r["quality"] != base for r in rows[1:])
     drop = {r["rank"]: r for r in rows if r["sensitivity"] == "drop"}
     assert drop[2]["config"]["routing"] == {**rows[0]["config"]["routing"], "policy": "prune", "h": 1}
-    assert fig.read_bytes()[:4] == b"\x89PNG"
+    assert_drawn(fig, drawn, min_points=7)  # the 7 perturbed runs (and the baseline) are on the plot
     assert main(["sensitivity", "--model", model_dir, "--data-dir", data_dir, "--task", "mmlu"]) == 2

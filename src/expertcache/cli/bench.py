@@ -36,7 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--make-model", choices=tuple(BENCH_MODELS), default=None,
                    help="write a random-weight checkpoint at this model's published shapes and exit")
     p.add_argument("--layers", type=positive_int, default=None, help="--make-model: decoder layers (default: published)")
-    p.add_argument("--out-dir", default=None, help="--make-model: folder (default ~/.cache/expertcache/bench-models/...)")
+    p.add_argument("--out-dir", default=None,
+                   help="--make-model: folder (default $EXPERTCACHE_CACHE/bench-models/..., where "
+                        "$EXPERTCACHE_CACHE defaults to ~/.cache/expertcache)")
     p.add_argument("--policies", nargs="+", choices=BENCH_POLICIES, default=None,
                    help="policies to run (default: all)")
     p.add_argument("--tokens", type=positive_int, default=32, help="decoded tokens per run (default: 32)")

@@ -164,14 +164,14 @@ def capacity_list(text: str) -> str:
 
 
 def memory_spec(text: str) -> str:
-    """argparse type of ``--memory``: a byte size such as 3GiB, 200MiB or a byte count (> 0)."""
-    from expertcache.offload.budget import parse_bytes
+    """argparse type of ``--memory``: a byte size such as 3GiB, 200MiB or a byte count (> 0), or 'minimum'."""
+    from expertcache.offload.budget import MINIMUM, parse_bytes
 
     try:
         n = parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if n <= 0:
+    if n <= 0 and n != MINIMUM:
         raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
     return str(text)
 

@@ -35,7 +35,8 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g = parser.add_argument_group("offloading")
     size = g.add_mutually_exclusive_group()
     size.add_argument("--memory", type=memory_spec, default=None,
-                      help="fast-memory budget (e.g. 3GiB, 200MiB): non-expert weights + KV cache + expert slots")
+                      help="fast-memory budget (e.g. 3GiB, 200MiB, or 'minimum' for K experts per layer): non-expert "
+                           "weights + KV cache + expert slots")
     size.add_argument("--cache-experts", type=positive_int, default=None, metavar="C",
                       help="expert slots per MoE layer (default: all N if no --memory)")
     g.add_argument("--tier", choices=TIERS, default="disk", help="where the experts live (default: disk)")

@@ -2,13 +2,19 @@
 
 Each sub-command is a module in this package exposing ``register(subparsers)``, which adds its parser and
 sets ``func`` (called with the parsed namespace; returns an exit code). Add a new command by listing its
-module in ``COMMANDS``; modules that need optional dependencies import them inside ``func``.
+module in ``COMMANDS`` (and its one-line help in ``HELP``); modules that need optional dependencies import them
+inside ``func``.
+
+Start-up is kept light: ``--version`` and the top-level help import no command module (so no torch), and
+``expertcache CMD ...`` imports only ``CMD``'s module. A missing optional package (``transformers``,
+``matplotlib``, ...) is reported as one line naming the extra to install, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 from expertcache import __version__
@@ -26,6 +32,45 @@ COMMANDS = [
     "expertcache.cli.generate",
     "expertcache.cli.bench",
 ]
+
+
+# One-line help of each command for the top-level listing, so that ``expertcache --help`` needs no command module
+# (tests/test_cli.py checks that these match what each module registers). A module missing here is imported.
+HELP = {
+    "simulate": "open-loop cache simulation of a routing trace",
+    "train": "train a small MoE LM from scratch (or write its model card)",
+    "analyze": "activation profiling of a routing trace; ERAS biasing profile",
+    "eval": "closed-loop evaluation (quality + miss rate) of a policy inside a model",
+    "sweep": "sweep policies x strengths x cache sizes x evictions into JSONL rows",
+    "report": "Pareto table and figures from JSONL result rows",
+    "sensitivity": "perplexity when dropping / randomly replacing experts by rank (001 Fig. 2)",
+    "trace": "record a routing trace from a model, or describe one",
+    "mole": "Mixture of Lookup Experts: train, export tables, generate, evaluate",
+    "generate": "stream tokens with experts offloaded to disk or host RAM",
+    "bench": "decode throughput of routing policies at equal memory (I/O roofline)",
+}
+
+# Optional packages -> the extra of pyproject.toml that installs them.
+OPTIONAL_EXTRAS = {
+    "transformers": "hf", "tokenizers": "hf", "huggingface_hub": "hf",
+    "matplotlib": "plot", "numba": "fast", "llvmlite": "fast",
+}
+
+
+def missing_dependency_message(exc: ModuleNotFoundError) -> str | None:
+    """One line naming the extra that provides the module ``exc`` could not import, or None when it is not an
+    optional dependency of expertcache (then the error is a bug and keeps its traceback)."""
+    root = (exc.name or "").split(".")[0]
+    if root == "torch":
+        return "needs PyTorch, which is not installed: see the set-up section of the README (CPU or CUDA build)"
+    extra = OPTIONAL_EXTRAS.get(root)
+    if extra is None:
+        return None
+    if importlib.util.find_spec(root) is not None:  # installed, but too old / broken
+        return (f"the installed {root} lacks {exc.name!r} (too old?): pip install -U 'expertcache[{extra}]' "
+                f"(see pyproject.toml for the supported versions)")
+    return (f"needs the optional package {root!r}, which is not installed: pip install 'expertcache[{extra}]' "
+            f"(in a checkout: pip install -e '.[{extra}]')")
 
 
 class UsageError(Exception):
@@ -52,7 +97,9 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = "*") -> argparse.ArgumentParser:
+    """The full parser (``only='*'``), or one in which only command ``only`` is fully registered (None: none)
+    and the others are listed by name and help alone."""
     parser = _Parser(
         prog="expertcache",
         description="Run and study Mixture-of-Experts models with a per-layer expert cache "
@@ -60,13 +107,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"expertcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
-        importlib.import_module(name).register(sub)
+    for module in COMMANDS:
+        name = module.rsplit(".", 1)[-1]
+        if only == "*" or name == only or name not in HELP:
+            importlib.import_module(module).register(sub)
+        else:
+            sub.add_parser(name, help=HELP[name], add_help=False)
     return parser
 
 
+def _command_of(argv: list[str]) -> str | None:
+    """The command named in ``argv`` (its first non-option word), if any."""
+    for a in argv:
+        if not a.startswith("-"):
+            return a
+        if a == "--":
+            return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:  # fast path: no command module, no torch
+        print(f"expertcache {__version__}")
+        return 0
+    command = _command_of(argv)
+    try:
+        parser = build_parser(command if command in HELP else None)
+    except ModuleNotFoundError as exc:
+        message = missing_dependency_message(exc)
+        if message is None:
+            raise
+        print(f"expertcache {command or ''}: error: {message}".replace("  ", " "), file=sys.stderr)
+        return 2
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # a flag error (one line on stderr, code 2) or --help (code 0): return the code
@@ -76,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:  # an optional dependency the command needs
+        message = missing_dependency_message(exc)
+        if message is None:
+            raise
+        print(f"expertcache {args.command}: error: {message}", file=sys.stderr)
+        return 2
     except (UsageError, ValueError, OSError) as exc:  # bad input: files, flags, prompts, output paths
         print(f"expertcache {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2

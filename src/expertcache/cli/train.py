@@ -1,6 +1,6 @@
 """``expertcache train``: train a shipped model from scratch, ship it into the package, or (re)write its card.
 
-    expertcache train --model granular [--out runs/granular] [--ship]   # train (resumes from <out>/ckpt.pt)
+    expertcache train --model granular [--out runs/granular] [--ship]   # train (resumes from <out>/ckpt.safetensors)
     expertcache train --card-only src/expertcache/assets/models/granular  # evaluate + write MODEL_CARD.md
 
 Training flags are generated from :class:`expertcache.train.configs.TrainConfig` (one flag per field).

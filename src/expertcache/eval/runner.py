@@ -31,11 +31,15 @@ __all__ = ["resolve_model_path", "load_model_and_tokenizer", "evaluate", "prepar
 
 
 def resolve_model_path(spec: str) -> Path | str:
-    """'granular' / 'coarse' -> the shipped model's folder; anything else is a path (or hub name)."""
+    """'granular' / 'coarse' -> the shipped model's folder; a hub name -> its local copy (downloaded if needed);
+    anything else is a path."""
     from expertcache.assets import SHIPPED_MODELS, shipped_model_dir
+    from expertcache.models.loader import fetch_hub_model, is_hub_name
 
     if spec in SHIPPED_MODELS and not Path(spec).exists():
         return shipped_model_dir(spec)
+    if is_hub_name(spec):
+        return fetch_hub_model(spec)
     return spec
 
 

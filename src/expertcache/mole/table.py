@@ -200,7 +200,10 @@ class LookupTable:
         self.path, self.spec, self.read_mode = Path(path), spec, read_mode
         self.io_threads, self._pool = max(1, io_threads), None
         self.stats = ReadStats()
-        arr = np.load(self.path, mmap_mode="r")
+        try:
+            arr = np.load(self.path, mmap_mode="r", allow_pickle=False)  # never unpickle a table file
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"{self.path}: not a lookup table ({exc})") from None
         if arr.shape != (spec.vocab, spec.record_bytes) or arr.dtype != np.uint8:
             raise ValueError(f"{self.path}: shape {arr.shape} {arr.dtype}, expected ({spec.vocab}, "
                              f"{spec.record_bytes}) uint8 -- table and config disagree")

@@ -5,6 +5,7 @@ Given a budget, C is the largest count that fits (at most N). A budget below
 ``non-expert + KV + L · K · expert_bytes`` (K experts per token, every layer) is refused with a
 :class:`BudgetError` that states that minimum. Sizes are those of the fast tier (compute dtype for
 non-expert weights and KV, storage dtype -- bf16 or quantised -- for expert slots).
+``--memory minimum`` (:data:`MINIMUM`) asks for exactly that minimum: C = K.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-__all__ = ["BudgetError", "MemoryPlan", "parse_bytes", "plan_memory", "format_bytes", "kv_cache_bytes"]
+__all__ = ["BudgetError", "MemoryPlan", "parse_bytes", "plan_memory", "format_bytes", "kv_cache_bytes", "MINIMUM"]
+
+MINIMUM = -1
+"""``parse_bytes('minimum')``: a budget of exactly the plan's minimum (K experts per layer), resolved by
+:func:`plan_memory` once the model's sizes are known."""
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
@@ -23,12 +28,15 @@ class BudgetError(ValueError):
 
 
 def parse_bytes(text: str | int) -> int:
-    """``'3GiB'`` → 3221225472; accepts B, KB/MB/GB (10³), KiB/MiB/GiB (2¹⁰), and plain byte counts."""
+    """``'3GiB'`` → 3221225472; accepts B, KB/MB/GB (10³), KiB/MiB/GiB (2¹⁰), plain byte counts, and
+    ``'minimum'`` (→ :data:`MINIMUM`, the smallest budget the model runs in)."""
     if isinstance(text, int):
         return text
+    if str(text).strip().lower() in ("min", "minimum"):
+        return MINIMUM
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read memory size {text!r}; use e.g. 3GiB, 512MiB, 2GB or a byte count")
+        raise ValueError(f"cannot read memory size {text!r}; use e.g. 3GiB, 512MiB, 2GB, a byte count or 'minimum'")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -70,9 +78,12 @@ def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int,
                 num_layers: int, num_experts: int, top_k: int) -> MemoryPlan:
     """Resolve ``budget`` (bytes) or an explicit ``slots`` count into a :class:`MemoryPlan`.
 
-    Exactly one of ``budget`` / ``slots`` is given. Raises BudgetError (with the minimum) when the budget is
-    too small for K experts per layer, ValueError for slots outside [1, N]."""
+    Exactly one of ``budget`` / ``slots`` is given; ``budget=MINIMUM`` means the minimum itself (C = K).
+    Raises BudgetError (with the minimum) when the budget is too small for K experts per layer, ValueError
+    for slots outside [1, N]."""
     minimum = non_expert_bytes + kv_bytes + num_layers * top_k * expert_bytes
+    if budget == MINIMUM:
+        budget = minimum
     if (budget is None) == (slots is None):
         raise ValueError("give either a memory budget or a cache size in experts per layer, not both")
     if budget is not None:

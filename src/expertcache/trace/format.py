@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,22 @@ class TraceMeta:
         if missing:
             raise TraceError(f"trace metadata lacks {sorted(missing)}")
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+_ABS_PATH = re.compile(r"(/|~|[A-Za-z]:[\\/]|\\\\)[^\n]*")
+
+
+def portable_metadata(obj: Any) -> Any:
+    """``obj`` (JSON-like) with every absolute local path (``/...``, ``~...``, ``C:\\...``) replaced by its last
+    component, so a written file says nothing about the machine that made it (e.g. a model folder
+    ``/home/me/models/granular`` is stored as ``granular``)."""
+    if isinstance(obj, dict):
+        return {k: portable_metadata(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable_metadata(v) for v in obj]
+    if isinstance(obj, str) and _ABS_PATH.fullmatch(obj):
+        return PureWindowsPath(obj).name if "\\" in obj else PurePosixPath(obj).name
+    return obj
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -155,7 +172,7 @@ class RoutingTrace:
         }
         if self.weights_TLK is not None:
             tensors["weights"] = np.ascontiguousarray(self.weights_TLK.astype(np.float32))
-        meta = json.dumps(asdict(self.meta), sort_keys=True)
+        meta = json.dumps(portable_metadata(asdict(self.meta)), sort_keys=True)
         atomic_write_bytes(path, save(tensors, metadata={_META_KEY: meta}))
         return Path(path)
 

@@ -5,7 +5,10 @@ Run directory layout (``cfg.out``)::
     tokenizer/            byte-level BPE trained on the training split
     data/train.npy        uint16 token stream of the training split (docs joined with eos)
     data/heldout.npy      same for the held-out split
-    ckpt.pt               latest resumable checkpoint (model, optimizer, step, RNG, log), replaced atomically
+    ckpt.safetensors      latest resumable checkpoint, replaced atomically: model and optimizer tensors and the
+                          torch / numpy RNG states as tensors, everything else (step, log, config, optimizer
+                          hyper-parameters, Python RNG) as JSON in the header -- nothing in it can run code
+                          (the pickled ``ckpt.pt`` of earlier versions is refused, never unpickled)
     log.jsonl             one row per ``log_every`` steps ({"step","loss","aux_loss","lr",...}) and per eval
     model/                the exported HF checkpoint (config.json, model.safetensors, tokenizer, loss_curve.png,
                           train_log.jsonl, train_summary.json), refreshed at every eval and at the end
@@ -38,11 +41,23 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def _load_tokens(path: Path) -> np.ndarray:
+    """A token stream written by :func:`prepare_data` (plain .npy; object arrays are refused, never unpickled)."""
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise ValueError(f"{path}: not a token array ({exc}); delete {path.parent} to rebuild it") from None
+    if arr.ndim != 1 or arr.dtype.kind not in "ui":
+        raise ValueError(f"{path}: expected a 1-D integer token array, got {arr.dtype} {arr.shape}; "
+                         f"delete {path.parent} to rebuild it")
+    return arr
+
+
 def prepare_data(cfg: TrainConfig, run_dir: Path):
     """(tokenizer, train stream ``[N]``, held-out stream ``[M]``); reuses what ``run_dir`` already holds."""
     tok_dir, data_dir = run_dir / "tokenizer", run_dir / "data"
     if (tok_dir / "tokenizer.json").exists() and (data_dir / "heldout.npy").exists():
-        return load_tokenizer(tok_dir), np.load(data_dir / "train.npy"), np.load(data_dir / "heldout.npy")
+        return load_tokenizer(tok_dir), _load_tokens(data_dir / "train.npy"), _load_tokens(data_dir / "heldout.npy")
     docs = load_documents(resolve_data_dir(cfg.data_dir), cfg.max_docs)
     train_docs, heldout_docs = split_documents(docs)
     if not train_docs or not heldout_docs:
@@ -80,10 +95,92 @@ def evaluate_nll(model, stream_N: np.ndarray, seq_len: int, max_tokens: int = 0,
     return total / max(count, 1), count
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
+CKPT_NAME = "ckpt.safetensors"
+LEGACY_CKPT_NAME = "ckpt.pt"  # pickled checkpoints of earlier versions: never loaded (unpickling can run code)
+_CKPT_META_KEY = "expertcache_train_state"
+CKPT_FORMAT = 1
+
+
+def _state_tensors(state: dict, prefix: str, seen: set) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors for safetensors; a tensor that shares storage with one already taken (tied
+    weights) is copied, since safetensors refuses shared storage (``seen`` holds storage pointers)."""
+    out = {}
+    for k, t in state.items():
+        t = t.detach().cpu().contiguous()
+        key = t.untyped_storage().data_ptr() if t.numel() else None
+        if key in seen:
+            t = t.clone()
+        elif key is not None:
+            seen.add(key)
+        out[prefix + k] = t
+    return out
+
+
+def save_train_state(path: Path, *, model_state: dict, optim_state: dict, rng: dict, info: dict) -> None:
+    """Write the resumable training state to ``path`` (safetensors; replaced atomically).
+
+    Tensors: ``model.<name>``, ``optim.<param index>.<name>`` (tensor entries of the optimizer state),
+    ``rng.torch``, ``rng.numpy``. JSON header entry: ``info`` plus the optimizer's ``param_groups`` and
+    non-tensor state entries and the scalar parts of the RNG states."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = _state_tensors(model_state, "model.", seen)
+    optim_scalars: dict[str, dict] = {}
+    for idx, entry in optim_state["state"].items():
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors.update(_state_tensors({f"{idx}.{name}": value}, "optim.", seen))
+            else:
+                optim_scalars.setdefault(str(idx), {})[name] = value
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = rng["numpy"]
+    tensors["rng.torch"] = rng["torch"].clone()
+    tensors["rng.numpy"] = torch.from_numpy(np.asarray(np_keys, dtype=np.int64))
+    py_version, py_internal, py_gauss = rng["python"]
+    meta = dict(info, format=CKPT_FORMAT, optim_param_groups=optim_state["param_groups"],
+                optim_scalars=optim_scalars, optim_state_ids=[str(i) for i in optim_state["state"]],
+                rng_numpy=[np_name, int(np_pos), int(np_has_gauss), float(np_gauss)],
+                rng_python=[py_version, list(py_internal), py_gauss])
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    save_file(tensors, str(tmp), metadata={_CKPT_META_KEY: json.dumps(meta)})
     os.replace(tmp, path)
+
+
+def load_train_state(path: Path) -> tuple[dict, dict, dict, dict]:
+    """(model state, optimizer state, RNG states, info) from a file written by :func:`save_train_state`.
+    Only safetensors and JSON are read. Raises ValueError naming ``path`` for anything malformed."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get(_CKPT_META_KEY)
+            if raw is None:
+                raise ValueError("not an expertcache training checkpoint (no training state in its header)")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = json.loads(raw)
+        if meta.get("format") != CKPT_FORMAT:
+            raise ValueError(f"checkpoint format {meta.get('format')!r} is not {CKPT_FORMAT}")
+        model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        state: dict[int, dict] = {}
+        for sid in meta["optim_state_ids"]:
+            entry = dict(meta["optim_scalars"].get(sid, {}))
+            prefix = f"optim.{sid}."
+            entry.update({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+            state[int(sid)] = entry
+        groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
+                  for g in meta["optim_param_groups"]]
+        np_name, np_pos, np_has_gauss, np_gauss = meta["rng_numpy"]
+        py_version, py_internal, py_gauss = meta["rng_python"]
+        rng = {"torch": tensors["rng.torch"],
+               "numpy": (np_name, tensors["rng.numpy"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss),
+               "python": (py_version, tuple(py_internal), py_gauss)}
+        info = {k: meta[k] for k in ("step", "log", "config", "elapsed_s")}
+    except ValueError as exc:
+        raise ValueError(f"{path}: unreadable training checkpoint ({exc}); delete it to start over") from None
+    except Exception as exc:  # KeyError/TypeError from a bad header, safetensors' own errors for a corrupt file
+        raise ValueError(f"{path}: unreadable training checkpoint ({type(exc).__name__}: {exc}); "
+                         f"delete it to start over") from None
+    return model_state, {"state": state, "param_groups": groups}, rng, info
 
 
 def _rng_state() -> dict:
@@ -160,7 +257,7 @@ def build_shipped_model(cfg: TrainConfig, tok) -> tuple[torch.nn.Module, dict]:
 
 def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: int | None = None,
           builder=None) -> dict:
-    """Train ``cfg.model`` from scratch, or resume from ``<out>/ckpt.pt`` if it exists with the same config.
+    """Train ``cfg.model`` from scratch, or resume from ``<out>/ckpt.safetensors`` if it exists with the same config.
 
     ``builder(cfg, tokenizer) -> (model, spec_dict)`` makes the fresh model (called right after seeding);
     the default is :func:`build_shipped_model`. A model whose output has no ``aux_loss`` is trained on CE alone.
@@ -175,6 +272,9 @@ def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: i
     torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.out or f"runs/{cfg.model}")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / LEGACY_CKPT_NAME).exists():
+        raise ValueError(f"{run_dir / LEGACY_CKPT_NAME} is a pickled checkpoint, which expertcache does not load "
+                         f"(unpickling a file can run code); delete it to start over, or use another --out")
     tok, train_N, heldout_N = prepare_data(cfg, run_dir)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -186,17 +286,21 @@ def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: i
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     step, rows, elapsed = 0, [], 0.0
-    ckpt_path = run_dir / "ckpt.pt"
+    ckpt_path = run_dir / CKPT_NAME
     if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        model_state, optim_state, rng, ckpt = load_train_state(ckpt_path)
         if ckpt["config"] != cfg.to_dict():
             diff = {k: (ckpt["config"].get(k), v) for k, v in cfg.to_dict().items() if ckpt["config"].get(k) != v}
             raise ValueError(f"{ckpt_path} was written with a different config (checkpoint, now): {diff}; "
                              f"use another --out or delete it")
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optim"])
+        try:
+            model.load_state_dict(model_state)
+            opt.load_state_dict(optim_state)
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise ValueError(f"{ckpt_path} does not fit this model ({str(exc).splitlines()[0]}); "
+                             f"use another --out or delete it") from None
         step, rows, elapsed = ckpt["step"], ckpt["log"], ckpt["elapsed_s"]
-        _set_rng_state(ckpt["rng"])
+        _set_rng_state(rng)
     with open(run_dir / "log.jsonl", "w") as fh:  # the log always matches the checkpoint we continue from
         fh.writelines(json.dumps(r) + "\n" for r in rows)
     total, experts = count_params(model)
@@ -211,8 +315,8 @@ def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: i
                 "expertcache": __version__, "last_eval": next((r for r in reversed(rows) if "heldout_loss" in r), None)}
 
     def save_ckpt() -> None:
-        _atomic_torch_save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step, "log": rows,
-                            "rng": _rng_state(), "config": cfg.to_dict(), "elapsed_s": elapsed}, ckpt_path)
+        save_train_state(ckpt_path, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=_rng_state(),
+                         info={"step": step, "log": rows, "config": cfg.to_dict(), "elapsed_s": elapsed})
 
     log_fh = open(run_dir / "log.jsonl", "a")
     window: list[tuple[float, float]] = []
