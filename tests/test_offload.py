@@ -24,7 +24,8 @@ from expertcache.offload.writer import write_safetensors
 from expertcache.routing import RoutingConfig
 from expertcache.sim import replay
 
-ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "phimoe",
+         "gpt_oss")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -191,10 +192,13 @@ def test_missing_expert_key_fails_clearly(tiny_dir, tmp_path):
         _rt(bad, 2)
 
 
-def test_unsupported_family_lists_supported(tmp_path):
-    path = save_tiny("deepseek_v2", tmp_path / "ds")
-    with pytest.raises(ValueError, match="olmoe, mixtral, qwen2_moe, qwen3_moe"):
-        _rt(path, 2)
+def test_unsupported_family_lists_supported(tiny_dir, tmp_path):
+    bad = tmp_path / "dense"
+    shutil.copytree(tiny_dir["olmoe"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, model_type="llama", architectures=["LlamaForCausalLM"])))
+    with pytest.raises(ValueError, match="olmoe, mixtral, qwen2_moe, qwen3_moe, deepseek_v2"):
+        _rt(bad, 2)
 
 
 # -- the disk tier really reads the device ----------------------------------------------------------
