@@ -52,8 +52,11 @@ def _rt(path, capacity=None, **kw):
     tier = kw.pop("tier", "disk")
     quant = kw.pop("quant", None)
     group = kw.pop("group", 16)
+    readers = kw.pop("readers", 2)
+    prefetch = kw.pop("prefetch", 0)
     return OffloadedModel.from_pretrained(path, OffloadConfig(tier=tier, io=io, capacity=capacity, quant=quant,
-                                                              group=group), dtype=torch.float32, **kw)
+                                                              group=group, readers=readers, prefetch=prefetch),
+                                          dtype=torch.float32, **kw)
 
 
 def _reference_logits(path, ids_BS):
@@ -91,6 +94,49 @@ def test_original_logits_equal_in_memory_at_every_capacity(tiny_dir, arch):
         s = rt.stats()
         assert s["hits"] + s["misses"] == s["accesses"] > 0
         assert s["expert_loads"] == s["misses"] + (0 if c >= rt.top_k else s["expert_loads"] - s["misses"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reader_threads_and_prefetch_leave_logits_bit_identical(tiny_dir, arch):
+    """The serial runtime (reads on the compute thread) and the overlapped one (1 or 3 reader threads, with
+    and without next-layer prefetch) give bit-identical logits: arrival order never changes the combine."""
+    path = tiny_dir[arch]
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(5))
+    want = _reference_logits(path, ids)
+    serial = _rt(path, capacity=2, readers=0)
+    n, k = serial.num_experts, serial.top_k
+    variants = [_rt(path, capacity=2, readers=r, prefetch=p) for r, p in ((1, 0), (3, 0), (1, k), (3, 2))]
+    for c in sorted({1, 2, k, n // 2, n}):
+        serial.configure(capacity=c)
+        ref2, ref1 = _offloaded_logits(serial, ids, 3), None
+        serial.configure()
+        ref1 = _offloaded_logits(serial, ids[:1], 1)
+        torch.testing.assert_close(ref2, want, rtol=1e-5, atol=1e-5)
+        for rt in variants:
+            rt.configure(capacity=c)
+            assert torch.equal(_offloaded_logits(rt, ids, 3), ref2), f"{arch} C={c} {rt.offload}"
+            rt.configure()
+            assert torch.equal(_offloaded_logits(rt, ids[:1], 1), ref1), f"{arch} C={c} {rt.offload}"
+    pf = variants[2].prefetch_stats.to_dict()
+    assert pf["guessed"] > 0 and 0 <= pf["precision"] <= 1 and 0 <= pf["recall"] <= 1
+
+
+def test_prefetch_counts_and_replay(tiny_dir):
+    """With prefetch on, the cache's hits/misses still equal the simulator's replay; every read is either a
+    demand miss not served from a spare or a prefetch, and bytes read count both."""
+    rt = _rt(tiny_dir["olmoe"], capacity=3, record=True, readers=2, prefetch=2,
+             routing=RoutingConfig("cache-prior", lam=0.5))
+    rt.generate(torch.tensor([[5]]), 25)
+    sim = replay(rt.recorded_ids_TLK(), rt.num_experts, 3, eviction="lru")
+    live = rt.cache_stats()
+    for a, b in zip(live, sim.per_layer):
+        assert (a.hits, a.misses, a.evictions) == (b.hits, b.misses, b.evictions)
+    ps, s = rt.prefetch_stats, rt.stats()
+    misses = sum(x.misses for x in live)
+    assert ps.issued > 0 and ps.used > 0
+    assert s["expert_loads"] == misses - ps.used + ps.issued
+    assert s["bytes_read"] == rt.expert_bytes * s["expert_loads"]
+    assert s["prefetch"]["unused_bytes"] == (ps.issued - ps.used) * rt.expert_bytes
 
 
 @pytest.mark.parametrize("policy,eviction", [(RoutingConfig("cache-prior", lam=0.5), "lru"),
@@ -179,6 +225,38 @@ def test_corrupt_header_fails_clearly(tiny_dir, tmp_path):
         fh.write(struct.pack("<Q", 10**12))
     with pytest.raises(CheckpointError, match="header length"):
         read_header(f)
+
+
+def test_read_error_in_reader_thread_surfaces(tiny_dir, tmp_path):
+    """A reader thread that fails raises its error (naming the file) in the caller -- no hang, no wrong
+    answer -- and the runtime restarts with empty caches and keeps working."""
+    path = tmp_path / "m"
+    shutil.copytree(tiny_dir["olmoe"], path)
+    ids = torch.tensor([[5, 6, 7]])
+    want = _offloaded_logits(_rt(path, 2, readers=0), ids, 1)
+    rt = _rt(path, 2, readers=3, prefetch=2)
+    real = rt.tier.read
+    calls = {"n": 0}
+
+    def failing(parts, placement, dest):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(5, "reading expert bytes failed (Input/output error)", str(parts.reads[0].file))
+        return real(parts, placement, dest)
+
+    rt.tier.read = failing
+    with pytest.raises(OSError, match="model.safetensors"):
+        _offloaded_logits(rt, ids, 1)
+    assert all(len(st.cache.resident()) == 0 and not st.pool.pending for st in rt.states)
+    rt.tier.read = real
+    rt.configure()
+    assert torch.equal(_offloaded_logits(rt, ids, 1), want)
+    # the file shrinks after it was opened: a short read is a CheckpointError naming the file
+    rt.configure()
+    with open(path / "model.safetensors", "r+b") as fh:
+        fh.truncate(rt.checkpoint.entries["model.embed_tokens.weight"].start + 16)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: short read"):
+        _offloaded_logits(rt, ids, 1)
 
 
 def test_missing_expert_key_fails_clearly(tiny_dir, tmp_path):
@@ -307,7 +385,7 @@ def test_cli_generate_and_bench(tiny_dir, tmp_path, capsys):
     assert main(["bench", "--model", path, "--cache-experts", "4", "--io", "cached", "--tokens", "4",
                  "--repeats", "1", "--policies", "original+lru", "cache-prior", "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| cache-prior |" in text and "roofline" in text
+    assert "| cache-prior |" in text and "measured/floor" in text
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert {r["name"] for r in rows} == {"original+lru", "cache-prior"}
     assert all(r["config"]["capacity"] == 4 for r in rows)

@@ -11,10 +11,14 @@ from expertcache.cli.generate import add_offload_args, dtype_from_args, offload_
 
 DESCRIPTION = """\
 Measure decode tokens/second of original routing + LRU and of each cache-aware policy with the same fast
-memory (same C slots per layer), in one run: for every repeat, every policy starts from empty caches,
-prefills the same prompt and decodes --tokens tokens. Reports medians over repeats and the I/O roofline
+memory (same C slots per layer), in one run and inside the memory plan (no all-resident reference model):
+for every repeat, every policy starts from empty caches, prefills the same prompt and decodes --tokens
+tokens. Reports medians over repeats against the physical floor
 
-  predicted s/token = all-resident compute s/token + misses/token × expert bytes / measured tier bandwidth
+  floor s/token = max(compute s/token, bytes read/token ÷ measured device bandwidth at one expert per read)
+
+where compute = decode time − time the compute thread waited for reads (same run), and the serial
+prediction compute + bytes/token ÷ serial bandwidth (what one-read-at-a-time costs) as a second column.
 
   expertcache bench --cache-experts 16 --repeats 3
   expertcache bench --make-model olmoe-1b-7b --layers 4            # writes ~3.7 GB under ~/.cache/expertcache
@@ -30,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from expertcache.offload.bench import BENCH_POLICIES
     from expertcache.offload.make_model import BENCH_MODELS
 
-    p = sub.add_parser("bench", help="decode throughput of routing policies at equal memory (I/O roofline)",
+    p = sub.add_parser("bench", help="decode throughput of routing policies at equal memory (vs the physical floor)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--make-model", choices=tuple(BENCH_MODELS), default=None,
                    help="write a random-weight checkpoint at this model's published shapes and exit")
@@ -88,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     forced = None
     if not (path / "tokenizer.json").is_file():  # random-weight model: teacher-force random tokens
         forced = _prompt(path, args.tokens, args.batch, args.prompt_seed + 1)
-    offload = offload_from_args(args, context=prompt.shape[1] + args.tokens, batch=args.batch)
+    offload = offload_from_args(args, context=prompt.shape[1] + args.tokens, batch=args.batch, path=path)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     result = run_bench(path, offload, policies=args.policies, prompt_BS=prompt, tokens=args.tokens,
                        repeats=args.repeats, dtype=dtype_from_args(args), forced_BN=forced,

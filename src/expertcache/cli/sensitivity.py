@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from expertcache.cli.common import apply_threads
+
 DESCRIPTION = """\
 Closed-loop WikiText perplexity of the model when its expert selection is perturbed by rank
 (r = 1 is the expert with the highest router weight):
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.results import append_jsonl
     from expertcache.routing import RoutingConfig
 
-    torch.set_num_threads(args.threads)
+    apply_threads(args, getattr(args, "model", None))
     if args.task not in (None, "wikitext"):
         raise ValueError("sensitivity is measured on --task wikitext (perplexity)")
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from expertcache.cache import EVICTION_POLICIES
-from expertcache.cli.common import add_cache_state_args
+from expertcache.cli.common import add_cache_state_args, apply_threads
 from expertcache.routing import POLICIES, RoutingConfig
 
 DESCRIPTION = """\
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     import torch
 
-    torch.set_num_threads(args.threads)  # tiny per-token ops: extra threads only spin
+    apply_threads(args, getattr(args, "model", None))  # tiny per-token ops: extra threads only spin
     if args.trace:
         from expertcache.sim import activation_frequency
         from expertcache.trace import RoutingTrace

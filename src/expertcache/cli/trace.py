@@ -7,6 +7,8 @@ import math
 import os
 import sys
 
+from expertcache.cli.common import add_threads_arg, apply_threads
+
 DESCRIPTION = """\
 record: run the model on text with its ORIGINAL routing and save every token's router logits (float16 by
         default), selected experts and weights as a routing trace (the input of `simulate` and open-loop
@@ -31,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--tokens", type=int, default=4096, help="tokens to record (default 4096)")
     r.add_argument("--logits-dtype", choices=("float16", "float32"), default="float16")
     r.add_argument("--no-weights", action="store_true", help="do not store the combine weights (smaller file)")
-    r.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    add_threads_arg(r)
     r.add_argument("--out", required=True, help="trace file to write (atomically)")
     r.set_defaults(func=run_record)
     i = tsub.add_parser("info", help="describe a trace")
@@ -61,7 +63,7 @@ def run_record(args: argparse.Namespace) -> int:
     from expertcache.models import patch_model
     from expertcache.routing import RoutingConfig
 
-    torch.set_num_threads(args.threads)
+    apply_threads(args, getattr(args, "model", None))
     if args.tokens < 1:
         raise ValueError("--tokens must be ≥ 1")
     if args.task == "text-file":

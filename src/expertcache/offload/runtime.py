@@ -676,7 +676,7 @@ class OffloadedModel:
         tokens = torch.cat(toks, dim=1) if toks else torch.zeros(input_ids_BS.shape[0], 0, dtype=torch.long)
         s1 = self.stats()
         d = {k: s1[k] - s0[k] for k in ("accesses", "hits", "misses", "bytes_read", "expert_loads", "io_seconds",
-                                         "compute_seconds")}
+                                         "io_wait_seconds", "compute_seconds")}
         d["hit_rate"] = d["hits"] / d["accesses"] if d["accesses"] else 0.0
         return dict(tokens=tokens, prefill_s=t1 - t0, decode_s=decode_s, decode_tokens=max(0, len(toks) - 1),
                     decode_stats=d)
@@ -687,7 +687,12 @@ class OffloadedModel:
         return [st.cache.finish() for st in self.states]
 
     def stats(self) -> dict:
-        """Hits, misses, hit rate, bytes read from the tier, load and compute seconds, prefetches."""
+        """Hits, misses, hit rate, bytes read from the tier (demand misses and prefetches), reads, read
+        seconds (summed over reader threads), seconds the compute thread waited for reads, compute seconds,
+        prefetch counters (:class:`PrefetchStats`). Waits for reads in flight first, so counts are final."""
+        for pool in self.pools:
+            for t in pool.tickets():
+                t._event.wait()
         per = self.cache_stats()
         total = per[0]
         for s in per[1:]:
@@ -695,7 +700,8 @@ class OffloadedModel:
         return dict(accesses=total.accesses, hits=total.hits, misses=total.misses, hit_rate=total.hit_rate,
                     evictions=total.evictions, bytes_read=self.tier.stats.bytes_read,
                     expert_loads=self.tier.stats.loads, io_seconds=self.tier.stats.seconds,
-                    compute_seconds=self.compute_seconds, prefetched=sum(st.prefetched for st in self.states),
+                    io_wait_seconds=self.io_wait_seconds, compute_seconds=self.compute_seconds,
+                    prefetched=sum(st.prefetched for st in self.states), prefetch=self.prefetch_stats.to_dict(),
                     per_layer_misses=[s.misses for s in per])
 
     def recorded_ids_TLK(self) -> np.ndarray:
