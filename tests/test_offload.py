@@ -461,6 +461,48 @@ def test_make_model_keys_match_transformers_layout():
         [("model.layers.0.mlp.experts.0.down_proj.weight", (4, 2))]
 
 
+_SHRINK = {
+    "deepseek-v2-lite": dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16,
+                             qk_rope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=16, bos_token_id=1,
+                             eos_token_id=2),
+    "qwen3-30b-a3b": dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
+                          bos_token_id=1, eos_token_id=2),
+    "gpt-oss-20b": dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, num_local_experts=8, eos_token_id=2, pad_token_id=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SHRINK))
+def test_make_model_new_shapes_offload_and_match(tmp_path, name):
+    """--make-model for DeepSeek-V2-Lite, Qwen3-30B-A3B and gpt-oss-20b (layer count selectable; shrunk
+    widths here): architectures and a tokenizer are written, and the offloaded logits match transformers."""
+    from expertcache.offload.make_model import BENCH_MODELS, make_bench_model
+    from transformers import AutoTokenizer
+
+    from expertcache.models.adapters import family_for, find_moe_layers
+    from expertcache.offload.make_model import _layer_types
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(BENCH_MODELS[name], num_hidden_layers=2)  # the published shape (on meta: nothing allocated)
+    _layer_types(kw)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    moe = find_moe_layers(meta, family_for(cfg))
+    assert (moe[0].num_experts, moe[0].top_k) == {"deepseek-v2-lite": (64, 6), "qwen3-30b-a3b": (128, 8),
+                                                  "gpt-oss-20b": (32, 4)}[name]
+    path = make_bench_model(name, layers=3, out=tmp_path / name, dtype=torch.float32, overrides=_SHRINK[name])
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"][0].endswith("ForCausalLM") and cfg["num_hidden_layers"] == 3
+    assert AutoTokenizer.from_pretrained(path)("apt-get install").input_ids
+    ids = torch.randint(3, 512, (1, 5), generator=torch.Generator().manual_seed(0))
+    want = _reference_logits(path, ids)
+    rt = _rt(path, capacity=2, prefetch=2)
+    torch.testing.assert_close(_offloaded_logits(rt, ids, 2), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_make_bench_model_olmoe_one_layer(tmp_path):
     from expertcache.offload.make_model import make_bench_model

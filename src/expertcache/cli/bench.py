@@ -57,7 +57,7 @@ def _prompt(path, n: int, batch: int, seed: int):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    if (path / "tokenizer.json").is_file():
+    if (path / "tokenizer.json").is_file() and not (path / "expertcache.json").is_file():
         from expertcache.train.tokenizer import load_tokenizer
 
         tok = load_tokenizer(path)
@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model_path(args.model)
     prompt = _prompt(path, args.prompt_tokens, args.batch, args.prompt_seed)
     forced = None
-    if not (path / "tokenizer.json").is_file():  # random-weight model: teacher-force random tokens
+    if not (path / "tokenizer.json").is_file() or (path / "expertcache.json").is_file():
+        # random-weight model (written by --make-model): teacher-force random tokens
         forced = _prompt(path, args.tokens, args.batch, args.prompt_seed + 1)
     offload = offload_from_args(args, context=prompt.shape[1] + args.tokens, batch=args.batch, path=path)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
