@@ -47,7 +47,6 @@ and copies to the slot. That path is written but untested here (no GPU).
 
 from __future__ import annotations
 
-import copy
 import os
 import queue
 import threading
@@ -66,9 +65,11 @@ from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_l
 from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
 from expertcache.offload.checkpoint import OFFLOAD_MODEL_TYPES, Checkpoint
 from expertcache.offload.experts import OffloadedExperts, expert_mlp, expert_views
+from expertcache.offload.config import OffloadConfig
 from expertcache.offload.ioqueue import IOQueue, Ticket
 from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
+from expertcache.offload.prefetch import PrefetchStats, guess_next_layer
 from expertcache.offload.quant import QuantLayout
 from expertcache.offload.slots import SlotPool, slot_bytes_for
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, Placement, QuantSource, TierStats,
@@ -89,52 +90,6 @@ def resolve_model_path(name: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"model folder {path} does not exist (give a checkpoint folder, 'granular' or "
                                 "'coarse')")
     return path
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    """Where experts live, how many fit, and how they are read.
-
-    tier: 'disk' (read the checkpoint on every miss) or 'host' (all experts in host RAM). io: disk reads,
-    'direct' | 'fadvise' | 'cached' (see :mod:`expertcache.offload.store`). capacity: slots per layer C, or
-    None to derive it from ``memory`` (bytes or '3GiB'); both None = every expert (C = N). quant: None,
-    'int8' or 'int4' (group ``group``). context, batch: the KV cache the budget reserves. readers: reader
-    threads of the I/O queue (0 = every read on the compute thread, serial). prefetch: spare slots per layer
-    for next-layer speculative prefetch (0 = off; they are part of the memory plan).
-    """
-
-    tier: str = "disk"
-    io: str = "direct"
-    capacity: int | None = None
-    memory: int | str | None = None
-    quant: str | None = None
-    group: int = 64
-    context: int = 2048
-    batch: int = 1
-    readers: int = 4
-    prefetch: int = 0
-
-
-@dataclass
-class PrefetchStats:
-    """Next-layer guesses: ``guessed`` ids, ``correct`` (guessed and requested by the step), ``requested``
-    ids of the guessed steps; ``issued`` reads, ``used`` (a demand miss served from a prefetched slot),
-    ``bytes`` read by prefetches, ``used_bytes`` of those that served a miss."""
-
-    guessed: int = 0
-    correct: int = 0
-    requested: int = 0
-    issued: int = 0
-    used: int = 0
-    bytes: int = 0
-    used_bytes: int = 0
-
-    def to_dict(self) -> dict:
-        return dict(guessed=self.guessed, correct=self.correct, requested=self.requested, issued=self.issued,
-                    used=self.used, bytes=self.bytes, used_bytes=self.used_bytes,
-                    precision=self.correct / self.guessed if self.guessed else None,
-                    recall=self.correct / self.requested if self.requested else None,
-                    unused_bytes=self.bytes - self.used_bytes)
 
 
 @dataclass
@@ -415,11 +370,6 @@ class OffloadedModel:
             pool.placement[slot] = (e, self._placement[key], w)
         return w
 
-    def _load(self, st: LayerState, e: int, slot: int) -> None:
-        """Read expert ``e`` into ``slot`` and wait for it (synchronous)."""
-        self._wait(self._submit(st, e, slot))
-        st.pool.pending.pop(slot, None)
-
     # -- the MoE step ----------------------------------------------------------------------------
 
     def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
@@ -570,26 +520,12 @@ class OffloadedModel:
 
     # -- next-layer speculative prefetch ---------------------------------------------------------
 
-    @torch.inference_mode()
     def _guess_next(self, index: int, x_TD: torch.Tensor) -> None:
-        """Guess layer ``index``'s experts from the hidden state entering the previous MoE layer (layer
-        ``index``'s own router on it; the routing policy applied against its residency, its state left
-        untouched) and read the non-resident guesses into spare slots. Never changes what is computed: a
-        spare holds an expert's true bytes, used only if that expert is a miss."""
+        """Guess layer ``index``'s experts (:func:`~expertcache.offload.prefetch.guess_next_layer`) and read the
+        non-resident guesses into its spare slots (the one that has waited longest is reused first). Never
+        changes what is computed: a spare holds an expert's true bytes, used only if that expert is a miss."""
         st = self.states[index]
-        m = st.moe
-        z_TE, w0_TK, ids0_TK = self._stock_routers[index](x_TD)
-        if self.routing.policy != "original":
-            saved = copy.deepcopy(self.router.deltas.get(index))
-            try:
-                _, ids0_TK = self._route(m, z_TE, w0_TK, ids0_TK)
-            finally:
-                if saved is None:
-                    self.router.deltas.pop(index, None)
-                else:
-                    self.router.deltas[index] = saved
-        ids = [e for e in dict.fromkeys(ids0_TK.reshape(-1).tolist()) if e >= 0]
-        st.guess = ids
+        st.guess = ids = guess_next_layer(self, index, x_TD)
         pool = st.pool
         want = [e for e in ids if e not in st.cache and e not in pool.prefetched]
         if not want:
