@@ -512,3 +512,23 @@ def test_make_bench_model_olmoe_one_layer(tmp_path):
     assert rt.expert_bytes == 3 * 2048 * 1024 * 2 and rt.num_experts == 64 and rt.top_k == 8
     r = rt.generate(torch.randint(0, 50304, (1, 4)), 3)
     assert r["tokens"].shape == (1, 3)
+
+
+# -- threads --------------------------------------------------------------------------------------
+
+
+def test_threads_flag_on_every_model_command_and_auto_rule():
+    from expertcache.cli.common import SMALL_HIDDEN, default_threads
+    from expertcache.cli.main import build_parser
+
+    parser = build_parser()
+    for argv in (["generate", "x"], ["bench"], ["eval", "--task", "wikitext"], ["sweep", "--out", "o"], ["sensitivity", "--out", "o"],
+                 ["trace", "record", "--out", "t"], ["mole", "generate", "m", "p"], ["mole", "eval", "m"],
+                 ["mole", "export", "m", "--out", "o"], ["train"]):
+        args = parser.parse_args(argv + ["--threads", "3"])
+        assert args.threads == 3, argv
+    assert parser.parse_args(["generate", "x"]).threads == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--threads", "0"])
+    assert default_threads(None, 64) == 1 and default_threads(SMALL_HIDDEN - 1, 64) == 1
+    assert default_threads(2048, 2) == 1 and default_threads(2048, 8) == 4 and default_threads(4096, 64) == 8

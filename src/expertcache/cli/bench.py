@@ -1,4 +1,4 @@
-"""``expertcache bench``: decode throughput of every routing policy at equal memory, with the I/O roofline;
+"""``expertcache bench``: decode throughput of every routing policy at equal memory, against the physical floor;
 ``--make-model`` writes random-weight checkpoints at published shapes."""
 
 from __future__ import annotations
