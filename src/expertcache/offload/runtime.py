@@ -321,7 +321,10 @@ class OffloadedModel:
         key = (st.moe.index, e)
         placement = self._placement[key]
         pool.placement[slot] = (e, placement, None)
+        t0 = time.perf_counter()
         ticket = self.readers.submit(self._job(st, e, slot, placement), tag=(e, slot), done=done)
+        if not self.readers.readers:  # serial: the read ran right here, on the compute thread
+            self.io_wait_seconds += time.perf_counter() - t0
         pool.pending[slot] = ticket
         return ticket
 
