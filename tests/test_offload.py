@@ -445,6 +445,10 @@ def test_cli_generate_and_bench(tiny_dir, tmp_path, capsys):
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert {r["name"] for r in rows} == {"original+lru", "cache-prior"}
     assert all(r["config"]["capacity"] == 4 for r in rows)
+    assert main(["generate", "--model", path, "--cache-experts", "2", "--io", "cached", "--readers", "0", "--prefetch",
+                 "--max-new-tokens", "3", "--dtype", "float32", "--json", "5 6 7"]) == 0
+    row = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert row["config"]["memory"]["extra_slots"] == 1 + 4 and row["prefetch"]["guessed"] > 0  # K = 4 spares
     assert main(["generate", "--model", path, "--memory", "1KiB", "--io", "cached", "5"]) == 2
     assert "at least" in capsys.readouterr().err
 

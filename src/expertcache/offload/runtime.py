@@ -103,6 +103,7 @@ class LayerState:
     steps: list[list[int]] = field(default_factory=list)  # recorded union ids of single-token steps
     prefetched: int = 0
     guess: list[int] | None = None  # the pending next-layer guess for this layer
+    io_wait: float = 0.0  # seconds the compute thread waited for this layer's reads
 
 
 class OffloadedModel:
@@ -411,6 +412,7 @@ class OffloadedModel:
         except BaseException:
             self._fail()
             raise
+        st.io_wait += self.io_wait_seconds - wait0
         final_TD = torch.zeros_like(x_TD)
         for e in sorted(out):
             tok, h = out[e]
@@ -555,7 +557,11 @@ class OffloadedModel:
         s = st.cache.stats
         saved = (s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded)
         guess, st.guess = st.guess, None
-        self._step(st, ids, lambda e, slot: None)
+        try:
+            self._step(st, ids, lambda e, slot: None)
+        except BaseException:
+            self._fail()
+            raise
         st.guess = guess
         s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded = saved
         st.prefetched += len(ids)
@@ -641,7 +647,8 @@ class OffloadedModel:
                     expert_loads=self.tier.stats.loads, io_seconds=self.tier.stats.seconds,
                     io_wait_seconds=self.io_wait_seconds, compute_seconds=self.compute_seconds,
                     prefetched=sum(st.prefetched for st in self.states), prefetch=self.prefetch_stats.to_dict(),
-                    per_layer_misses=[s.misses for s in per])
+                    per_layer_misses=[s.misses for s in per],
+                    per_layer_io_wait_seconds=[st.io_wait for st in self.states])
 
     def recorded_ids_TLK(self) -> np.ndarray:
         """[T, L, K] ids of the recorded single-token steps (``configure(record=True)``), for
