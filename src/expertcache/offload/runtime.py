@@ -672,7 +672,9 @@ class OffloadedModel:
                     io=self.offload.io if self.offload.tier == "disk" else None, quant=self.offload.quant,
                     group=self.offload.group if self.offload.quant else None, capacity=self.capacity,
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),
-                    eviction=self.eviction, gamma=self.gamma if self.eviction == "gamma" else None)
+                    eviction=self.eviction, gamma=self.gamma if self.eviction == "gamma" else None,
+                    readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,
+                    threads=torch.get_num_threads())
 
 
 _ZERO = torch.zeros(1, dtype=torch.long)
