@@ -536,3 +536,34 @@ def test_threads_flag_on_every_model_command_and_auto_rule():
         parser.parse_args(["generate", "x", "--threads", "0"])
     assert default_threads(None, 64) == 1 and default_threads(SMALL_HIDDEN - 1, 64) == 1
     assert default_threads(2048, 2) == 1 and default_threads(2048, 8) == 4 and default_threads(4096, 64) == 8
+
+
+def test_io_queue_completes_every_ticket_and_stops_its_threads():
+    import gc
+    import queue as _queue
+    import threading
+    import time
+
+    from expertcache.offload.ioqueue import IOQueue
+
+    for readers in (0, 3):
+        q = IOQueue(readers)
+        done = _queue.SimpleQueue()
+        ok = q.submit(lambda: 7, tag="a", done=done)
+
+        def bad():
+            raise OSError(5, "Input/output error", "/data/model.safetensors")
+
+        failed = q.submit(bad, tag="b", done=done)
+        assert {done.get(timeout=5).tag, done.get(timeout=5).tag} == {"a", "b"}  # both complete, none hangs
+        assert ok.wait().nbytes == 7
+        with pytest.raises(OSError, match="model.safetensors"):
+            failed.wait()
+    before = threading.active_count()
+    del q
+    gc.collect()
+    for _ in range(50):
+        if threading.active_count() <= before - 3:
+            break
+        time.sleep(0.02)
+    assert threading.active_count() <= before - 3  # an unused queue stops its reader threads

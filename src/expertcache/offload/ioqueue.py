@@ -72,8 +72,9 @@ class IOQueue:
             raise ValueError(f"reader threads must be >= 0, got {readers}")
         self.readers = readers
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"expertcache-reader-{i}", daemon=True)
-                         for i in range(readers)]
+        # the threads hold the job queue, not this object: an unused IOQueue is collected and stops them
+        self._threads = [threading.Thread(target=_work, args=(self._jobs,), name=f"expertcache-reader-{i}",
+                                          daemon=True) for i in range(readers)]
         for t in self._threads:
             t.start()
 
@@ -85,14 +86,6 @@ class IOQueue:
         else:
             self._jobs.put((ticket, job))
         return ticket
-
-    def _work(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            ticket, job = item
-            ticket._run(job)
 
     def close(self) -> None:
         """Stop the threads after the queued jobs (idempotent)."""
@@ -108,3 +101,12 @@ class IOQueue:
                 self._jobs.put(None)
         except Exception:
             pass
+
+
+def _work(jobs: queue.SimpleQueue) -> None:
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        ticket, job = item
+        ticket._run(job)
