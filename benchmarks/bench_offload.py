@@ -1,7 +1,9 @@
 """Offloaded decode throughput: every policy on the shipped granular model at C = N/2 and N/4, and the
-OLMoE-1B-7B-shape random-weight model (a few layers) with flash-faithful disk reads at C = N/2.
+OLMoE-1B-7B-shape random-weight model (a few layers) with flash-faithful disk reads at C = N/2, against the
+physical floor max(compute, bytes ÷ device bandwidth) (see expertcache.offload.bench).
 
     nice -n 10 python benchmarks/bench_offload.py [--layers 4] [--tokens 32] [--repeats 3] [--threads 1]
+        [--readers 4] [--prefetch P] [--label NAME]
 
 Writes benchmarks/results/offload.jsonl (one row per policy and round) and prints markdown tables.
 """
@@ -29,12 +31,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--readers", type=int, default=OffloadConfig().readers, help="reader threads (0 = serial)")
+    ap.add_argument("--prefetch", type=int, default=0, help="next-layer prefetch spare slots per layer (0 = off)")
+    ap.add_argument("--label", default="", help="label stored in every row (e.g. readers4-prefetch8)")
     ap.add_argument("--only", choices=("granular", "olmoe", "ppl"), default=None)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"machine: {machine_info()}", flush=True)
-    out = lambda row: append_jsonl(args.out, dict(row, bench="bench_offload.py"))
+    out = lambda row: append_jsonl(args.out, dict(row, bench="bench_offload.py", label=args.label))
+    io = dict(readers=args.readers, prefetch=args.prefetch)
     log = lambda *a: print(*a, flush=True)
     if args.only in (None, "granular"):
         path = resolve_model_path("granular")
@@ -43,7 +49,7 @@ def main(argv=None) -> int:
         prompt = _prompt(path, 16, 1, 0)
         for c in (16, 8):
             log(f"\n## granular (OLMoE 32 experts, top-8, trained), C={c}/32, disk io=direct")
-            res = run_bench(path, OffloadConfig(tier="disk", io="direct", capacity=c, context=16 + args.tokens),
+            res = run_bench(path, OffloadConfig(tier="disk", io="direct", capacity=c, context=16 + args.tokens, **io),
                             prompt_BS=prompt, tokens=args.tokens, repeats=args.repeats, on_row=out, log=log)
             log(table(res))
     if args.only in (None, "ppl"):
@@ -54,7 +60,7 @@ def main(argv=None) -> int:
         prompt = torch.randint(3, 50304, (1, 16), generator=torch.Generator().manual_seed(0))
         log(f"\n## olmoe-1b-7b shape (random weights, {args.layers} layers), C=32/64, disk io=direct")
         forced = torch.randint(3, 50304, (1, args.tokens), generator=torch.Generator().manual_seed(1))
-        res = run_bench(path, OffloadConfig(tier="disk", io="direct", capacity=32, context=16 + args.tokens),
+        res = run_bench(path, OffloadConfig(tier="disk", io="direct", capacity=32, context=16 + args.tokens, **io),
                         policies=["original+lru", "cache-prior"], prompt_BS=prompt, tokens=args.tokens,
                         forced_BN=forced,
                         repeats=args.repeats, on_row=out, log=log)

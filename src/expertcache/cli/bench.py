@@ -1,4 +1,4 @@
-"""``expertcache bench``: decode throughput of every routing policy at equal memory, with the I/O roofline;
+"""``expertcache bench``: decode throughput of every routing policy at equal memory, against the physical floor;
 ``--make-model`` writes random-weight checkpoints at published shapes."""
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ from expertcache.cli.generate import add_offload_args, check_context, dtype_from
 
 DESCRIPTION = """\
 Measure decode tokens/second of original routing + LRU and of each cache-aware policy with the same fast
-memory (same C slots per layer), in one run: for every repeat, every policy starts from empty caches,
-prefills the same prompt and decodes --tokens tokens. Reports medians over repeats and the I/O roofline
+memory (same C slots per layer), in one run and inside the memory plan (no all-resident reference model):
+for every repeat, every policy starts from empty caches, prefills the same prompt and decodes --tokens
+tokens. Reports medians over repeats against the physical floor
 
-  predicted s/token = all-resident compute s/token + misses/token × expert bytes / measured tier bandwidth
+  floor s/token = max(compute s/token, bytes read/token ÷ measured device bandwidth at one expert per read)
+
+where compute = decode time − time the compute thread waited for reads (same run), and the serial
+prediction compute + bytes/token ÷ serial bandwidth (what one-read-at-a-time costs) as a second column.
 
   expertcache bench --cache-experts 16 --repeats 3
   expertcache bench --make-model olmoe-1b-7b --layers 4            # writes ~3.7 GB under ~/.cache/expertcache
@@ -31,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from expertcache.offload.bench import BENCH_POLICIES
     from expertcache.offload.make_model import BENCH_MODELS
 
-    p = sub.add_parser("bench", help="decode throughput of routing policies at equal memory (I/O roofline)",
+    p = sub.add_parser("bench", help="decode throughput of routing policies at equal memory (vs the physical floor)",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--make-model", choices=tuple(BENCH_MODELS), default=None,
                    help="write a random-weight checkpoint at this model's published shapes and exit")
@@ -56,7 +60,7 @@ def _prompt(path, n: int, batch: int, seed: int):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    if (path / "tokenizer.json").is_file():
+    if (path / "tokenizer.json").is_file() and not (path / "expertcache.json").is_file():
         from expertcache.models.loader import load_tokenizer_checked
 
         tok = load_tokenizer_checked(path)
@@ -106,9 +110,10 @@ def run(args: argparse.Namespace) -> int:
     check_context(path, args.prompt_tokens, args.tokens, "--tokens")
     prompt = _prompt(path, args.prompt_tokens, args.batch, args.prompt_seed)
     forced = None
-    if not (path / "tokenizer.json").is_file():  # random-weight model: teacher-force random tokens
+    if not (path / "tokenizer.json").is_file() or (path / "expertcache.json").is_file():
+        # random-weight model (written by --make-model): teacher-force random tokens
         forced = _prompt(path, args.tokens, args.batch, args.prompt_seed + 1)
-    offload = offload_from_args(args, context=prompt.shape[1] + args.tokens, batch=args.batch)
+    offload = offload_from_args(args, context=prompt.shape[1] + args.tokens, batch=args.batch, path=path)
     _print_resolved(path, args.policies)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     result = run_bench(path, offload, policies=args.policies, prompt_BS=prompt, tokens=args.tokens,

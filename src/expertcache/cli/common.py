@@ -222,3 +222,68 @@ def check_input_file(path, flag: str):
     if not p.is_file():
         raise FileNotFoundError(f"{flag} {path}: not a regular file")
     return p
+# -- torch CPU threads (every command that runs a model) ------------------------------------------
+
+#: below this hidden size a model's per-token ops are tiny ([1, D] × [D, F]): one thread is fastest, and
+#: any extra thread only spins -- on a busy 2-core VM torch's default 2 threads made a [1,144]×[144,576]
+#: linear ~1000× slower (18 ms vs 20 µs) and `generate` 20-60× slower (issue 10).
+SMALL_HIDDEN = 1024
+
+
+def default_threads(hidden_size: int | None = None, cores: int | None = None) -> int:
+    """The ``--threads auto`` rule: 1 for small models (hidden < ``SMALL_HIDDEN`` or unknown) and on
+    machines with at most 2 cores; otherwise half the cores (a decode step's matmuls are [1, D] × [D, F]:
+    more threads than that contend with the reader threads and anything else running), at most 8."""
+    import os
+
+    cores = cores or os.cpu_count() or 1
+    if hidden_size is None or hidden_size < SMALL_HIDDEN or cores <= 2:
+        return 1
+    return max(1, min(8, cores // 2))
+
+
+def add_threads_arg(parser) -> None:
+    """``--threads N|auto`` (default auto, see :func:`default_threads`)."""
+    parser.add_argument("--threads", default="auto", type=_threads_type,
+                        help="torch CPU threads: a number, or auto (default) = 1 for models with hidden size "
+                             f"< {SMALL_HIDDEN} or on machines with <= 2 cores, else half the cores (max 8)")
+
+
+def _threads_type(text: str):
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threads must be a positive number or 'auto', got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--threads must be >= 1, got {n}")
+    return n
+
+
+def apply_threads(args: argparse.Namespace, model=None) -> int:
+    """Set torch's CPU threads from ``args.threads`` (``auto``: :func:`default_threads` of ``model``'s hidden
+    size -- a checkpoint folder, a config or a model; None = small). Returns the count set."""
+    import torch
+
+    n = getattr(args, "threads", "auto")
+    if n in (None, "auto"):
+        n = default_threads(_hidden_size(model))
+    torch.set_num_threads(int(n))
+    args.threads = int(n)
+    return int(n)
+
+
+def _hidden_size(model) -> int | None:
+    if model is None:
+        return None
+    import json
+    from pathlib import Path
+
+    if isinstance(model, (str, Path)):
+        try:
+            return int(json.loads((Path(model) / "config.json").read_text()).get("hidden_size"))
+        except (OSError, ValueError, TypeError):
+            return None
+    cfg = getattr(model, "config", model)
+    return getattr(cfg, "hidden_size", None)

@@ -7,8 +7,9 @@ import json
 import math
 import sys
 
-from expertcache.cli.common import (add_cache_args, add_routing_args, check_input_file, check_output_path,
-                                    nonneg_int, positive_int, print_resolved, routing_from_args)
+from expertcache.cli.common import (add_cache_args, add_routing_args, add_threads_arg, apply_threads,
+                                    check_input_file, check_output_path, nonneg_int, positive_int, print_resolved,
+                                    routing_from_args)
 
 DESCRIPTION = """\
 Run a task on the model with the routing policy and one live expert cache per MoE layer installed, and
@@ -40,7 +41,7 @@ def add_model_task_args(p: argparse.ArgumentParser, *, task_required: bool = Tru
                    help="apply the policy to every token or to decoding steps only (default: the task's: "
                    "gsm8k generation, else all)")
     g.add_argument("--freq-from", default=None, help="eras-bias: trace to build the activation profile from")
-    g.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    add_threads_arg(g)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.eval import evaluate, prepare
     from expertcache.results import append_jsonl
 
+    apply_threads(args, getattr(args, "model", None))
     routing = routing_from_args(args)
     check_output_path(args.out, "--out")
     check_output_path(args.trace_out, "--trace-out")

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from expertcache.cli.common import (add_routing_args, memory_spec, nonneg_float, nonneg_int, positive_int,
-                                    print_resolved, routing_from_args, unit_float)
+from expertcache.cli.common import (add_routing_args, add_threads_arg, apply_threads, memory_spec, nonneg_float,
+                                    nonneg_int, positive_int, print_resolved, routing_from_args, unit_float)
 
 DESCRIPTION = """\
 Generate text with the experts offloaded: only C experts per MoE layer are in fast memory (from --memory or
@@ -26,7 +26,9 @@ truncation or sliding window). Non-finite logits (NaN/inf weights) stop the run 
 
 
 def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "direct") -> None:
-    """--model, --memory / --cache-experts, --tier, --io, --quant, --group, --dtype, --eviction, --gamma."""
+    """--model, --memory / --cache-experts, --tier, --io, --readers, --prefetch, --quant, --group, --dtype,
+    --eviction, --gamma, --threads (defaults from OffloadConfig)."""
+    from expertcache.offload import OffloadConfig
     from expertcache.offload.store import IO_MODES, TIERS
     from expertcache.offload.quant import QUANT_MODES
 
@@ -42,6 +44,13 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--tier", choices=TIERS, default="disk", help="where the experts live (default: disk)")
     g.add_argument("--io", choices=IO_MODES, default=default_io,
                    help=f"disk reads: direct (O_DIRECT), fadvise (drop page cache first), cached (default: {default_io})")
+    d = OffloadConfig()
+    g.add_argument("--readers", type=int, default=d.readers,
+                   help=f"reader threads issuing expert reads in parallel with compute (0 = serial reads on the "
+                        f"compute thread; default: {d.readers})")
+    g.add_argument("--prefetch", type=int, nargs="?", const=-1, default=d.prefetch, metavar="P",
+                   help="next-layer speculative prefetch into P spare slots per layer (counted in the memory plan; "
+                        "--prefetch alone: P = K); default: off")
     g.add_argument("--quant", choices=QUANT_MODES, default=None, help="quantised experts (group-wise)")
     g.add_argument("--group", type=positive_int, default=None,
                    help="quantisation group size, dividing D and F (default: the largest such divisor ≤ 64)")
@@ -49,7 +58,7 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--eviction", choices=("lru", "lfu", "gamma"), default="lru", help="eviction policy (default: lru)")
     g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma cache in [0, 1] (default 0.9)")
-    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads_arg(g)
 
 
 def add_routing_alias(parser: argparse.ArgumentParser) -> None:
@@ -59,15 +68,31 @@ def add_routing_alias(parser: argparse.ArgumentParser) -> None:
                         help="alias of --policy")
 
 
-def offload_from_args(args, *, context: int, batch: int = 1):
-    import torch
-
+def offload_from_args(args, *, context: int, batch: int = 1, path=None):
+    """The OffloadConfig of the parsed flags; sets torch's threads (``--threads``, auto by ``path``'s size).
+    ``--prefetch`` without a count means K (read from ``path``'s config)."""
     from expertcache.offload import OffloadConfig
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args, path)
+    if args.readers < 0:
+        raise ValueError(f"--readers must be >= 0, got {args.readers}")
+    prefetch = args.prefetch
+    if prefetch == -1:
+        prefetch = _top_k(path) if path is not None else 8
+    elif prefetch < 0:
+        raise ValueError(f"--prefetch must be >= 0, got {prefetch}")
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
-                         quant=args.quant, group=args.group, context=context, batch=batch)
+                         quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
+                         prefetch=prefetch)
+
+
+def _top_k(path) -> int:
+    import json
+
+    try:
+        return int(json.loads((path / "config.json").read_text())["num_experts_per_tok"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return 8
 
 
 def dtype_from_args(args):
@@ -135,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("empty prompt")
     check_context(path, ids.shape[1], args.max_new_tokens)
     print_resolved("generate", routing, f", {args.eviction}")
-    offload = offload_from_args(args, context=ids.shape[1] + args.max_new_tokens)
+    offload = offload_from_args(args, context=ids.shape[1] + args.max_new_tokens, path=path)
     rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args), routing=routing,
                                         eviction=args.eviction, gamma=args.gamma)
     out = sys.stdout
@@ -163,13 +188,15 @@ def run(args: argparse.Namespace) -> int:
     row = dict(kind="generate", prompt_tokens=int(ids.shape[1]), new_tokens=int(r["tokens"].shape[1]),
                prefill_s=r["prefill_s"], decode_s=r["decode_s"], decode_tok_s=tok_s, hit_rate=s["hit_rate"],
                decode_hit_rate=d["hit_rate"], bytes_read=s["bytes_read"], misses=s["misses"],
-               config=rt.describe())
+               io_wait_s=s["io_wait_seconds"], prefetch=s["prefetch"], threads=args.threads, config=rt.describe())
     if args.json:
         print(json.dumps(row), file=sys.stderr)
     else:
         print(f"[{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, {rt.routing.label()}+{rt.eviction}, "
               f"{offload.tier}{'/' + offload.io if offload.tier == 'disk' else ''}] "
               f"{tok_s:.2f} tok/s decode, prefill {r['prefill_s']:.2f} s, hit rate {s['hit_rate']:.3f} "
-              f"(decode {d['hit_rate']:.3f}), {s['bytes_read'] / 2**20:.1f} MiB read in {s['expert_loads']} expert loads",
+              f"(decode {d['hit_rate']:.3f}), {s['bytes_read'] / 2**20:.1f} MiB read in {s['expert_loads']} expert loads"
+              + (f", prefetch precision {s['prefetch']['precision']:.2f} recall {s['prefetch']['recall']:.2f}"
+                 if s["prefetch"]["precision"] is not None else "") + f", {args.threads} thread(s)",
               file=sys.stderr)
     return 0

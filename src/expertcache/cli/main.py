@@ -47,7 +47,7 @@ HELP = {
     "trace": "record a routing trace from a model, or describe one",
     "mole": "Mixture of Lookup Experts: train, export tables, generate, evaluate",
     "generate": "stream tokens with experts offloaded to disk or host RAM",
-    "bench": "decode throughput of routing policies at equal memory (I/O roofline)",
+    "bench": "decode throughput of routing policies at equal memory (vs the physical floor)",
 }
 
 # Optional packages -> the extra of pyproject.toml that installs them.

@@ -16,6 +16,8 @@ import json
 import shlex
 import sys
 
+from expertcache.cli.common import add_threads_arg, apply_threads
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
@@ -52,7 +54,7 @@ def register(subparsers) -> None:
     e.add_argument("--quant", choices=("none", "int8", "nf4"), default="none",
                    help="table values: none (--dtype), int8 or nf4 (block-wise absmax, 64-value blocks)")
     e.add_argument("--dtype", choices=("float16", "float32"), default="float16", help="values with --quant none")
-    e.add_argument("--threads", type=positive_int, default=1)
+    add_threads_arg(e)
     e.set_defaults(func=run_export)
 
     g = sub.add_parser("generate", help="stream a greedy continuation (table form reads the table per token)")
@@ -61,7 +63,7 @@ def register(subparsers) -> None:
     g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--read-mode", choices=("mmap", "pread", "flash", "direct"), default="flash",
                    help="how table rows are read: flash/direct bypass the page cache (default: flash)")
-    g.add_argument("--threads", type=positive_int, default=1)
+    add_threads_arg(g)
     g.set_defaults(func=run_generate)
 
     v = sub.add_parser("eval", help="held-out perplexity, decode latency, bytes loaded per token (one JSON row)")
@@ -77,7 +79,7 @@ def register(subparsers) -> None:
     v.add_argument("--moe-tokens", type=positive_int, default=512, help="MoE: positions per sequence replayed through LRU")
     v.add_argument("--moe-capacity", type=nonneg_int, default=0,
                    help="MoE: experts per layer in fast memory (0 = equal fast memory with MoLE: ffn / width = K)")
-    v.add_argument("--threads", type=positive_int, default=1)
+    add_threads_arg(v)
     v.add_argument("--label", default="", help="row label (default: the folder name)")
     v.add_argument("--out", default="", help="append the row to this JSONL file")
     v.set_defaults(func=run_eval)
@@ -132,6 +134,7 @@ def run_export(args: argparse.Namespace) -> int:
     from expertcache.mole.table import TableSpec, export_table
 
     check_output_path(args.out, "--out", directory=True)
+    apply_threads(args, args.model_dir)
     out = export_table(args.model_dir, args.out, quant=args.quant, dtype=args.dtype, threads=args.threads)
     spec = TableSpec(**json.loads((out / "config.json").read_text())["lookup_table"])
     print(f"wrote {out}: {spec.quant} table [V={spec.vocab}, L={spec.layers}, N={spec.experts}, D={spec.hidden}], "
@@ -145,7 +148,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from expertcache.mole.bench import decode_n_tokens, load_any, prefill
 
-    torch.set_num_threads(args.threads)
+    apply_threads(args, args.model_dir)
     _check_model_dir(args.model_dir)
     model = load_any(args.model_dir, args.read_mode)  # (also registers MoLE with the Auto classes)
     tok = AutoTokenizer.from_pretrained(args.model_dir)
@@ -182,6 +185,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     check_output_path(args.out or None, "--out")
     _check_model_dir(args.model_dir)
+    apply_threads(args, args.model_dir)
     row = evaluate(args.model_dir, data_dir=args.data_dir, tokenizer_dir=args.tokenizer or None,
                    ppl_tokens=args.ppl_tokens, read_mode=args.read_mode,
                    batches=[int(b) for b in args.batches.split(",") if b], prompt_tokens=args.prompt_tokens,

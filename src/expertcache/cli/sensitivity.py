@@ -8,6 +8,8 @@ from pathlib import Path
 
 from expertcache.cli.common import check_output_path, nonneg_int
 
+from expertcache.cli.common import apply_threads
+
 DESCRIPTION = """\
 Closed-loop WikiText perplexity of the model when its expert selection is perturbed by rank
 (r = 1 is the expert with the highest router weight):
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.fig, "--fig")
     if args.fig and Path(args.fig).suffix.lower() not in (".png", ".pdf", ".svg"):
         raise ValueError(f"--fig {args.fig}: give a .png, .pdf or .svg file name")
-    torch.set_num_threads(args.threads)
+    apply_threads(args, getattr(args, "model", None))
     if args.task not in (None, "wikitext"):
         raise ValueError("sensitivity is measured on --task wikitext (perplexity)")
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]

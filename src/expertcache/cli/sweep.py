@@ -7,8 +7,8 @@ import argparse
 import sys
 
 from expertcache.cache import EVICTION_POLICIES
-from expertcache.cli.common import (add_cache_state_args, capacity_list, check_input_file, check_output_path,
-                                    flag_message, nonneg_float, nonneg_int, positive_int)
+from expertcache.cli.common import (add_cache_state_args, apply_threads, capacity_list, check_input_file,
+                                    check_output_path, flag_message, nonneg_float, nonneg_int, positive_int)
 from expertcache.routing import POLICIES, RoutingConfig
 
 DESCRIPTION = """\
@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     import torch
 
-    torch.set_num_threads(args.threads)  # tiny per-token ops: extra threads only spin
+    apply_threads(args, getattr(args, "model", None))  # tiny per-token ops: extra threads only spin
     if args.trace:
         from expertcache.sim import activation_frequency
         from expertcache.trace import RoutingTrace

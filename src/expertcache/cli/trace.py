@@ -7,7 +7,8 @@ import math
 import os
 import sys
 
-from expertcache.cli.common import capacity_spec, check_input_file, check_output_path, positive_int
+from expertcache.cli.common import (add_threads_arg, apply_threads, capacity_spec, check_input_file,
+                                    check_output_path, positive_int)
 
 DESCRIPTION = """\
 record: run the model on text with its ORIGINAL routing and save every token's router logits (float16 by
@@ -33,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--tokens", type=positive_int, default=4096, help="tokens to record (default 4096)")
     r.add_argument("--logits-dtype", choices=("float16", "float32"), default="float16")
     r.add_argument("--no-weights", action="store_true", help="do not store the combine weights (smaller file)")
-    r.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    add_threads_arg(r)
     r.add_argument("--out", required=True, help="trace file to write (atomically)")
     r.set_defaults(func=run_record)
     i = tsub.add_parser("info", help="describe a trace")
@@ -64,7 +65,7 @@ def run_record(args: argparse.Namespace) -> int:
     from expertcache.routing import RoutingConfig
 
     check_output_path(args.out, "--out")
-    torch.set_num_threads(args.threads)
+    apply_threads(args, getattr(args, "model", None))
     if args.task == "text-file":
         from expertcache.eval.data import read_text_lines
 

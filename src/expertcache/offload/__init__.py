@@ -4,15 +4,22 @@ slots per layer, cache-aware routing against the live residency.
 - :mod:`~expertcache.offload.checkpoint` -- safetensors headers and expert byte ranges, read by key;
 - :mod:`~expertcache.offload.store` -- the disk tier (O_DIRECT / fadvise / cached) and the host-RAM tier;
 - :mod:`~expertcache.offload.quant` -- group-wise int8 / 4-bit experts;
-- :mod:`~expertcache.offload.budget` -- memory budget → slots per layer;
-- :mod:`~expertcache.offload.runtime` -- :class:`OffloadedModel` (the offloaded MoE layer, generation);
-- :mod:`~expertcache.offload.bench` -- decode-throughput benchmark with the I/O roofline;
+- :mod:`~expertcache.offload.budget` -- memory budget → slots per layer (everything the runtime allocates);
+- :mod:`~expertcache.offload.config` -- :class:`OffloadConfig` (defaults);
+- :mod:`~expertcache.offload.ioqueue` -- reader threads moving bytes (no policy);
+- :mod:`~expertcache.offload.slots` -- page-aligned slots of one layer and what each holds;
+- :mod:`~expertcache.offload.experts` -- views of a slot and the family's expert MLP;
+- :mod:`~expertcache.offload.loader` -- the non-expert weights, by key;
+- :mod:`~expertcache.offload.prefetch` -- next-layer guesses and their precision / recall;
+- :mod:`~expertcache.offload.runtime` -- :class:`OffloadedModel` (the MoE step, overlap, generation);
+- :mod:`~expertcache.offload.bench` -- decode-throughput benchmark against the physical floor;
 - :mod:`~expertcache.offload.make_model` -- random-weight checkpoints at published shapes.
 """
 
 from expertcache.offload.budget import BudgetError, MemoryPlan, parse_bytes, plan_memory
 from expertcache.offload.checkpoint import OFFLOAD_MODEL_TYPES, Checkpoint, CheckpointError, read_header
-from expertcache.offload.runtime import OffloadConfig, OffloadedModel, resolve_model_path
+from expertcache.offload.config import OffloadConfig
+from expertcache.offload.runtime import OffloadedModel, resolve_model_path
 
 __all__ = ["BudgetError", "MemoryPlan", "parse_bytes", "plan_memory", "OFFLOAD_MODEL_TYPES", "Checkpoint",
            "CheckpointError", "read_header", "OffloadConfig", "OffloadedModel", "resolve_model_path"]

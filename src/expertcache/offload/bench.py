@@ -1,16 +1,24 @@
-"""Decode-throughput benchmark of routing policies at equal memory, with the I/O roofline.
+"""Decode-throughput benchmark of routing policies at equal memory, against the physical floor.
 
-For one model, one tier and one cache size C, :func:`run_bench`:
+For one model, one tier and one cache size C, :func:`run_bench` runs **inside the memory plan** (one
+runtime; no all-resident reference model, which would need every expert in memory):
 
-1. per round, measures the tier's bandwidth (``measure_bandwidth``: reads of random experts, bytes / second)
-   and the all-resident compute time per decoded token (a second runtime with C = N, every expert loaded
-   beforehand, so no miss: ``t_compute``);
+1. per round, measures the tier's bandwidth at the read size the runtime uses (one expert per read):
+   ``bandwidth`` with the runtime's reader threads in parallel (what the overlapped runtime can get) and
+   ``serial_bandwidth`` one read at a time;
 2. in the same round, for every policy (order rotated per round), starts from empty caches, prefills the
    same prompt and decodes ``tokens`` tokens (greedy, or teacher-forced with ``forced_BN`` -- needed for
-   random-weight models, whose greedy output repeats one token), timing the decode steps;
-3. reports per policy the medians over rounds of tok/s, hit rate, misses and bytes per token, and the
-   roofline ``predicted s/token = t_compute + misses/token × expert_bytes / bandwidth`` with the ratio
-   measured / predicted.
+   random-weight models, whose greedy output repeats one token), timing the decode steps and the time the
+   compute thread spent blocked on reads (``io_wait``);
+3. reports per policy the medians over rounds of tok/s, hit rate, bytes per token and
+
+   - compute s/token = (decode time - time blocked on reads) / tokens: the all-resident compute time,
+     measured in the same run (the compute thread does exactly the work an all-resident model does; the
+     reads run on reader threads and, with O_DIRECT into the slots, cost it no copies);
+   - **floor** s/token = max(compute, bytes read per token / bandwidth) -- the physical limit: a token
+     cannot be faster than its compute nor than the device can deliver its bytes; ``measured / floor``;
+   - serial s/token = compute + bytes per token / serial bandwidth -- what strictly serial reads would
+     take (the pre-overlap runtime), as a second column.
 
 Every (policy, round) is one JSONL row with the full resolved configuration; ``table`` formats the medians.
 """
@@ -61,18 +69,39 @@ def machine_info() -> dict:
     return info
 
 
-def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0) -> float:
-    """Bytes per second of ``n`` reads of random experts through the runtime's tier (into a scratch slot)."""
+def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: bool = True) -> float:
+    """Bytes per second (wall clock) of ``n`` reads of random experts through the runtime's tier and reader
+    threads, into the layers' scratch slots (no extra memory): up to ``min(readers, layers)`` reads in
+    flight when ``parallel``, one at a time otherwise. The runtime's statistics are left untouched."""
+    import time
+
     rng = random.Random(seed)
     stats0 = (rt.tier.stats.bytes_read, rt.tier.stats.seconds, rt.tier.stats.loads)
-    st = rt.states[0]
-    for _ in range(n):
-        m = rt.layers[rng.randrange(len(rt.layers))]
-        rt._load(rt.states[m.index], rng.randrange(rt.num_experts), st.pool.scratch)
+    wait0 = rt.io_wait_seconds
+    rt._drain()
+    dests = [(st, st.pool.scratch[0]) for st in rt.states if st.pool.scratch]
+    depth = max(1, min(rt.readers.readers, len(dests))) if parallel else 1
+    tickets = []
+    t0 = time.perf_counter()
+    for i in range(n):
+        if len(tickets) >= depth:
+            tickets.pop(0).wait()
+        st, slot = dests[i % depth]
+        tickets.append(rt.readers.submit(_read_job(rt, st, rng.randrange(rt.num_experts), slot)))
+    for t in tickets:
+        t.wait()
+    wall = time.perf_counter() - t0
     b = rt.tier.stats.bytes_read - stats0[0]
-    s = rt.tier.stats.seconds - stats0[1]
     rt.tier.stats.bytes_read, rt.tier.stats.seconds, rt.tier.stats.loads = stats0
-    return b / s if s > 0 else float("inf")
+    rt.io_wait_seconds = wait0
+    for st, slot in dests:
+        st.pool.placement.pop(slot, None)
+    return b / wall if wall > 0 else float("inf")
+
+
+def _read_job(rt: OffloadedModel, st, e: int, slot: int):
+    st.pool.placement.pop(slot, None)  # the slot no longer holds what its cached views describe
+    return rt._job(st, e, slot, rt._placement[(st.moe.index, e)])
 
 
 def _decode(rt: OffloadedModel, prompt_BS: torch.Tensor, tokens: int, forced_BN: torch.Tensor | None = None) -> dict:
@@ -86,14 +115,10 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
     every policy) instead of greedy decoding. ``on_row(row)`` receives every JSONL row. Returns
     ``{"summary": [...], "rows": [...], "config": ...}``.
 
-    Each round measures, under the same machine conditions: the tier bandwidth (8 random expert reads), the
-    all-resident compute time per token (a second runtime with C = N, every expert loaded before the prompt)
-    and every policy (order rotated per round)."""
+    Each round measures, under the same machine conditions: the tier bandwidth (parallel and serial, 16
+    random expert reads each) and every policy (order rotated per round). Only one runtime exists: the
+    benchmark stays inside the memory plan (``--memory``)."""
     rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype)
-    full = OffloadConfig(tier=offload.tier, io=offload.io, quant=offload.quant, group=offload.group,
-                         context=offload.context, batch=offload.batch)
-    resident = OffloadedModel.from_pretrained(path, full, dtype=dtype)
-    resident.warm(range(resident.num_experts))
     pset = policy_set(rt.top_k)
     names = list(policies or pset)
     unknown = [n for n in names if n not in pset]
@@ -101,7 +126,9 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
         raise ValueError(f"unknown benchmark policies {unknown}; choose from {', '.join(pset)}")
     _decode(rt, prompt_BS, min(tokens, 4), forced_BN)  # warm-up (one-time kernel initialisation), not timed
     log(f"expert {rt.expert_bytes / 2**20:.2f} MiB; C={rt.capacity}/{rt.num_experts}; tier {rt.offload.tier}"
-        f"{', io=' + rt.offload.io if rt.offload.tier == 'disk' else ''}")
+        f"{', io=' + rt.offload.io if rt.offload.tier == 'disk' else ''}; {rt.offload.readers} reader threads; "
+        f"prefetch {rt.offload.prefetch}; torch threads {torch.get_num_threads()}; plan "
+        f"{rt.plan.total / 2**20:.0f} MiB")
     freq = None
     if "eras-bias" in names:  # activation profile from an original-routing run (ERAS biasing needs one)
         from expertcache.sim import activation_frequency
@@ -112,12 +139,10 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
         rt.configure(record=False)
     rows = []
     for rep in range(repeats):
-        bw = measure_bandwidth(rt, n=8, seed=rep)
-        resident.tier.stats = type(resident.tier.stats)()
-        r0 = _decode(resident, prompt_BS, tokens, forced_BN)
-        assert r0["decode_stats"]["misses"] == 0
-        t_compute = r0["decode_s"] / max(1, r0["decode_tokens"])
-        log(f"  [{rep + 1}/{repeats}] bandwidth {bw / 1e6:.0f} MB/s, all-resident {t_compute * 1e3:.1f} ms/token")
+        bw = measure_bandwidth(rt, n=16, seed=rep)
+        bw_serial = measure_bandwidth(rt, n=16, seed=rep + 1000, parallel=False)
+        log(f"  [{rep + 1}/{repeats}] bandwidth {bw / 1e6:.0f} MB/s with {rt.readers.readers} readers, "
+            f"{bw_serial / 1e6:.0f} MB/s serial")
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
             routing, eviction = pset[name]
@@ -126,25 +151,38 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
             s = r["decode_stats"]
             n = max(1, r["decode_tokens"])
             per_tok = r["decode_s"] / n
-            predicted = t_compute + s["misses"] / n * rt.expert_bytes / bw
+            t_compute = max(0.0, r["decode_s"] - s["io_wait_seconds"]) / n
+            bytes_tok = s["bytes_read"] / n
+            floor = max(t_compute, bytes_tok / bw)
+            serial = t_compute + bytes_tok / bw_serial
+            pf = rt.stats()["prefetch"]
             row = dict(kind="offload-bench", name=name, repeat=rep, tokens=n, batch=int(prompt_BS.shape[0]),
                        prompt_tokens=int(prompt_BS.shape[1]), forced=forced_BN is not None,
                        tok_s=n * prompt_BS.shape[0] / r["decode_s"],
                        s_per_token=per_tok, hit_rate=s["hit_rate"], misses_per_token=s["misses"] / n,
-                       bytes_per_token=s["bytes_read"] / n, io_s_per_token=s["io_seconds"] / n,
-                       predicted_s_per_token=predicted, roofline_ratio=per_tok / predicted,
-                       bandwidth=bw, t_compute=t_compute, config=rt.describe(), machine=machine_info())
+                       bytes_per_token=bytes_tok, io_s_per_token=s["io_seconds"] / n,
+                       io_wait_s_per_token=s["io_wait_seconds"] / n, t_compute=t_compute,
+                       floor_s_per_token=floor, floor_ratio=per_tok / floor, serial_s_per_token=serial,
+                       serial_ratio=per_tok / serial, bandwidth=bw, serial_bandwidth=bw_serial,
+                       prefetch_precision=pf["precision"], prefetch_recall=pf["recall"],
+                       prefetch_unused_bytes=pf["unused_bytes"], threads=torch.get_num_threads(),
+                       config=rt.describe(), machine=machine_info())
             rows.append(row)
             if on_row is not None:
                 on_row(row)
             log(f"  [{rep + 1}/{repeats}] {name:<15} {row['tok_s']:8.2f} tok/s  hit {s['hit_rate']:.3f}  "
-                f"{row['bytes_per_token'] / 2**20:8.1f} MiB/token  measured/roofline {row['roofline_ratio']:.2f}")
+                f"{bytes_tok / 2**20:8.1f} MiB/token  compute {t_compute * 1e3:.1f} ms  floor {floor * 1e3:.1f} ms  "
+                f"measured/floor {row['floor_ratio']:.2f}")
     summary = []
     for name in names:
         rs = [r for r in rows if r["name"] == name]
         med = {k: statistics.median(r[k] for r in rs) for k in
-               ("tok_s", "s_per_token", "hit_rate", "misses_per_token", "bytes_per_token", "predicted_s_per_token",
-                "roofline_ratio", "bandwidth", "t_compute")}
+               ("tok_s", "s_per_token", "hit_rate", "misses_per_token", "bytes_per_token", "t_compute",
+                "floor_s_per_token", "floor_ratio", "serial_s_per_token", "serial_ratio", "bandwidth",
+                "serial_bandwidth", "io_wait_s_per_token")}
+        for k in ("prefetch_precision", "prefetch_recall"):
+            vals = [r[k] for r in rs if r[k] is not None]
+            med[k] = statistics.median(vals) if vals else None
         summary.append(dict(name=name, routing=pset[name][0].label(), eviction=pset[name][1], **med))
     base = next((s for s in summary if s["name"] == "original+lru"), None)
     for s in summary:
@@ -154,14 +192,16 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
 
 def table(result: dict) -> str:
     """Markdown table of a :func:`run_bench` result (medians)."""
-    lines = ["| policy | routing | tok/s | × original+LRU | hit rate | MiB read/token | ms/token | "
-             "roofline ms/token | measured/roofline |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| policy | routing | tok/s | × original+LRU | hit rate | MiB read/token | ms/token | compute ms/token | "
+             "floor ms/token | measured/floor | serial ms/token | measured/serial | prefetch P / R |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in result["summary"]:
         sp = "" if s["speedup_vs_lru"] is None else f"{s['speedup_vs_lru']:.2f}"
+        pr = "–" if s["prefetch_precision"] is None else f"{s['prefetch_precision']:.2f} / {s['prefetch_recall']:.2f}"
         lines.append(f"| {s['name']} | {s['routing']}+{s['eviction']} | {s['tok_s']:.2f} | {sp} | {s['hit_rate']:.3f} | "
-                     f"{s['bytes_per_token'] / 2**20:.1f} | {s['s_per_token'] * 1e3:.1f} | "
-                     f"{s['predicted_s_per_token'] * 1e3:.1f} | {s['roofline_ratio']:.2f} |")
+                     f"{s['bytes_per_token'] / 2**20:.1f} | {s['s_per_token'] * 1e3:.1f} | {s['t_compute'] * 1e3:.1f} | "
+                     f"{s['floor_s_per_token'] * 1e3:.1f} | {s['floor_ratio']:.2f} | {s['serial_s_per_token'] * 1e3:.1f} | "
+                     f"{s['serial_ratio']:.2f} | {pr} |")
     return "\n".join(lines)
 
 

@@ -1,10 +1,14 @@
 """Memory budget → expert-cache slots per layer.
 
-``fast-tier bytes = non-expert weights + KV cache + L · C · expert_bytes`` (L MoE layers, C slots each).
-Given a budget, C is the largest count that fits (at most N). A budget below
-``non-expert + KV + L · K · expert_bytes`` (K experts per token, every layer) is refused with a
-:class:`BudgetError` that states that minimum. Sizes are those of the fast tier (compute dtype for
-non-expert weights and KV, storage dtype -- bf16 or quantised -- for expert slots).
+``fast-tier bytes = non-expert weights + KV cache + I/O buffers + L · (C + X) · slot_bytes`` (L MoE layers,
+C cache slots each, X extra slots per layer: one scratch slot plus the prefetch spares; ``slot_bytes`` is
+one expert rounded up to whole pages plus the O_DIRECT alignment head/tail; I/O buffers are the reader
+threads' bounce buffers when a layout needs them). Given a budget, C is the largest count that fits (at
+most N). A budget below ``non-expert + KV + I/O + L · (K + X) · slot_bytes`` (K experts per token, every
+layer) is refused with a :class:`BudgetError` that states that minimum. Sizes are those of the fast tier
+(compute dtype for non-expert weights and KV, storage dtype -- bf16 or quantised -- for expert slots).
+Everything the runtime allocates per run is in the plan; what is not (the Python interpreter, torch's
+kernels and per-op temporaries, thread stacks) is a fixed overhead, pinned by a test.
 ``--memory minimum`` (:data:`MINIMUM`) asks for exactly that minimum: C = K.
 """
 
@@ -65,23 +69,32 @@ class MemoryPlan:
     num_layers: int
     slots: int
     minimum: int
+    slot_bytes: int = 0  # 0: = expert_bytes
+    extra_slots: int = 0
+    io_bytes: int = 0
 
     @property
     def total(self) -> int:
-        return self.non_expert_bytes + self.kv_bytes + self.num_layers * self.slots * self.expert_bytes
+        sb = self.slot_bytes or self.expert_bytes
+        return (self.non_expert_bytes + self.kv_bytes + self.io_bytes
+                + self.num_layers * (self.slots + self.extra_slots) * sb)
 
     def to_dict(self) -> dict:
         return dict(asdict(self), total=self.total)
 
 
 def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int, kv_bytes: int, expert_bytes: int,
-                num_layers: int, num_experts: int, top_k: int) -> MemoryPlan:
+                num_layers: int, num_experts: int, top_k: int, slot_bytes: int | None = None, extra_slots: int = 0,
+                io_bytes: int = 0) -> MemoryPlan:
     """Resolve ``budget`` (bytes) or an explicit ``slots`` count into a :class:`MemoryPlan`.
 
-    Exactly one of ``budget`` / ``slots`` is given; ``budget=MINIMUM`` means the minimum itself (C = K).
-    Raises BudgetError (with the minimum) when the budget is too small for K experts per layer, ValueError
-    for slots outside [1, N]."""
-    minimum = non_expert_bytes + kv_bytes + num_layers * top_k * expert_bytes
+    Exactly one of ``budget`` / ``slots`` is given; ``budget=MINIMUM`` means the minimum itself (C = K). ``slot_bytes`` (default ``expert_bytes``): the bytes of one
+    slot; ``extra_slots``: scratch + prefetch slots per layer; ``io_bytes``: reader buffers. Raises BudgetError
+    (with the minimum) when the budget is too small for K experts per layer, ValueError for slots outside
+    [1, N]."""
+    sb = slot_bytes or expert_bytes
+    fixed = non_expert_bytes + kv_bytes + io_bytes + num_layers * extra_slots * sb
+    minimum = fixed + num_layers * top_k * sb
     if budget == MINIMUM:
         budget = minimum
     if (budget is None) == (slots is None):
@@ -90,10 +103,12 @@ def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int,
         if budget < minimum:
             raise BudgetError(
                 f"memory budget {format_bytes(budget)} is too small: non-expert weights "
-                f"{format_bytes(non_expert_bytes)} + KV cache {format_bytes(kv_bytes)} + K={top_k} experts × "
-                f"{num_layers} layers × {format_bytes(expert_bytes)} need at least {format_bytes(minimum)} "
-                f"({minimum} bytes)")
-        slots = min(num_experts, (budget - non_expert_bytes - kv_bytes) // (num_layers * expert_bytes))
+                f"{format_bytes(non_expert_bytes)} + KV cache {format_bytes(kv_bytes)} + K={top_k} experts "
+                f"(+ {extra_slots} scratch/prefetch) × {num_layers} layers × {format_bytes(sb)}"
+                f"{f' + I/O buffers {format_bytes(io_bytes)}' if io_bytes else ''} need at least "
+                f"{format_bytes(minimum)} ({minimum} bytes)")
+        slots = min(num_experts, (budget - fixed) // (num_layers * sb))
     elif not 1 <= slots <= num_experts:
         raise ValueError(f"cache size (--cache-experts) must be between 1 and N={num_experts} experts per layer, got {slots}")
-    return MemoryPlan(budget, non_expert_bytes, kv_bytes, expert_bytes, num_layers, int(slots), minimum)
+    return MemoryPlan(budget, non_expert_bytes, kv_bytes, expert_bytes, num_layers, int(slots), minimum,
+                      slot_bytes or 0, extra_slots, io_bytes)

@@ -16,12 +16,18 @@ model_type                 per-expert keys (what transformers 5.x ``save_pretrai
 =========================  ===================================================================  =========
 olmoe, qwen2_moe,          ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``      see below
 qwen3_moe                  ([F, D], [F, D], [D, F])
-mixtral                    ``model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``  see below
+qwen3_moe, deepseek_v2,     ([F, D], [F, D], [D, F]); DeepSeek's ``shared_experts`` are not
+deepseek_v3                routed experts (non-expert weights, always resident)
+mixtral, phimoe            ``model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``  see below
+gpt_oss                    --                                                                   only fused
 =========================  ===================================================================  =========
 
 Fused (transformers 5.x in-memory names, also accepted on disk): ``model.layers.{i}.mlp.experts.gate_up_proj``
 [E, 2F, D] (gate rows first) and ``...experts.down_proj`` [E, D, F]; one expert is the slice ``[e]``, a
-contiguous byte range because E is the outer dimension.
+contiguous byte range because E is the outer dimension. GPT-OSS (what its checkpoints and transformers
+write): ``gate_up_proj`` [E, D, 2F] (gate and up *interleaved* along the last axis, used as ``x @ W``),
+``gate_up_proj_bias`` [E, 2F], ``down_proj`` [E, F, D], ``down_proj_bias`` [E, D] -- four byte ranges per
+expert (``ExpertParts.layout == 'gpt_oss'``).
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ __all__ = ["CheckpointError", "TensorEntry", "read_header", "Checkpoint", "Exper
            "OFFLOAD_MODEL_TYPES", "DTYPES"]
 
 #: model types the offloaded runtime supports (expert layouts above).
-OFFLOAD_MODEL_TYPES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
+OFFLOAD_MODEL_TYPES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe",
+                       "gpt_oss")
+_BLOCK_SPARSE = ("mixtral", "phimoe")  # per-expert keys under block_sparse_moe, w1/w3/w2
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -123,9 +131,11 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
 class ExpertParts:
     """Where one expert's weights are and how they are packed into one contiguous buffer.
 
-    reads: byte ranges to copy (file order); nbytes: packed size; dtype: storage dtype. The packed buffer
-    holds ``gate_up`` [2F, D] (gate rows, then up rows) at element offset ``gate_up_at`` and ``down`` [D, F]
-    at ``down_at`` -- the layout of transformers' fused ``OlmoeExperts.gate_up_proj[e]`` / ``down_proj[e]``.
+    reads: byte ranges to copy (file order); nbytes: packed size; dtype: storage dtype. With
+    ``layout='linear'`` the packed buffer holds ``gate_up`` [2F, D] (gate rows, then up rows) at element
+    offset ``gate_up_at`` and ``down`` [D, F] at ``down_at`` -- the layout of transformers' fused
+    ``OlmoeExperts.gate_up_proj[e]`` / ``down_proj[e]``. With ``layout='gpt_oss'``: ``gate_up`` [D, 2F]
+    (interleaved), ``down`` [F, D], and the biases [2F] at ``gate_up_bias_at`` and [D] at ``down_bias_at``.
     """
 
     reads: tuple[ByteRange, ...]
@@ -135,6 +145,19 @@ class ExpertParts:
     f: int
     gate_up_at: int
     down_at: int
+    layout: str = "linear"
+    gate_up_bias_at: int | None = None
+    down_bias_at: int | None = None
+
+    def tensors(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """name → (element offset in the packed buffer, shape) of every tensor of the expert."""
+        d, f = self.d, self.f
+        if self.layout == "blob":
+            return {"blob": (0, (self.nbytes,))}
+        if self.layout == "gpt_oss":
+            return {"gate_up": (self.gate_up_at, (d, 2 * f)), "gate_up_bias": (self.gate_up_bias_at, (2 * f,)),
+                    "down": (self.down_at, (f, d)), "down_bias": (self.down_bias_at, (d,))}
+        return {"gate_up": (self.gate_up_at, (2 * f, d)), "down": (self.down_at, (d, f))}
 
 
 class Checkpoint:
@@ -175,7 +198,7 @@ class Checkpoint:
     # -- experts ---------------------------------------------------------------------------------
 
     def _per_expert_keys(self, layer_id: int, e: int) -> tuple[str, str, str]:
-        if self.model_type == "mixtral":
+        if self.model_type in _BLOCK_SPARSE:
             p = f"model.layers.{layer_id}.block_sparse_moe.experts.{e}."
             return p + "w1.weight", p + "w3.weight", p + "w2.weight"
         p = f"model.layers.{layer_id}.mlp.experts.{e}."
@@ -198,7 +221,9 @@ class Checkpoint:
             raise ValueError(f"expert id {e} out of range [0, {self.num_experts})")
         gate_k, up_k, down_k = self._per_expert_keys(layer_id, e)
         fused_gu, fused_down = self._fused_keys(layer_id)
-        if gate_k in self.entries or up_k in self.entries or down_k in self.entries:
+        if self.model_type == "gpt_oss":
+            parts = self._gpt_oss(layer_id, e, fused_gu, fused_down)
+        elif gate_k in self.entries or up_k in self.entries or down_k in self.entries:
             parts = self._per_expert(layer_id, e, gate_k, up_k, down_k)
         elif fused_gu in self.entries:
             parts = self._fused(layer_id, e, fused_gu, fused_down)
@@ -247,6 +272,27 @@ class Checkpoint:
         reads = (ByteRange(gu.file, gu.start + e * gu_bytes, gu_bytes, 0),
                  ByteRange(down.file, down.start + e * down_bytes, down_bytes, gu_bytes))
         return ExpertParts(reads, gu_bytes + down_bytes, gu.dtype, d, f, 0, 2 * f * d)
+
+    def _gpt_oss(self, layer_id, e, gu_k, down_k) -> ExpertParts:
+        gu, down = self._need(gu_k), self._need(down_k)
+        gub, downb = self._need(gu_k + "_bias"), self._need(down_k + "_bias")
+        n = self.num_experts
+        if len(gu.shape) != 3 or gu.shape[0] != n or gu.shape[2] % 2:
+            raise CheckpointError(f"{gu.file}: {gu_k} has shape {list(gu.shape)}, expected [E={n}, D, 2F]")
+        _, d, f2 = gu.shape
+        f = f2 // 2
+        for t, want in ((down, (n, f, d)), (gub, (n, 2 * f)), (downb, (n, d))):
+            if t.shape != want or t.dtype != gu.dtype:
+                raise CheckpointError(f"{t.file}: {t.key} has shape {list(t.shape)} {t.dtype}, expected {list(want)} "
+                                      f"{gu.dtype}")
+        reads, at = [], 0
+        for t in (gu, gub, down, downb):  # [e] of each: a contiguous range (E is the outer dimension)
+            nb = t.nbytes // n
+            reads.append(ByteRange(t.file, t.start + e * nb, nb, at))
+            at += nb
+        esize = torch.empty((), dtype=gu.dtype).element_size()
+        offs = [r.dest // esize for r in reads]
+        return ExpertParts(tuple(reads), at, gu.dtype, d, f, offs[0], offs[2], "gpt_oss", offs[1], offs[3])
 
     # -- other tensors ---------------------------------------------------------------------------
 

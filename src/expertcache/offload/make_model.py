@@ -28,7 +28,9 @@ from expertcache.offload.writer import write_safetensors
 
 __all__ = ["BENCH_MODELS", "make_bench_model", "bench_models_dir"]
 
-# published configurations (hub config.json of allenai/OLMoE-1B-7B-0924 and Qwen/Qwen1.5-MoE-A2.7B)
+# published configurations (hub config.json of allenai/OLMoE-1B-7B-0924, Qwen/Qwen1.5-MoE-A2.7B,
+# deepseek-ai/DeepSeek-V2-Lite, Qwen/Qwen3-30B-A3B and openai/gpt-oss-20b; rope scaling (yarn) left out: it
+# changes no tensor shape; gpt-oss experts written in bf16, not MXFP4)
 BENCH_MODELS: dict[str, dict] = {
     "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                         num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
@@ -44,6 +46,28 @@ BENCH_MODELS: dict[str, dict] = {
                               decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
                               bos_token_id=151643, eos_token_id=151643,
                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                             moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                             num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+                             first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, head_dim=64, topk_method="greedy", n_group=1,
+                             topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+                             max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                             bos_token_id=100000, eos_token_id=100001,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+                          max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643,
+                          eos_token_id=151645, use_sliding_window=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128, swiglu_limit=7.0,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                        attention_bias=True, eos_token_id=200002, pad_token_id=199999,
+                        rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
 }
 
 
@@ -52,7 +76,10 @@ def bench_models_dir() -> Path:
 
 
 def _disk_entries(model_type: str, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-    """transformers' in-memory fused expert tensors → the per-expert keys it writes to disk."""
+    """transformers' in-memory fused expert tensors → the per-expert keys it writes to disk (GPT-OSS keeps
+    its fused tensors)."""
+    if model_type == "gpt_oss":
+        return [(name, shape)]
     if name.endswith("mlp.experts.gate_up_proj"):
         prefix = name[: -len("gate_up_proj")]
         if model_type == "mixtral":
@@ -72,6 +99,26 @@ def _disk_entries(model_type: str, name: str, shape: tuple[int, ...]) -> list[tu
     return [(name, shape)]
 
 
+def _layer_types(kw: dict) -> None:
+    """GPT-OSS alternates sliding-window and full attention; the list must match the layer count."""
+    if kw.get("sliding_window") and "layer_types" not in kw and kw.get("num_hidden_layers"):
+        kw["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                             for i in range(kw["num_hidden_layers"])]
+
+
+_TOKENIZER_TEXT = ("The Debian package manager installs, upgrades and removes software; the configuration files of "
+                   "a package are kept in /etc and its documentation in /usr/share/doc. apt-get update reads the "
+                   "package lists; dpkg -i installs a local file. 0123456789 ()[]{}<>=+-*/%&|^~!?.,:;'\"_#@$\n")
+
+
+def write_bench_tokenizer(folder: Path, max_length: int) -> None:
+    """A small byte-level BPE ``tokenizer.json`` (any text encodes; ids below the model's vocabulary), so that
+    tools that insist on a tokenizer (generate, peers' converters) accept the folder. Deterministic."""
+    from expertcache.train.tokenizer import train_tokenizer
+
+    train_tokenizer([_TOKENIZER_TEXT] * 4, 384, folder, model_max_length=max_length)
+
+
 def _maker(key: str, shape: tuple[int, ...], dtype: torch.dtype, std: float):
     def make() -> torch.Tensor:
         if key.endswith("norm.weight"):
@@ -86,7 +133,8 @@ def _maker(key: str, shape: tuple[int, ...], dtype: torch.dtype, std: float):
 
 
 def make_bench_model(name: str, *, layers: int | None = None, out: str | os.PathLike | None = None,
-                     quant: str | None = None, group: int = 64, dtype: torch.dtype = torch.bfloat16) -> Path:
+                     quant: str | None = None, group: int = 64, dtype: torch.dtype = torch.bfloat16,
+                     overrides: dict | None = None) -> Path:
     """Write (or reuse) the random-weight checkpoint ``name`` with ``layers`` decoder layers (default: the
     published count) into ``out`` (default ``~/.cache/expertcache/bench-models/<name>-L<layers>``); with
     ``quant`` also its quantised expert sidecar. Returns the folder."""
@@ -94,28 +142,32 @@ def make_bench_model(name: str, *, layers: int | None = None, out: str | os.Path
 
     if name not in BENCH_MODELS:
         raise ValueError(f"unknown benchmark model {name!r}; choose one of {', '.join(BENCH_MODELS)}")
-    kw = dict(BENCH_MODELS[name])
+    kw = dict(BENCH_MODELS[name], **(overrides or {}))  # overrides: shrunk shapes for tests
     model_type = kw.pop("model_type")
     if layers is not None:
         if not 1 <= layers <= kw["num_hidden_layers"]:
             raise ValueError(f"{name} has {kw['num_hidden_layers']} layers; --layers must be in [1, that]")
         kw["num_hidden_layers"] = layers
+    _layer_types(kw)
     n_layers = kw["num_hidden_layers"]
     folder = Path(out) if out is not None else bench_models_dir() / f"{name}-L{n_layers}-e1"
     config = AutoConfig.for_model(model_type, **kw)
     config.dtype = dtype
     done = folder / "model.safetensors"
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    config.architectures = [type(meta).__name__]
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "tokenizer.json").is_file():
+        write_bench_tokenizer(folder, int(kw.get("max_position_embeddings", 4096)))
+    config.save_pretrained(folder)
     if not done.is_file():
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
         entries = []
         for pname, t in meta.state_dict().items():
             if pname == "lm_head.weight" and config.tie_word_embeddings:
                 continue
             entries += _disk_entries(model_type, pname, tuple(t.shape))
         std = getattr(config, "initializer_range", 0.02)
-        folder.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(folder)
         write_safetensors(done, [(k, dtype, s, _maker(k, s, dtype, std)) for k, s in sorted(entries)],
                           {"format": "pt", "expertcache": f"random-weights {name}"})
         (folder / "BENCH_MODEL.md").write_text(
@@ -128,8 +180,11 @@ def make_bench_model(name: str, *, layers: int | None = None, out: str | os.Path
         from expertcache.offload.checkpoint import Checkpoint
         from expertcache.offload.store import quantize_checkpoint
 
-        ckpt = Checkpoint(folder, model_type, config.num_experts)
-        family_for(config)
-        moe_ids = [i for i in range(n_layers)]
+        family = family_for(config)
+        from expertcache.models.adapters import find_moe_layers
+
+        moe = find_moe_layers(meta, family)
+        ckpt = Checkpoint(folder, model_type, moe[0].num_experts)
+        moe_ids = [m.layer_id for m in moe]
         quantize_checkpoint(ckpt, moe_ids, quant, group)
     return folder

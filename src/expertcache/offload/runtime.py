@@ -5,10 +5,18 @@ Letter legend: B batch rows, S new tokens per row, T = B·S tokens of one forwar
 experts per token, D hidden, F expert intermediate size, U experts requested by one step (the union), C
 slots per layer.
 
+Three parts with one seam each (STYLE.md "overlap is design"):
+
+- **what to load** -- the routing policy (against the live residency), the cache's bookkeeping
+  (``cache.access_step``: hits, misses, evictions) and the next-layer guess (:meth:`_guess_next`);
+- **loading it** -- :class:`~expertcache.offload.ioqueue.IOQueue` reader threads copying bytes from the tier
+  into slots (:mod:`~expertcache.offload.slots`), knowing nothing of policies;
+- **computing with it** -- :mod:`~expertcache.offload.experts` (views of a slot, the family's MLP).
+
 Construction (:meth:`OffloadedModel.from_pretrained`) never loads the experts: the model skeleton is built
-on the meta device, each MoE block's ``experts`` module is replaced by an :class:`OffloadedExperts` (no
-weights), only the non-expert tensors are materialised and read from the checkpoint by key (every one of
-them must be found: loud), and rotary tables are recomputed.
+on the meta device, each MoE block's ``experts`` module is replaced by an
+:class:`~expertcache.offload.experts.OffloadedExperts` (no weights), only the non-expert tensors are
+materialised and read by key (:mod:`~expertcache.offload.loader`, loud), and rotary tables are recomputed.
 
 One forward call at one MoE layer is one **step** of that layer's cache:
 
@@ -17,43 +25,57 @@ One forward call at one MoE layer is one **step** of that layer's cache:
    family's weight rule weights the selection (``original`` returns the stock router's output untouched);
 2. the step requests the union U of the selected experts, ordered by total router weight (descending; for
    one token: the token's own order), and ``cache.access_step(U)`` decides hits, misses and evictions;
-3. hits are computed from their slots first; then each miss is read from the tier into the slot freed by
-   an evicted expert (or a scratch slot if the cache itself does not keep it, only possible when U > C)
-   and computed right away;
-4. per-expert outputs are combined in ascending expert id, as transformers' eager experts loop does.
+3. **all misses are issued at once** to the reader threads, each into the slot freed by an evicted expert
+   (a scratch slot if the cache does not keep it, only possible when U > C; a miss whose slot still holds a
+   hit of this step is issued after the hits are computed); with ``prefetch`` on, layer ℓ+1's guess is
+   issued next (:meth:`_guess_next`);
+4. hits are computed from their slots while the misses are in flight; each miss is computed as it lands;
+5. per-expert outputs are combined in ascending expert id, as transformers' eager experts loop does --
+   so the arrival order never changes the result.
 
 Contracts (pinned by tests): with ``original`` routing the logits equal the in-memory model's at every
-capacity 1..N; for decoding (one token per step) the live hit/miss counts equal
-:func:`expertcache.sim.replay` of :meth:`OffloadedModel.recorded_ids_TLK`; a damaged checkpoint or a missing
-expert key raises :class:`~expertcache.offload.checkpoint.CheckpointError`.
+capacity 1..N, for every family, with prefetch on and off, with 0, 1 and several reader threads; for
+decoding (one token per step) the live hit/miss counts equal :func:`expertcache.sim.replay` of
+:meth:`OffloadedModel.recorded_ids_TLK`; a damaged checkpoint or a missing expert key raises
+:class:`~expertcache.offload.checkpoint.CheckpointError`; a read that fails in a reader thread raises its
+``OSError``/``CheckpointError`` (naming the file) in the caller, never hangs, and leaves the runtime with
+empty caches (as after :meth:`configure`).
 
-GPU: with ``device='cuda'`` slots are CUDA memory, misses are read into a pinned staging buffer and copied
-on a side stream (compute waits on an event). That path is written but untested here (no GPU).
+GPU: with ``device='cuda'`` slots are CUDA memory; a reader reads into a pinned staging buffer of its own
+and copies to the slot. That path is written but untested here (no GPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from expertcache import __version__
 from expertcache.cache import CacheStats, ExpertCache, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
-from expertcache.offload.checkpoint import OFFLOAD_MODEL_TYPES, Checkpoint, CheckpointError, ExpertParts
+from expertcache.offload.checkpoint import OFFLOAD_MODEL_TYPES, Checkpoint
+from expertcache.offload.experts import OffloadedExperts, expert_mlp, expert_views
+from expertcache.offload.config import OffloadConfig
+from expertcache.offload.ioqueue import IOQueue, Ticket
+from expertcache.offload.loader import cache_dir as _cache_dir
+from expertcache.offload.loader import load_non_expert, recompute_rotary
+from expertcache.offload.prefetch import PrefetchStats, guess_next_layer
+from expertcache.offload.quant import QuantLayout, default_group
+from expertcache.offload.slots import SlotPool, slot_bytes_for
+from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, Placement, QuantSource, TierStats,
+                                       place_expert, quant_sidecar_path, quantize_checkpoint)
 from expertcache.models.loader import check_weights_match_config
-from expertcache.offload.quant import QuantLayout, default_group, unpack_expert
-from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats,
-                                       quant_sidecar_path, quantize_checkpoint)
 from expertcache.routing import Router, RoutingConfig
 
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
@@ -77,81 +99,25 @@ def resolve_model_path(name: str | os.PathLike) -> Path:
     return path
 
 
-@dataclass(frozen=True)
-class OffloadConfig:
-    """Where experts live and how many fit.
-
-    tier: 'disk' (read the checkpoint on every miss) or 'host' (all experts in host RAM). io: disk reads,
-    'direct' | 'fadvise' | 'cached' (see :mod:`expertcache.offload.store`). capacity: slots per layer C, or
-    None to derive it from ``memory`` (bytes or '3GiB'); both None = every expert (C = N). quant: None,
-    'int8' or 'int4' (group ``group``; None = the largest divisor of D and F up to 64, see
-    :func:`~expertcache.offload.quant.default_group`). context, batch: the KV cache the budget reserves.
-    """
-
-    tier: str = "disk"
-    io: str = "direct"
-    capacity: int | None = None
-    memory: int | str | None = None
-    quant: str | None = None
-    group: int | None = None
-    context: int = 2048
-    batch: int = 1
-
-
-# ---------------------------------------------------------------------------------------------
-# fast tier
-
-
-class SlotPool:
-    """C + 1 preallocated expert slots of one layer (the last one is scratch for experts the cache does not
-    keep), each ``slot_bytes`` bytes, one contiguous [C + 1, slot_bytes] uint8 tensor on ``device``."""
-
-    def __init__(self, slots: int, slot_bytes: int, device: torch.device) -> None:
-        self.capacity = slots
-        self.buffer = torch.empty(slots + 1, slot_bytes, dtype=torch.uint8, device=device)
-        self.scratch = slots
-        self.slot_of: dict[int, int] = {}
-        self.free: list[int] = list(range(slots - 1, -1, -1))
-
-    def reset(self) -> None:
-        self.slot_of.clear()
-        self.free = list(range(self.capacity - 1, -1, -1))
-
-
 @dataclass
 class LayerState:
     """Runtime state of one MoE layer."""
 
     moe: MoELayer
-    act_fn: Callable
+    mlp: Callable
     cache: ExpertCache
     pool: SlotPool
     steps: list[list[int]] = field(default_factory=list)  # recorded union ids of single-token steps
     prefetched: int = 0
-
-
-class OffloadedExperts(nn.Module):
-    """Drop-in for a transformers experts module: ``forward(hidden_TD, ids_TK, weights_TK)``, weights
-    served by the runtime. Holds no parameters."""
-
-    def __init__(self, runtime: "OffloadedModel", index: int) -> None:
-        super().__init__()
-        self._runtime = [runtime]  # a list: not registered as a submodule
-        self.index = index
-
-    def forward(self, hidden_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        return self._runtime[0]._serve(self.index, hidden_TD, ids_TK, weights_TK)
-
-
-# ---------------------------------------------------------------------------------------------
-# runtime
+    guess: list[int] | None = None  # the pending next-layer guess for this layer
+    io_wait: float = 0.0  # seconds the compute thread waited for this layer's reads
 
 
 class OffloadedModel:
     """A causal LM with offloaded experts; see the module docstring. Build with :meth:`from_pretrained`."""
 
     def __init__(self, path: Path, model: nn.Module, family: Family, layers: list[MoELayer], checkpoint: Checkpoint,
-                 offload: OffloadConfig, dtype: torch.dtype, device: torch.device, act_fns: list[Callable]) -> None:
+                 offload: OffloadConfig, dtype: torch.dtype, device: torch.device, mlps: list[Callable]) -> None:
         self.path = path
         self.model = model
         self.config = model.config
@@ -164,8 +130,12 @@ class OffloadedModel:
         self.num_experts = layers[0].num_experts
         self.top_k = layers[0].top_k
         self.renormalize = bool(family.renormalize(layers[0].router))
+        if offload.prefetch < 0 or offload.readers < 0:
+            raise ValueError(f"prefetch and readers must be >= 0, got {offload.prefetch}, {offload.readers}")
         if offload.quant:
             p0 = checkpoint.expert(layers[0].layer_id, 0)
+            if p0.layout != "linear":
+                raise ValueError(f"--quant is not supported for {family.model_type} experts ({p0.layout} layout)")
             if offload.group is None:  # the largest group ≤ 64 that divides D and F (every shipped model)
                 offload = self.offload = dataclasses.replace(offload, group=default_group(p0.d, p0.f))
             layout = QuantLayout(offload.quant, p0.d, p0.f, offload.group)
@@ -181,21 +151,27 @@ class OffloadedModel:
             self.source = QuantSource(side, layout, self.num_experts)
         else:
             self.source = NativeSource(checkpoint)
-        for m in layers:  # every expert present and well-formed before anything runs (loud)
-            for e in range(self.num_experts):
-                self.source.parts(m.layer_id, e)
-        self.expert_bytes = self.source.parts(layers[0].layer_id, 0).nbytes
+        # every expert present and well-formed before anything runs (loud); where its bytes go in a slot
+        io = offload.io if offload.tier == "disk" else "cached"
+        self._parts = {(m.index, e): self.source.parts(m.layer_id, e) for m in layers for e in range(self.num_experts)}
+        self._placement = {k: place_expert(p, io) for k, p in self._parts.items()}
+        self.expert_bytes = self._parts[(0, 0)].nbytes
+        self.slot_bytes = slot_bytes_for(max(p.nbytes for p in self._placement.values()))
+        bounce = [max(n for _, _, n, _, _ in p.spans) for p in self._placement.values() if p.bounce]
+        self.readers = IOQueue(offload.readers)
+        self._io_bytes = (max(bounce) if bounce else 0) * max(1, offload.readers)
         self.tier = DiskTier(offload.io) if offload.tier == "disk" else \
             HostTier(self.source, [m.layer_id for m in layers], self.num_experts)
+        if isinstance(self.tier, DiskTier):  # open every file now: O_DIRECT support is checked before any run
+            for f in sorted({r.file for p in self._parts.values() for r in p.reads}):
+                self.tier._fd(f)
         self.plan = self._plan()
         self.capacity = self.plan.slots
-        self._act_fns = act_fns
+        self._mlps = mlps
         self._cuda = device.type == "cuda"
-        if self._cuda:  # pragma: no cover - GPU only
-            self._stream = torch.cuda.Stream(device)
-            self._staging = torch.empty(self.expert_bytes, dtype=torch.uint8, pin_memory=True)
-            self._staging_event: torch.cuda.Event | None = None
-        self.pools = [SlotPool(self.capacity, self.expert_bytes, device) for _ in layers]
+        self._staging = threading.local()
+        self.pools = self._make_pools(self.capacity)
+        self._stock_routers = [m.router.forward for m in layers]
         self.routing = RoutingConfig()
         self.eviction = "lru"
         self.record = False
@@ -231,15 +207,15 @@ class OffloadedModel:
         layers = find_moe_layers(model, family)
         num_experts = layers[0].num_experts
         checkpoint = Checkpoint(path, family.model_type, num_experts)
-        act_fns = []
-        holder: list = []
+        layout = checkpoint.expert(layers[0].layer_id, 0).layout
+        mlps = []
         for m in layers:
-            act_fns.append(m.block.experts.act_fn)
-            m.block.experts = OffloadedExperts(holder, m.index)  # runtime bound below
+            mlps.append(expert_mlp(layout, m.block.experts))
+            m.block.experts = OffloadedExperts(None, m.index)  # runtime bound below
         model.to_empty(device=device)
-        _load_non_expert(model, checkpoint, family.model_type, config)
-        _recompute_rotary(model, config, device)
-        runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, act_fns)
+        load_non_expert(model, checkpoint, family.model_type, config)
+        recompute_rotary(model, config, device)
+        runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps)
         for m in layers:
             m.block.experts._runtime = [runtime]
         runtime.configure(routing=routing or RoutingConfig(), eviction=eviction, **configure_kw)
@@ -259,29 +235,38 @@ class OffloadedModel:
             raise ValueError("give either --memory or --cache-experts, not both")
         return plan_memory(budget=budget, slots=None if budget is not None else slots, non_expert_bytes=non_expert,
                            kv_bytes=kv, expert_bytes=self.expert_bytes, num_layers=len(self.layers),
-                           num_experts=self.num_experts, top_k=self.top_k)
+                           num_experts=self.num_experts, top_k=self.top_k, slot_bytes=self.slot_bytes,
+                           extra_slots=1 + o.prefetch, io_bytes=self._io_bytes)
+
+    def _make_pools(self, capacity: int) -> list[SlotPool]:
+        return [SlotPool(capacity, self.slot_bytes, self.device, scratch=1, spare=self.offload.prefetch)
+                for _ in self.layers]
 
     def _install_routers(self) -> None:
         for m in self.layers:
-            stock = m.router.forward
-            m.router.forward = self._make_router_forward(m, stock)
+            m.router.forward = self._make_router_forward(m, self._stock_routers[m.index])
+
+    def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
+        """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency."""
+        if self.routing.policy == "original":
+            return w0_TK, ids0_TK
+        z_cpu_TE = z_TE.detach().to("cpu")
+        zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
+        if self.routing.cache_aware:
+            resident_TE = torch.tensor(self.states[m.index].cache.resident_mask()).expand_as(zr_TE)
+        else:
+            resident_TE = torch.ones_like(zr_TE, dtype=torch.bool)
+        if allowed_TE is not None:
+            resident_TE = resident_TE & allowed_TE
+        ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE), z_cpu_TE)
+        w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK)
+        return w_TK.to(w0_TK.dtype).to(w0_TK.device), ids_TK.to(ids0_TK.device)
 
     def _make_router_forward(self, m: MoELayer, stock):
         def forward(hidden_states, *args, **kwargs):
             z_TE, w0_TK, ids0_TK = stock(hidden_states, *args, **kwargs)
-            if self.routing.policy == "original":
-                return z_TE, w0_TK, ids0_TK
-            z_cpu_TE = z_TE.detach().to("cpu")
-            zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
-            if self.routing.cache_aware:
-                resident_TE = torch.tensor(self.states[m.index].cache.resident_mask()).expand_as(zr_TE)
-            else:
-                resident_TE = torch.ones_like(zr_TE, dtype=torch.bool)
-            if allowed_TE is not None:
-                resident_TE = resident_TE & allowed_TE
-            ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE), z_cpu_TE)
-            w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK)
-            return z_TE, w_TK.to(w0_TK.dtype).to(w0_TK.device), ids_TK.to(ids0_TK.device)
+            w_TK, ids_TK = self._route(m, z_TE, w0_TK, ids0_TK)
+            return z_TE, w_TK, ids_TK
 
         return forward
 
@@ -292,11 +277,12 @@ class OffloadedModel:
                   capacity: int | None = None) -> None:
         """(Re)start with a routing policy and fresh, empty caches (slots emptied, statistics zeroed).
         ``capacity`` re-sizes the fast tier to that many slots per layer (bypasses the memory plan)."""
+        self._drain()
         if capacity is not None and capacity != self.capacity:
             if not 1 <= capacity <= self.num_experts:
                 raise ValueError(f"cache size must be between 1 and N={self.num_experts}, got {capacity}")
             self.capacity = capacity
-            self.pools = [SlotPool(capacity, self.expert_bytes, self.device) for _ in self.layers]
+            self.pools = self._make_pools(capacity)
         self.routing = routing or self.routing
         self.eviction = eviction or self.eviction
         if self.eviction == "belady":
@@ -308,12 +294,14 @@ class OffloadedModel:
         self.gamma = gamma
         for pool in self.pools:
             pool.reset()
-        self.states = [LayerState(m, self._act_fns[m.index],
+        self.states = [LayerState(m, self._mlps[m.index],
                                   make_cache(self.eviction, self.num_experts, self.capacity, gamma=gamma,
                                              expert_bytes=self.expert_bytes), self.pools[m.index])
                        for m in self.layers]
         self.tier.stats = TierStats()
         self.compute_seconds = 0.0
+        self.io_wait_seconds = 0.0
+        self.prefetch_stats = PrefetchStats()
 
     def warm(self, experts: Iterable[int] | None = None) -> None:
         """Load ``experts`` (default: the first C ids) into every layer, then zero all statistics."""
@@ -324,72 +312,79 @@ class OffloadedModel:
             st.cache.stats = CacheStats(self.num_experts)
             st.prefetched = 0
         self.tier.stats = TierStats()
+        self.io_wait_seconds = 0.0
+        self.prefetch_stats = PrefetchStats()
+
+    def close(self) -> None:
+        """Wait for reads in flight and stop the reader threads."""
+        self._drain()
+        self.readers.close()
+
+    # -- loading (the I/O seam) ------------------------------------------------------------------
+
+    def _submit(self, st: LayerState, e: int, slot: int, done: "queue.SimpleQueue | None" = None) -> Ticket:
+        """Queue the read of expert ``e`` of layer ``st`` into ``slot`` (any read still in flight into that
+        slot is waited for first: two reads never race for one slot)."""
+        pool = st.pool
+        old = pool.pending.pop(slot, None)
+        if old is not None:
+            self._wait(old, swallow=True)
+        key = (st.moe.index, e)
+        placement = self._placement[key]
+        pool.placement[slot] = (e, placement, None)
+        t0 = time.perf_counter()
+        ticket = self.readers.submit(self._job(st, e, slot, placement), tag=(e, slot), done=done)
+        if not self.readers.readers:  # serial: the read ran right here, on the compute thread
+            self.io_wait_seconds += time.perf_counter() - t0
+        pool.pending[slot] = ticket
+        return ticket
+
+    def _job(self, st: LayerState, e: int, slot: int, placement: Placement) -> Callable[[], int]:
+        dest = st.pool.buffer[slot]
+        tier, layer_id, parts = self.tier, st.moe.layer_id, self._parts[(st.moe.index, e)]
+        if self._cuda:  # pragma: no cover - GPU only: tier -> this reader's pinned staging buffer -> slot
+            def cuda_job() -> int:
+                staging = getattr(self._staging, "buf", None)
+                if staging is None:
+                    staging = self._staging.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
+                n = tier.read(layer_id, e, staging) if isinstance(tier, HostTier) else tier.read(parts, placement, staging)
+                dest.copy_(staging)
+                return n
+            return cuda_job
+        if isinstance(tier, HostTier):
+            return lambda: tier.read(layer_id, e, dest)
+        return lambda: tier.read(parts, placement, dest)
+
+    def _wait(self, ticket: Ticket, swallow: bool = False) -> None:
+        t0 = time.perf_counter()
+        try:
+            ticket.wait()
+        except BaseException:
+            if not swallow:
+                raise
+        finally:
+            self.io_wait_seconds += time.perf_counter() - t0
+
+    def _drain(self) -> None:
+        """Wait for every read in flight (errors ignored: the slots are about to be reset)."""
+        for pool in getattr(self, "pools", []):
+            for t in pool.tickets():
+                self._wait(t, swallow=True)
+            pool.pending.clear()
+
+    def _weights(self, st: LayerState, e: int, slot: int) -> tuple[torch.Tensor, ...]:
+        """The expert's tensors as views of its slot (cached per slot while it holds ``e``)."""
+        pool = st.pool
+        held = pool.placement.get(slot)
+        if held is not None and held[0] == e and held[2] is not None:
+            return held[2]
+        key = (st.moe.index, e)
+        w = expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype, self.source.quant)
+        if self.source.quant is None:
+            pool.placement[slot] = (e, self._placement[key], w)
+        return w
 
     # -- the MoE step ----------------------------------------------------------------------------
-
-    def _load(self, st: LayerState, e: int, slot: int) -> None:
-        parts = self.source.parts(st.moe.layer_id, e)
-        dest = st.pool.buffer[slot]
-        if not self._cuda:
-            if isinstance(self.tier, HostTier):
-                self.tier.fetch(st.moe.layer_id, e, dest)
-            else:
-                self.tier.fetch(parts, dest)
-            return
-        # pragma: no cover - GPU only: tier -> pinned staging -> slot on the side stream
-        if self._staging_event is not None:  # the previous copy out of the staging buffer is done
-            self._staging_event.synchronize()
-        if isinstance(self.tier, HostTier):
-            src = self.tier.fetch_row(st.moe.layer_id, e)
-            self.tier.stats.loads += 1
-            self.tier.stats.bytes_read += src.numel()
-        else:
-            self.tier.fetch(parts, self._staging)
-            src = self._staging
-        with torch.cuda.stream(self._stream):
-            dest[:src.numel()].copy_(src, non_blocking=True)
-            self._staging_event = torch.cuda.Event()
-            self._staging_event.record(self._stream)
-        torch.cuda.current_stream(self.device).wait_event(self._staging_event)
-
-    def _weights(self, st: LayerState, e: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2F, D], down [D, F]) of expert ``e`` in ``slot``, in the compute dtype."""
-        blob = st.pool.buffer[slot]
-        parts: ExpertParts = self.source.parts(st.moe.layer_id, e)
-        if self.source.quant is not None:
-            return unpack_expert(blob[:parts.nbytes], self.source.quant, self.dtype)
-        w = blob[:parts.nbytes].view(parts.dtype)
-        fd = parts.f * parts.d
-        gu = w[parts.gate_up_at:parts.gate_up_at + 2 * fd].view(2 * parts.f, parts.d)
-        down = w[parts.down_at:parts.down_at + fd].view(parts.d, parts.f)
-        return gu.to(self.dtype), down.to(self.dtype)
-
-    def _step(self, st: LayerState, order: Sequence[int], on_ready: Callable[[int, int], None] | None) -> None:
-        """Serve one cache step for the requested ids ``order`` (descending weight): bookkeeping first, then
-        hits (``on_ready(e, slot)``), then each miss loaded and handed to ``on_ready``."""
-        pool = st.pool
-        before = dict(pool.slot_of)
-        hits = st.cache.access_step(list(order))
-        after = st.cache.resident()
-        if on_ready is not None:
-            for e, hit in zip(order, hits):
-                if hit:
-                    on_ready(e, before[e])
-        for e in before:
-            if e not in after:
-                pool.free.append(pool.slot_of.pop(e))
-        for e, hit in zip(order, hits):
-            if hit:
-                continue
-            if e in after:
-                slot = pool.free.pop()
-                pool.slot_of[e] = slot
-            else:
-                slot = pool.scratch
-            self._load(st, e, slot)
-            if on_ready is not None:
-                on_ready(e, slot)
-        assert set(pool.slot_of) == set(after), (sorted(pool.slot_of), sorted(after))
 
     def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         st = self.states[index]
@@ -406,24 +401,160 @@ class OffloadedModel:
             order = sorted(cand, key=lambda e: (-float(total_E[e]), e))
         if self.record and ids_cpu_TK.shape[0] == 1:
             st.steps.append(list(order))
-        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         t0 = time.perf_counter()
-        io0 = self.tier.stats.seconds
+        wait0 = self.io_wait_seconds
+        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        one = ids_cpu_TK.shape[0] == 1
+        k_of = {e: k for k, e in enumerate(ids_cpu_TK[0].tolist())} if one else None
 
         def compute(e: int, slot: int) -> None:
-            k_pos, tok = torch.where((ids_TK == e).T)  # transformers' order: by slot k, then token
-            gu, down = self._weights(st, e, slot)
-            gate, up = F.linear(x_TD[tok], gu).chunk(2, dim=-1)
-            h = F.linear(st.act_fn(gate) * up, down)
+            if one:  # one token: no gather (same values as the general path)
+                tok, k_pos = _ZERO, torch.tensor([k_of[e]])
+                x = x_TD
+            else:
+                k_pos, tok = torch.where((ids_TK == e).T)  # transformers' order: by slot k, then token
+                x = x_TD[tok]
+            h = st.mlp(x, self._weights(st, e, slot))
             out[e] = (tok, h * w_TK[tok, k_pos, None])
 
-        self._step(st, order, compute)
+        try:
+            self._step(st, order, compute, x_TD)
+        except BaseException:
+            self._fail()
+            raise
+        st.io_wait += self.io_wait_seconds - wait0
         final_TD = torch.zeros_like(x_TD)
         for e in sorted(out):
             tok, h = out[e]
             final_TD.index_add_(0, tok, h.to(final_TD.dtype))
-        self.compute_seconds += time.perf_counter() - t0 - (self.tier.stats.seconds - io0)
+        self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
         return final_TD
+
+    def _fail(self) -> None:
+        """After a failed read: drain every read in flight and restart with empty caches (same policy)."""
+        self._drain()
+        for st in self.states:
+            st.pool.reset()
+            st.cache = make_cache(self.eviction, self.num_experts, self.capacity, gamma=self.gamma,
+                                  expert_bytes=self.expert_bytes)
+
+    def _step(self, st: LayerState, order: list[int], on_ready: Callable[[int, int], None] | None,
+              x_TD: torch.Tensor | None = None) -> None:
+        """Serve one cache step for the requested ids ``order`` (descending weight): bookkeeping, all misses
+        issued at once, the next layer's guess, hits computed (``on_ready(e, slot)``) while the misses are in
+        flight, then each miss handed to ``on_ready`` as it lands."""
+        pool = st.pool
+        if st.guess is not None:  # score the guess made for this step
+            g, ps = set(st.guess), self.prefetch_stats
+            ps.guessed += len(g)
+            ps.requested += len(order)
+            ps.correct += len(g.intersection(order))
+            st.guess = None
+        before = dict(pool.slot_of)
+        hits = st.cache.access_step(list(order))
+        after = st.cache.resident()
+        for e in before:
+            if e not in after:
+                pool.free.append(pool.slot_of.pop(e))
+        hit_slots = {before[e] for e, h in zip(order, hits) if h}
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        inflight: dict[int, int] = {}  # expert -> slot of misses whose read is (or will be) in flight
+        deferred: list[tuple[int, int]] = []  # misses whose slot holds a hit of this step
+        waiting_scratch: list[int] = []  # misses the cache does not keep, waiting for a scratch slot
+        on_scratch: set[int] = set()
+        landed: list[tuple[int, int]] = []  # misses already in memory (prefetched and complete)
+        for e, hit in zip(order, hits):
+            if hit:
+                continue
+            spare = pool.prefetched.pop(e, None)
+            if spare is not None:  # a prefetched copy: no read; it becomes the cache slot, a free slot a spare
+                self._note_prefetch_used(e)
+                if e in after:
+                    slot = pool.free.pop()
+                    pool.spares[pool.spares.index(spare)] = slot
+                    pool.slot_of[e] = spare
+                else:
+                    pool.prefetched[e] = spare  # not kept: computed from the spare, which keeps it
+                landed.append((e, spare))  # (its read, if still in flight, is waited for when computed)
+                continue
+            if e in after:
+                slot = pool.free.pop()
+                pool.slot_of[e] = slot
+                if slot in hit_slots:
+                    deferred.append((e, slot))
+                    continue
+            elif pool.scratch:
+                slot = pool.scratch.pop()
+                on_scratch.add(e)
+            else:
+                waiting_scratch.append(e)
+                continue
+            self._submit(st, e, slot, done)
+            inflight[e] = slot
+        if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
+            self._guess_next(st.moe.index + 1, x_TD)
+        if on_ready is not None:
+            for e, hit in zip(order, hits):
+                if hit:
+                    self._ready(st, before[e], on_ready, e)
+        for e, slot in deferred:
+            self._submit(st, e, slot, done)
+            inflight[e] = slot
+        for e, slot in landed:
+            self._ready(st, slot, on_ready, e)
+        while inflight:  # each miss as it lands
+            t0 = time.perf_counter()
+            ticket = done.get()
+            self.io_wait_seconds += time.perf_counter() - t0
+            e, slot = ticket.tag
+            del inflight[e]
+            self._ready(st, slot, on_ready, e)
+            if e in on_scratch:  # computed: the scratch slot is free for the next expert the cache does not keep
+                on_scratch.discard(e)
+                if waiting_scratch:
+                    nxt = waiting_scratch.pop(0)
+                    on_scratch.add(nxt)
+                    self._submit(st, nxt, slot, done)
+                    inflight[nxt] = slot
+                else:
+                    pool.scratch.append(slot)
+        assert not waiting_scratch
+        assert set(pool.slot_of) == set(after), (sorted(pool.slot_of), sorted(after))
+
+    def _ready(self, st: LayerState, slot: int, on_ready, e: int) -> None:
+        t = st.pool.pending.pop(slot, None)
+        if t is not None:
+            self._wait(t)
+        if on_ready is not None:
+            on_ready(e, slot)
+
+    def _note_prefetch_used(self, e: int) -> None:
+        ps = self.prefetch_stats
+        ps.used += 1
+        ps.used_bytes += self.expert_bytes
+
+    # -- next-layer speculative prefetch ---------------------------------------------------------
+
+    def _guess_next(self, index: int, x_TD: torch.Tensor) -> None:
+        """Guess layer ``index``'s experts (:func:`~expertcache.offload.prefetch.guess_next_layer`) and read the
+        non-resident guesses into its spare slots (the one that has waited longest is reused first). Never
+        changes what is computed: a spare holds an expert's true bytes, used only if that expert is a miss."""
+        st = self.states[index]
+        st.guess = ids = guess_next_layer(self, index, x_TD)
+        pool = st.pool
+        want = [e for e in ids if e not in st.cache and e not in pool.prefetched]
+        if not want:
+            return
+        held = {s: e for e, s in pool.prefetched.items()}
+        free = [s for s in pool.spares if s not in held] + [s for s in pool.spares if s in held]
+        ps = self.prefetch_stats
+        for e, slot in zip(want, free):
+            if slot in held:
+                pool.prefetched.pop(held[slot], None)
+            pool.prefetched[e] = slot
+            self._submit(st, e, slot)
+            ps.issued += 1
+            ps.bytes += self.expert_bytes
 
     def prefetch(self, index: int, experts: Iterable[int]) -> int:
         """Load ``experts`` of MoE layer ``index`` ahead of use (e.g. from a predictor). Each load is a cache
@@ -435,7 +566,13 @@ class OffloadedModel:
             return 0
         s = st.cache.stats
         saved = (s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded)
-        self._step(st, ids, None)
+        guess, st.guess = st.guess, None
+        try:
+            self._step(st, ids, lambda e, slot: None)
+        except BaseException:
+            self._fail()
+            raise
+        st.guess = guess
         s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded = saved
         st.prefetched += len(ids)
         return len(ids)
@@ -497,7 +634,7 @@ class OffloadedModel:
         tokens = torch.cat(toks, dim=1) if toks else torch.zeros(input_ids_BS.shape[0], 0, dtype=torch.long)
         s1 = self.stats()
         d = {k: s1[k] - s0[k] for k in ("accesses", "hits", "misses", "bytes_read", "expert_loads", "io_seconds",
-                                         "compute_seconds")}
+                                         "io_wait_seconds", "compute_seconds")}
         d["hit_rate"] = d["hits"] / d["accesses"] if d["accesses"] else 0.0
         return dict(tokens=tokens, prefill_s=t1 - t0, decode_s=decode_s, decode_tokens=max(0, len(toks) - 1),
                     decode_stats=d)
@@ -508,7 +645,12 @@ class OffloadedModel:
         return [st.cache.finish() for st in self.states]
 
     def stats(self) -> dict:
-        """Hits, misses, hit rate, bytes read from the tier, load and compute seconds, prefetches."""
+        """Hits, misses, hit rate, bytes read from the tier (demand misses and prefetches), reads, read
+        seconds (summed over reader threads), seconds the compute thread waited for reads, compute seconds,
+        prefetch counters (:class:`PrefetchStats`). Waits for reads in flight first, so counts are final."""
+        for pool in self.pools:
+            for t in pool.tickets():
+                t._event.wait()
         per = self.cache_stats()
         total = per[0]
         for s in per[1:]:
@@ -516,8 +658,10 @@ class OffloadedModel:
         return dict(accesses=total.accesses, hits=total.hits, misses=total.misses, hit_rate=total.hit_rate,
                     evictions=total.evictions, bytes_read=self.tier.stats.bytes_read,
                     expert_loads=self.tier.stats.loads, io_seconds=self.tier.stats.seconds,
-                    compute_seconds=self.compute_seconds, prefetched=sum(st.prefetched for st in self.states),
-                    per_layer_misses=[s.misses for s in per])
+                    io_wait_seconds=self.io_wait_seconds, compute_seconds=self.compute_seconds,
+                    prefetched=sum(st.prefetched for st in self.states), prefetch=self.prefetch_stats.to_dict(),
+                    per_layer_misses=[s.misses for s in per],
+                    per_layer_io_wait_seconds=[st.io_wait for st in self.states])
 
     def recorded_ids_TLK(self) -> np.ndarray:
         """[T, L, K] ids of the recorded single-token steps (``configure(record=True)``), for
@@ -541,64 +685,9 @@ class OffloadedModel:
                     io=self.offload.io if self.offload.tier == "disk" else None, quant=self.offload.quant,
                     group=self.offload.group if self.offload.quant else None, capacity=self.capacity,
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),
-                    eviction=self.eviction, gamma=self.gamma if self.eviction == "gamma" else None)
+                    eviction=self.eviction, gamma=self.gamma if self.eviction == "gamma" else None,
+                    readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,
+                    threads=torch.get_num_threads())
 
 
-# ---------------------------------------------------------------------------------------------
-# loading the non-expert weights
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("EXPERTCACHE_CACHE", Path.home() / ".cache" / "expertcache"))
-
-
-def _disk_key_candidates(name: str, model_type: str) -> list[str]:
-    keys = [name]
-    if model_type == "mixtral" and ".mlp." in name:
-        keys.append(name.replace(".mlp.", ".block_sparse_moe."))
-    return keys
-
-
-def _load_non_expert(model: nn.Module, ckpt: Checkpoint, model_type: str, config) -> None:
-    """Read every non-expert parameter and persistent buffer of ``model`` from the checkpoint by key
-    (tied weights once). Missing keys, shape mismatches and unexpected non-expert keys raise."""
-    used: set[str] = set()
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = model.state_dict(keep_vars=True)
-    missing = []
-    with torch.no_grad():
-        for name, t in state.items():
-            key = next((k for k in _disk_key_candidates(name, model_type) if k in ckpt.entries), None)
-            if key is None:
-                if tied and name == "lm_head.weight":
-                    continue
-                missing.append(name)
-                continue
-            src = ckpt.tensor(key)
-            if tuple(src.shape) != tuple(t.shape):
-                raise CheckpointError(f"{ckpt.folder}: {key} has shape {list(src.shape)}, the model expects "
-                                      f"{list(t.shape)}")
-            t.copy_(src)
-            used.add(key)
-    if missing:
-        raise CheckpointError(f"{ckpt.folder}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    extra = [k for k in ckpt.entries if k not in used and not ckpt.is_expert_key(k)]
-    if extra:
-        raise CheckpointError(f"{ckpt.folder}: unexpected tensors {extra[:5]} (unsupported layout?)")
-
-
-def _recompute_rotary(model: nn.Module, config, device: torch.device) -> None:
-    """Non-persistent buffers are not in the checkpoint: rebuild rotary-embedding modules (the only ones the
-    supported families have; anything else raises)."""
-    for name, mod in list(model.named_modules()):
-        if not mod._non_persistent_buffers_set:
-            continue
-        if not type(mod).__name__.endswith("RotaryEmbedding"):
-            raise RuntimeError(f"{name} ({type(mod).__name__}) has non-persistent buffers "
-                               f"{sorted(mod._non_persistent_buffers_set)} that the offloaded loader cannot rebuild")
-        with torch.device(device):
-            fresh = type(mod)(config=config)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, fresh)
+_ZERO = torch.zeros(1, dtype=torch.long)

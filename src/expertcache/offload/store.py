@@ -14,6 +14,14 @@ pinned staging buffer on the way to a GPU) and counts what it moved:
 - :class:`HostTier`: every expert of every MoE layer read once into host RAM (pinned when CUDA is
   available), one contiguous row per expert; a miss is a memory copy (the PCIe setting of 003/004).
 
+Asynchronous use: :meth:`DiskTier.read` / :meth:`HostTier.read` copy one expert into its *slot* following a
+:class:`Placement` (:func:`place_expert`) and are safe to call from several reader threads at once (see
+:mod:`expertcache.offload.ioqueue`); ``os.preadv`` releases the GIL, so reads overlap with compute. With
+``io='direct'`` the placement puts each 4 KiB-aligned span straight into the (page-aligned) slot, so the
+bytes are read **in place** -- no bounce buffer, no copy -- whenever every weight matrix lies inside one
+byte range (the usual case: one expert = one contiguous range, or one range per fused tensor); otherwise
+the span goes through a per-thread bounce buffer and is copied to its packed position.
+
 Tiers know nothing about caches or routing.
 """
 
@@ -23,18 +31,21 @@ import hashlib
 import mmap
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import math
 
 import torch
 
 from expertcache.offload.checkpoint import ByteRange, Checkpoint, CheckpointError, ExpertParts, read_header
 from expertcache.offload.quant import QuantLayout, default_group, pack_expert
 
-__all__ = ["IO_MODES", "TIERS", "NativeSource", "QuantSource", "DiskTier", "HostTier", "TierStats",
-           "quantize_checkpoint", "quant_sidecar_path", "direct_io_supported", "verify_quant_sidecar",
-           "CHECKSUM_KEY"]
+__all__ = ["IO_MODES", "TIERS", "NativeSource", "QuantSource", "DiskTier", "HostTier", "TierStats", "Placement",
+           "place_expert", "quantize_checkpoint", "quant_sidecar_path", "direct_io_supported", "ALIGN",
+           "verify_quant_sidecar", "CHECKSUM_KEY"]
 
 #: tensor of a quantised sidecar holding one blake2b-128 digest per expert blob (uint8 [n, 16], rows in the
 #: order the blobs are stored in the file)
@@ -82,7 +93,7 @@ def verify_quant_sidecar(path: str | os.PathLike, entries: dict | None = None) -
 
 IO_MODES = ("direct", "fadvise", "cached")
 TIERS = ("disk", "host")
-_ALIGN = 4096
+_ALIGN = ALIGN = 4096
 
 
 class NativeSource:
@@ -127,7 +138,7 @@ class QuantSource:
             raise CheckpointError(f"{self.path}: {key} has {t.nbytes} bytes {t.dtype}, expected "
                                   f"{self.quant.nbytes} uint8 for {self.quant}")
         got = ExpertParts((ByteRange(t.file, t.start, t.nbytes, 0),), t.nbytes, torch.uint8, self.quant.d,
-                          self.quant.f, 0, 0)
+                          self.quant.f, 0, 0, "blob")
         self._parts[(layer_id, e)] = got
         return got
 
@@ -183,11 +194,22 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str,
 
 @dataclass
 class TierStats:
-    """Bytes and time spent moving experts out of a tier."""
+    """Bytes and time spent moving experts out of a tier. ``seconds`` sums the duration of every read (with
+    parallel readers this exceeds wall time: it is device-busy time, not waiting time). Updated by reader
+    threads under a lock (:meth:`add`)."""
 
     loads: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self.loads += 1
+            self.bytes_read += nbytes
+            self.seconds += seconds
 
     @property
     def bandwidth(self) -> float:
@@ -210,6 +232,57 @@ def direct_io_supported(path: str | os.PathLike) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one expert's bytes go in its slot.
+
+    spans: ``(file, file offset, length, slot offset, needed)`` per read -- ``needed`` is the least byte
+    count that read must return (the aligned tail may run past the end of the file). at: slot byte offset
+    of the first byte of each ``ExpertParts.reads[i]``. bounce: the spans go to a bounce buffer first and each
+    range is then copied to ``at`` (O_DIRECT when a matrix spans two ranges). nbytes: slot bytes used.
+    """
+
+    spans: tuple[tuple[Path, int, int, int, int], ...]
+    at: tuple[int, ...]
+    bounce: bool
+    nbytes: int
+
+    def slot_offset(self, parts: ExpertParts, packed_byte: int) -> int:
+        """Slot byte offset of byte ``packed_byte`` of the packed expert (see ExpertParts)."""
+        for r, a in zip(parts.reads, self.at):
+            if r.dest <= packed_byte < r.dest + r.nbytes:
+                return a + packed_byte - r.dest
+        raise ValueError(f"byte {packed_byte} is outside the expert ({parts.nbytes} bytes)")
+
+
+def _in_one_range(parts: ExpertParts, start: int, nbytes: int) -> bool:
+    return any(r.dest <= start and start + nbytes <= r.dest + r.nbytes for r in parts.reads)
+
+
+def place_expert(parts: ExpertParts, io: str) -> Placement:
+    """The :class:`Placement` of ``parts`` for disk reads in mode ``io`` (see the module docstring). Buffered
+    modes read each range to its packed position; ``direct`` reads aligned spans in place when every tensor
+    lies in one range and stays element-aligned, through a bounce buffer otherwise."""
+    if io != "direct":
+        spans = tuple((r.file, r.offset, r.nbytes, r.dest, r.nbytes) for r in parts.reads)
+        return Placement(spans, tuple(r.dest for r in parts.reads), False, parts.nbytes)
+    esize = torch.empty((), dtype=parts.dtype).element_size()
+    spans, at, pos = [], [], 0
+    for r in parts.reads:
+        start = r.offset - r.offset % _ALIGN
+        end = -(-(r.offset + r.nbytes) // _ALIGN) * _ALIGN
+        spans.append((r.file, start, end - start, pos, r.offset + r.nbytes - start))
+        at.append(pos + r.offset - start)
+        pos += end - start
+    inplace = Placement(tuple(spans), tuple(at), False, pos)
+    ok = all(_in_one_range(parts, off * esize, math.prod(shape) * esize)
+             and inplace.slot_offset(parts, off * esize) % esize == 0 for off, shape in parts.tensors().values())
+    if ok:
+        return inplace
+    bounce = tuple((f, o, n, -1, need) for f, o, n, _, need in spans)
+    return Placement(bounce, tuple(r.dest for r in parts.reads), True, parts.nbytes)
+
+
 @dataclass
 class DiskTier:
     """Reads experts from the checkpoint files on every request (see the module docstring for ``io``)."""
@@ -222,8 +295,17 @@ class DiskTier:
             raise ValueError(f"io must be one of {IO_MODES}, got {self.io!r}")
         self._fds: dict[Path, int] = {}
         self._bounce: mmap.mmap | None = None
+        self._open_lock = threading.Lock()
+        self._local = threading.local()  # per reader thread: its bounce buffer
 
     def _fd(self, file: Path) -> int:
+        fd = self._fds.get(file)
+        if fd is not None:
+            return fd
+        with self._open_lock:
+            return self._open(file)
+
+    def _open(self, file: Path) -> int:
         fd = self._fds.get(file)
         if fd is None:
             flags = os.O_RDONLY | (os.O_DIRECT if self.io == "direct" else 0)
@@ -270,6 +352,43 @@ class DiskTier:
         self.stats.seconds += time.perf_counter() - t0
         return moved
 
+    def read(self, parts: ExpertParts, placement: Placement, dest_u8: torch.Tensor) -> int:
+        """Read one expert into its slot ``dest_u8`` (CPU uint8, page-aligned for ``direct``) following
+        ``placement``; thread-safe (called by reader threads). Returns the bytes read from the device.
+        A failed or short read raises OSError / CheckpointError naming the file."""
+        t0 = time.perf_counter()
+        moved = 0
+        view = memoryview(dest_u8.numpy())
+        if placement.bounce:
+            bounce = self._thread_bounce(max(n for _, _, n, _, _ in placement.spans))
+        for i, (file, offset, length, at, needed) in enumerate(placement.spans):
+            fd = self._fd(file)
+            if self.io == "fadvise":
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+            target = memoryview(bounce)[:length] if placement.bounce else view[at:at + length]
+            try:
+                got = os.preadv(fd, [target], offset)
+            except OSError as exc:
+                raise OSError(exc.errno, f"reading expert bytes [{offset}, {offset + length}) failed "
+                                         f"({exc.strerror})", str(file)) from None
+            if got < needed:
+                raise CheckpointError(f"{file}: short read at byte {offset} ({got} of {needed} bytes; truncated "
+                                      "file?)")
+            if placement.bounce:
+                r = parts.reads[i]
+                skip = r.offset - offset
+                dest_u8[r.dest:r.dest + r.nbytes].copy_(
+                    torch.frombuffer(bounce, dtype=torch.uint8, count=skip + r.nbytes)[skip:])
+            moved += got
+        self.stats.add(moved, time.perf_counter() - t0)
+        return moved
+
+    def _thread_bounce(self, nbytes: int) -> mmap.mmap:
+        buf = getattr(self._local, "bounce", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.bounce = mmap.mmap(-1, -(-nbytes // _ALIGN) * _ALIGN)
+        return buf
+
     def _read_direct(self, fd: int, r: ByteRange, dest_u8: torch.Tensor) -> int:
         start = r.offset - r.offset % _ALIGN
         end = -(-(r.offset + r.nbytes) // _ALIGN) * _ALIGN
@@ -306,6 +425,14 @@ class HostTier:
 
     def fetch_row(self, layer_id: int, e: int) -> torch.Tensor:
         return self.rows[layer_id][e]
+
+    def read(self, layer_id: int, e: int, dest_u8: torch.Tensor) -> int:
+        """Copy expert ``e`` of ``layer_id`` into its slot (packed layout); thread-safe."""
+        t0 = time.perf_counter()
+        row = self.rows[layer_id][e]
+        dest_u8[:row.numel()].copy_(row)
+        self.stats.add(row.numel(), time.perf_counter() - t0)
+        return row.numel()
 
     def fetch(self, layer_id: int, e: int, dest_u8: torch.Tensor) -> int:
         t0 = time.perf_counter()

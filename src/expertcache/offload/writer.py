@@ -39,7 +39,10 @@ def write_safetensors(path: str | os.PathLike,
     with open(tmp, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for key, dtype, shape, make in entries:
+        from tqdm import tqdm
+
+        bar = tqdm(entries, desc=f"write {path.name}", unit="tensor", disable=len(entries) < 1000, leave=False)
+        for key, dtype, shape, make in bar:
             t = make()
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                 raise ValueError(f"{key}: produced {t.dtype} {tuple(t.shape)}, declared {dtype} {tuple(shape)}")

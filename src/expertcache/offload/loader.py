@@ -1,0 +1,75 @@
+"""Loading everything but the experts: the non-expert weights of an offloaded model, read by key from the
+checkpoint into a skeleton built on the ``meta`` device, and the rotary tables (non-persistent buffers,
+recomputed). Loud: a missing tensor, a shape mismatch or an unexpected non-expert key raises
+:class:`~expertcache.offload.checkpoint.CheckpointError`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from expertcache.offload.checkpoint import Checkpoint, CheckpointError
+
+__all__ = ["cache_dir", "load_non_expert", "recompute_rotary"]
+
+
+def cache_dir() -> Path:
+    """expertcache's cache folder (``$EXPERTCACHE_CACHE``, default ``~/.cache/expertcache``)."""
+    return Path(os.environ.get("EXPERTCACHE_CACHE", Path.home() / ".cache" / "expertcache"))
+
+
+def disk_key_candidates(name: str, model_type: str) -> list[str]:
+    """Checkpoint keys that may hold the in-memory tensor ``name`` (transformers 5.x renames on load: Mixtral
+    and PhiMoE keep ``block_sparse_moe`` on disk, PhiMoE's ``mlp.router`` is ``block_sparse_moe.gate``)."""
+    keys = [name]
+    if model_type in ("mixtral", "phimoe") and ".mlp." in name:
+        keys.append(name.replace(".mlp.router.", ".block_sparse_moe.gate.").replace(".mlp.", ".block_sparse_moe."))
+    return keys
+
+
+def load_non_expert(model: nn.Module, ckpt: Checkpoint, model_type: str, config) -> None:
+    """Read every non-expert parameter and persistent buffer of ``model`` from the checkpoint by key
+    (tied weights once). Missing keys, shape mismatches and unexpected non-expert keys raise."""
+    used: set[str] = set()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = model.state_dict(keep_vars=True)
+    missing = []
+    with torch.no_grad():
+        for name, t in state.items():
+            key = next((k for k in disk_key_candidates(name, model_type) if k in ckpt.entries), None)
+            if key is None:
+                if tied and name == "lm_head.weight":
+                    continue
+                missing.append(name)
+                continue
+            src = ckpt.tensor(key)
+            if tuple(src.shape) != tuple(t.shape):
+                raise CheckpointError(f"{ckpt.folder}: {key} has shape {list(src.shape)}, the model expects "
+                                      f"{list(t.shape)}")
+            t.copy_(src)
+            used.add(key)
+    if missing:
+        raise CheckpointError(f"{ckpt.folder}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    extra = [k for k in ckpt.entries if k not in used and not ckpt.is_expert_key(k)]
+    if extra:
+        raise CheckpointError(f"{ckpt.folder}: unexpected tensors {extra[:5]} (unsupported layout?)")
+
+
+def recompute_rotary(model: nn.Module, config, device: torch.device) -> None:
+    """Non-persistent buffers are not in the checkpoint: rebuild rotary-embedding modules (the only ones the
+    supported families have; anything else raises)."""
+    for name, mod in list(model.named_modules()):
+        if not mod._non_persistent_buffers_set:
+            continue
+        if not type(mod).__name__.endswith("RotaryEmbedding"):
+            raise RuntimeError(f"{name} ({type(mod).__name__}) has non-persistent buffers "
+                               f"{sorted(mod._non_persistent_buffers_set)} that the offloaded loader cannot rebuild")
+        with torch.device(device):
+            fresh = type(mod)(config=config)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, fresh)
