@@ -41,7 +41,9 @@ def routing_from_args(args: argparse.Namespace) -> RoutingConfig:
 
 def add_cache_args(parser: argparse.ArgumentParser, *, default_capacity: str = "0.5") -> None:
     g = parser.add_argument_group("expert cache")
-    g.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru", help="eviction policy (default: lru)")
+    g.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru",
+                   help="eviction policy (default: lru; gamma: 004 Def. C.1, resident = Top-C of γ-discounted "
+                   "counts, a low-count miss is a transient load; gamma-admit: discounted counts, always admits)")
     g.add_argument("--capacity", default=default_capacity,
                    help=f"experts per layer in fast memory: a count (16) or a fraction of N (0.5) "
                         f"(default: {default_capacity})")
@@ -50,7 +52,7 @@ def add_cache_args(parser: argparse.ArgumentParser, *, default_capacity: str = "
 
 def add_cache_state_args(g) -> None:
     """--gamma, --initial, --seed, --between-sequences: the cache options besides eviction and capacity."""
-    g.add_argument("--gamma", type=float, default=0.9, help="γ of the gamma cache (1 = LFU, 0 = LRU; default 0.9)")
+    g.add_argument("--gamma", type=float, default=0.9, help="γ of the gamma / gamma-admit cache (1 = LFU, 0 = LRU; default 0.9)")
     g.add_argument("--initial", default="empty", choices=("empty", "random"), help="initial cache state")
     g.add_argument("--seed", type=int, default=0, help="seed for a random initial state")
     g.add_argument("--between-sequences", choices=("carry", "reset"), default="carry",

@@ -40,8 +40,10 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--group", type=int, default=64, help="quantisation group size (default: 64)")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="compute dtype (default: the checkpoint's)")
-    g.add_argument("--eviction", choices=("lru", "lfu", "gamma"), default="lru", help="eviction policy (default: lru)")
-    g.add_argument("--gamma", type=float, default=0.9, help="γ of the gamma cache (default 0.9)")
+    g.add_argument("--eviction", choices=("lru", "lfu", "gamma", "gamma-admit"), default="lru",
+                   help="eviction policy (default: lru; gamma: 004's Top-C of discounted counts, gamma-admit: "
+                   "discounted counts, always admits)")
+    g.add_argument("--gamma", type=float, default=0.9, help="γ of the gamma / gamma-admit cache (default 0.9)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
