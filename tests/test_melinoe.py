@@ -174,3 +174,121 @@ def test_finetune_bad_inputs_are_clear(tmp_path):
     assert main(["melinoe", "finetune", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert main(["melinoe", "finetune", "--steps", "0", "--out", str(tmp_path / "o")]) == 2
     assert main(["melinoe", "finetune", "--request", "hard", "--out", str(tmp_path / "o")]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# predictor and prefetch
+
+
+def _tiny_predictor(tmp_path, model_name="granular"):
+    """A predictor for the shipped granular model from a handful of synthetic prompts (the 'model' embedder)."""
+    from expertcache.melinoe.predictor import PredictorConfig, train_predictor
+
+    _write_corpus(tmp_path / "corpus", n_docs=24)
+    cfg = PredictorConfig(model=model_name, out=str(tmp_path / "pred"), data_dir=str(tmp_path / "corpus"),
+                          embedder="model", train_prompts=16, heldout_prompts=4, prompt_len=8, cont_len=6,
+                          hidden=32, epochs=3, capacities="4,8")
+    return cfg, train_predictor(cfg, progress=False)
+
+
+def test_predictor_trains_saves_and_loads(tmp_path, monkeypatch):
+    import expertcache.train.data as data
+    from expertcache.melinoe.predictor import Predictor, topc_metrics
+
+    monkeypatch.setattr(data, "is_heldout", lambda source: source.endswith(("-0", "-1", "-2")))
+    cfg, report = _tiny_predictor(tmp_path)
+    assert set(report["topc"]) == {"4", "8"}
+    for r in report["topc"].values():
+        for who in ("predictor", "prior", "oracle"):
+            assert 0 <= r[who]["precision"] <= 1 and 0 <= r[who]["recall"] <= 1
+        assert r["oracle"]["overlap"] == 1.0
+    p = Predictor.load(cfg.out)
+    assert (p.num_layers, p.num_experts) == (4, 32) and p.meta["embedder"] == "model"
+    from expertcache.eval.runner import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer("granular")
+    pred = p.predict(["apt install a package", "kernel module driver"], model, tok)
+    assert pred.shape == (2, 4, 32) and np.allclose(pred.sum(-1), 1, atol=1e-5)
+    sets = p.prefetch_sets(["apt install a package", "kernel module driver"], 8, model, tok)
+    pooled = pred.mean(0)
+    assert [sorted(s) for s in sets] == [sorted(np.argsort(-row)[:8].tolist()) for row in pooled]
+    with pytest.raises(FileNotFoundError):
+        Predictor.load(tmp_path / "nowhere")
+    # metrics by hand: 1 prompt, 1 layer, E=4; predicted top-2 {0, 1}; requests: e0 x3, e2 x1
+    m = topc_metrics(np.array([[[0.4, 0.3, 0.2, 0.1]]]), np.array([[[3.0, 0, 1, 0]]]),
+                     np.array([[[0.5, 0.1, 0.3, 0.1]]]), 2)
+    assert m == dict(precision=0.5, recall=0.75, overlap=0.5)
+
+
+def test_prefetch_is_counted_apart_from_misses(tmp_path, monkeypatch):
+    import expertcache.train.data as data
+    from expertcache.melinoe.predictor import Predictor
+    from expertcache.melinoe.prefetch import prefetch_cache, prefetch_runtime
+    from expertcache.offload import OffloadConfig, OffloadedModel
+    from expertcache.assets import shipped_model_dir
+    from expertcache.cache import make_cache
+
+    # a cache: the prefetch step is not a demand access
+    for kind in ("lru", "gamma", "lfu"):
+        c = make_cache(kind, 8, 3)
+        assert prefetch_cache(c, [5, 6, 7, 5]) == 3 and c.resident() == {5, 6, 7}
+        assert (c.stats.accesses, c.stats.misses, c.stats.hits) == (0, 0, 0)
+        c.access_step([5, 0])
+        assert (c.stats.accesses, c.stats.misses, c.stats.hits) == (2, 1, 1)
+    # the offloaded runtime: generate with and without the predictor's prefetch
+    monkeypatch.setattr(data, "is_heldout", lambda source: source.endswith(("-0", "-1", "-2")))
+    cfg, _ = _tiny_predictor(tmp_path)
+    p = Predictor.load(cfg.out)
+    from transformers import AutoTokenizer
+
+    path = shipped_model_dir("granular")
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt = "The Debian package manager installs software"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(capacity=8, io="cached"))
+    n = prefetch_runtime(rt, p, [prompt], tok)
+    assert n == 4 * 8
+    s0 = rt.stats()
+    assert s0["prefetched"] == 32 and s0["misses"] == 0 and s0["accesses"] == 0
+    out = rt.generate(ids, 4)
+    s1 = rt.stats()
+    assert s1["prefetched"] == 32 and s1["accesses"] > 0
+    assert s1["hits"] + s1["misses"] == s1["accesses"]
+    assert s1["expert_loads"] == s1["misses"] + 32  # every load is either a demand miss or a prefetch
+    rt.configure()
+    rt.generate(ids, 4)
+    s2 = rt.stats()
+    assert s2["prefetched"] == 0 and s2["expert_loads"] == s2["misses"]
+    # the CLI: generate --predictor prints the prefetch count; a bad path fails with exit code 2
+    from expertcache.cli.main import main
+
+    assert main(["generate", "--model", "granular", "--cache-experts", "8", "--io", "cached", "--max-new-tokens", "3",
+                 "--predictor", cfg.out, prompt]) == 0
+    assert main(["generate", "--model", "granular", "--predictor", str(tmp_path / "nope"), prompt]) == 2
+
+
+def test_eval_with_predictor_counts_prefetches(tmp_path, monkeypatch):
+    import expertcache.train.data as data
+    from expertcache.eval import evaluate
+    from expertcache.eval.runner import load_model_and_tokenizer
+    from expertcache.eval.tasks import WikiTextTask
+    from expertcache.melinoe.predictor import Predictor
+    from expertcache.melinoe.prefetch import PatchPrefetcher, item_prompt_texts
+    from expertcache.routing import RoutingConfig
+
+    monkeypatch.setattr(data, "is_heldout", lambda source: source.endswith(("-0", "-1", "-2")))
+    cfg, _ = _tiny_predictor(tmp_path)
+    p = Predictor.load(cfg.out)
+    model, tok = load_model_and_tokenizer("granular")
+    task = WikiTextTask(tok, context=32, text="apt install the package and the kernel module " * 30, limit=3)
+    rows = {}
+    for name, pre in (("none", None), ("prefetch", lambda patch, t: PatchPrefetcher(
+            p, item_prompt_texts(t, tok, 8), model, tok).install(patch))):
+        rows[name] = evaluate(model, task, RoutingConfig(), eviction="lru", capacity=8, between_sequences="reset",
+                              prefetch=pre)
+    assert "prefetched" not in rows["none"]
+    assert rows["prefetch"]["prefetched_items"] == 3 and 0 < rows["prefetch"]["prefetched"] <= 3 * 4 * 8
+    # same requests (original routing does not depend on the cache), fewer or equal demand misses
+    assert rows["prefetch"]["quality"] == pytest.approx(rows["none"]["quality"])
+    miss = lambda r: r["miss_rate"]
+    assert miss(rows["prefetch"]) <= miss(rows["none"])

@@ -57,3 +57,20 @@ def add_cache_state_args(g) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for a random initial state")
     g.add_argument("--between-sequences", choices=("carry", "reset"), default="carry",
                    help="keep caches across sequences (carry) or start each sequence empty (reset)")
+
+
+def add_predictor_arg(parser) -> None:
+    """--predictor PATH (MELINOE, 004): prefetch the predicted Top-C experts per layer before decoding."""
+    parser.add_argument("--predictor", default=None, metavar="PATH",
+                        help="MELINOE expert-activation predictor (from `expertcache melinoe predictor`): load the "
+                             "Top-C predicted experts of every layer before decoding (a batch pools its rows); "
+                             "prefetch loads are counted apart from misses")
+
+
+def predictor_from_args(args):
+    """The loaded predictor of ``--predictor`` (checked before any long work), or None."""
+    if not getattr(args, "predictor", None):
+        return None
+    from expertcache.melinoe.predictor import Predictor
+
+    return Predictor.load(args.predictor)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from expertcache.cli.common import add_routing_args, routing_from_args
+from expertcache.cli.common import add_predictor_arg, add_routing_args, predictor_from_args, routing_from_args
 
 DESCRIPTION = """\
 Generate text with the experts offloaded: only C experts per MoE layer are in fast memory (from --memory or
@@ -80,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON row (stderr)")
     add_offload_args(p)
+    add_predictor_arg(p)
     add_routing_args(p)
     add_routing_alias(p)
     p.set_defaults(func=run)
@@ -103,11 +104,13 @@ def load_prompt(path, prompt: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    from expertcache.melinoe.prefetch import prefetch_runtime
     from expertcache.offload import OffloadedModel
     from expertcache.offload.runtime import resolve_model_path
 
     path = resolve_model_path(args.model)
     ids, tok = load_prompt(path, args.prompt)
+    predictor = predictor_from_args(args)
     if ids.shape[1] == 0:
         raise ValueError("empty prompt")
     offload = offload_from_args(args, context=ids.shape[1] + args.max_new_tokens)
@@ -129,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
 
     eos = getattr(rt.config, "eos_token_id", None)
+    if predictor is not None:  # MELINOE: the predicted Top-C of every layer, loaded before decoding
+        prefetch_runtime(rt, predictor, [args.prompt], tok)
     r = rt.generate(ids, args.max_new_tokens, temperature=args.temperature, seed=args.seed, on_token=on_token,
                     stop=eos if isinstance(eos, int) else None)
     out.write("\n")
@@ -138,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     row = dict(kind="generate", prompt_tokens=int(ids.shape[1]), new_tokens=int(r["tokens"].shape[1]),
                prefill_s=r["prefill_s"], decode_s=r["decode_s"], decode_tok_s=tok_s, hit_rate=s["hit_rate"],
                decode_hit_rate=d["hit_rate"], bytes_read=s["bytes_read"], misses=s["misses"],
+               prefetched=s["prefetched"],
                config=rt.describe())
     if args.json:
         print(json.dumps(row), file=sys.stderr)
@@ -145,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, {rt.routing.label()}+{rt.eviction}, "
               f"{offload.tier}{'/' + offload.io if offload.tier == 'disk' else ''}] "
               f"{tok_s:.2f} tok/s decode, prefill {r['prefill_s']:.2f} s, hit rate {s['hit_rate']:.3f} "
-              f"(decode {d['hit_rate']:.3f}), {s['bytes_read'] / 2**20:.1f} MiB read in {s['expert_loads']} expert loads",
+              f"(decode {d['hit_rate']:.3f}), {s['bytes_read'] / 2**20:.1f} MiB read in {s['expert_loads']} expert loads"
+              + (f" ({s['prefetched']} of them prefetched)" if s["prefetched"] else ""),
               file=sys.stderr)
     return 0

@@ -81,9 +81,10 @@ def _decode(rt: OffloadedModel, prompt_BS: torch.Tensor, tokens: int, forced_BN:
 
 def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None, prompt_BS: torch.Tensor,
               tokens: int = 32, repeats: int = 3, dtype=None, forced_BN: torch.Tensor | None = None, on_row=None,
-              log=print) -> dict:
+              log=print, prefetch=None) -> dict:
     """Run the benchmark (see the module docstring). ``forced_BN``: teacher-forced decode tokens (the same for
-    every policy) instead of greedy decoding. ``on_row(row)`` receives every JSONL row. Returns
+    every policy) instead of greedy decoding. ``on_row(row)`` receives every JSONL row. ``prefetch(rt)`` (MELINOE):
+    called after each policy's fresh caches are set up, before decoding; returns the experts it loaded. Returns
     ``{"summary": [...], "rows": [...], "config": ...}``.
 
     Each round measures, under the same machine conditions: the tier bandwidth (8 random expert reads), the
@@ -122,6 +123,7 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
         for name in order:
             routing, eviction = pset[name]
             rt.configure(routing=routing, eviction=eviction, freq_LE=freq if routing.policy == "eras-bias" else None)
+            prefetched = prefetch(rt) if prefetch is not None else 0
             r = _decode(rt, prompt_BS, tokens, forced_BN)
             s = r["decode_stats"]
             n = max(1, r["decode_tokens"])
@@ -133,7 +135,8 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
                        s_per_token=per_tok, hit_rate=s["hit_rate"], misses_per_token=s["misses"] / n,
                        bytes_per_token=s["bytes_read"] / n, io_s_per_token=s["io_seconds"] / n,
                        predicted_s_per_token=predicted, roofline_ratio=per_tok / predicted,
-                       bandwidth=bw, t_compute=t_compute, config=rt.describe(), machine=machine_info())
+                       bandwidth=bw, t_compute=t_compute, config=rt.describe(), machine=machine_info(),
+                       prefetched=prefetched)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
