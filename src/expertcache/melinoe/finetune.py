@@ -52,7 +52,7 @@ class FinetuneConfig:
     steps: int = 300
     batch_size: int = 8
     seq_len: int = 128
-    lr: float = 1e-3            # 004: 1e-5 for 7-47B models over 3 epochs; a few hundred steps here need more
+    lr: float = 5e-3            # 004: 1e-5 for 7-47B models over 3 epochs; a few hundred steps here need more
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -224,7 +224,12 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
     steps = [r["step"] for r in rows]
     for ax, (key, label) in zip(axes, [("nll", "L_nll"), ("cs", "L_cs (soft misses / token / layer)"),
                                        ("rm", "L_rm")]):
-        ax.plot(steps, [r[key] for r in rows], lw=1.2)
+        vals = np.array([r[key] for r in rows], dtype=float)
+        ax.plot(steps, vals, lw=0.8, alpha=0.35)
+        w = max(1, min(20, len(vals) // 10))
+        if w > 1:  # moving average over w steps
+            ax.plot(steps[w - 1:], np.convolve(vals, np.ones(w) / w, mode="valid"), lw=1.4, color="C0",
+                    label=f"mean of {w} steps")
         if key == "cs":
             hm = [(r["step"], r["hard_misses"]) for r in rows if r.get("hard_misses") is not None]
             if hm:
@@ -349,7 +354,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(trainable.values()), cfg.grad_clip)
         opt.step()
-        row = dict(step=step + 1, loss=float(loss), nll=float(nll), cs=float(l_cs), rm=float(l_rm),
+        row = dict(step=step + 1, loss=loss.item(), nll=nll.item(), cs=l_cs.item(), rm=l_rm.item(),
                    lr=opt.param_groups[0]["lr"], elapsed_s=round(time.time() - t0, 2))
         if (step + 1) % cfg.log_every == 0 or step == 0:
             row["hard_misses"] = hard_misses(pf, k, capacity, cfg.gamma)

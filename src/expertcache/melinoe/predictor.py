@@ -329,7 +329,7 @@ def fit_mlp(x: np.ndarray, y: np.ndarray, cfg: PredictorConfig, progress: bool =
             opt.zero_grad()
             loss.backward()
             opt.step()
-            tot += float(loss) * len(idx)
+            tot += loss.item() * len(idx)
         losses.append(tot / n)
     return mlp.eval(), losses
 
