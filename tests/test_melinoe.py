@@ -125,6 +125,7 @@ def _ft_cfg(tmp_path, name, steps):
 
 
 def test_finetune_writes_a_loadable_checkpoint_and_resumes(tmp_path):
+    pytest.importorskip("peft")
     from safetensors.torch import load_file
 
     from expertcache.melinoe.finetune import finetune
