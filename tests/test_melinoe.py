@@ -175,6 +175,12 @@ def test_finetune_bad_inputs_are_clear(tmp_path):
     assert main(["melinoe", "finetune", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert main(["melinoe", "finetune", "--steps", "0", "--out", str(tmp_path / "o")]) == 2
     assert main(["melinoe", "finetune", "--request", "hard", "--out", str(tmp_path / "o")]) == 2
+    (tmp_path / "file").write_text("x")
+    assert main(["melinoe", "finetune", "--out", str(tmp_path / "file")]) == 2
+    assert main(["melinoe", "finetune", "--out", str(tmp_path / "o"), "--data-dir", str(tmp_path / "none")]) == 2
+    assert main(["melinoe", "predictor", "--out", str(tmp_path / "file")]) == 2
+    assert main(["melinoe", "predictor", "--capacities", "8,x", "--out", str(tmp_path / "p")]) == 2
+    assert main(["melinoe", "predictor", "--embedder", "bert", "--out", str(tmp_path / "p")]) == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,6 +92,16 @@ class FinetuneConfig:
             raise ValueError(f"--start must be 'fill' or 'uniform', got {self.start!r}")
         if self.save_dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError(f"--save-dtype must be bfloat16, float16 or float32, got {self.save_dtype!r}")
+        _check_out(self.out)
+
+
+def _check_out(out: str) -> None:
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    parent = next((q for q in [p, *p.parents] if q.exists()), Path("."))
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {out}: {parent} is not writable")
 
 
 def lr_factor(step: int, steps: int, warmup_ratio: float) -> float:
@@ -287,7 +297,10 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     from expertcache.models import load_model
     from expertcache.train.data import sample_batch
 
+    from expertcache.train.data import resolve_data_dir
+
     cfg.check()
+    resolve_data_dir(cfg.data_dir)  # a missing corpus fails before the model is loaded
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     src = Path(resolve_model_path(cfg.model))

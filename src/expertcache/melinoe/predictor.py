@@ -287,6 +287,9 @@ class PredictorConfig:
         if self.embedder not in ("minilm", "model"):
             raise ValueError(f"--embedder must be minilm or model, got {self.embedder!r}")
         self.capacity_list(1 << 30)
+        from expertcache.melinoe.finetune import _check_out
+
+        _check_out(self.out)
 
     def capacity_list(self, num_experts: int) -> list[int]:
         if not self.capacities:
@@ -339,7 +342,10 @@ def train_predictor(cfg: PredictorConfig, *, command: str = "", progress: bool =
     from expertcache.eval.runner import load_model_and_tokenizer, resolve_model_path
     from expertcache.melinoe.data import prompt_windows, split_texts
 
+    from expertcache.train.data import resolve_data_dir
+
     cfg.check()
+    resolve_data_dir(cfg.data_dir)  # a missing corpus fails before the model is loaded
     torch.set_num_threads(cfg.threads)
     t0 = time.time()
     model, tok = load_model_and_tokenizer(cfg.model)
