@@ -162,6 +162,48 @@ def main(argv=None) -> int:
     return 0
 
 
+
+
+def markdown(path: str) -> str:
+    """Markdown tables (Table 3 and Table 5 analogues) from a results JSONL."""
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    out = []
+    rt = {r["name"]: r for r in rows if r.get("table") == "3-runtime"}
+    t3 = [r for r in rows if r.get("table") == "3"]
+    for c in sorted({r["capacity"] for r in t3}):
+        out.append(f"\n**{rows[0]['model']}, C = {c}** (transfers per layer per token, closed loop; held-out ppl)\n")
+        out.append("| setting | LRU Tx/L/token | γ Tx/L/token | ppl |" + (" tok/s (disk, C=E/4) |" if rt else ""))
+        out.append("|---|---|---|---|" + ("---|" if rt else ""))
+        for ck in ("base", "tuned"):
+            for pf in (False, True):
+                sel = {r["eviction"]: r for r in t3 if r["capacity"] == c and r["checkpoint"] == ck
+                       and r["prefetch"] == pf}
+                name = ("Base model" if ck == "base" else "Fine-tuned") + (" + prefetch" if pf else "")
+                line = (f"| {name} | {sel['lru']['transfers_per_layer_token']:.3f} | "
+                        f"{sel['gamma']['transfers_per_layer_token']:.3f} | {sel['lru']['ppl']:.3f} |")
+                key = f"{ck}{'+prefetch' if pf else ''}"
+                if rt:
+                    line += f" {rt[key]['tok_s']:.1f} |" if c == min(r["capacity"] for r in t3) else " |"
+                out.append(line)
+    t5 = [r for r in rows if r.get("table") == "5"]
+    if t5:
+        out.append("\n**Training-free policies on the base and the fine-tuned checkpoint** (Tx/L/token, ppl)\n")
+        caps = sorted({r["capacity"] for r in t5})
+        out.append("| policy | " + " | ".join(f"base C={c} | tuned C={c}" for c in caps) + " |")
+        out.append("|---|" + "---|---|" * len(caps))
+        for pol in dict.fromkeys(r["policy"] for r in t5):
+            cells = []
+            for c in caps:
+                for ck in ("base", "tuned"):
+                    r = next(r for r in t5 if r["policy"] == pol and r["capacity"] == c and r["checkpoint"] == ck)
+                    cells.append(f"{r['transfers_per_layer_token']:.3f} ({r['ppl']:.2f})")
+            out.append(f"| {pol} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if len(sys.argv) == 3 and sys.argv[1] == "--markdown":
+        print(markdown(sys.argv[2]))
+        sys.exit(0)
     sys.exit(main())
