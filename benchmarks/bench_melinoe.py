@@ -92,11 +92,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tuned-predictor", required=True)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--seq", type=int, default=96, help="tokens per held-out sequence (default 96)")
-    ap.add_argument("--sequences", type=int, default=64, help="held-out sequences (default 64)")
+    ap.add_argument("--sequences", type=int, default=32, help="held-out sequences (default 32)")
     ap.add_argument("--capacities", default="", help="comma-separated C (default E/4, E/2)")
-    ap.add_argument("--lams", default="0.05,0.1,0.2", help="cache-prior λ values (default 0.05,0.1,0.2)")
-    ap.add_argument("--runtime-prompts", type=int, default=4)
-    ap.add_argument("--runtime-tokens", type=int, default=48)
+    ap.add_argument("--lams", default="0.05,0.1", help="cache-prior λ values (default 0.05,0.1)")
+    ap.add_argument("--runtime-prompts", type=int, default=3)
+    ap.add_argument("--runtime-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", required=True, help="JSONL output")
     args = ap.parse_args(argv)
@@ -142,10 +142,15 @@ def main(argv=None) -> int:
     for c in caps:
         for ck in ("base", "tuned"):
             model, _ = models[ck]
-            policies = [("original+lru", RoutingConfig(), "lru"), ("original+gamma", RoutingConfig(), "gamma")]
-            policies += [(f"cache-prior(λ={lam})+lru", RoutingConfig(policy="cache-prior", lam=float(lam)), "lru")
-                         for lam in args.lams.split(",")]
-            for label, rc, ev in policies:
+            for ev in ("lru", "gamma"):  # original routing: the Table 3 rows without prefetch
+                r = next(dict(x) for x in rows if x.get("table") == "3" and x["capacity"] == c and x["checkpoint"] == ck
+                         and not x["prefetch"] and x["eviction"] == ev)
+                for key in ("table", "checkpoint", "prefetch", "routing", "eviction", "capacity", "bench", "model",
+                            "seq", "sequences"):
+                    r.pop(key, None)
+                record(table="5", checkpoint=ck, policy=f"original+{ev}", eviction=ev, capacity=c, **r)
+            for lam in args.lams.split(","):
+                label, rc, ev = f"cache-prior(λ={lam})+lru", RoutingConfig(policy="cache-prior", lam=float(lam)), "lru"
                 r = closed_loop(model, tok, task, rc, ev, c, None, prompt_len)
                 record(table="5", checkpoint=ck, policy=label, eviction=ev, capacity=c, **r)
                 log(f"C={c} {ck:<5} {label:<24} Tx/L/token {r['transfers_per_layer_token']:.3f} ppl {r['ppl']:.3f}")
