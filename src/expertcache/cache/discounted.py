@@ -52,7 +52,7 @@ class DiscountedCache(ExpertCache):
         super().__init__(num_experts, capacity, initial=initial, **kw)
         resident = list(self._loaded_at)
         if resident:
-            for i, e in enumerate(resident):  # earlier ids of the initial set: less recent (LRU's order)
+            for e in resident:  # earlier ids of the initial set: less recent (LRU's order)
                 self._count[e] = capacity / len(resident)
                 self._clock += 1
                 self._stamp[e] = self._clock

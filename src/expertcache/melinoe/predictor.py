@@ -17,7 +17,6 @@ training config, held-out metrics) -- no pickle.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -386,7 +385,3 @@ def train_predictor(cfg: PredictorConfig, *, command: str = "", progress: bool =
     meta["heldout_report"] = report
     pred.save(cfg.out)
     return report
-
-
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
