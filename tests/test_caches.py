@@ -27,8 +27,8 @@ from expertcache.cache import (
 PROP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # (kind, gamma) pairs covering every policy
-KINDS = [("lru", None), ("lfu", None), ("gamma", 0.0), ("gamma", 0.5), ("gamma", 0.9), ("gamma", 1.0),
-         ("gamma", 1e-9), ("belady", None)]
+KINDS = [("lru", None), ("lfu", None), ("gamma-admit", 0.0), ("gamma-admit", 0.5), ("gamma-admit", 0.9), ("gamma-admit", 1.0),
+         ("gamma-admit", 1e-9), ("gamma", 0.0), ("gamma", 0.5), ("gamma", 0.9), ("gamma", 1.0), ("belady", None)]
 
 
 def build(kind, n, c, steps=(), gamma=None, **kw):
@@ -85,7 +85,7 @@ def initial_states(draw, n: int, c: int):
 
 def test_lru_hand_trace():
     steps = [[0, 1], [2, 3], [1, 4], [4, 2], [0, 3]]
-    for kind, gamma in [("lru", None), ("gamma", 0.0)]:
+    for kind, gamma in [("lru", None), ("gamma-admit", 0.0)]:
         cache = build(kind, 5, 3, steps, gamma)
         hits, _ = run_steps(cache, steps)
         assert hits == [[False, False], [False, False], [True, False], [True, False], [False, False]]
@@ -97,7 +97,7 @@ def test_lru_hand_trace():
 
 def test_lru_within_step_eviction_order():
     """Two experts loaded in the same step: the one listed first (higher router weight) goes first."""
-    for kind, gamma in [("lru", None), ("gamma", 0.0)]:
+    for kind, gamma in [("lru", None), ("gamma-admit", 0.0)]:
         cache = build(kind, 4, 2, gamma=gamma)
         cache.access_step([0, 1])
         cache.access_step([2])
@@ -111,7 +111,7 @@ def test_lru_within_step_eviction_order():
 def test_lru_recency_after_mixed_step_follows_ids_order():
     """After a step with a miss and a hit, recency follows the ids order (higher weight = less recent)."""
     steps = [[0], [1], [2], [3, 0], [4], [5]]
-    for kind, gamma in [("lru", None), ("gamma", 0.0)]:
+    for kind, gamma in [("lru", None), ("gamma-admit", 0.0)]:
         cache = build(kind, 6, 3, steps, gamma)
         hits, _ = run_steps(cache, steps)
         assert hits[3] == [False, True]
@@ -144,6 +144,8 @@ def test_lru_lifetimes_hand_case():
 
 def test_initial_residents_count_from_step_zero():
     for kind, gamma in KINDS:
+        if (kind, gamma) == ("gamma", 1.0):
+            continue  # 004's γ = 1 cache keeps the resident on the count tie (1 vs 1): a transient load
         cache = build(kind, 3, 1, [[0]], gamma, initial=[2])
         cache.access_step([0])
         assert cache.stats.lifetime_sum == 1 and cache.stats.lifetime_count == 1
@@ -157,7 +159,7 @@ def test_initial_residents_count_from_step_zero():
 def test_lfu_hand_trace_global_counts():
     # counts are over the whole run: 0 was requested 3 times before its eviction and keeps them
     steps = [[0], [0], [0], [1], [1], [1], [1], [2], [0], [3]]
-    for kind, gamma in [("lfu", None), ("gamma", 1.0)]:
+    for kind, gamma in [("lfu", None), ("gamma-admit", 1.0)]:
         cache = build(kind, 4, 2, steps, gamma)
         hits, _ = run_steps(cache, steps)
         assert [h[0] for h in hits] == [False, True, True, False, True, True, True, False, False, False]
@@ -179,7 +181,7 @@ def test_lfu_differs_from_lru():
 
 
 def test_lfu_ties_broken_by_recency_within_step_order():
-    for kind, gamma in [("lfu", None), ("gamma", 1.0), ("gamma", 0.5)]:
+    for kind, gamma in [("lfu", None), ("gamma-admit", 1.0), ("gamma-admit", 0.5)]:
         cache = build(kind, 3, 2, gamma=gamma)
         cache.access_step([0, 1])
         cache.access_step([2])
@@ -200,7 +202,7 @@ def test_same_step_experts_are_never_evicted_for_each_other_when_they_fit():
     """Step semantics rule 1 (and 001 Sec. 4.2: the K experts of a step are used in parallel): with C ≥ K
     a hit of the step is not evicted to load another expert of the same step."""
     steps = [[0, 2], [0, 2], [0, 2], [0, 1], [1, 2], [1, 2]]
-    for kind, gamma in [("lfu", None), ("gamma", 1.0), ("gamma", 0.9), ("belady", None)]:
+    for kind, gamma in [("lfu", None), ("gamma-admit", 1.0), ("gamma-admit", 0.9), ("belady", None)]:
         cache = build(kind, 3, 2, steps, gamma)
         for s in steps[:5]:
             cache.access_step(s)
@@ -248,7 +250,8 @@ def test_counts_add_up_and_capacity_respected(trace, data):
             hits = cache.access_step(s)
             assert len(cache) <= c
             assert hits == [e >= 0 and h for e, h in zip(s, hits)]
-            if len([e for e in s if e >= 0]) <= c:  # rule 1: the whole step stays resident
+            if len([e for e in s if e >= 0]) <= c and kind != "gamma":  # rule 1: the whole step stays resident
+                # (004's γ cache admits a missed expert only if it enters the Top-C: tests/test_melinoe_cache.py)
                 assert {e for e in s if e >= 0} <= cache.resident()
         st_ = cache.stats
         assert st_.hits + st_.misses == st_.accesses == requested
@@ -263,7 +266,7 @@ def test_counts_add_up_and_capacity_respected(trace, data):
 def test_gamma_one_is_lfu_and_gamma_zero_is_lru(trace, data):
     n, c, k, steps = trace
     init = data.draw(initial_states(n, c))
-    for (a, ga), (b, gb) in [(("gamma", 1.0), ("lfu", None)), (("gamma", 0.0), ("lru", None))]:
+    for (a, ga), (b, gb) in [(("gamma-admit", 1.0), ("lfu", None)), (("gamma-admit", 0.0), ("lru", None))]:
         ca, cb = build(a, n, c, steps, ga, **init), build(b, n, c, steps, gb, **init)
         ha, sa = run_steps(ca, steps)
         hb, sb = run_steps(cb, steps)
@@ -278,7 +281,7 @@ def test_tiny_gamma_is_lru_for_k1(trace, data):
     """γ -> 0+ gives LRU (004 Remark C.2); with K = 1 there are no within-step ties, so exactly."""
     n, c, k, steps = trace
     init = data.draw(initial_states(n, c))
-    ha, sa = run_steps(build("gamma", n, c, steps, 1e-9, **init), steps)
+    ha, sa = run_steps(build("gamma-admit", n, c, steps, 1e-9, **init), steps)
     hb, sb = run_steps(build("lru", n, c, steps, **init), steps)
     assert ha == hb
     assert snapshot(sa) == snapshot(sb)
@@ -293,7 +296,9 @@ def test_belady_is_a_lower_bound(trace, data):
     opt_step = run_steps(build("belady", n, c, steps, **init), steps)[1].misses
     assert opt == opt_step
     for kind, gamma in KINDS:
-        if kind != "belady":
+        # Belady is optimal among caches that admit every miss; 004's γ cache may serve a miss by a transient
+        # load instead (not admitted), which that bound does not cover
+        if kind not in ("belady", "gamma"):
             assert opt <= run_steps(build(kind, n, c, steps, gamma, **init), steps)[1].misses, (kind, gamma)
 
 
@@ -426,10 +431,10 @@ def test_unknown_policy_and_belady_errors():
     with pytest.raises(ValueError, match="differ from the future"):
         make_cache("belady", 4, 2, future=[[0], [1]]).replay([[0], [2]])
     with pytest.raises(ValueError, match="γ must be in"):
-        make_cache("gamma", 4, 2, gamma=1.5)
+        make_cache("gamma-admit", 4, 2, gamma=1.5)
     with pytest.raises(ValueError, match="γ must be in"):
-        make_cache("gamma", 4, 2, gamma=-0.1)
-    assert set(EVICTION_POLICIES) == {"lru", "lfu", "gamma", "belady"}
+        make_cache("gamma-admit", 4, 2, gamma=-0.1)
+    assert set(EVICTION_POLICIES) == {"lru", "lfu", "gamma", "gamma-admit", "belady"}
     assert isinstance(make_cache("lfu", 4, 2), LFUCache)
 
 

@@ -3,7 +3,7 @@
 Seams (one idea each):
 
 - ``expertcache.routing`` -- pure, batched routing policies (logits, residency mask -> ids, weights).
-- ``expertcache.cache``   -- per-layer expert caches (LRU, LFU, gamma-discounted, Belady); plain Python, no torch.
+- ``expertcache.cache``   -- per-layer expert caches (LRU, LFU, 004's gamma, gamma-admit, Belady); plain Python, no torch.
 - ``expertcache.trace``   -- the on-disk routing-trace format.
 - ``expertcache.sim``     -- the open-loop cache simulator (replays a trace under a policy and a cache).
 - ``expertcache.models``  -- the only transformers-aware code: adapters that patch real HF MoE models.

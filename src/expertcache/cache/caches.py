@@ -19,8 +19,10 @@ Misses are counted once per (step, layer, expert). Lifetimes are measured in ste
 expert was loaded (initial residents: step 0) to the step it was evicted; ``finish()`` closes the
 residencies still open at the end of a run (counted separately as censored).
 
-Policies: ``LRUCache``, ``LFUCache`` (global request counts, ties by recency), ``GammaCache`` (004's
-γ-discounted counts; γ = 1 is LFU, γ = 0 is LRU), ``BeladyCache`` (evicts the resident expert whose next
+Policies: ``LRUCache``, ``LFUCache`` (global request counts, ties by recency), ``GammaCache`` (registry name
+``gamma-admit``: γ-discounted counts, always admits the missed expert; γ = 1 is LFU, γ = 0 is LRU), 004's
+Definition C.1 γ cache (registry name ``gamma``) is :class:`expertcache.cache.discounted.DiscountedCache`
+(resident set = Top-C of the discounted counts, no admission of low-count misses), ``BeladyCache`` (evicts the resident expert whose next
 request is farthest in the future; needs the whole future request sequence).
 """
 
@@ -49,7 +51,7 @@ __all__ = [
     "resolve_capacity",
 ]
 
-EVICTION_POLICIES = ("lru", "lfu", "gamma", "belady")
+EVICTION_POLICIES = ("lru", "lfu", "gamma", "gamma-admit", "belady")
 
 
 def resolve_capacity(spec: float | int | str, num_experts: int) -> int:
@@ -605,14 +607,16 @@ class LFUCache(ExpertCache):
 
 
 class GammaCache(LFUCache):
-    """004's γ-discounted-count cache (App. C.1, Def. C.1): Count ← γ·Count + r_t per step, evict the
-    resident expert with the smallest discounted count (ties: least recently used).
+    """γ-discounted-count cache that always admits (registry name ``gamma-admit``): Count ← γ·Count + r_t per
+    step, every missed expert is loaded and the resident expert with the smallest discounted count is evicted
+    (ties: least recently used). 004's Definition C.1 cache, which does not admit a missed expert whose count
+    stays below the Top-C, is :class:`expertcache.cache.discounted.DiscountedCache` (``gamma``).
 
     γ = 1 is LFU exactly; γ = 0 is LRU exactly (only the latest step counts and ties fall back to
     recency); 0 < γ < 1 interpolates. Counts are kept scaled by γ^-t to avoid decaying every entry.
     """
 
-    kind = "gamma"
+    kind = "gamma-admit"
 
     def __init__(self, num_experts: int, capacity: int, *, gamma: float = 0.9, **kw) -> None:
         if not 0.0 <= gamma <= 1.0:
@@ -842,14 +846,18 @@ def make_cache(
     future: Sequence[Sequence[int]] | None = None,
     expert_bytes: int | Sequence[int] | None = None,
 ) -> ExpertCache:
-    """Build one layer's cache. ``kind`` is one of ``EVICTION_POLICIES``; ``gamma`` is used by 'gamma',
-    ``future`` (the steps to be served) is required by 'belady'."""
+    """Build one layer's cache. ``kind`` is one of ``EVICTION_POLICIES``; ``gamma`` is used by 'gamma' (004's
+    Definition C.1 cache) and 'gamma-admit', ``future`` (the steps to be served) is required by 'belady'."""
     kw = dict(initial=initial, seed=seed, expert_bytes=expert_bytes)
     if kind == "lru":
         return LRUCache(num_experts, capacity, **kw)
     if kind == "lfu":
         return LFUCache(num_experts, capacity, **kw)
     if kind == "gamma":
+        from expertcache.cache.discounted import DiscountedCache
+
+        return DiscountedCache(num_experts, capacity, gamma=gamma, **kw)
+    if kind == "gamma-admit":
         return GammaCache(num_experts, capacity, gamma=gamma, **kw)
     if kind == "belady":
         if future is None:

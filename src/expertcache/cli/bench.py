@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from expertcache.cli.common import check_output_path, nonneg_int, positive_int
+from expertcache.cli.common import add_predictor_arg, check_output_path, nonneg_int, positive_int, predictor_from_args
 from expertcache.cli.generate import add_offload_args, check_context, dtype_from_args, offload_from_args
 
 DESCRIPTION = """\
@@ -53,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="append one JSONL row per (policy, round) to this file")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     add_offload_args(p)
+    add_predictor_arg(p)
     p.set_defaults(func=run)
 
 
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{path} ({size / 2**30:.2f} GiB). Random weights: routing is almost uniform -- use it for "
               "throughput at real expert sizes, not for quality.")
         return 0
+    predictor = predictor_from_args(args)
     path = resolve_model_path(args.model)
     check_context(path, args.prompt_tokens, args.tokens, "--tokens")
     prompt = _prompt(path, args.prompt_tokens, args.batch, args.prompt_seed)
@@ -118,9 +120,24 @@ def run(args: argparse.Namespace) -> int:
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     result = run_bench(path, offload, policies=args.policies, prompt_BS=prompt, tokens=args.tokens,
                        repeats=args.repeats, dtype=dtype_from_args(args), forced_BN=forced,
-                       on_row=(lambda row: append_jsonl(args.out, row)) if args.out else None, log=log)
+                       on_row=(lambda row: append_jsonl(args.out, row)) if args.out else None, log=log,
+                       prefetch=_prefetcher(predictor, path, prompt))
     if args.json:
         print(json.dumps(dict(summary=result["summary"], config=result["config"])))
     else:
         print(table(result))
     return 0
+
+
+def _prefetcher(predictor, path, prompt_BS):
+    """MELINOE --predictor: a callable loading the pooled Top-C prediction of the prompt rows into a runtime."""
+    if predictor is None:
+        return None
+    from expertcache.melinoe.prefetch import prefetch_runtime
+    from expertcache.train.tokenizer import load_tokenizer
+
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"--predictor needs the prompt as text: {path} has no tokenizer.json")
+    tok = load_tokenizer(path)
+    texts = [tok.decode(row.tolist()) for row in prompt_BS]
+    return lambda rt: prefetch_runtime(rt, predictor, texts, tok)

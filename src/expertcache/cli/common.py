@@ -65,7 +65,9 @@ def print_resolved(command: str, routing: RoutingConfig, extra: str = "") -> Non
 
 def add_cache_args(parser: argparse.ArgumentParser, *, default_capacity: str = "0.5") -> None:
     g = parser.add_argument_group("expert cache")
-    g.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru", help="eviction policy (default: lru)")
+    g.add_argument("--eviction", choices=EVICTION_POLICIES, default="lru",
+                   help="eviction policy (default: lru; gamma: 004 Def. C.1, resident = Top-C of γ-discounted "
+                   "counts, a low-count miss is a transient load; gamma-admit: discounted counts, always admits)")
     g.add_argument("--capacity", type=capacity_spec, default=default_capacity,
                    help=f"experts per layer in fast memory: a count (16) or a fraction of N (0.5) "
                         f"(default: {default_capacity})")
@@ -74,8 +76,8 @@ def add_cache_args(parser: argparse.ArgumentParser, *, default_capacity: str = "
 
 def add_cache_state_args(g) -> None:
     """--gamma, --initial, --seed, --between-sequences: the cache options besides eviction and capacity."""
-    g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma cache in [0, 1] (1 = LFU, 0 = LRU; "
-                   "default 0.9)")
+    g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma / gamma-admit cache in [0, 1] (1 = LFU, "
+                   "0 = LRU; default 0.9)")
     g.add_argument("--initial", default="empty", choices=("empty", "random"), help="initial cache state")
     g.add_argument("--seed", type=nonneg_int, default=0, help="seed for a random initial state")
     g.add_argument("--between-sequences", choices=("carry", "reset"), default="carry",
@@ -287,3 +289,20 @@ def _hidden_size(model) -> int | None:
             return None
     cfg = getattr(model, "config", model)
     return getattr(cfg, "hidden_size", None)
+
+
+def add_predictor_arg(parser) -> None:
+    """--predictor PATH (MELINOE, 004): prefetch the predicted Top-C experts per layer before decoding."""
+    parser.add_argument("--predictor", default=None, metavar="PATH",
+                        help="MELINOE expert-activation predictor (from `expertcache melinoe predictor`): load the "
+                             "Top-C predicted experts of every layer before decoding (a batch pools its rows); "
+                             "prefetch loads are counted apart from misses")
+
+
+def predictor_from_args(args):
+    """The loaded predictor of ``--predictor`` (checked before any long work), or None."""
+    if not getattr(args, "predictor", None):
+        return None
+    from expertcache.melinoe.predictor import Predictor
+
+    return Predictor.load(args.predictor)

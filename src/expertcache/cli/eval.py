@@ -7,9 +7,9 @@ import json
 import math
 import sys
 
-from expertcache.cli.common import (add_cache_args, add_routing_args, add_threads_arg, apply_threads,
-                                    check_input_file, check_output_path, nonneg_int, positive_int, print_resolved,
-                                    routing_from_args)
+from expertcache.cli.common import (add_cache_args, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads,
+                                    check_input_file, check_output_path, nonneg_int, positive_int, predictor_from_args,
+                                    print_resolved, routing_from_args)
 
 DESCRIPTION = """\
 Run a task on the model with the routing policy and one live expert cache per MoE layer installed, and
@@ -50,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_task_args(p)
     add_routing_args(p)
     add_cache_args(p)
+    add_predictor_arg(p)
     p.add_argument("--replace-rank", type=positive_int, default=None, help="sensitivity perturbation (policy original): "
                    "replace the expert at this 1-based rank by a random expert outside the top-K")
     p.add_argument("--trace-out", default=None, help="also save the recorded routing trace to this file")
@@ -87,12 +88,13 @@ def run(args: argparse.Namespace) -> int:
                          "belady_miss_rate for the same selections")
     freq = freq_profile(args, routing)
     print_resolved("eval", routing, f", cache {args.eviction} C={args.capacity}")
-    model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
+    predictor = predictor_from_args(args)
+    model, tok, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
                              max_new_tokens=args.max_new_tokens)
     row = evaluate(model, task, routing, eviction=args.eviction, capacity=args.capacity, gamma=args.gamma,
                    initial=args.initial, seed=args.seed, between_sequences=args.between_sequences, scope=args.scope,
                    freq_LE=freq, replace_rank=args.replace_rank, progress=not args.no_progress,
-                   trace_out=args.trace_out, model_name=args.model)
+                   trace_out=args.trace_out, model_name=args.model, prefetch=_prefetcher(predictor, model, tok))
     if args.out:
         append_jsonl(args.out, row)
     if args.json:
@@ -122,3 +124,14 @@ def print_table(row: dict, label: str, file=sys.stdout) -> None:
     if row.get("generation_miss_rate") is not None:
         line += f"   generation-only miss rate {_pct(row['generation_miss_rate'])}"
     print(line, file=file)
+
+
+def _prefetcher(predictor, model, tok):
+    """MELINOE --predictor: installs per-item prefetching of the predicted Top-C experts into a patch."""
+    if predictor is None:
+        return None
+    from expertcache.melinoe.prefetch import PatchPrefetcher, item_prompt_texts
+
+    prompt_len = int(predictor.meta.get("config", {}).get("prompt_len", 32))
+    return lambda patch, task: PatchPrefetcher(predictor, item_prompt_texts(task, tok, prompt_len), model,
+                                               tok).install(patch)

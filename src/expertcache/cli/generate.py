@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
-from expertcache.cli.common import (add_routing_args, add_threads_arg, apply_threads, memory_spec, nonneg_float,
-                                    nonneg_int, positive_int, print_resolved, routing_from_args, unit_float)
+from expertcache.cli.common import (add_predictor_arg, add_routing_args, add_threads_arg, apply_threads, memory_spec,
+                                    nonneg_float, nonneg_int, positive_int, predictor_from_args, print_resolved,
+                                    routing_from_args, unit_float)
 
 DESCRIPTION = """\
 Generate text with the experts offloaded: only C experts per MoE layer are in fast memory (from --memory or
@@ -56,8 +57,10 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                    help="quantisation group size, dividing D and F (default: the largest such divisor ≤ 64)")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="compute dtype (default: the checkpoint's)")
-    g.add_argument("--eviction", choices=("lru", "lfu", "gamma"), default="lru", help="eviction policy (default: lru)")
-    g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma cache in [0, 1] (default 0.9)")
+    g.add_argument("--eviction", choices=("lru", "lfu", "gamma", "gamma-admit"), default="lru",
+                   help="eviction policy (default: lru; gamma: 004's Top-C of discounted counts, gamma-admit: "
+                   "discounted counts, always admits)")
+    g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma / gamma-admit cache in [0, 1] (default 0.9)")
     add_threads_arg(g)
 
 
@@ -111,6 +114,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON row (stderr)")
     add_offload_args(p)
+    add_predictor_arg(p)
     add_routing_args(p)
     add_routing_alias(p)
     p.set_defaults(func=run)
@@ -150,12 +154,14 @@ def check_context(path, prompt_tokens: int, new_tokens: int, what: str = "--max-
 
 
 def run(args: argparse.Namespace) -> int:
+    from expertcache.melinoe.prefetch import prefetch_runtime
     from expertcache.offload import OffloadedModel
     from expertcache.offload.runtime import resolve_model_path
 
     routing = routing_from_args(args)
     path = resolve_model_path(args.model)
     ids, tok = load_prompt(path, args.prompt)
+    predictor = predictor_from_args(args)
     if ids.shape[1] == 0:
         raise ValueError("empty prompt")
     check_context(path, ids.shape[1], args.max_new_tokens)
@@ -179,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
 
     eos = getattr(rt.config, "eos_token_id", None)
+    if predictor is not None:  # MELINOE: the predicted Top-C of every layer, loaded before decoding
+        prefetch_runtime(rt, predictor, [args.prompt], tok)
     r = rt.generate(ids, args.max_new_tokens, temperature=args.temperature, seed=args.seed, on_token=on_token,
                     stop=eos if isinstance(eos, int) else None)
     out.write("\n")
@@ -188,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     row = dict(kind="generate", prompt_tokens=int(ids.shape[1]), new_tokens=int(r["tokens"].shape[1]),
                prefill_s=r["prefill_s"], decode_s=r["decode_s"], decode_tok_s=tok_s, hit_rate=s["hit_rate"],
                decode_hit_rate=d["hit_rate"], bytes_read=s["bytes_read"], misses=s["misses"],
-               io_wait_s=s["io_wait_seconds"], prefetch=s["prefetch"], threads=args.threads, config=rt.describe())
+               io_wait_s=s["io_wait_seconds"], prefetch=s["prefetch"], prefetched=s["prefetched"], threads=args.threads, config=rt.describe())
     if args.json:
         print(json.dumps(row), file=sys.stderr)
     else:
@@ -197,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
               f"{tok_s:.2f} tok/s decode, prefill {r['prefill_s']:.2f} s, hit rate {s['hit_rate']:.3f} "
               f"(decode {d['hit_rate']:.3f}), {s['bytes_read'] / 2**20:.1f} MiB read in {s['expert_loads']} expert loads"
               + (f", prefetch precision {s['prefetch']['precision']:.2f} recall {s['prefetch']['recall']:.2f}"
-                 if s["prefetch"]["precision"] is not None else "") + f", {args.threads} thread(s)",
+                 if s["prefetch"]["precision"] is not None else "") + (f" ({s['prefetched']} of them prefetched by --predictor)" if s["prefetched"] else "")
+              + f", {args.threads} thread(s)",
               file=sys.stderr)
     return 0

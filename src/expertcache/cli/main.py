@@ -31,6 +31,7 @@ COMMANDS = [
     "expertcache.cli.mole",
     "expertcache.cli.generate",
     "expertcache.cli.bench",
+    "expertcache.cli.melinoe",
 ]
 
 
@@ -48,6 +49,7 @@ HELP = {
     "mole": "Mixture of Lookup Experts: train, export tables, generate, evaluate",
     "generate": "stream tokens with experts offloaded to disk or host RAM",
     "bench": "decode throughput of routing policies at equal memory (vs the physical floor)",
+    "melinoe": "004 MELINOE: locality fine-tuning and an expert-activation predictor",
 }
 
 # Optional packages -> the extra of pyproject.toml that installs them.

@@ -85,10 +85,11 @@ def prepare(model_spec: str, task: str, *, data_dir=None, limit: int | None = No
 def evaluate(model, task: Task, routing: RoutingConfig, *, eviction: str = "lru", capacity="0.5",
              gamma: float = 0.9, initial: str | None = None, seed: int = 0, between_sequences: str = "carry",
              scope: str | None = None, freq_LE=None, replace_rank: int | None = None, progress: bool = False,
-             trace_out: str | None = None, model_name: str | None = None) -> dict[str, Any]:
+             trace_out: str | None = None, model_name: str | None = None, prefetch=None) -> dict[str, Any]:
     """Run ``task`` on ``model`` under ``routing`` with live caches; returns the result row (module docstring).
     ``scope`` defaults to the task's (GSM8K: 'generation', else 'all'); ``trace_out`` also saves the recorded
-    routing trace there."""
+    routing trace there. ``prefetch(patch, task)`` (MELINOE) installs prefetching into the patch before the task
+    runs and returns an object whose ``summary()`` (prefetch counts) is added to the row."""
     from expertcache.models import patch_model
     from expertcache.sim import replay
 
@@ -98,6 +99,7 @@ def evaluate(model, task: Task, routing: RoutingConfig, *, eviction: str = "lru"
     with patch_model(model, routing, eviction=eviction, capacity=capacity, scope=scope,
                      between_sequences=between_sequences, initial=init, seed=seed, gamma=gamma, record=True,
                      freq_LE=freq_LE, replace_rank=replace_rank) as patch:
+        pre = prefetch(patch, task) if prefetch is not None else None
         out = task.run(model, patch, progress=progress)
         stats = patch.stats()
         trace = patch.trace()
@@ -128,4 +130,6 @@ def evaluate(model, task: Task, routing: RoutingConfig, *, eviction: str = "lru"
     row.update(kind="eval", mode="closed-loop", version=__version__, seed=seed, config=config, task=task.name,
                quality_name=task.quality_name, quality=quality, higher_is_better=task.higher_is_better,
                task_metrics=out, seconds=time.perf_counter() - t0)
+    if pre is not None:
+        row.update(pre.summary())
     return row

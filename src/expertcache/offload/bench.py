@@ -110,9 +110,10 @@ def _decode(rt: OffloadedModel, prompt_BS: torch.Tensor, tokens: int, forced_BN:
 
 def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None, prompt_BS: torch.Tensor,
               tokens: int = 32, repeats: int = 3, dtype=None, forced_BN: torch.Tensor | None = None, on_row=None,
-              log=print) -> dict:
+              log=print, prefetch=None) -> dict:
     """Run the benchmark (see the module docstring). ``forced_BN``: teacher-forced decode tokens (the same for
-    every policy) instead of greedy decoding. ``on_row(row)`` receives every JSONL row. Returns
+    every policy) instead of greedy decoding. ``on_row(row)`` receives every JSONL row. ``prefetch(rt)`` (MELINOE):
+    called after each policy's fresh caches are set up, before decoding; returns the experts it loaded. Returns
     ``{"summary": [...], "rows": [...], "config": ...}``.
 
     Each round measures, under the same machine conditions: the tier bandwidth (parallel and serial, 16
@@ -147,6 +148,7 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
         for name in order:
             routing, eviction = pset[name]
             rt.configure(routing=routing, eviction=eviction, freq_LE=freq if routing.policy == "eras-bias" else None)
+            prefetched = prefetch(rt) if prefetch is not None else 0
             r = _decode(rt, prompt_BS, tokens, forced_BN)
             s = r["decode_stats"]
             n = max(1, r["decode_tokens"])
@@ -166,7 +168,8 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
                        serial_ratio=per_tok / serial, bandwidth=bw, serial_bandwidth=bw_serial,
                        prefetch_precision=pf["precision"], prefetch_recall=pf["recall"],
                        prefetch_unused_bytes=pf["unused_bytes"], threads=torch.get_num_threads(),
-                       config=rt.describe(), machine=machine_info())
+                       config=rt.describe(), machine=machine_info(),
+                       prefetched=prefetched)
             rows.append(row)
             if on_row is not None:
                 on_row(row)

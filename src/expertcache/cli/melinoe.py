@@ -1,0 +1,99 @@
+"""``expertcache melinoe``: 004's MELINOE -- ``finetune`` (routing locality) and ``predictor`` (prompt -> experts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import fields
+
+DESCRIPTION = """\
+MELINOE (seed 004): change the model once so that each sequence leans on fewer experts, then predict those
+experts from the prompt and load them before decoding (generate/bench/eval --predictor PATH).
+
+  finetune   L = L_nll + λ_cs L_cs + λ_rm L_rm on the corpus's training split: routers and the experts' gate
+             projection in full, peft LoRA on the up/down projections; writes OUT/model (merged checkpoint),
+             OUT/losses.png, OUT/log.jsonl; resumable (run the same command again).
+  predictor  all-MiniLM-L6-v2 prompt embedding -> 2-layer MLP -> per-layer expert preferences [L, E], trained
+             with KL against the mean router probabilities of the model's continuation; reports top-C
+             precision/recall on held-out prompts against the frequency prior; writes OUT (safetensors + JSON).
+"""
+
+_FT_HELP = {
+    "model": "base checkpoint folder or shipped model (granular | coarse)",
+    "out": "run folder (resumable state, log, plot, model/)",
+    "data_dir": "corpus-debian-docs folder (default: $EXPERTCACHE_DATA or <repo>/../shared/data)",
+    "steps": "optimizer steps", "batch_size": "sequences per step", "seq_len": "tokens per sequence",
+    "lr": "peak learning rate (AdamW, linear schedule)", "warmup_ratio": "warm-up share of the steps",
+    "weight_decay": "AdamW weight decay", "grad_clip": "gradient-norm clip",
+    "lambda_cs": "λ_cs, weight of the cache-simulation loss", "lambda_rm": "λ_rm, weight of the rank-matching loss",
+    "gamma": "γ of the soft cache state", "rho": "ρ, rank-matching margin",
+    "capacity": "simulated cache size C (0: E/4)", "lora_r": "LoRA rank on up/down projections",
+    "lora_alpha": "LoRA α", "request": "gradient path of the Top-K request vector: st (straight-through) | masked",
+    "start": "soft cache start: fill (empty, cache-fill phase) | uniform (‖c‖₁ = C)", "seed": "data seed",
+    "train_tokens": "training-split tokens to encode", "eval_tokens": "held-out tokens for the final evaluation",
+    "log_every": "hard γ-cache misses logged every N steps", "ckpt_every": "resumable state every N steps",
+    "threads": "torch threads", "save_dtype": "dtype of the merged checkpoint",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from expertcache.melinoe.finetune import FinetuneConfig
+    from expertcache.melinoe.predictor import PredictorConfig
+
+    p = sub.add_parser("melinoe", help="004 MELINOE: locality fine-tuning and an expert-activation predictor",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    msub = p.add_subparsers(dest="melinoe_command", metavar="SUBCOMMAND")
+    ft = msub.add_parser("finetune", help="fine-tune the routers for per-sequence locality (004 Eq. 4-6)")
+    _add_dataclass_args(ft, FinetuneConfig, _FT_HELP, skip=("extra",))
+    ft.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ft.set_defaults(func=run_finetune)
+    pr = msub.add_parser("predictor", help="train the prompt -> expert-preference predictor (004 Sec. 3.1.2)")
+    _add_dataclass_args(pr, PredictorConfig, PredictorConfig.HELP, skip=())
+    pr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pr.set_defaults(func=run_predictor)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _add_dataclass_args(parser, cls, helps: dict, skip=()) -> None:
+    for f in fields(cls):
+        if f.name in skip or f.name == "HELP":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        typ = {int: int, float: float, str: str}.get(type(default), str)
+        if f.type in ("str | None",) or default is None:
+            typ = str
+        parser.add_argument(flag, dest=f.name, type=typ, default=default,
+                            help=f"{helps.get(f.name, f.name)} (default: {default})")
+
+
+def _config(cls, args):
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def run_finetune(args) -> int:
+    from expertcache.melinoe.finetune import FinetuneConfig, finetune
+
+    cfg = _config(FinetuneConfig, args)
+    cfg.check()
+    path = finetune(cfg, command="expertcache " + shlex.join(sys.argv[1:]), progress=not args.no_progress)
+    summary = json.loads((path / "melinoe_summary.json").read_text())
+    ev = summary["heldout"]
+    print(f"wrote {path}: held-out ppl {ev['ppl']:.3f}, γ-cache misses/token/layer "
+          f"{ev['gamma_misses_per_token_layer']:.3f} (C={summary['capacity']}, K={summary['top_k']})")
+    return 0
+
+
+def run_predictor(args) -> int:
+    from expertcache.melinoe.predictor import PredictorConfig, train_predictor
+
+    cfg = _config(PredictorConfig, args)
+    cfg.check()
+    report = train_predictor(cfg, command="expertcache " + shlex.join(sys.argv[1:]), progress=not args.no_progress)
+    for c, r in sorted(report["topc"].items(), key=lambda kv: int(kv[0])):
+        print(f"C={c}: predictor precision {r['predictor']['precision']:.3f} recall {r['predictor']['recall']:.3f}"
+              f"   frequency prior precision {r['prior']['precision']:.3f} recall {r['prior']['recall']:.3f}")
+    print(f"wrote {cfg.out}")
+    return 0

@@ -1,0 +1,423 @@
+"""MELINOE fine-tuning (004 Sec. 3.1.1): L = L_nll + λ_cs L_cs + λ_rm L_rm on the corpus's training split.
+
+Trainable (004: "the router weights and gate projection ... LoRA on the MLP up and down projections"):
+
+- every MoE router weight ``[E, D]``, in full;
+- the experts' gate projection, in full. transformers 5.x fuses each layer's experts into 3-D parameters
+  ``gate_up_proj [E, 2F, D]`` (gate rows first, then up rows) and ``down_proj [E, D, F]``, so the gate
+  projection is the first F rows of ``gate_up_proj``: that parameter is trainable with a gradient hook that
+  zeroes the up half (weight decay 0, so the up half is not moved by AdamW either);
+- LoRA (rank r, α) on the up and down projections through ``peft``'s ``target_parameters`` (peft ≥ 0.17
+  wraps a 3-D expert parameter with one rank-r adapter per expert: lora_A [r·E, in], lora_B [out, r·E]).
+  peft targets a *whole* parameter, so the LoRA on the fused ``gate_up_proj`` also covers the gate rows
+  (which train in full anyway); ``down_proj`` is the down projection.
+
+The frozen base router (a copy of each router weight at the start) gives p_b on the same router inputs as
+the fine-tuned router (one forward pass per step, not a second model).
+
+Run folder (``out``): ``state/`` (resumable: ``trainable.safetensors`` with the trainable tensors and the AdamW
+moments, ``state.json`` with the step, the log and the config -- safetensors + JSON only), ``log.jsonl``,
+``losses.png`` (the three losses), ``model/`` (the merged checkpoint: ``save_pretrained`` + the base's tokenizer
+files + ``melinoe_summary.json``), written atomically at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
+
+__all__ = ["FinetuneConfig", "finetune", "lr_factor", "plot_losses", "TOKENIZER_FILES"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+@dataclass
+class FinetuneConfig:
+    """Defaults: 004 Table 7 (Dolly column) scaled to the shipped 4-layer, D = 144 models -- see docs/MELINOE.md."""
+
+    model: str = "granular"
+    out: str = "runs/melinoe-granular"
+    data_dir: str | None = None
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 5e-3            # 004: 1e-5 for 7-47B models over 3 epochs; a few hundred steps here need more
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    lambda_cs: float = 0.5
+    lambda_rm: float = 0.1
+    gamma: float = 0.9
+    rho: float = 0.1
+    capacity: int = 0           # 0: E/4 (004: C = E/4)
+    lora_r: int = 8             # 004: 32 at D = 2048-4096; the shipped models have D = 144
+    lora_alpha: float = 4.0     # 004: α/r = 16/32
+    request: str = "st"
+    start: str = "fill"
+    seed: int = 0
+    train_tokens: int = 2_000_000
+    eval_tokens: int = 32_768
+    log_every: int = 10
+    ckpt_every: int = 50
+    threads: int = 1
+    save_dtype: str = "bfloat16"
+    extra: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "lora_r", "log_every", "ckpt_every", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"--gamma must be in [0, 1], got {self.gamma}")
+        if self.lambda_cs < 0 or self.lambda_rm < 0 or self.rho < 0:
+            raise ValueError("--lambda-cs, --lambda-rm and --rho must be ≥ 0")
+        if self.request not in ("st", "masked"):
+            raise ValueError(f"--request must be 'st' or 'masked', got {self.request!r}")
+        if self.start not in ("fill", "uniform"):
+            raise ValueError(f"--start must be 'fill' or 'uniform', got {self.start!r}")
+        if self.save_dtype not in ("bfloat16", "float32", "float16"):
+            raise ValueError(f"--save-dtype must be bfloat16, float16 or float32, got {self.save_dtype!r}")
+        _check_out(self.out)
+
+
+def _check_out(out: str) -> None:
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    parent = next((q for q in [p, *p.parents] if q.exists()), Path("."))
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {out}: {parent} is not writable")
+
+
+def lr_factor(step: int, steps: int, warmup_ratio: float) -> float:
+    """Linear schedule: linear warm-up over ``warmup_ratio·steps`` steps, then linear decay to 0."""
+    warm = max(1, math.ceil(warmup_ratio * steps))
+    if step < warm:
+        return (step + 1) / warm
+    return max(0.0, (steps - step) / max(1, steps - warm))
+
+
+class _RouterTap:
+    """Forward hooks on the routers: the fine-tuned p_f and the frozen base p_b per MoE layer."""
+
+    def __init__(self, layers) -> None:
+        self.layers = layers
+        self.base_w = [m.router.weight.detach().clone() for m in layers]
+        self.p_f: list[torch.Tensor | None] = [None] * len(layers)
+        self.p_b: list[torch.Tensor | None] = [None] * len(layers)
+        self.handles = [m.router.register_forward_hook(self._hook(i)) for i, m in enumerate(layers)]
+
+    def _hook(self, i):
+        def hook(module, args, output):
+            h = args[0].reshape(-1, self.base_w[i].shape[1])
+            logits = output[0] if isinstance(output, tuple) else output
+            self.p_f[i] = torch.softmax(logits.float(), dim=-1)
+            with torch.no_grad():
+                self.p_b[i] = torch.softmax((h @ self.base_w[i].T.to(h.dtype)).float(), dim=-1)
+        return hook
+
+    def stacked(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pf = torch.stack([p.view(b, t, -1) for p in self.p_f], dim=1)  # [B, L, T, E]
+        pb = torch.stack([p.view(b, t, -1) for p in self.p_b], dim=1)
+        return pf, pb
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _find_param(model, suffix: str) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if n.endswith(suffix) and "lora_" not in n]
+
+
+def build_trainable(model, cfg: FinetuneConfig):
+    """Wrap ``model`` with peft LoRA on the expert projections and mark the full-rank trainables; returns
+    (peft model, MoE layers, {name: param} of everything trained)."""
+    from peft import LoraConfig, get_peft_model
+
+    from expertcache.models.adapters import family_for, find_moe_layers
+
+    family = family_for(model)
+    if family.scoring != "softmax":
+        raise ValueError(f"melinoe finetune needs a softmax router; {family.model_type} scores with {family.scoring}")
+    layers = find_moe_layers(model, family)
+    for m in layers:
+        if not hasattr(m.block.experts, "gate_up_proj") or not hasattr(m.block.experts, "down_proj"):
+            raise ValueError(f"{family.model_type}: experts without fused gate_up_proj/down_proj are not supported")
+    lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=[],
+                      target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    pm = get_peft_model(model, lcfg)
+    for m in layers:
+        m.router.weight.requires_grad_(True)
+    gate_up = _find_param(pm, "gate_up_proj")
+    if len(gate_up) != len(layers):
+        raise RuntimeError(f"found {len(gate_up)} gate_up_proj base parameters for {len(layers)} MoE layers")
+    for _, p in gate_up:
+        f = p.shape[1] // 2
+        p.requires_grad_(True)
+
+        def keep_gate(grad, f=f):  # the up rows are LoRA-only
+            grad = grad.clone()
+            grad[:, f:] = 0
+            return grad
+        p.register_hook(keep_gate)
+    trainable = {n: p for n, p in pm.named_parameters() if p.requires_grad}
+    return pm, layers, trainable
+
+
+def _save_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    tmp = state_dir.with_name(state_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {f"param/{n}": p.detach().contiguous() for n, p in trainable.items()}
+    names = list(trainable)
+    for i, n in enumerate(names):
+        st = opt.state.get(trainable[n], {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                tensors[f"adam/{key}/{n}"] = st[key].contiguous()
+        if "step" in st:
+            meta.setdefault("adam_steps", {})[n] = float(st["step"])
+    save_file(tensors, str(tmp / "trainable.safetensors"))
+    (tmp / "state.json").write_text(json.dumps(meta) + "\n")
+    old = state_dir.with_name(state_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if state_dir.exists():
+        os.replace(state_dir, old)
+    os.replace(tmp, state_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer) -> dict:
+    from safetensors.torch import load_file
+
+    meta = json.loads((state_dir / "state.json").read_text())
+    tensors = load_file(str(state_dir / "trainable.safetensors"))
+    with torch.no_grad():
+        for n, p in trainable.items():
+            key = f"param/{n}"
+            if key not in tensors:
+                raise ValueError(f"{state_dir}: resume state lacks {n} (different model or LoRA settings?)")
+            p.copy_(tensors[key])
+            if f"adam/exp_avg/{n}" in tensors:
+                opt.state[p] = {"step": torch.tensor(meta["adam_steps"][n]),
+                                "exp_avg": tensors[f"adam/exp_avg/{n}"].clone(),
+                                "exp_avg_sq": tensors[f"adam/exp_avg_sq/{n}"].clone()}
+    return meta
+
+
+def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
+    """PNG with L_nll, L_cs and L_rm (one panel each) against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    steps = [r["step"] for r in rows]
+    for ax, (key, label) in zip(axes, [("nll", "L_nll"), ("cs", "L_cs (soft misses / token / layer)"),
+                                       ("rm", "L_rm")]):
+        vals = np.array([r[key] for r in rows], dtype=float)
+        ax.plot(steps, vals, lw=0.8, alpha=0.35)
+        w = max(1, min(20, len(vals) // 10))
+        if w > 1:  # moving average over w steps
+            ax.plot(steps[w - 1:], np.convolve(vals, np.ones(w) / w, mode="valid"), lw=1.4, color="C0",
+                    label=f"mean of {w} steps")
+        if key == "cs":
+            hm = [(r["step"], r["hard_misses"]) for r in rows if r.get("hard_misses") is not None]
+            if hm:
+                ax.plot(*zip(*hm), lw=1, ls="--", label="γ-cache misses (hard)")
+                ax.legend(fontsize=7)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+@torch.no_grad()
+def heldout_eval(model, stream: np.ndarray, seq_len: int, k: int, capacity: int, gamma: float, max_tokens: int,
+                 batch: int = 8) -> dict:
+    """Held-out NLL and hard γ-cache misses per token per layer on non-overlapping windows."""
+    from expertcache.models.adapters import family_for, find_moe_layers
+
+    layers = find_moe_layers(model, family_for(model))
+    tap = _RouterTap(layers)
+    n = min(len(stream), max_tokens) // seq_len
+    chunks = torch.from_numpy(stream[: n * seq_len].astype(np.int64)).view(n, seq_len)
+    nll, cnt, miss, steps = 0.0, 0, 0.0, 0
+    was = model.training
+    model.eval()
+    try:
+        for i in range(0, n, batch):
+            x = chunks[i:i + batch]
+            logits = model(input_ids=x, use_cache=False).logits.float()
+            nll += float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                           x[:, 1:].reshape(-1), reduction="sum"))
+            cnt += x[:, 1:].numel()
+            pf, _ = tap.stacked(x.shape[0], x.shape[1])
+            miss += hard_misses(pf, k, capacity, gamma) * x.shape[0]
+            steps += x.shape[0]
+    finally:
+        tap.remove()
+        model.train(was)
+    return dict(nll=nll / max(cnt, 1), ppl=math.exp(nll / max(cnt, 1)), tokens=cnt,
+                gamma_misses_per_token_layer=miss / max(steps, 1))
+
+
+def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, stop_at: int | None = None) -> Path:
+    """Run (or resume) a fine-tune; returns the merged checkpoint folder. ``stop_at``: stop after that many
+    steps without exporting (tests of resuming)."""
+    from transformers import AutoTokenizer
+
+    from expertcache.eval.runner import resolve_model_path
+    from expertcache.melinoe.data import split_texts, token_stream
+    from expertcache.models import load_model
+    from expertcache.train.data import sample_batch
+
+    from expertcache.train.data import resolve_data_dir
+
+    cfg.check()
+    resolve_data_dir(cfg.data_dir)  # a missing corpus fails before the model is loaded
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    src = Path(resolve_model_path(cfg.model))
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"--model {cfg.model}: not a checkpoint folder or a shipped model (granular, coarse)")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_dir = out / "state"
+    model = load_model(src)
+    tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    k = int(getattr(model.config, "num_experts_per_tok"))
+    pm, layers, trainable = build_trainable(model, cfg)
+    e = layers[0].num_experts
+    capacity = cfg.capacity or max(k, e // 4)
+    if not 1 <= capacity <= e:
+        raise ValueError(f"--capacity must be in [1, E={e}], got {capacity}")
+    data_cache = out / "data"
+    data_cache.mkdir(exist_ok=True)
+    streams = {}
+    for split, budget in (("train", cfg.train_tokens), ("heldout", cfg.eval_tokens)):
+        f = data_cache / f"{split}-{budget}.npy"
+        if f.exists():
+            streams[split] = np.load(f, allow_pickle=False)
+        else:
+            streams[split] = token_stream(tok, split_texts(cfg.data_dir, split=split, seed=cfg.seed), budget)
+            np.save(data_cache / f"{split}.tmp.npy", streams[split])
+            os.replace(data_cache / f"{split}.tmp.npy", f)
+    train_N = streams["train"]
+    opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    rows: list[dict] = []
+    start = 0
+    if (state_dir / "state.json").exists():
+        meta = _load_state(state_dir, trainable, opt)
+        if meta["config"]["model"] != cfg.model or meta["config"]["lora_r"] != cfg.lora_r:
+            raise ValueError(f"{out}: holds a run of {meta['config']['model']} (lora r {meta['config']['lora_r']}); "
+                             "use another --out")
+        start, rows = meta["step"], meta["rows"]
+        print(f"resuming {out} at step {start}", file=sys.stderr)
+    tap = _RouterTap(layers)
+    pm.train()
+    t0 = time.time()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"melinoe finetune {cfg.model}", unit="step")
+    stop = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+
+    def save(step: int) -> None:
+        _save_state(state_dir, trainable, opt, dict(step=step, rows=rows, config=asdict(cfg), capacity=capacity))
+
+    for step in range(start, stop):
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * lr_factor(step, cfg.steps, cfg.warmup_ratio)
+        xy = torch.from_numpy(sample_batch(train_N, cfg.batch_size, cfg.seq_len, cfg.seed, step))
+        x, y = xy[:, :-1], xy[:, 1:]
+        logits = pm(input_ids=x, use_cache=False).logits
+        nll = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        pf, pb = tap.stacked(x.shape[0], x.shape[1])
+        l_cs = cache_sim_loss(pf, k, capacity, cfg.gamma, start=cfg.start, request=cfg.request)
+        l_rm = rank_match_loss(pf, pb, cfg.rho)
+        loss = nll + cfg.lambda_cs * l_cs + cfg.lambda_rm * l_rm
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(trainable.values()), cfg.grad_clip)
+        opt.step()
+        row = dict(step=step + 1, loss=loss.item(), nll=nll.item(), cs=l_cs.item(), rm=l_rm.item(),
+                   lr=opt.param_groups[0]["lr"], elapsed_s=round(time.time() - t0, 2))
+        if (step + 1) % cfg.log_every == 0 or step == 0:
+            row["hard_misses"] = hard_misses(pf, k, capacity, cfg.gamma)
+        rows.append(row)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(nll=f"{row['nll']:.3f}", cs=f"{row['cs']:.3f}", rm=f"{row['rm']:.2f}")
+        if (step + 1) % cfg.ckpt_every == 0 and step + 1 < stop:
+            save(step + 1)
+    if bar is not None:
+        bar.close()
+    tap.remove()
+    save(stop)
+    with open(out / "log.jsonl.tmp", "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(out / "log.jsonl.tmp", out / "log.jsonl")
+    if rows:
+        plot_losses(rows, out / "losses.png", f"melinoe finetune {cfg.model}: λ_cs={cfg.lambda_cs} "
+                    f"λ_rm={cfg.lambda_rm} γ={cfg.gamma} ρ={cfg.rho} C={capacity}")
+    if stop < cfg.steps:
+        return out / "model"
+    return export(pm, src, out, cfg, rows, capacity, k, streams["heldout"], command)
+
+
+def export(pm, src: Path, out: Path, cfg: FinetuneConfig, rows: list[dict], capacity: int, k: int,
+           heldout: np.ndarray, command: str) -> Path:
+    """Merge the LoRA weights, write ``out/model`` (save_pretrained + tokenizer files + summary) atomically."""
+    pm.eval()
+    merged = pm.merge_and_unload()
+    merged.eval()
+    ev = heldout_eval(merged, heldout, cfg.seq_len, k, capacity, cfg.gamma, cfg.eval_tokens)
+    final, tmp = out / "model", out / "model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_model = merged.to(getattr(torch, cfg.save_dtype))
+    export_model.config.use_cache = True
+    export_model.save_pretrained(tmp)
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, tmp / name)
+    shutil.copy(out / "losses.png", tmp / "losses.png")
+    summary = dict(command=command, base=str(src), config=asdict(cfg), capacity=capacity, top_k=k,
+                   steps_done=len(rows), final=rows[-1] if rows else None, heldout=ev,
+                   wall_s=rows[-1]["elapsed_s"] if rows else 0.0)
+    (tmp / "melinoe_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+    old = out / "model.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final

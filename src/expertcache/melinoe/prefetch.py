@@ -1,0 +1,97 @@
+"""MELINOE's post-deployment step (004 Sec. 3.2): before decoding, load the Top-C experts of the predictor's
+output per layer (a batch pools its rows' predictions, 004 Sec. 4). Prefetch loads are counted apart from
+demand misses: the cache statistics (accesses, hits, misses, bytes) are those of the demand requests only.
+
+- offloaded runtime (``generate``, ``bench``): :func:`prefetch_runtime` calls the public
+  :meth:`OffloadedModel.prefetch` per layer;
+- closed-loop eval (``eval``): :class:`PatchPrefetcher` loads each task item's predicted set into the live
+  caches of a :class:`expertcache.models.patch.MoEPatch` before the item runs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from expertcache.cache import ExpertCache
+
+__all__ = ["check_compatible", "prefetch_cache", "prefetch_runtime", "item_prompt_texts", "PatchPrefetcher"]
+
+
+def check_compatible(predictor, num_layers: int, num_experts: int, where: str = "the model") -> None:
+    if (predictor.num_layers, predictor.num_experts) != (num_layers, num_experts):
+        raise ValueError(f"--predictor predicts [L={predictor.num_layers}, E={predictor.num_experts}] but {where} has "
+                         f"L={num_layers} MoE layers of E={num_experts} experts (train one with `expertcache "
+                         "melinoe predictor --model ...`)")
+
+
+def prefetch_cache(cache: ExpertCache, experts: Sequence[int]) -> int:
+    """Load ``experts`` (at most C, resident ones skipped) into ``cache`` as one step, then take the step's
+    accesses / hits / misses / bytes back out of the statistics (evictions it caused stay counted). Returns the
+    number of experts loaded."""
+    ids = [int(e) for e in dict.fromkeys(experts) if int(e) not in cache][: cache.capacity]
+    if not ids:
+        return 0
+    s = cache.stats
+    saved = (s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded)
+    cache.access_step(ids)
+    s = cache.stats
+    s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded = saved
+    return len(ids)
+
+
+def prefetch_runtime(rt, predictor, texts: list[str], tok=None) -> int:
+    """Prefetch the pooled Top-C of ``predictor`` on ``texts`` into every layer of the offloaded runtime ``rt``
+    (call after ``configure``/``warm``, before ``generate``). Returns the number of experts loaded."""
+    check_compatible(predictor, len(rt.layers), rt.num_experts)
+    sets = predictor.prefetch_sets(texts, rt.capacity, rt.model, tok)
+    return sum(rt.prefetch(li, ids) for li, ids in enumerate(sets))
+
+
+def item_prompt_texts(task, tok, prompt_len: int) -> list[str]:
+    """The text the predictor sees for each task item: a WikiText chunk's first ``prompt_len`` tokens (what
+    precedes the rest of the chunk), an MMLU/GSM8K item's prompt."""
+    if hasattr(task, "chunks_NS"):
+        return [tok.decode(row[:prompt_len].tolist()) for row in task.chunks_NS]
+    if hasattr(task, "prompts"):
+        return [tok.decode(list(p)) for p in task.prompts]
+    raise ValueError(f"--predictor: task {getattr(task, 'name', task)!r} exposes no per-item prompts")
+
+
+class PatchPrefetcher:
+    """Prefetch each item's predicted Top-C into a patch's live caches before the item runs (item i's set
+    before the first item, then after each ``new_sequence``). ``loaded`` counts the prefetch loads."""
+
+    def __init__(self, predictor, texts: list[str], model=None, tok=None) -> None:
+        self.predictor = predictor
+        self.scores = predictor.predict(texts, model, tok)  # [N, L, E]
+        self.loaded = 0
+        self.items = 0
+
+    def install(self, patch) -> "PatchPrefetcher":
+        check_compatible(self.predictor, len(patch.layers), patch.num_experts)
+        if patch.capacity is None:
+            raise ValueError("--predictor needs an expert cache (a capacity)")
+        self._patch = patch
+        stock = patch.new_sequence
+
+        def new_sequence():
+            stock()
+            self._load_next()
+        patch.new_sequence = new_sequence
+        self._load_next()
+        return self
+
+    def _load_next(self) -> None:
+        if self.items >= len(self.scores):
+            return
+        c = self._patch.capacity
+        pred = self.scores[self.items]
+        self.items += 1
+        caches = self._patch.caches
+        for li, cache in enumerate(caches):
+            self.loaded += prefetch_cache(cache, np.argsort(-pred[li], kind="stable")[:c].tolist())
+
+    def summary(self) -> dict:
+        return dict(prefetched=self.loaded, prefetched_items=self.items)
