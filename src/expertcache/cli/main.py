@@ -25,6 +25,7 @@ COMMANDS = [
     "expertcache.cli.mole",
     "expertcache.cli.generate",
     "expertcache.cli.bench",
+    "expertcache.cli.serve",
 ]
 
 

@@ -178,10 +178,19 @@ class Engine:
     def batch_size(self) -> int:
         return len(self._rows)
 
-    def shutdown(self, grace_s: float = 30.0) -> dict:
-        """Stop accepting; waiting requests are cancelled (503); running ones may finish within ``grace_s``,
-        then are cancelled. Blocks until the engine thread exits. Returns counts of what happened."""
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def begin_shutdown(self, grace_s: float = 30.0) -> int:
+        """Stop accepting (new submits raise :class:`ShuttingDown`); waiting requests are cancelled now (503);
+        requests already prefilling or decoding may finish within ``grace_s`` seconds, then are cancelled.
+        Non-blocking; returns the number of waiting requests cancelled."""
         with self._lock:
+            if not self._accepting and self._drain_deadline is not None:  # already draining: maybe sooner
+                self._drain_deadline = min(self._drain_deadline, time.monotonic() + grace_s)
+                self._lock.notify()
+                return 0
             self._accepting = False
             self._drain_deadline = time.monotonic() + grace_s
             waiting = list(self._waiting)
@@ -189,11 +198,16 @@ class Engine:
             self._lock.notify()
         for r in waiting:
             r.finish_reason = "cancelled"
+            self.totals["cancelled"] += 1
             r.on_event("error", (503, "the server is shutting down; the request was not started"))
+        return len(waiting)
+
+    def shutdown(self, grace_s: float = 30.0) -> dict:
+        """:meth:`begin_shutdown`, then wait for the engine thread. Returns what happened to the requests."""
+        self.begin_shutdown(grace_s)
         if self._thread is not None:
             self._thread.join()
-        return dict(cancelled_waiting=len(waiting), finished=self.totals["finished"],
-                    cancelled=self.totals["cancelled"])
+        return dict(finished=self.totals["finished"], cancelled=self.totals["cancelled"])
 
     # -- the engine thread ----------------------------------------------------------------------------
 
