@@ -178,6 +178,10 @@ class Engine:
     def batch_size(self) -> int:
         return len(self._rows)
 
+    def in_flight(self) -> int:
+        """Requests admitted and not finished (prefilling or decoding)."""
+        return len(self._rows) + len(self._prefilling)
+
     @property
     def accepting(self) -> bool:
         return self._accepting
@@ -276,15 +280,13 @@ class Engine:
             self.metrics.on_step(0, 0, dt, delta)
         if r.prefilled < len(r.prompt_ids):
             return
-        self._prefilling.pop(0)
         tok = sample_next(logits_1V[0], r.params, r.gen)
-        if self._accept_token(r, tok):
-            r.past = None
-            return
-        self._kv.add(r.past)
+        if not self._accept_token(r, tok):
+            self._kv.add(r.past)
+            r.next_token = tok
+            self._rows.append(r)
         r.past = None
-        r.next_token = tok
-        self._rows.append(r)
+        self._prefilling.pop(0)  # after joining the rows: in_flight() never misses it
 
     def _decode_step(self) -> None:
         rows = [r for r in self._rows if not r.cancelled.is_set() and r.finish_reason is None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import sys
 import threading
+import time
 
 __all__ = ["serve_forever", "ServerThread", "bind"]
 
@@ -38,7 +39,7 @@ def _server_class():
             if not app.state.shutting_down:
                 n = begin_shutdown(app, self.grace_s)
                 eng = app.state.engine
-                print(f"expertcache serve: shutting down: {eng.batch_size()} running request(s) get up to "
+                print(f"expertcache serve: shutting down: {eng.in_flight()} running request(s) get up to "
                       f"{self.grace_s:g} s to finish, {n} waiting request(s) cancelled (503)", file=sys.stderr,
                       flush=True)
             super().handle_exit(sig, frame)
