@@ -7,7 +7,8 @@ pydantic) so that every bad field gets a 400 naming it; every 4xx/5xx body is Op
 
 Extensions: every response (and the last stream chunk) carries an ``expertcache`` object — the request's share
 of expert-cache hits, misses and bytes read (see the engine docstring), the policy, eviction and C; with
-``"return_token_ids": true`` it also lists the generated token ids.
+``"return_token_ids": true`` it also lists the generated token ids; ``"ignore_eos": true`` decodes past the
+end-of-text token (fixed lengths for benchmarks).
 """
 
 
@@ -152,10 +153,13 @@ class Validator:
         if not isinstance(so, dict):
             raise _bad("stream_options", "must be an object")
         rti = body.get("return_token_ids", False)
-        if not isinstance(rti, bool):
-            raise _bad("return_token_ids", "must be a boolean")
+        ignore_eos = body.get("ignore_eos", False)
+        for k, v in (("return_token_ids", rti), ("ignore_eos", ignore_eos)):
+            if not isinstance(v, bool):
+                raise _bad(k, "must be a boolean")
         params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
-                                seed=seed, stop=list(stop) + [s for s in extra_stop if s not in stop])
+                                seed=seed, stop=list(stop) + [s for s in extra_stop if s not in stop],
+                                ignore_eos=ignore_eos)
         return Parsed(prompt_ids, params, bool(stream), bool(so.get("include_usage", False)), rti)
 
     def _prompt(self, prompt) -> list[int]:

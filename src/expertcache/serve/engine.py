@@ -56,6 +56,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going after the end-of-text token (benchmarks: fixed lengths)
 
 
 def sample_next(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
@@ -328,7 +329,7 @@ class Engine:
         r.tokens.append(tok)
         self.totals["tokens"] += 1
         reason = None
-        if tok in self.eos_ids:
+        if tok in self.eos_ids and not r.params.ignore_eos:
             reason = "stop"
             text = self._decode(r.tokens[:-1])
         else:
