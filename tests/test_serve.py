@@ -415,3 +415,43 @@ def test_sigterm_finishes_running_requests_and_says_so(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_failing_model_gives_every_request_a_500_body_and_health_says_failed(tok):
+    rt = _runtime()
+    engine = Engine(rt, tok, max_batch=2)
+
+    class Broken:
+        config = rt.model.config
+
+        def __call__(self, **kw):
+            raise RuntimeError("disk gone")
+
+    rt.model = Broken()
+    srv = ServerThread(create_app(engine.start(), "granular", tokenizer=tok)).start()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "granular", "prompt": "The", "max_tokens": 4})
+        assert r.status_code == 500 and "disk gone" in r.json()["error"]["message"]
+        h = httpx.get(srv.url + "/health")
+        assert h.status_code == 500 and h.json()["status"] == "failed"
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "granular", "prompt": "The", "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]  # no longer accepting
+    finally:
+        srv.stop()
+
+
+def test_cli_rejects_bad_arguments_before_loading(capsys):
+    from expertcache.cli.main import main
+    from expertcache.serve.server import bind
+
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+    assert main(["serve", "--max-batch", "0"]) == 2
+    assert main(["serve", "--model", "/no/such/model"]) == 2
+    assert "/no/such/model" in capsys.readouterr().err
+    taken = bind("127.0.0.1", 0)
+    try:
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
+        assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+    finally:
+        taken.close()

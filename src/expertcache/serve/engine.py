@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import random
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -81,14 +82,12 @@ class Request:
 
     _ids = 0
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[str, object], None],
-                 eos_id: int | None = None) -> None:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[str, object], None]) -> None:
         Request._ids += 1
         self.id = Request._ids
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.on_event = on_event
-        self.eos_id = eos_id
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.gen = torch.Generator().manual_seed(seed)
         self.tokens: list[int] = []
@@ -243,7 +242,11 @@ class Engine:
             self._kv = BatchKV()
             for r in reqs:
                 r.on_event("error", (500, f"the model failed: {type(exc).__name__}: {exc}"))
-            raise
+            import traceback
+
+            print("expertcache serve: the engine stopped on an error (every request in flight got a 500):",
+                  file=sys.stderr)
+            traceback.print_exc()
 
     def _queue_metric(self) -> None:
         if self.metrics is not None:
@@ -277,8 +280,8 @@ class Engine:
         logits_1V, r.past, dt, delta = self._forward(torch.tensor([chunk]), r.past)
         r.prefilled += len(chunk)
         self._charge([r], delta, shared=False)
-        if self.metrics is not None:
-            self.metrics.on_step(0, 0, dt, delta)
+        if self.metrics is not None:  # the last chunk yields the request's first token
+            self.metrics.on_step(0, int(r.prefilled >= len(r.prompt_ids)), dt, delta)
         if r.prefilled < len(r.prompt_ids):
             return
         tok = sample_next(logits_1V[0], r.params, r.gen)
