@@ -31,7 +31,7 @@ httpx = pytest.importorskip("httpx")
 from expertcache.offload import OffloadConfig, OffloadedModel  # noqa: E402
 from expertcache.offload.runtime import resolve_model_path  # noqa: E402
 from expertcache.serve.app import create_app, begin_shutdown  # noqa: E402
-from expertcache.serve.engine import Engine  # noqa: E402
+from expertcache.serve.engine import Engine, Request, SamplingParams  # noqa: E402
 from expertcache.serve.kv import BatchKV, drop_rows, merge_row  # noqa: E402
 from expertcache.serve.server import ServerThread  # noqa: E402
 from expertcache.train.tokenizer import load_tokenizer  # noqa: E402
@@ -455,3 +455,43 @@ def test_cli_rejects_bad_arguments_before_loading(capsys):
         assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
     finally:
         taken.close()
+
+
+def test_prefill_budget_bounds_the_stall_and_short_prompts_are_one_forward(tok):
+    rt = _runtime()
+    engine = Engine(rt, tok, max_batch=4, prefill_chunk=8)
+    per_iteration: list[list[int]] = []
+    some, chunk = engine._prefill_some, engine._prefill_chunk
+
+    def prefill_some():
+        per_iteration.append([])
+        some()
+
+    def prefill_chunk(r, n):
+        per_iteration[-1].append((r.id, n))
+        chunk(r, n)
+
+    engine._prefill_some, engine._prefill_chunk = prefill_some, prefill_chunk
+    prompts = [list(range(10, 15)), list(range(20, 26)), list(range(30, 50))]  # 5, 6 and 20 tokens
+    done, events = {}, [threading.Event() for _ in prompts]
+    reqs = []
+    for i, p in enumerate(prompts):
+        def cb(kind, payload, i=i):
+            if kind in ("done", "error"):
+                done[i] = payload
+                events[i].set()
+        reqs.append(Request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), cb))
+        engine.submit(reqs[-1])
+    engine.start()
+    try:
+        for e in events:
+            assert e.wait(60)
+    finally:
+        engine.shutdown(0)
+    assert all(sum(n for _, n in it) <= 8 for it in per_iteration)
+    chunks = {r.id: [n for it in per_iteration for rid, n in it if rid == r.id] for r in reqs}
+    assert chunks[reqs[0].id] == [5] and chunks[reqs[1].id] == [6] and chunks[reqs[2].id] == [8, 8, 4]
+    for i in range(2):  # one-forward prefills: the same tokens as generate
+        ref = _runtime().generate(torch.tensor([prompts[i]]), 6)["tokens"][0].tolist()
+        assert done[i]["token_ids"] == ref
+    assert done[2]["completion_tokens"] == 6 and done[2]["prompt_tokens"] == 20

@@ -9,14 +9,15 @@ One engine iteration:
 
 1. **admit**: move waiting requests into prefill while ``running + prefilling < max_batch``;
 2. **prefill** (at most ``prefill_chunk`` prompt tokens per iteration, the stall bound): the oldest
-   prefilling request runs its next chunk alone (batch 1, its own ``DynamicCache``); after its last chunk
-   its first token is sampled and its row is merged into the running batch (:func:`~expertcache.serve.kv.merge_row`);
+   admitted requests run their next chunk alone (batch 1, each its own ``DynamicCache``), as many as fit the
+   token budget; after its last chunk a request's first token is sampled and its row is merged into the
+   running batch (:func:`~expertcache.serve.kv.merge_row`);
 3. **decode**: one forward over all B running rows ([B, 1] tokens, the left-padded [B, L + 1] mask and
    per-row position ids), one token sampled per row;
 4. **retire**: rows that finished (stop, length, cancelled: a client that went away) leave the batch
    (:func:`~expertcache.serve.kv.drop_rows` frees their KV).
 
-So a running row waits at most one prefill chunk between two of its tokens. Every MoE layer of the decode
+So a running row waits for at most ``prefill_chunk`` prompt tokens of prefill between two of its tokens. Every MoE layer of the decode
 forward is one step of the runtime's **shared** expert cache: the union of the B rows' experts, ordered by
 total router weight (see ``docs/SERVE.md``).
 
@@ -264,19 +265,33 @@ class Engine:
         return out.logits[:, -1], out.past_key_values, dt, delta
 
     def _prefill_some(self) -> None:
-        """Run at most ``prefill_chunk`` prompt tokens (one chunk of the oldest prefilling request)."""
+        """Prefill at most ``prefill_chunk`` prompt tokens in this iteration: chunks of the oldest admitted
+        requests, each alone (batch 1). A request is started only if its whole remaining prompt fits the
+        remaining budget, unless it is the first of the iteration (so a prompt of ``<= prefill_chunk`` tokens
+        is always one forward, as in :meth:`OffloadedModel.generate`; a longer one goes in chunks)."""
+        budget = self.prefill_chunk
+        first = True
+        while self._prefilling and budget > 0:
+            r = self._prefilling[0]
+            if r.cancelled.is_set():
+                self._prefilling.pop(0)
+                r.past = None
+                self._finish(r, "cancelled")
+                continue
+            left = len(r.prompt_ids) - r.prefilled
+            if not first and left > budget:
+                return
+            n = min(left, budget)
+            budget -= n
+            first = False
+            self._prefill_chunk(r, n)
+
+    def _prefill_chunk(self, r: Request, n: int) -> None:
         from transformers import DynamicCache
 
-        while self._prefilling and self._prefilling[0].cancelled.is_set():
-            r = self._prefilling.pop(0)
-            r.past = None
-            self._finish(r, "cancelled")
-        if not self._prefilling:
-            return
-        r = self._prefilling[0]
         if r.past is None:
             r.past = DynamicCache(config=self.rt.config)
-        chunk = r.prompt_ids[r.prefilled:r.prefilled + self.prefill_chunk]
+        chunk = r.prompt_ids[r.prefilled:r.prefilled + n]
         logits_1V, r.past, dt, delta = self._forward(torch.tensor([chunk]), r.past)
         r.prefilled += len(chunk)
         self._charge([r], delta, shared=False)
