@@ -144,6 +144,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="repeat the levels (interleaved per policy); medians")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--io", default="direct", choices=("direct", "fadvise", "cached"))
+    ap.add_argument("--tier", default="disk", choices=("disk", "host"), help="where the experts live (default disk)")
+    ap.add_argument("--prefill-chunk", type=int, default=128, help="the server's --prefill-chunk (default 128)")
     ap.add_argument("--rss-tokens", type=int, default=0,
                     help="instead of the levels: serve this many tokens at 16 clients and sample the server's RSS")
     ap.add_argument("--out", default=None, help="append JSONL rows here")
@@ -166,10 +168,12 @@ def main(argv=None) -> int:
     base = dict(model=name, machine=platform.machine(), cpus=os.cpu_count(), capacity=capacity,
                 num_experts=n_exp, tokens_per_request=a.tokens, io=a.io, load_avg=os.getloadavg()[0],
                 date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    extra = ["--tier", a.tier, "--prefill-chunk", str(a.prefill_chunk)]
+    base.update(tier=a.tier, prefill_chunk=a.prefill_chunk)
     rows = []
     if a.rss_tokens:
         policy = a.policies[0]
-        proc, url, banner = start_server(a.model, policy, capacity, a.max_batch, a.io, [])
+        proc, url, banner = start_server(a.model, policy, capacity, a.max_batch, a.io, extra)
         try:
             run_level(url, name, prompts, 16, 2, a.tokens)  # warm-up
             samples, served = [], 0
@@ -193,7 +197,7 @@ def main(argv=None) -> int:
         per: dict[tuple[str, int], list[dict]] = {}
         for rep in range(a.repeats):
             for policy in a.policies:
-                proc, url, banner = start_server(a.model, policy, capacity, a.max_batch, a.io, [])
+                proc, url, banner = start_server(a.model, policy, capacity, a.max_batch, a.io, extra)
                 print(banner, file=sys.stderr)
                 try:
                     run_level(url, name, prompts, 2, 1, min(8, a.tokens))  # warm-up (compiles, first reads)
@@ -208,7 +212,7 @@ def main(argv=None) -> int:
                 finally:
                     stop_server(proc)
         print(f"\n{name}: C = {capacity}/{n_exp}, {a.tokens} tokens/request, {a.rounds} request(s)/client, "
-              f"io={a.io}, medians of {a.repeats}\n")
+              f"tier={a.tier}, io={a.io}, prefill chunk {a.prefill_chunk}, medians of {a.repeats}\n")
         print("| policy | clients | aggregate tok/s | × 1 client | TTFT p50 / p95 (s) | ITL p50 / p95 (s) | hit rate | "
               "mean batch |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
