@@ -495,3 +495,30 @@ def test_prefill_budget_bounds_the_stall_and_short_prompts_are_one_forward(tok):
         ref = _runtime().generate(torch.tensor([prompts[i]]), 6)["tokens"][0].tolist()
         assert done[i]["token_ids"] == ref
     assert done[2]["completion_tokens"] == 6 and done[2]["prompt_tokens"] == 20
+
+
+def test_packed_prefill_of_several_prompts_gives_each_its_lone_tokens(tok):
+    rt = _runtime()
+    engine = Engine(rt, tok, max_batch=8, prefill_chunk=128)  # submitted before start: admitted together
+    texts = PROMPTS[:5]
+    done, events = {}, [threading.Event() for _ in texts]
+    for i, t in enumerate(texts):
+        def cb(kind, payload, i=i):
+            if kind in ("done", "error"):
+                done[i] = payload
+                events[i].set()
+        engine.submit(Request(tok(t).input_ids, SamplingParams(max_tokens=10, temperature=0), cb))
+    s0 = rt.stats()
+    engine.start()
+    try:
+        for e in events:
+            assert e.wait(60)
+    finally:
+        engine.shutdown(0)
+    assert engine.totals["packed_prefills"] == 1 and engine.totals["packed_prompts"] == 5
+    ref_rt = _runtime()
+    for i, t in enumerate(texts):
+        ref = ref_rt.generate(tok(t, return_tensors="pt").input_ids, 10, stop=0)["tokens"][0].tolist()
+        assert done[i]["token_ids"] == ref, t
+    s1 = rt.stats()
+    assert sum(d["bytes_read"] for d in done.values()) == pytest.approx(s1["bytes_read"] - s0["bytes_read"], abs=64)

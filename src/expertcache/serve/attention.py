@@ -8,6 +8,11 @@ to flip a greedy token within 8 steps). Every other op of a decode step is row-i
 (linears of M = 1..40 rows give bit-identical rows; norms, rotary, router, the runtime's per-expert combine in
 ascending id are per row).
 
+Packed prefill: several new prompts prefilled in one forward, concatenated into one row (position ids
+restart per prompt, :func:`packed_segments` names the lengths): attention runs per prompt on its own
+query/key/value columns with no mask, as that prompt's lone prefill does, so the prompts share the expert
+loads of one MoE step per layer while each computes what it would alone.
+
 So for a *batched decode step* (B > 1 rows, one query token each, a padding mask) this attention function
 slices each row's real key/value columns (``[1, H, L_b, d]``, contiguous, as a lone row's cache is) and calls
 the model's own attention function (sdpa or eager) on that row with no mask, as the lone decode does. Every
@@ -17,11 +22,26 @@ little next to the expert reads; the rest of the step (projections, router, expe
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
-__all__ = ["install_rowwise_attention", "ROWWISE"]
+__all__ = ["install_rowwise_attention", "packed_segments", "ROWWISE"]
 
 ROWWISE = "expertcache_rowwise"
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def packed_segments(lengths: list[int]):
+    """Within this block a one-row forward over a fresh cache is several prompts packed end to end
+    (``lengths`` tokens each): attention runs per segment, each exactly as that prompt alone."""
+    _state.segments = list(lengths)
+    try:
+        yield
+    finally:
+        _state.segments = None
 
 
 def _make(base_name: str):
@@ -31,6 +51,15 @@ def _make(base_name: str):
 
     def rowwise(module, query_BHqd, key_BHLd, value_BHLd, attention_mask, **kwargs):
         B, _, q, _ = query_BHqd.shape
+        segs = getattr(_state, "segments", None)
+        if segs and B == 1 and q == sum(segs) == key_BHLd.shape[2]:  # packed prefill: one prompt at a time
+            outs, a = [], 0
+            for n in segs:
+                out_1nHd, _ = base(module, query_BHqd[:, :, a:a + n], key_BHLd[:, :, a:a + n].contiguous(),
+                                   value_BHLd[:, :, a:a + n].contiguous(), None, **kwargs)
+                outs.append(out_1nHd)
+                a += n
+            return torch.cat(outs, dim=1), None
         if attention_mask is None or B == 1 or q != 1:
             return base(module, query_BHqd, key_BHLd, value_BHLd, attention_mask, **kwargs)
         outs = []

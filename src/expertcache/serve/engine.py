@@ -127,7 +127,7 @@ class Engine:
     ``on_queue(n)``."""
 
     def __init__(self, runtime, tokenizer=None, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
-                 metrics=None, rowwise_attention: bool = True) -> None:
+                 metrics=None, rowwise_attention: bool = True, pack_prefill: bool = True) -> None:
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
             raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
         self.rt = runtime
@@ -139,6 +139,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
+        self.pack_prefill = pack_prefill and rowwise_attention
         self.metrics = metrics
         self.context = int(getattr(runtime.config, "max_position_embeddings", 0) or 0) or None
         eos = getattr(runtime.config, "eos_token_id", None)
@@ -152,7 +153,8 @@ class Engine:
         self._stop = False
         self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
-        self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, steps=0)
+        self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, steps=0, packed_prefills=0,
+                           packed_prompts=0)
         self.error: BaseException | None = None
 
     # -- called from other threads -------------------------------------------------------------------
@@ -265,26 +267,73 @@ class Engine:
         return out.logits[:, -1], out.past_key_values, dt, delta
 
     def _prefill_some(self) -> None:
-        """Prefill at most ``prefill_chunk`` prompt tokens in this iteration: chunks of the oldest admitted
-        requests, each alone (batch 1). A request is started only if its whole remaining prompt fits the
-        remaining budget, unless it is the first of the iteration (so a prompt of ``<= prefill_chunk`` tokens
-        is always one forward, as in :meth:`OffloadedModel.generate`; a longer one goes in chunks)."""
+        """Prefill at most ``prefill_chunk`` prompt tokens in this iteration. A long prompt (more than the
+        budget, or already started) runs its next chunk alone. Otherwise the oldest admitted requests whose
+        whole prompts fit the budget are prefilled together in **one packed forward** (one row, prompts end
+        to end, positions restarting per prompt, attention per prompt: :func:`packed_segments`), so their
+        expert loads are shared by one MoE step per layer; a prompt of ``<= prefill_chunk`` tokens is never
+        split, and each computes what its lone prefill (:meth:`OffloadedModel.generate`) computes."""
         budget = self.prefill_chunk
-        first = True
-        while self._prefilling and budget > 0:
-            r = self._prefilling[0]
+        while self._prefilling and self._prefilling[0].cancelled.is_set():
+            r = self._prefilling.pop(0)
+            r.past = None
+            self._finish(r, "cancelled")
+        if not self._prefilling:
+            return
+        head = self._prefilling[0]
+        if head.prefilled > 0 or len(head.prompt_ids) > budget:
+            self._prefill_chunk(head, min(len(head.prompt_ids) - head.prefilled, budget))
+            return
+        group = []
+        for r in self._prefilling:
+            if r.prefilled > 0 or len(r.prompt_ids) > budget or not self.pack_prefill and group:
+                break
             if r.cancelled.is_set():
-                self._prefilling.pop(0)
-                r.past = None
-                self._finish(r, "cancelled")
                 continue
-            left = len(r.prompt_ids) - r.prefilled
-            if not first and left > budget:
-                return
-            n = min(left, budget)
-            budget -= n
-            first = False
-            self._prefill_chunk(r, n)
+            group.append(r)
+            budget -= len(r.prompt_ids)
+        if len(group) == 1:
+            self._prefill_chunk(group[0], len(group[0].prompt_ids))
+        else:
+            self._prefill_packed(group)
+
+    def _prefill_packed(self, group: list[Request]) -> None:
+        from transformers import DynamicCache
+
+        from expertcache.serve.attention import packed_segments
+
+        lens = [len(r.prompt_ids) for r in group]
+        ids_1T = torch.tensor([[t for r in group for t in r.prompt_ids]])
+        pos_1T = torch.cat([torch.arange(n) for n in lens])[None]
+        with packed_segments(lens):
+            s0 = self.rt.stats()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.rt.model(input_ids=ids_1T.to(self.rt.device), past_key_values=DynamicCache(config=self.rt.config),
+                                    use_cache=True, position_ids=pos_1T.to(self.rt.device))
+            dt = time.perf_counter() - t0
+            s1 = self.rt.stats()
+        delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "bytes_read")}
+        self._charge(group, delta, shared=False, weights=lens)
+        self.totals["packed_prefills"] += 1
+        self.totals["packed_prompts"] += len(group)
+        if self.metrics is not None:
+            self.metrics.on_step(0, len(group), dt, delta)
+        packed = [layer for layer in out.past_key_values.layers]
+        a = 0
+        for r, n in zip(group, lens):
+            past = DynamicCache(config=self.rt.config)
+            for li, layer in enumerate(packed):
+                past.update(layer.keys[:, :, a:a + n].contiguous(), layer.values[:, :, a:a + n].contiguous(), li)
+            r.prefilled = n
+            tok = sample_next(out.logits[0, a + n - 1], r.params, r.gen)
+            if not self._accept_token(r, tok):
+                self._kv.add(past)
+                r.next_token = tok
+                self._rows.append(r)
+            a += n
+        for r in group:  # after joining the rows: in_flight() never misses them
+            self._prefilling.remove(r)
 
     def _prefill_chunk(self, r: Request, n: int) -> None:
         from transformers import DynamicCache
@@ -331,10 +380,12 @@ class Engine:
         if self.metrics is not None:
             self.metrics.on_step(len(rows), len(rows), dt, delta)
 
-    def _charge(self, rows: list[Request], delta: dict, shared: bool) -> None:
-        for r in rows:
+    def _charge(self, rows: list[Request], delta: dict, shared: bool, weights: list[int] | None = None) -> None:
+        weights = weights or [1] * len(rows)
+        total = sum(weights)
+        for r, w in zip(rows, weights):
             for k in ("hits", "misses", "bytes_read"):
-                r.stats[k] += delta[k] / len(rows)
+                r.stats[k] += delta[k] * w / total
             r.stats["forwards"] += 1
             if shared:
                 r.stats["shared_steps"] += 1
