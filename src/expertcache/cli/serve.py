@@ -62,13 +62,14 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.offload.runtime import resolve_model_path
     from expertcache.serve.app import create_app
     from expertcache.serve.engine import Engine
-    from expertcache.serve.server import bind, serve_forever
+    from expertcache.serve.server import bind, serve_forever, tune_malloc
 
     path = resolve_model_path(args.model)
     try:  # the port before the long load: a taken port fails in a second
         sock = bind(args.host, args.port)
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    tune_malloc()
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     context = int(getattr(config, "max_position_embeddings", 2048))
     offload = offload_from_args(args, context=context, batch=args.max_batch)
