@@ -522,3 +522,31 @@ def test_packed_prefill_of_several_prompts_gives_each_its_lone_tokens(tok):
         assert done[i]["token_ids"] == ref, t
     s1 = rt.stats()
     assert sum(d["bytes_read"] for d in done.values()) == pytest.approx(s1["bytes_read"] - s0["bytes_read"], abs=64)
+
+
+@pytest.mark.slow
+def test_cli_serves_a_checkpoint_path_without_tokenizer(tmp_path):
+    from expertcache.models.tiny import save_tiny
+
+    path = save_tiny("olmoe", tmp_path / "tiny-olmoe", seed=3)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", "--model", str(path), "--port", "0",
+                             "--io", "cached", "--cache-experts", "2", "--dtype", "float32"], stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "on http://127.0.0.1:" in line, line
+        c = openai.OpenAI(base_url=line.rsplit(" on ", 1)[1].strip(), api_key="x", max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list().data] == ["tiny-olmoe"]
+        r = c.completions.create(model="tiny-olmoe", prompt=[1, 2, 3, 4], max_tokens=5, temperature=0,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        ids = r.model_extra["expertcache"]["token_ids"]
+        assert r.usage.prompt_tokens == 4 and len(ids) == 5 and r.choices[0].text == "".join(f"{i} " for i in ids)
+        with pytest.raises(openai.BadRequestError):  # no tokenizer: text prompts must be token ids
+            c.completions.create(model="tiny-olmoe", prompt="hello", max_tokens=2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
