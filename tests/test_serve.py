@@ -11,7 +11,6 @@ total router weight.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

@@ -247,7 +247,8 @@ class Metrics:
 # the app
 
 
-def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[str, ...] = (), metrics: Metrics | None = None):
+def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[str, ...] = (),
+               metrics: Metrics | None = None):
     """FastAPI app serving ``engine`` under the model name ``model_id`` (``aliases`` are accepted too).
     ``app.state.shutting_down`` (set by :func:`begin_shutdown`) makes new requests 503."""
     from fastapi import FastAPI, Request as HTTPRequest

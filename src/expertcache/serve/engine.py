@@ -17,8 +17,8 @@ One engine iteration:
 4. **retire**: rows that finished (stop, length, cancelled: a client that went away) leave the batch
    (:func:`~expertcache.serve.kv.drop_rows` frees their KV).
 
-So a running row waits for at most ``prefill_chunk`` prompt tokens of prefill between two of its tokens. Every MoE layer of the decode
-forward is one step of the runtime's **shared** expert cache: the union of the B rows' experts, ordered by
+So a running row waits for at most ``prefill_chunk`` prompt tokens of prefill between two of its tokens.
+Every MoE layer of the decode forward is one step of the runtime's **shared** expert cache: the union of the B rows' experts, ordered by
 total router weight (see ``docs/SERVE.md``).
 
 Statistics per request: each forward's hits, misses and bytes read (deltas of ``OffloadedModel.stats()``)
@@ -122,8 +122,9 @@ class Request:
 class Engine:
     """Owns the model. ``max_batch`` running rows, ``max_queue`` waiting requests (beyond: :class:`QueueFull`),
     ``prefill_chunk`` prompt tokens per iteration at most. ``rowwise_attention`` installs
-    :mod:`expertcache.serve.attention` on the runtime's model (batched decode attention per row). ``tokenizer`` decodes text (None: token ids as
-    text, space separated). ``metrics`` (optional) gets ``on_step(rows, tokens, seconds, delta_stats)`` and
+    :mod:`expertcache.serve.attention` on the runtime's model (batched decode attention per row);
+    ``pack_prefill`` prefills several short prompts in one packed forward. ``tokenizer`` decodes text (None:
+    token ids as text, space separated). ``metrics`` (optional) gets ``on_step(rows, tokens, seconds, delta_stats)`` and
     ``on_queue(n)``."""
 
     def __init__(self, runtime, tokenizer=None, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
@@ -309,8 +310,9 @@ class Engine:
             s0 = self.rt.stats()
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = self.rt.model(input_ids=ids_1T.to(self.rt.device), past_key_values=DynamicCache(config=self.rt.config),
-                                    use_cache=True, position_ids=pos_1T.to(self.rt.device))
+                out = self.rt.model(input_ids=ids_1T.to(self.rt.device), use_cache=True,
+                                    past_key_values=DynamicCache(config=self.rt.config),
+                                    position_ids=pos_1T.to(self.rt.device))
             dt = time.perf_counter() - t0
             s1 = self.rt.stats()
         delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "bytes_read")}

@@ -49,7 +49,8 @@ def merge_row(cache, mask_BL: torch.Tensor | None, row_cache) -> tuple[object, t
     for a, b in zip(layers, rows):
         a.keys = torch.cat([_pad_left(a.keys, n - L), _pad_left(b.keys, n - P)], dim=0)
         a.values = torch.cat([_pad_left(a.values, n - L), _pad_left(b.values, n - P)], dim=0)
-    mask_BL = torch.cat([torch.nn.functional.pad(mask_BL, (n - L, 0)), torch.nn.functional.pad(row_mask_1P, (n - P, 0))])
+    pad = torch.nn.functional.pad
+    mask_BL = torch.cat([pad(mask_BL, (n - L, 0)), pad(row_mask_1P, (n - P, 0))])
     return cache, mask_BL
 
 
