@@ -549,3 +549,14 @@ def test_cli_serves_a_checkpoint_path_without_tokenizer(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_non_streaming_client_that_gives_up_is_cancelled(server):
+    eng = _engine(server)
+    _wait(lambda: eng.batch_size() == 0, what="an idle engine")
+    cancelled0 = eng.totals["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.5),
+                   json={"model": "granular", "prompt": "The kernel", "max_tokens": 200, "ignore_eos": True})
+    _wait(lambda: eng.totals["cancelled"] == cancelled0 + 1, what="the abandoned request to be cancelled")
+    _wait(lambda: eng.batch_size() == 0, what="its row to leave")

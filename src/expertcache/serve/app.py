@@ -357,15 +357,20 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
 
         if not p.stream:
             text_parts = []
+            checked = time.monotonic()
             try:
                 while True:
                     try:
                         kind, payload = await asyncio.wait_for(events.get(), timeout=0.25)
                     except asyncio.TimeoutError:
+                        kind = None
+                    if time.monotonic() - checked >= 0.25:  # tokens may keep coming: check on a clock
+                        checked = time.monotonic()
                         if await request.is_disconnected():
                             req.cancel()
                             metrics.requests.labels(route, "499").inc()
                             return JSONResponse(ServeError(499, "client disconnected").body(), status_code=499)
+                    if kind is None:
                         continue
                     if kind == "text":
                         text_parts.append(payload)
