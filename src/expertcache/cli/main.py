@@ -32,6 +32,7 @@ COMMANDS = [
     "expertcache.cli.generate",
     "expertcache.cli.bench",
     "expertcache.cli.melinoe",
+    "expertcache.cli.serve",
 ]
 
 
@@ -50,6 +51,7 @@ HELP = {
     "generate": "stream tokens with experts offloaded to disk or host RAM",
     "bench": "decode throughput of routing policies at equal memory (vs the physical floor)",
     "melinoe": "004 MELINOE: locality fine-tuning and an expert-activation predictor",
+    "serve": "OpenAI-compatible server with continuous batching over the offloaded runtime",
 }
 
 # Optional packages -> the extra of pyproject.toml that installs them.

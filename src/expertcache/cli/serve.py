@@ -1,0 +1,97 @@
+"""``expertcache serve``: an OpenAI-compatible HTTP server over the offloaded runtime, with continuous batching."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from expertcache.cli.common import add_routing_args, routing_from_args
+from expertcache.cli.generate import add_offload_args, add_routing_alias, dtype_from_args, offload_from_args
+
+DESCRIPTION = """\
+Serve the model over the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions with stream: true,
+/health, /metrics). Requests are batched continuously: they join and leave the running batch between decode
+steps; every MoE layer of a decode step serves the union of the rows' experts from the one shared expert
+cache. Loopback only by default. See docs/SERVE.md.
+
+  expertcache serve --memory 8MiB --policy cache-prior --lam 0.5 --port 8000
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "granular", "prompt": "The kernel", "max_tokens": 32, "temperature": 0}'
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching over the offloaded runtime",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 = any free port)")
+    s.add_argument("--served-model-name", default=None,
+                   help="model id clients send (default: the shipped name or the checkpoint folder's name)")
+    s.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default: 8)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting beyond the free batch rows; more get 429 (default: 64)")
+    s.add_argument("--prefill-chunk", type=int, default=128,
+                   help="prompt tokens prefilled between two decode steps at most: the stall a new request puts "
+                        "on running rows (default: 128)")
+    s.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM before they are cancelled (default: 30)")
+    s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    add_offload_args(p)
+    add_routing_args(p)
+    add_routing_alias(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from expertcache.cli.main import UsageError
+
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(f"serve needs the 'serve' extra: pip install 'expertcache[serve]' ({exc})") from None
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_batch < 1 or args.max_queue < 0 or args.prefill_chunk < 1 or args.shutdown_grace < 0:
+        raise UsageError("--max-batch and --prefill-chunk must be >= 1, --max-queue and --shutdown-grace >= 0")
+    from transformers import AutoConfig
+
+    from expertcache.offload import OffloadedModel
+    from expertcache.offload.runtime import resolve_model_path
+    from expertcache.serve.app import create_app
+    from expertcache.serve.engine import Engine
+    from expertcache.serve.server import bind, serve_forever, tune_malloc
+
+    path = resolve_model_path(args.model)
+    try:  # the port before the long load: a taken port fails in a second
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    tune_malloc()
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    context = int(getattr(config, "max_position_embeddings", 2048))
+    offload = offload_from_args(args, context=context, batch=args.max_batch)
+    rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args), routing=routing_from_args(args),
+                                        eviction=args.eviction, gamma=args.gamma)
+    tok = None
+    if (path / "tokenizer.json").is_file():
+        from expertcache.train.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(path)
+    name = args.served_model_name or (args.model if args.model in ("granular", "coarse") else path.name)
+    engine = Engine(rt, tok, max_batch=args.max_batch, max_queue=args.max_queue,
+                    prefill_chunk=args.prefill_chunk).start()
+    app = create_app(engine, name, tokenizer=tok, aliases=(str(args.model),) if str(args.model) != name else ())
+    host, port = sock.getsockname()[:2]
+    print(f"expertcache serve: {name} [{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, "
+          f"{rt.routing.label()}+{rt.eviction}, max batch {args.max_batch}, context {context}] on "
+          f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    try:
+        serve_forever(app, sock, grace_s=args.shutdown_grace, log_level=args.log_level)
+    finally:
+        summary = engine.shutdown(0)
+        print(f"expertcache serve: stopped: {summary['finished']} request(s) finished, {summary['cancelled']} "
+              f"cancelled", file=sys.stderr, flush=True)
+    return 0

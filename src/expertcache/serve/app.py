@@ -1,0 +1,462 @@
+"""The HTTP side: OpenAI-compatible routes over an :class:`~expertcache.serve.engine.Engine` (FastAPI).
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` = server-sent
+events), ``GET /health``, ``GET /metrics`` (Prometheus text format). Request bodies are validated here (not by
+pydantic) so that every bad field gets a 400 naming it; every 4xx/5xx body is OpenAI's
+``{"error": {"message", "type", "param", "code"}}``.
+
+Extensions: every response (and the last stream chunk) carries an ``expertcache`` object — the request's share
+of expert-cache hits, misses and bytes read (see the engine docstring), the policy, eviction and C; with
+``"return_token_ids": true`` it also lists the generated token ids; ``"ignore_eos": true`` decodes past the
+end-of-text token (fixed lengths for benchmarks).
+"""
+
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from expertcache.serve.engine import Engine, QueueFull, Request, SamplingParams, ShuttingDown
+
+__all__ = ["create_app", "ServeError", "SHIPPED_CHAT_TEMPLATE", "render_chat"]
+
+# The shipped models were trained on plain text and have no chat template: this one (documented in
+# docs/SERVE.md) writes each message as "Role: content" paragraphs and ends with "Assistant:".
+SHIPPED_CHAT_TEMPLATE = "{role}: {content}\n\n"
+SHIPPED_CHAT_STOP = "\n\nUser:"
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+class ServeError(Exception):
+    """An error with an HTTP status and an OpenAI error body."""
+
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+             499: "request_cancelled", 503: "server_error", 500: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------------
+# request validation
+
+
+def _bad(param: str, message: str) -> ServeError:
+    return ServeError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _num(body: dict, key: str, default, lo: float, hi: float, *, integer: bool = False):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise _bad(key, f"must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}")
+    if not lo <= v <= hi:
+        raise _bad(key, f"must be between {lo} and {hi}, got {v}")
+    return v
+
+
+@dataclass
+class Parsed:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def render_chat(messages: list[dict], tokenizer) -> tuple[str, bool]:
+    """(prompt text, uses the shipped fallback template)."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), False
+    text = "".join(SHIPPED_CHAT_TEMPLATE.format(role=m["role"].capitalize(), content=m["content"]) for m in messages)
+    return text + "Assistant:", True
+
+
+class Validator:
+    """Turns a JSON body into prompt ids and :class:`SamplingParams`, or raises :class:`ServeError` (400/404)."""
+
+    def __init__(self, model_ids: list[str], tokenizer, context: int | None, vocab: int) -> None:
+        self.model_ids, self.tok, self.context, self.vocab = model_ids, tokenizer, context, vocab
+
+    def encode(self, text: str) -> list[int]:
+        if self.tok is None:
+            try:
+                return [int(x) for x in text.split()]
+            except ValueError:
+                raise _bad("prompt", "this model has no tokenizer: give space-separated token ids") from None
+        return self.tok(text).input_ids
+
+    def parse(self, body, chat: bool) -> Parsed:
+        if not isinstance(body, dict):
+            raise ServeError(400, "the request body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise _bad("model", "required, a string")
+        if model not in self.model_ids:
+            raise ServeError(404, f"the model {model!r} does not exist; this server serves {self.model_ids}",
+                             param="model", code="model_not_found")
+        extra_stop: list[str] = []
+        if chat:
+            prompt_ids, extra_stop = self._chat(body.get("messages"))
+        else:
+            prompt_ids = self._prompt(body.get("prompt"))
+        if not prompt_ids:
+            raise _bad("messages" if chat else "prompt", "the prompt is empty")
+        P = len(prompt_ids)
+        if self.context is not None and P >= self.context:
+            raise ServeError(400, f"the prompt has {P} tokens; the model's context is {self.context} tokens "
+                                  "(prompt + max_tokens must fit)", param="messages" if chat else "prompt",
+                             code="context_length_exceeded")
+        room = (self.context - P) if self.context is not None else 1 << 30
+        key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _num(body, key, room if chat else min(16, room), 1, 1 << 31, integer=True)
+        if max_tokens > room:
+            raise ServeError(400, f"{key}={max_tokens} + {P} prompt tokens exceeds the model's context of "
+                                  f"{self.context} tokens (at most {room} new tokens for this prompt)",
+                             param=key, code="context_length_exceeded")
+        if _num(body, "n", 1, 1, 1 << 31, integer=True) != 1:
+            raise _bad("n", "only n = 1 is supported")
+        temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _num(body, "top_p", 1.0, 0.0, 1.0)
+        if top_p <= 0:
+            raise _bad("top_p", "must be > 0")
+        seed = _num(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+        stop = body.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > 4:
+            raise _bad("stop", "must be a string or a list of at most 4 strings")
+        if any(s == "" for s in stop):
+            raise _bad("stop", "stop strings must not be empty")
+        for k in ("presence_penalty", "frequency_penalty"):
+            if _num(body, k, 0.0, -2.0, 2.0) != 0:
+                raise _bad(k, "is not supported (only 0)")
+        for k in ("logprobs", "echo", "logit_bias", "tools", "best_of", "suffix", "top_logprobs"):
+            v = body.get(k)
+            if v not in (None, False, 0, 1) or (k in ("logprobs", "echo") and v is True) or \
+                    (k == "best_of" and v not in (None, 1)):
+                raise _bad(k, "is not supported by this server")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool) and stream is not None:
+            raise _bad("stream", "must be a boolean")
+        so = body.get("stream_options") or {}
+        if not isinstance(so, dict):
+            raise _bad("stream_options", "must be an object")
+        rti = body.get("return_token_ids", False)
+        ignore_eos = body.get("ignore_eos", False)
+        for k, v in (("return_token_ids", rti), ("ignore_eos", ignore_eos)):
+            if not isinstance(v, bool):
+                raise _bad(k, "must be a boolean")
+        params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
+                                seed=seed, stop=list(stop) + [s for s in extra_stop if s not in stop],
+                                ignore_eos=ignore_eos)
+        return Parsed(prompt_ids, params, bool(stream), bool(so.get("include_usage", False)), rti)
+
+    def _prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if any(not 0 <= t < self.vocab for t in prompt):
+                raise _bad("prompt", f"token ids must be in [0, {self.vocab})")
+            return list(prompt)
+        raise _bad("prompt", "must be a string, a list of token ids, or a list of one of those (n = 1 prompt)")
+
+    def _chat(self, messages) -> tuple[list[int], list[str]]:
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages", "required, a non-empty list of {role, content} objects")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
+                raise _bad(f"messages[{i}]", f"must be an object with role in {ROLES}")
+            c = m.get("content")
+            if isinstance(c, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in c):
+                    raise _bad(f"messages[{i}].content", "only text content parts are supported")
+                c = "".join(p["text"] for p in c)
+            if not isinstance(c, str):
+                raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
+            clean.append({"role": m["role"], "content": c})
+        text, fallback = render_chat(clean, self.tok)
+        return self.encode(text), ([SHIPPED_CHAT_STOP] if fallback else [])
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+
+
+class Metrics:
+    """Prometheus metrics in their own registry (several servers in one process stay apart)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("expertcache_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.queue = Gauge("expertcache_queue_length", "requests waiting to join the batch", registry=r)
+        self.batch = Gauge("expertcache_batch_size", "rows in the running decode batch", registry=r)
+        self.step_rows = Histogram("expertcache_decode_batch_rows", "rows per decode step",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.tokens = Counter("expertcache_generated_tokens", "tokens generated (prefills' first tokens and decode "
+                              "steps)", registry=r)
+        self.tok_s = Gauge("expertcache_decode_tokens_per_second",
+                           "decode tokens per second of compute over the last 32 decode steps", registry=r)
+        self.hits = Counter("expertcache_expert_hits", "expert-cache hits (all layers)", registry=r)
+        self.misses = Counter("expertcache_expert_misses", "expert-cache misses (all layers)", registry=r)
+        self.bytes = Counter("expertcache_expert_bytes_read", "bytes read from the slow tier", registry=r)
+        self.hit_rate = Gauge("expertcache_expert_hit_rate", "hits / (hits + misses) since start", registry=r)
+        self.ttft = Histogram("expertcache_time_to_first_token_seconds", "submit to first token", registry=r)
+        self._recent: list[tuple[int, float]] = []
+        self._h = self._m = 0
+
+    def on_step(self, rows: int, tokens: int, seconds: float, delta: dict) -> None:
+        self.hits.inc(delta["hits"])
+        self.misses.inc(delta["misses"])
+        self.bytes.inc(delta["bytes_read"])
+        self._h += delta["hits"]
+        self._m += delta["misses"]
+        if self._h + self._m:
+            self.hit_rate.set(self._h / (self._h + self._m))
+        self.tokens.inc(tokens)
+        if rows:
+            self.step_rows.observe(rows)
+            self._recent = (self._recent + [(tokens, seconds)])[-32:]
+            t = sum(s for _, s in self._recent)
+            if t > 0:
+                self.tok_s.set(sum(n for n, _ in self._recent) / t)
+
+    def on_queue(self, waiting: int, rows: int) -> None:
+        self.queue.set(waiting)
+        self.batch.set(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# the app
+
+
+def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[str, ...] = (),
+               metrics: Metrics | None = None):
+    """FastAPI app serving ``engine`` under the model name ``model_id`` (``aliases`` are accepted too).
+    ``app.state.shutting_down`` (set by :func:`begin_shutdown`) makes new requests 503."""
+    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    metrics = metrics or engine.metrics or Metrics()
+    engine.metrics = metrics
+    rt = engine.rt
+    vocab = int(rt.config.vocab_size)
+    validator = Validator([model_id, *aliases], tokenizer, engine.context, vocab)
+    app = FastAPI(title="expertcache", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    app.state.shutting_down = False
+    created = int(time.time())
+
+    def err(e: ServeError, route: str) -> JSONResponse:
+        metrics.requests.labels(route, str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc):
+        return err(ServeError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None),
+                   request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc):
+        return err(ServeError(400, f"invalid request: {exc.errors()[:1]}"), request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _any(request, exc):  # pragma: no cover - a bug; still an OpenAI-style body
+        return err(ServeError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
+
+    def policy() -> dict:
+        return dict(policy=rt.routing.label(), eviction=rt.eviction, capacity=rt.capacity,
+                    num_experts=rt.num_experts, moe_layers=len(rt.layers))
+
+    def ec_object(info: dict, want_ids: bool) -> dict:
+        acc = info["hits"] + info["misses"]
+        d = dict(hits=round(info["hits"], 3), misses=round(info["misses"], 3),
+                 bytes_read=int(round(info["bytes_read"])), hit_rate=(info["hits"] / acc) if acc else None,
+                 forwards=info["forwards"], mean_batch=round(info["mean_batch"], 3), ttft_s=info["ttft_s"],
+                 **policy())
+        if want_ids:
+            d["token_ids"] = info["token_ids"]
+        return d
+
+    def usage(info: dict) -> dict:
+        return dict(prompt_tokens=info["prompt_tokens"], completion_tokens=info["completion_tokens"],
+                    total_tokens=info["prompt_tokens"] + info["completion_tokens"])
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return JSONResponse({"status": "failed", "error": str(engine.error)}, status_code=500)
+        if app.state.shutting_down or not engine.accepting:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return {"status": "ok", "model": model_id, "batch": engine.batch_size(), "queue": engine.queue_length()}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        metrics.on_queue(engine.queue_length(), engine.batch_size())
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        metrics.requests.labels("/v1/models", "200").inc()
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                            "owned_by": "expertcache", "expertcache": policy()}]}
+
+    async def handle(request: HTTPRequest, chat: bool):
+        route = request.url.path
+        raw = await request.body()
+        try:
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ServeError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+            p = validator.parse(body, chat)
+            if app.state.shutting_down:
+                raise ServeError(503, "the server is shutting down", code="shutting_down")
+        except ServeError as e:
+            return err(e, route)
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_event(kind, payload):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+            except RuntimeError:  # the loop is gone (server stopped): nobody is listening
+                pass
+
+        req = Request(p.prompt_ids, p.params, on_event)
+        try:
+            engine.submit(req)
+        except QueueFull as e:
+            return err(ServeError(429, str(e), code="queue_full"), route)
+        except ShuttingDown as e:
+            return err(ServeError(503, str(e), code="shutting_down"), route)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        obj = "chat.completion" if chat else "text_completion"
+
+        if not p.stream:
+            text_parts = []
+            checked = time.monotonic()
+            try:
+                while True:
+                    try:
+                        kind, payload = await asyncio.wait_for(events.get(), timeout=0.25)
+                    except asyncio.TimeoutError:
+                        kind = None
+                    if time.monotonic() - checked >= 0.25:  # tokens may keep coming: check on a clock
+                        checked = time.monotonic()
+                        if await request.is_disconnected():
+                            req.cancel()
+                            metrics.requests.labels(route, "499").inc()
+                            return JSONResponse(ServeError(499, "client disconnected").body(), status_code=499)
+                    if kind is None:
+                        continue
+                    if kind == "text":
+                        text_parts.append(payload)
+                    elif kind == "error":
+                        return err(ServeError(payload[0], payload[1]), route)
+                    else:
+                        info = payload
+                        break
+            finally:
+                if req.finish_reason is None:
+                    req.cancel()
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": info["text"]},
+                          "finish_reason": info["finish_reason"], "logprobs": None}
+            else:
+                choice = {"index": 0, "text": info["text"], "finish_reason": info["finish_reason"], "logprobs": None}
+            metrics.requests.labels(route, "200").inc()
+            if info["ttft_s"] is not None:
+                metrics.ttft.observe(info["ttft_s"])
+            return {"id": rid, "object": obj, "created": int(time.time()), "model": model_id, "choices": [choice],
+                    "usage": usage(info), "expertcache": ec_object(info, p.return_token_ids)}
+
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {}
+                if role:
+                    delta["role"] = "assistant"
+                if delta_text is not None:
+                    delta["content"] = delta_text
+                c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                c = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            return {"id": rid, "object": chunk_obj, "created": int(time.time()), "model": model_id, "choices": [c]}
+
+        def sse(d: dict) -> str:
+            return f"data: {json.dumps(d)}\n\n"
+
+        async def stream():
+            status = "200"
+            try:
+                if chat:
+                    yield sse(chunk("", None, role=True))
+                while True:
+                    kind, payload = await events.get()
+                    if kind == "text":
+                        yield sse(chunk(payload, None))
+                    elif kind == "error":
+                        status = str(payload[0])
+                        yield sse(ServeError(payload[0], payload[1]).body())
+                        break
+                    else:
+                        info = payload
+                        last = chunk(None if chat else "", info["finish_reason"])
+                        last["usage"] = usage(info)
+                        last["expertcache"] = ec_object(info, p.return_token_ids)
+                        yield sse(last)
+                        if p.include_usage:
+                            yield sse({"id": rid, "object": chunk_obj, "created": int(time.time()), "model": model_id,
+                                       "choices": [], "usage": usage(info)})
+                        if info["ttft_s"] is not None:
+                            metrics.ttft.observe(info["ttft_s"])
+                        break
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away (or we are done): leave the batch at the next step
+                if req.finish_reason is None:
+                    req.cancel()
+                    status = "499"
+                metrics.requests.labels(route, status).inc()
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        return await handle(request, chat=True)
+
+    return app
+
+
+def begin_shutdown(app, grace_s: float) -> int:
+    """New requests get 503; waiting ones are cancelled; running ones get ``grace_s`` to finish."""
+    app.state.shutting_down = True
+    return app.state.engine.begin_shutdown(grace_s)

@@ -1,0 +1,460 @@
+"""Continuous batching over one :class:`~expertcache.offload.OffloadedModel`, in one engine thread.
+
+Letter legend: B rows of the running batch, L cached columns (left-padded), P prompt tokens, V vocabulary.
+
+The model is not thread-safe, so exactly one thread (:meth:`Engine.run`) touches it. Other threads (the HTTP
+server's event loop) only call :meth:`Engine.submit` / :meth:`Request.cancel` and read events.
+
+One engine iteration:
+
+1. **admit**: move waiting requests into prefill while ``running + prefilling < max_batch``;
+2. **prefill** (at most ``prefill_chunk`` prompt tokens per iteration, the stall bound): the oldest
+   admitted requests run their next chunk alone (batch 1, each its own ``DynamicCache``), as many as fit the
+   token budget; after its last chunk a request's first token is sampled and its row is merged into the
+   running batch (:func:`~expertcache.serve.kv.merge_row`);
+3. **decode**: one forward over all B running rows ([B, 1] tokens, the left-padded [B, L + 1] mask and
+   per-row position ids), one token sampled per row;
+4. **retire**: rows that finished (stop, length, cancelled: a client that went away) leave the batch
+   (:func:`~expertcache.serve.kv.drop_rows` frees their KV).
+
+So a running row waits for at most ``prefill_chunk`` prompt tokens of prefill between two of its tokens.
+Every MoE layer of the decode forward is one step of the runtime's **shared** expert cache: the union of the B rows' experts, ordered by
+total router weight (see ``docs/SERVE.md``).
+
+Statistics per request: each forward's hits, misses and bytes read (deltas of ``OffloadedModel.stats()``)
+are charged to the rows of that forward in equal shares (a prefill chunk: all to its request), so the sums
+over requests equal the runtime's totals.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from expertcache.serve.kv import BatchKV
+
+__all__ = ["Engine", "Request", "SamplingParams", "QueueFull", "ShuttingDown", "sample_next"]
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound (HTTP 429)."""
+
+
+class ShuttingDown(Exception):
+    """The engine no longer accepts requests (HTTP 503)."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going after the end-of-text token (benchmarks: fixed lengths)
+
+
+def sample_next(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    """Greedy for temperature 0; else softmax(logits / T) with nucleus ``top_p`` and the request's generator.
+    With top_p = 1 this is exactly :meth:`OffloadedModel.generate`'s draw (same seed → same tokens)."""
+    z_1V = logits_V.float().cpu()[None]
+    if p.temperature <= 0:
+        return int(z_1V.argmax(dim=-1))
+    probs_1V = torch.softmax(z_1V / p.temperature, dim=-1)
+    if p.top_p < 1.0:
+        sp, si = probs_1V.sort(dim=-1, descending=True)
+        keep = (sp.cumsum(dim=-1) - sp) < p.top_p  # smallest prefix whose mass reaches top_p (>= 1 token)
+        sp = sp * keep
+        choice = torch.multinomial(sp / sp.sum(), 1, generator=gen)
+        return int(si[0, int(choice)])
+    return int(torch.multinomial(probs_1V, 1, generator=gen))
+
+
+class Request:
+    """One generation request. ``on_event(kind, payload)`` is called from the engine thread with
+    ``('text', str)`` pieces, then exactly one ``('done', info)`` or ``('error', (status, message))``."""
+
+    _ids = 0
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, on_event: Callable[[str, object], None]) -> None:
+        Request._ids += 1
+        self.id = Request._ids
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.on_event = on_event
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.tokens: list[int] = []
+        self.text = ""        # decoded text of ``tokens`` (cut at a stop string)
+        self.sent = 0         # characters of ``text`` already sent
+        self.finish_reason: str | None = None
+        self.cancelled = threading.Event()
+        self.stats = dict(hits=0.0, misses=0.0, bytes_read=0.0, forwards=0, shared_steps=0, batch_rows=0)
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_done: float | None = None
+        # prefill state
+        self.past = None
+        self.prefilled = 0
+        self.next_token: int | None = None
+
+    def cancel(self) -> None:
+        """Thread-safe: the row leaves the batch at the engine's next iteration."""
+        self.cancelled.set()
+
+    def info(self) -> dict:
+        s = self.stats
+        return dict(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.tokens),
+                    finish_reason=self.finish_reason, text=self.text, token_ids=list(self.tokens),
+                    hits=s["hits"], misses=s["misses"], bytes_read=s["bytes_read"], forwards=s["forwards"],
+                    mean_batch=(s["batch_rows"] / s["shared_steps"]) if s["shared_steps"] else 1.0,
+                    ttft_s=None if self.t_first is None else self.t_first - self.t_submit,
+                    total_s=None if self.t_done is None else self.t_done - self.t_submit)
+
+
+class Engine:
+    """Owns the model. ``max_batch`` running rows, ``max_queue`` waiting requests (beyond: :class:`QueueFull`),
+    ``prefill_chunk`` prompt tokens per iteration at most. ``rowwise_attention`` installs
+    :mod:`expertcache.serve.attention` on the runtime's model (batched decode attention per row);
+    ``pack_prefill`` prefills several short prompts in one packed forward. ``tokenizer`` decodes text (None:
+    token ids as text, space separated). ``metrics`` (optional) gets ``on_step(rows, tokens, seconds, delta_stats)`` and
+    ``on_queue(n)``."""
+
+    def __init__(self, runtime, tokenizer=None, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
+                 metrics=None, rowwise_attention: bool = True, pack_prefill: bool = True) -> None:
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
+            raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
+        self.rt = runtime
+        if rowwise_attention:  # a row decodes bit-identically alone and inside a padded batch (attention.py)
+            from expertcache.serve.attention import install_rowwise_attention
+
+            install_rowwise_attention(runtime.model)
+        self.tok = tokenizer
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.pack_prefill = pack_prefill and rowwise_attention
+        self.metrics = metrics
+        self.context = int(getattr(runtime.config, "max_position_embeddings", 0) or 0) or None
+        eos = getattr(runtime.config, "eos_token_id", None)
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._prefilling: list[Request] = []
+        self._rows: list[Request] = []
+        self._kv = BatchKV()
+        self._accepting = True
+        self._stop = False
+        self._drain_deadline: float | None = None
+        self._thread: threading.Thread | None = None
+        self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, steps=0, packed_prefills=0,
+                           packed_prompts=0)
+        self.error: BaseException | None = None
+
+    # -- called from other threads -------------------------------------------------------------------
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self.run, name="expertcache-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, req: Request) -> None:
+        with self._lock:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self._rows) - len(self._prefilling)):
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._waiting.append(req)
+            self.totals["requests"] += 1
+            self._lock.notify()
+        self._queue_metric()
+
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    def batch_size(self) -> int:
+        return len(self._rows)
+
+    def in_flight(self) -> int:
+        """Requests admitted and not finished (prefilling or decoding)."""
+        return len(self._rows) + len(self._prefilling)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def begin_shutdown(self, grace_s: float = 30.0) -> int:
+        """Stop accepting (new submits raise :class:`ShuttingDown`); waiting requests are cancelled now (503);
+        requests already prefilling or decoding may finish within ``grace_s`` seconds, then are cancelled.
+        Non-blocking; returns the number of waiting requests cancelled."""
+        with self._lock:
+            if not self._accepting and self._drain_deadline is not None:  # already draining: maybe sooner
+                self._drain_deadline = min(self._drain_deadline, time.monotonic() + grace_s)
+                self._lock.notify()
+                return 0
+            self._accepting = False
+            self._drain_deadline = time.monotonic() + grace_s
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            self._lock.notify()
+        for r in waiting:
+            r.finish_reason = "cancelled"
+            self.totals["cancelled"] += 1
+            r.on_event("error", (503, "the server is shutting down; the request was not started"))
+        return len(waiting)
+
+    def shutdown(self, grace_s: float = 30.0) -> dict:
+        """:meth:`begin_shutdown`, then wait for the engine thread. Returns what happened to the requests."""
+        self.begin_shutdown(grace_s)
+        if self._thread is not None:
+            self._thread.join()
+        return dict(finished=self.totals["finished"], cancelled=self.totals["cancelled"])
+
+    # -- the engine thread ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not (self._waiting or self._prefilling or self._rows or not self._accepting):
+                        self._lock.wait()
+                    if not self._accepting and not (self._prefilling or self._rows):
+                        return
+                    while self._waiting and len(self._rows) + len(self._prefilling) < self.max_batch:
+                        self._prefilling.append(self._waiting.popleft())
+                self._queue_metric()
+                if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+                    for r in self._prefilling + self._rows:
+                        r.cancel()
+                self._prefill_some()
+                self._decode_step()
+                self._retire()
+        except BaseException as exc:  # the model failed: every request in flight gets a 500, nothing hangs
+            self.error = exc
+            with self._lock:
+                self._accepting = False
+                reqs = list(self._waiting) + self._prefilling + self._rows
+                self._waiting.clear()
+                self._prefilling, self._rows = [], []
+            self._kv = BatchKV()
+            for r in reqs:
+                r.on_event("error", (500, f"the model failed: {type(exc).__name__}: {exc}"))
+            import traceback
+
+            print("expertcache serve: the engine stopped on an error (every request in flight got a 500):",
+                  file=sys.stderr)
+            traceback.print_exc()
+
+    def _queue_metric(self) -> None:
+        if self.metrics is not None:
+            self.metrics.on_queue(len(self._waiting), len(self._rows))
+
+    def _forward(self, ids_BS, past, mask_BL=None, pos_BS=None):
+        s0 = self.rt.stats()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.rt.model(input_ids=ids_BS.to(self.rt.device), past_key_values=past, use_cache=True,
+                                attention_mask=mask_BL, position_ids=pos_BS)
+        dt = time.perf_counter() - t0
+        s1 = self.rt.stats()
+        delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "bytes_read")}
+        return out.logits[:, -1], out.past_key_values, dt, delta
+
+    def _prefill_some(self) -> None:
+        """Prefill at most ``prefill_chunk`` prompt tokens in this iteration. A long prompt (more than the
+        budget, or already started) runs its next chunk alone. Otherwise the oldest admitted requests whose
+        whole prompts fit the budget are prefilled together in **one packed forward** (one row, prompts end
+        to end, positions restarting per prompt, attention per prompt: :func:`packed_segments`), so their
+        expert loads are shared by one MoE step per layer; a prompt of ``<= prefill_chunk`` tokens is never
+        split, and each computes what its lone prefill (:meth:`OffloadedModel.generate`) computes."""
+        budget = self.prefill_chunk
+        while self._prefilling and self._prefilling[0].cancelled.is_set():
+            r = self._prefilling.pop(0)
+            r.past = None
+            self._finish(r, "cancelled")
+        if not self._prefilling:
+            return
+        head = self._prefilling[0]
+        if head.prefilled > 0 or len(head.prompt_ids) > budget:
+            self._prefill_chunk(head, min(len(head.prompt_ids) - head.prefilled, budget))
+            return
+        group = []
+        for r in self._prefilling:
+            if r.prefilled > 0 or len(r.prompt_ids) > budget or not self.pack_prefill and group:
+                break
+            if r.cancelled.is_set():
+                continue
+            group.append(r)
+            budget -= len(r.prompt_ids)
+        if len(group) == 1:
+            self._prefill_chunk(group[0], len(group[0].prompt_ids))
+        else:
+            self._prefill_packed(group)
+
+    def _prefill_packed(self, group: list[Request]) -> None:
+        from transformers import DynamicCache
+
+        from expertcache.serve.attention import packed_segments
+
+        lens = [len(r.prompt_ids) for r in group]
+        ids_1T = torch.tensor([[t for r in group for t in r.prompt_ids]])
+        pos_1T = torch.cat([torch.arange(n) for n in lens])[None]
+        with packed_segments(lens):
+            s0 = self.rt.stats()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.rt.model(input_ids=ids_1T.to(self.rt.device), use_cache=True,
+                                    past_key_values=DynamicCache(config=self.rt.config),
+                                    position_ids=pos_1T.to(self.rt.device))
+            dt = time.perf_counter() - t0
+            s1 = self.rt.stats()
+        delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "bytes_read")}
+        self._charge(group, delta, shared=False, weights=lens)
+        self.totals["packed_prefills"] += 1
+        self.totals["packed_prompts"] += len(group)
+        if self.metrics is not None:
+            self.metrics.on_step(0, len(group), dt, delta)
+        packed = [layer for layer in out.past_key_values.layers]
+        a = 0
+        for r, n in zip(group, lens):
+            past = DynamicCache(config=self.rt.config)
+            for li, layer in enumerate(packed):
+                past.update(layer.keys[:, :, a:a + n].contiguous(), layer.values[:, :, a:a + n].contiguous(), li)
+            r.prefilled = n
+            tok = sample_next(out.logits[0, a + n - 1], r.params, r.gen)
+            if not self._accept_token(r, tok):
+                self._kv.add(past)
+                r.next_token = tok
+                self._rows.append(r)
+            a += n
+        for r in group:  # after joining the rows: in_flight() never misses them
+            self._prefilling.remove(r)
+
+    def _prefill_chunk(self, r: Request, n: int) -> None:
+        from transformers import DynamicCache
+
+        if r.past is None:
+            r.past = DynamicCache(config=self.rt.config)
+        chunk = r.prompt_ids[r.prefilled:r.prefilled + n]
+        logits_1V, r.past, dt, delta = self._forward(torch.tensor([chunk]), r.past)
+        r.prefilled += len(chunk)
+        self._charge([r], delta, shared=False)
+        if self.metrics is not None:  # the last chunk yields the request's first token
+            self.metrics.on_step(0, int(r.prefilled >= len(r.prompt_ids)), dt, delta)
+        if r.prefilled < len(r.prompt_ids):
+            return
+        tok = sample_next(logits_1V[0], r.params, r.gen)
+        if not self._accept_token(r, tok):
+            self._kv.add(r.past)
+            r.next_token = tok
+            self._rows.append(r)
+        r.past = None
+        self._prefilling.pop(0)  # after joining the rows: in_flight() never misses it
+
+    def _decode_step(self) -> None:
+        rows = [r for r in self._rows if not r.cancelled.is_set() and r.finish_reason is None]
+        if len(rows) != len(self._rows):
+            self._retire()
+            rows = self._rows
+        if not rows:
+            return
+        ids_B1 = torch.tensor([[r.next_token] for r in rows])
+        if self._kv.padded:
+            pos_B1 = self._kv.positions_B1()
+            mask = self._kv.step_mask()
+        else:  # no padding: exactly OffloadedModel.generate's call (positions from the cache length)
+            pos_B1, mask = None, None
+            self._kv.step_mask()
+        logits_BV, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask, pos_B1)
+        self._charge(rows, delta, shared=True)
+        for i, r in enumerate(rows):
+            tok = sample_next(logits_BV[i], r.params, r.gen)
+            r.next_token = tok
+            self._accept_token(r, tok)
+        self.totals["steps"] += 1
+        if self.metrics is not None:
+            self.metrics.on_step(len(rows), len(rows), dt, delta)
+
+    def _charge(self, rows: list[Request], delta: dict, shared: bool, weights: list[int] | None = None) -> None:
+        weights = weights or [1] * len(rows)
+        total = sum(weights)
+        for r, w in zip(rows, weights):
+            for k in ("hits", "misses", "bytes_read"):
+                r.stats[k] += delta[k] * w / total
+            r.stats["forwards"] += 1
+            if shared:
+                r.stats["shared_steps"] += 1
+                r.stats["batch_rows"] += len(rows)
+
+    def _accept_token(self, r: Request, tok: int) -> bool:
+        """Record a sampled token, emit new text, decide whether the request is finished. True if finished."""
+        if r.t_first is None:
+            r.t_first = time.perf_counter()
+        r.tokens.append(tok)
+        self.totals["tokens"] += 1
+        reason = None
+        if tok in self.eos_ids and not r.params.ignore_eos:
+            reason = "stop"
+            text = self._decode(r.tokens[:-1])
+        else:
+            text = self._decode(r.tokens)
+        hold = 0
+        for s in r.params.stop:
+            at = text.find(s)
+            if at >= 0:
+                text, reason = text[:at], "stop"
+        if reason is None:
+            if len(r.tokens) >= r.params.max_tokens:
+                reason = "length"
+            else:  # hold back an incomplete character and any tail that may start a stop string
+                if text.endswith("\ufffd"):
+                    hold = len(text) - len(text.rstrip("\ufffd"))
+                for s in r.params.stop:
+                    for n in range(min(len(s) - 1, len(text)), 0, -1):
+                        if text.endswith(s[:n]):
+                            hold = max(hold, n)
+                            break
+        r.text = text
+        upto = len(text) - hold
+        if upto > r.sent:
+            r.on_event("text", text[r.sent:upto])
+            r.sent = upto
+        if reason is not None:
+            self._finish(r, reason)
+            return True
+        return False
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tok is None:
+            return "".join(f"{i} " for i in ids)
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finish_reason = reason
+        r.t_done = time.perf_counter()
+        if reason == "cancelled":
+            self.totals["cancelled"] += 1
+            r.on_event("error", (499 if self._accepting else 503,
+                                 "the request was cancelled" + ("" if self._accepting else
+                                                                 " (server shutting down)")))
+        else:
+            self.totals["finished"] += 1
+            r.on_event("done", r.info())
+
+    def _retire(self) -> None:
+        keep, gone = [], []
+        for i, r in enumerate(self._rows):
+            if r.finish_reason is None and r.cancelled.is_set():
+                self._finish(r, "cancelled")
+            (gone if r.finish_reason is not None else keep).append(i)
+        if gone:
+            self._rows = [self._rows[i] for i in keep]
+            self._kv.keep(keep)
+            self._queue_metric()

@@ -1,0 +1,112 @@
+"""Running the app: uvicorn with a graceful SIGTERM/SIGINT (:func:`serve_forever`), or in a thread on an
+ephemeral loopback port (:class:`ServerThread`, for tests and benchmarks)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+__all__ = ["serve_forever", "ServerThread", "bind", "tune_malloc"]
+
+
+def tune_malloc(threshold: int = 1 << 16) -> bool:
+    """glibc only: serve allocations of ``threshold`` bytes or more from mmap (``M_MMAP_THRESHOLD``), so the
+    KV tensors a server keeps re-allocating (rows join and leave, every decode step grows the cache by
+    ``torch.cat``) go back to the OS when freed instead of staying in the heap once glibc's dynamic threshold
+    has risen. Measured in-process on the granular model (16 rows × 32 tokens per round): RSS 526 → 541 MiB
+    then flat with it, 543 → 561 MiB and still rising without. The HTTP server's RSS still grows, sub-linearly
+    (BENCHMARKS.md, serving section). True if applied."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name or sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD = -3
+    except (OSError, AttributeError):
+        return False
+
+
+def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening TCP socket (port 0 = an ephemeral port; read it from ``getsockname()``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """On the first SIGTERM/SIGINT: new requests get 503, waiting ones are cancelled, running ones get
+        ``grace_s`` to finish (then are cancelled), uvicorn waits for their connections, then returns
+        normally (the signal is handled, not re-raised)."""
+
+        grace_s = 30.0
+
+        def handle_exit(self, sig, frame) -> None:
+            from expertcache.serve.app import begin_shutdown
+
+            app = self.config.app
+            if not app.state.shutting_down:
+                n = begin_shutdown(app, self.grace_s)
+                eng = app.state.engine
+                print(f"expertcache serve: shutting down: {eng.in_flight()} running request(s) get up to "
+                      f"{self.grace_s:g} s to finish, {n} waiting request(s) cancelled (503)", file=sys.stderr,
+                      flush=True)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return Server
+
+
+def _config(app, *, log_level: str, grace_s: float):
+    import uvicorn
+
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 5, lifespan="off",
+                          access_log=False, timeout_keep_alive=5)
+
+
+def serve_forever(app, sock: socket.socket, *, grace_s: float = 30.0, log_level: str = "warning") -> None:
+    Server = _server_class()
+    server = Server(_config(app, log_level=log_level, grace_s=grace_s))
+    server.grace_s = grace_s
+    server.run(sockets=[sock])
+
+
+class ServerThread:
+    """uvicorn in a daemon thread on ``127.0.0.1:<ephemeral>``; :meth:`stop` shuts it down like SIGTERM."""
+
+    def __init__(self, app, *, grace_s: float = 5.0, host: str = "127.0.0.1") -> None:
+        Server = _server_class()
+        self.app = app
+        self.sock = bind(host, 0)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.server = Server(_config(app, log_level="error", grace_s=grace_s))
+        self.server.grace_s = grace_s
+        self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        import time
+
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if time.monotonic() - t0 > timeout or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.handle_exit(15, None)
+        self.thread.join(timeout)
+        self.sock.close()

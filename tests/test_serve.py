@@ -1,0 +1,562 @@
+"""`expertcache serve`: the OpenAI-compatible server over the offloaded runtime (CPU, the shipped granular model,
+servers on 127.0.0.1 on ephemeral ports started and stopped here; every loop is bounded).
+
+Pinned: the real ``openai`` client works (completion, chat, streaming, stop); greedy output at batch 1 equals
+``expertcache generate`` token for token; a prompt decodes to the same tokens alone and inside a batch of 8;
+32 concurrent clients finish with correct usage and per-request cache statistics that add up to the runtime's;
+a full queue gets 429, shutdown 503; a client that disconnects mid-stream frees its row; bad requests get 4xx
+with an OpenAI error body, never 500; the batch KV helpers; the runtime serves a union step in descending
+total router weight.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from expertcache.offload import OffloadConfig, OffloadedModel  # noqa: E402
+from expertcache.offload.runtime import resolve_model_path  # noqa: E402
+from expertcache.serve.app import create_app, begin_shutdown  # noqa: E402
+from expertcache.serve.engine import Engine, Request, SamplingParams  # noqa: E402
+from expertcache.serve.kv import BatchKV, drop_rows, merge_row  # noqa: E402
+from expertcache.serve.server import ServerThread  # noqa: E402
+from expertcache.train.tokenizer import load_tokenizer  # noqa: E402
+
+PROMPTS = ["The kernel", "To configure the network, open the settings and", "apt-get install", "In 1990 the city of",
+           "Once upon a time there was", "The", "History of the Roman Empire began when the", "A B C D E F G"]
+C = 8  # slots per layer: N/4 of the granular model's 32 experts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model_path("granular"))
+
+
+def _runtime():
+    return OffloadedModel.from_pretrained("granular", OffloadConfig(io="cached", capacity=C))
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    rt = _runtime()
+    engine = Engine(rt, tok, max_batch=8, max_queue=64, prefill_chunk=128).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok)).start()
+    yield srv
+    srv.stop()
+    engine.shutdown(0)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _engine(server) -> Engine:
+    return server.app.state.engine
+
+
+def _wait(cond, timeout=30.0, what="condition"):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _complete(client, prompt, max_tokens=12, **kw):
+    return client.completions.create(model="granular", prompt=prompt, max_tokens=max_tokens,
+                                     extra_body={"return_token_ids": True}, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# the batch KV helpers (no server)
+
+
+def _row_cache(P, seed):
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(seed)
+    c = DynamicCache()
+    for layer in range(2):
+        c.update(torch.randn(1, 2, P, 4, generator=g), torch.randn(1, 2, P, 4, generator=g), layer)
+    return c
+
+
+def test_merge_and_drop_rows_keep_each_rows_real_columns():
+    rows = {0: _row_cache(3, 0), 1: _row_cache(5, 1), 2: _row_cache(2, 2)}
+    ref = {i: [(la.keys.clone(), la.values.clone()) for la in c.layers] for i, c in rows.items()}
+    kv = BatchKV()
+    for i in range(3):
+        kv.add(rows[i])
+    assert kv.mask_BL.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+    assert kv.positions_B1().flatten().tolist() == [3, 5, 2]
+    for li, layer in enumerate(kv.cache.layers):
+        for b, P in enumerate((3, 5, 2)):
+            assert torch.equal(layer.keys[b, :, 5 - P:], ref[b][li][0][0])
+            assert torch.equal(layer.values[b, :, 5 - P:], ref[b][li][1][0])
+            assert not layer.keys[b, :, :5 - P].any()
+    kv.keep([0, 2])  # the longest row leaves: the all-padding leading columns are trimmed
+    assert kv.mask_BL.tolist() == [[1, 1, 1], [0, 1, 1]]
+    for li, layer in enumerate(kv.cache.layers):
+        assert layer.keys.shape == (2, 2, 3, 4)
+        assert torch.equal(layer.keys[0], ref[0][li][0][0]) and torch.equal(layer.keys[1, :, 1:], ref[2][li][0][0])
+    assert kv.step_mask().tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    kv.keep([])
+    assert kv.cache is None and kv.rows == 0
+    with pytest.raises(ValueError):
+        merge_row(None, None, _row_cache(0, 3) if False else __import__("transformers").DynamicCache())
+    assert drop_rows(None, torch.ones(1, 1), []) == (None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the runtime's union step: descending total router weight
+
+
+def test_runtime_serves_a_union_step_in_descending_total_weight(monkeypatch):
+    rt = _runtime()
+    seen_req, seen_order = [], []
+    for m in rt.layers:
+        experts = m.block.experts
+
+        def pre(mod, args, li=m.index):
+            _, ids_TK, w_TK = args
+            seen_req.append((li, ids_TK.clone(), w_TK.float().clone()))
+        experts.register_forward_pre_hook(pre)
+        st = rt.states[m.index]
+        orig = st.cache.access_step
+
+        def access_step(order, orig=orig, li=m.index):
+            seen_order.append((li, list(order)))
+            return orig(order)
+        monkeypatch.setattr(st.cache, "access_step", access_step)
+    tok = load_tokenizer(resolve_model_path("granular"))
+    ids = tok(["The kernel of the system", "apt-get install the pack"]).input_ids
+    n = min(len(i) for i in ids)
+    rt.forward(torch.tensor([i[:n] for i in ids]))  # B = 2 rows × n tokens: union steps
+    assert len(seen_req) == len(seen_order) == len(rt.layers)
+    for (li, ids_TK, w_TK), (lj, order) in zip(seen_req, seen_order):
+        assert li == lj
+        total = {}
+        for e, w in zip(ids_TK.flatten().tolist(), w_TK.flatten().tolist()):
+            total[e] = total.get(e, 0.0) + w
+        expected = sorted(total, key=lambda e: (-total[e], e))
+        assert len(expected) > C  # a real union (more experts than slots), so the order decides evictions
+        assert order == expected, f"layer {li}: union served as {order}, descending total weight is {expected}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the server
+
+
+def test_models_health_metrics(server, client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["granular"]
+    h = httpx.get(server.url + "/health").json()
+    assert h["status"] == "ok"
+    m = httpx.get(server.url + "/metrics")
+    assert m.status_code == 200
+    for name in ("expertcache_requests_total", "expertcache_queue_length", "expertcache_batch_size",
+                 "expertcache_decode_tokens_per_second", "expertcache_expert_hit_rate",
+                 "expertcache_expert_bytes_read_total"):
+        assert name in m.text
+
+
+def test_greedy_batch1_equals_generate(server, client, tok, capsys):
+    from expertcache.cli.main import main
+
+    prompt = "To configure the network"
+    r = _complete(client, prompt, max_tokens=24, temperature=0)
+    ec = r.model_extra["expertcache"]
+    ref = _runtime().generate(tok(prompt, return_tensors="pt").input_ids, 24, stop=0)["tokens"][0].tolist()
+    assert ec["token_ids"] == ref
+    assert r.usage.completion_tokens == len(ref) and r.usage.prompt_tokens == len(tok(prompt).input_ids)
+    assert r.choices[0].finish_reason == ("stop" if ref[-1] == 0 else "length")
+    capsys.readouterr()
+    assert main(["generate", "--io", "cached", "--cache-experts", str(C), "--max-new-tokens", "24", prompt]) == 0
+    assert capsys.readouterr().out == r.choices[0].text + "\n"
+    assert ec["policy"] == "original" and ec["capacity"] == C and ec["hits"] + ec["misses"] > 0
+    assert ec["bytes_read"] > 0 and ec["forwards"] == len(ref)
+
+
+def test_sampled_batch1_equals_generate_with_the_same_seed(client, tok):
+    prompt = "The kernel"
+    r = _complete(client, prompt, max_tokens=10, temperature=0.8, seed=7)
+    ref = _runtime().generate(tok(prompt, return_tensors="pt").input_ids, 10, temperature=0.8, seed=7, stop=0)
+    assert r.model_extra["expertcache"]["token_ids"] == ref["tokens"][0].tolist()
+
+
+def test_chat_and_streaming(client):
+    r = client.chat.completions.create(model="granular", messages=[{"role": "user", "content": "What is a kernel?"}],
+                                       max_tokens=8, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens <= 8 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="granular", max_tokens=8, temperature=0, stream=True,
+                                                 messages=[{"role": "user", "content": "What is a kernel?"}]))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    full = _complete(client, "The kernel", max_tokens=12, temperature=0)
+    parts = list(client.completions.create(model="granular", prompt="The kernel", max_tokens=12, temperature=0,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == full.choices[0].text
+    assert parts[-1].choices == [] and parts[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len([p for p in parts if p.choices and p.choices[0].text]) > 1  # really streamed, piece by piece
+
+
+def test_stop_strings_cut_the_text_streaming_or_not(client):
+    full = _complete(client, "To configure the network", max_tokens=24, temperature=0).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), full
+    expect = full[:full.find(stop)]
+    r = _complete(client, "To configure the network", max_tokens=24, temperature=0, stop=[stop, "never-there"])
+    assert r.choices[0].text == expect and r.choices[0].finish_reason == "stop"
+    parts = list(client.completions.create(model="granular", prompt="To configure the network", max_tokens=24,
+                                           temperature=0, stop=stop, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == expect
+    assert parts[-1].choices[0].finish_reason == "stop"
+
+
+def test_alone_equals_inside_a_batch_of_8(server, client):
+    alone = [_complete(client, p, max_tokens=16, temperature=0).model_extra["expertcache"]["token_ids"]
+             for p in PROMPTS]
+    out: dict[int, object] = {}
+
+    def go(i):
+        out[i] = _complete(client, PROMPTS[i], max_tokens=16, temperature=0)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(out) == list(range(8))
+    batched = [out[i].model_extra["expertcache"]["token_ids"] for i in range(8)]
+    assert max(out[i].model_extra["expertcache"]["mean_batch"] for i in range(8)) > 2  # really batched
+    assert batched == alone
+
+
+def test_32_concurrent_clients_finish_with_correct_usage(server, client, tok):
+    eng = _engine(server)
+    _wait(lambda: eng.batch_size() == 0 and eng.queue_length() == 0, what="an idle engine")
+    s0 = eng.rt.stats()
+    out, errors = {}, []
+
+    def go(i):
+        try:
+            out[i] = _complete(client, PROMPTS[i % 8] + " " * (i // 8), max_tokens=3 + i % 5, temperature=0.7, seed=i)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not errors and sorted(out) == list(range(32))
+    s1 = eng.rt.stats()
+    for i, r in out.items():
+        ids = r.model_extra["expertcache"]["token_ids"]
+        assert r.usage.prompt_tokens == len(tok(PROMPTS[i % 8] + " " * (i // 8)).input_ids)
+        assert r.usage.completion_tokens == len(ids) <= 3 + i % 5
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        if r.choices[0].finish_reason == "length":
+            assert len(ids) == 3 + i % 5
+        else:
+            assert r.choices[0].finish_reason == "stop" and ids[-1] == 0
+    assert max(r.model_extra["expertcache"]["mean_batch"] for r in out.values()) > 4
+    # each forward's hits/misses/bytes are shared out among its rows: the requests add up to the runtime's totals
+    for k in ("hits", "misses", "bytes_read"):
+        total = sum(r.model_extra["expertcache"][k] for r in out.values())
+        assert total == pytest.approx(s1[k] - s0[k], rel=1e-3, abs=64), k
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ({"model": "granular", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": "granular", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "granular", "prompt": "x", "max_tokens": 10 ** 9}, 400, "max_tokens"),
+    ({"model": "granular", "prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"model": "granular", "prompt": "the cat sat " * 200}, 400, "prompt"),
+    ({"model": "granular", "prompt": 123}, 400, "prompt"),
+    ({"model": "granular", "prompt": ""}, 400, "prompt"),
+    ({"model": "granular", "prompt": [1, 2, 10 ** 7]}, 400, "prompt"),
+    ({"model": "granular", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "granular", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "granular", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "granular", "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": "granular", "prompt": "x", "stop": 5}, 400, "stop"),
+    ({"model": "granular", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"model": "granular", "prompt": "x", "seed": "s"}, 400, "seed"),
+    ({"prompt": "x"}, 400, "model"),
+    ([1, 2, 3], 400, None),
+])
+def test_bad_completion_requests_get_4xx_with_an_error_body(server, body, status, param):
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b'{"model": "granular", "messages": "hi"}',
+                                 b'{"model": "granular", "messages": [{"role": "robot", "content": "x"}]}',
+                                 b'{"model": "granular", "messages": [{"role": "user", "content": 5}]}',
+                                 b'{"model": "granular", "messages": [{"role": "user", "content": "x"}], '
+                                 b'"max_completion_tokens": 100000}'])
+def test_bad_chat_requests_and_invalid_json_get_400(server, raw):
+    r = httpx.post(server.url + "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_unknown_route_and_method_get_error_bodies_and_the_server_stays_up(server, client):
+    assert httpx.get(server.url + "/v1/nothing").json()["error"]["code"] == "not_found"
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="granular", prompt="x", max_tokens=400)
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert _complete(client, "The", max_tokens=2, temperature=0).usage.completion_tokens >= 1
+
+
+def test_client_disconnect_mid_stream_frees_its_row(server, client):
+    eng = _engine(server)
+    _wait(lambda: eng.batch_size() == 0, what="an idle engine")
+    cancelled0 = eng.totals["cancelled"]
+    keep = client.completions.create(model="granular", prompt="The kernel", max_tokens=200, temperature=0, stream=True)
+    next(iter(keep))
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                      json={"model": "granular", "prompt": "apt-get", "max_tokens": 200, "stream": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert got[0].startswith("data: ")
+        _wait(lambda: eng.batch_size() == 2, what="both rows in the batch")
+    # the client is gone: its row leaves at the next step, the other row keeps decoding
+    _wait(lambda: eng.totals["cancelled"] == cancelled0 + 1, what="the disconnected row to be cancelled")
+    _wait(lambda: eng.batch_size() == 1, what="the disconnected row to leave")
+    assert eng._kv.rows == 1
+    keep.close()
+    _wait(lambda: eng.batch_size() == 0, what="the second row to leave")
+    assert eng._kv.cache is None  # no KV left behind
+
+
+def test_queue_full_gets_429_and_shutdown_503(tok):
+    rt = _runtime()
+    engine = Engine(rt, tok, max_batch=1, max_queue=1)  # not started: nothing leaves the queue
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok)).start()
+    try:
+        results = []
+
+        def go():
+            results.append(httpx.post(srv.url + "/v1/completions", timeout=60,
+                                      json={"model": "granular", "prompt": "The", "max_tokens": 4}))
+
+        threads = [threading.Thread(target=go) for _ in range(2)]  # one for the free row, one queued
+        for t in threads:
+            t.start()
+        _wait(lambda: engine.queue_length() == 2, what="two waiting requests")
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "granular", "prompt": "The", "max_tokens": 4})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        begin_shutdown(srv.app, 0)
+        for t in threads:
+            t.join(30)
+        assert [x.status_code for x in results] == [503, 503]
+        assert "shutting down" in results[0].json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "granular", "prompt": "The", "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(srv.url + "/health").status_code == 503
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_running_requests_and_says_so(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", "--port", "0", "--io", "cached",
+                             "--cache-experts", "8", "--threads", "1"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "on http://127.0.0.1:" in line, line
+        url = line.rsplit(" on ", 1)[1].strip()
+        c = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+        stream = c.completions.create(model="granular", prompt="The kernel", max_tokens=60, temperature=0,
+                                      stream=True)
+        it = iter(stream)
+        next(it)
+        proc.send_signal(signal.SIGTERM)
+        rest = list(it)
+        assert rest[-1].choices[0].finish_reason in ("length", "stop")  # finished within the grace period
+        assert proc.wait(60) == 0
+        err = proc.stderr.read()
+        assert "shutting down: 1 running request(s)" in err and "1 request(s) finished, 0 cancelled" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_failing_model_gives_every_request_a_500_body_and_health_says_failed(tok):
+    rt = _runtime()
+    engine = Engine(rt, tok, max_batch=2)
+
+    class Broken:
+        config = rt.model.config
+
+        def __call__(self, **kw):
+            raise RuntimeError("disk gone")
+
+    rt.model = Broken()
+    srv = ServerThread(create_app(engine.start(), "granular", tokenizer=tok)).start()
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "granular", "prompt": "The", "max_tokens": 4})
+        assert r.status_code == 500 and "disk gone" in r.json()["error"]["message"]
+        h = httpx.get(srv.url + "/health")
+        assert h.status_code == 500 and h.json()["status"] == "failed"
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "granular", "prompt": "The", "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]  # no longer accepting
+    finally:
+        srv.stop()
+
+
+def test_cli_rejects_bad_arguments_before_loading(capsys):
+    from expertcache.cli.main import main
+    from expertcache.serve.server import bind
+
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+    assert main(["serve", "--max-batch", "0"]) == 2
+    assert main(["serve", "--model", "/no/such/model"]) == 2
+    assert "/no/such/model" in capsys.readouterr().err
+    taken = bind("127.0.0.1", 0)
+    try:
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 2
+        assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+    finally:
+        taken.close()
+
+
+def test_prefill_budget_bounds_the_stall_and_short_prompts_are_one_forward(tok):
+    rt = _runtime()
+    engine = Engine(rt, tok, max_batch=4, prefill_chunk=8)
+    per_iteration: list[list[int]] = []
+    some, chunk = engine._prefill_some, engine._prefill_chunk
+
+    def prefill_some():
+        per_iteration.append([])
+        some()
+
+    def prefill_chunk(r, n):
+        per_iteration[-1].append((r.id, n))
+        chunk(r, n)
+
+    engine._prefill_some, engine._prefill_chunk = prefill_some, prefill_chunk
+    prompts = [list(range(10, 15)), list(range(20, 26)), list(range(30, 50))]  # 5, 6 and 20 tokens
+    done, events = {}, [threading.Event() for _ in prompts]
+    reqs = []
+    for i, p in enumerate(prompts):
+        def cb(kind, payload, i=i):
+            if kind in ("done", "error"):
+                done[i] = payload
+                events[i].set()
+        reqs.append(Request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), cb))
+        engine.submit(reqs[-1])
+    engine.start()
+    try:
+        for e in events:
+            assert e.wait(60)
+    finally:
+        engine.shutdown(0)
+    assert all(sum(n for _, n in it) <= 8 for it in per_iteration)
+    chunks = {r.id: [n for it in per_iteration for rid, n in it if rid == r.id] for r in reqs}
+    assert chunks[reqs[0].id] == [5] and chunks[reqs[1].id] == [6] and chunks[reqs[2].id] == [8, 8, 4]
+    for i in range(2):  # one-forward prefills: the same tokens as generate
+        ref = _runtime().generate(torch.tensor([prompts[i]]), 6)["tokens"][0].tolist()
+        assert done[i]["token_ids"] == ref
+    assert done[2]["completion_tokens"] == 6 and done[2]["prompt_tokens"] == 20
+
+
+def test_packed_prefill_of_several_prompts_gives_each_its_lone_tokens(tok):
+    rt = _runtime()
+    engine = Engine(rt, tok, max_batch=8, prefill_chunk=128)  # submitted before start: admitted together
+    texts = PROMPTS[:5]
+    done, events = {}, [threading.Event() for _ in texts]
+    for i, t in enumerate(texts):
+        def cb(kind, payload, i=i):
+            if kind in ("done", "error"):
+                done[i] = payload
+                events[i].set()
+        engine.submit(Request(tok(t).input_ids, SamplingParams(max_tokens=10, temperature=0), cb))
+    s0 = rt.stats()
+    engine.start()
+    try:
+        for e in events:
+            assert e.wait(60)
+    finally:
+        engine.shutdown(0)
+    assert engine.totals["packed_prefills"] == 1 and engine.totals["packed_prompts"] == 5
+    ref_rt = _runtime()
+    for i, t in enumerate(texts):
+        ref = ref_rt.generate(tok(t, return_tensors="pt").input_ids, 10, stop=0)["tokens"][0].tolist()
+        assert done[i]["token_ids"] == ref, t
+    s1 = rt.stats()
+    assert sum(d["bytes_read"] for d in done.values()) == pytest.approx(s1["bytes_read"] - s0["bytes_read"], abs=64)
+
+
+@pytest.mark.slow
+def test_cli_serves_a_checkpoint_path_without_tokenizer(tmp_path):
+    from expertcache.models.tiny import save_tiny
+
+    path = save_tiny("olmoe", tmp_path / "tiny-olmoe", seed=3)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", "--model", str(path), "--port", "0",
+                             "--io", "cached", "--cache-experts", "2", "--dtype", "float32"], stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "on http://127.0.0.1:" in line, line
+        c = openai.OpenAI(base_url=line.rsplit(" on ", 1)[1].strip(), api_key="x", max_retries=0, timeout=60)
+        assert [m.id for m in c.models.list().data] == ["tiny-olmoe"]
+        r = c.completions.create(model="tiny-olmoe", prompt=[1, 2, 3, 4], max_tokens=5, temperature=0,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        ids = r.model_extra["expertcache"]["token_ids"]
+        assert r.usage.prompt_tokens == 4 and len(ids) == 5 and r.choices[0].text == "".join(f"{i} " for i in ids)
+        with pytest.raises(openai.BadRequestError):  # no tokenizer: text prompts must be token ids
+            c.completions.create(model="tiny-olmoe", prompt="hello", max_tokens=2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_non_streaming_client_that_gives_up_is_cancelled(server):
+    eng = _engine(server)
+    _wait(lambda: eng.batch_size() == 0, what="an idle engine")
+    cancelled0 = eng.totals["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.5),
+                   json={"model": "granular", "prompt": "The kernel", "max_tokens": 200, "ignore_eos": True})
+    _wait(lambda: eng.totals["cancelled"] == cancelled0 + 1, what="the abandoned request to be cancelled")
+    _wait(lambda: eng.batch_size() == 0, what="its row to leave")
