@@ -20,7 +20,6 @@ MoE layer per forward, also used by prefetches) and the metrics' ``on_step`` (ca
 every forward), both on the instances.
 """
 
-from __future__ import annotations
 
 import asyncio
 import collections
@@ -46,7 +45,7 @@ class ConfigError(ValueError):
     """A bad live-configuration or replay field; ``param`` names it (HTTP 400)."""
 
     def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
+        super().__init__(message if message.startswith(param) else f"{param}: {message}")
         self.param = param
 
 
