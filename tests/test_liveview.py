@@ -89,6 +89,9 @@ def _complete(server, prompt="The history of the city", n=16, **kw):
     body = dict(model="granular", prompt=prompt, max_tokens=n, temperature=0, return_token_ids=True, **kw)
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
+    # the response leaves on the last token; that forward's frame follows before the row retires
+    eng = server.app.state.engine
+    _wait(lambda: eng.in_flight() == 0, what="the request to retire")
     return r.json()
 
 
