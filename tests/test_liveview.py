@@ -45,7 +45,7 @@ C = 8
 TRACE = "granular-wikitext2.trace.safetensors"
 LAYER_KEYS = {"requested", "hit", "miss", "evicted", "prefetched", "resident"}
 STEP_KEYS = {"type", "seq", "time", "phase", "rows", "tokens", "seconds", "hits", "misses", "bytes_read", "layers",
-             "totals", "dropped"}
+             "totals", "dropped", "original"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,10 +100,9 @@ class Listener:
 
     def __init__(self, server) -> None:
         self.server, self.frames, self.stop = server, [], threading.Event()
-        n0 = len(_lv(server)["broker"].subscribers)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
-        _wait(lambda: len(_lv(server)["broker"].subscribers) > n0 and self.frames, what="the subscription")
+        _wait(lambda: self.frames, what="the subscription")  # hello is sent once subscribed
 
     def _run(self):
         with httpx.stream("GET", self.server.url + "/v1/expertcache/events", timeout=60) as r:
@@ -187,6 +186,29 @@ def test_event_frames_follow_the_schema_and_add_up_to_the_requests_statistics(se
     assert t["bytes_per_token"] == pytest.approx(t["decode_bytes"] / t["decode_tokens"]) and t["tok_s"] > 0
 
 
+def test_original_routing_shadow_rate(server):
+    """A cache-aware policy's frames carry original routing's hits on the same tokens (a shadow cache). At zero
+    strength the policy routes exactly as the original, so the two counts agree exactly; under original
+    routing there is nothing to compare."""
+    _reset(server)
+    lis = Listener(server)
+    _complete(server, n=6)
+    frames = [f for f in lis.close(6) if f["type"] == "step"]
+    assert all(f["original"] is None for f in frames)
+    for lam, same in ((0.0, True), (0.9, False)):
+        httpx.post(server.url + "/v1/expertcache/config", json={"policy": "cache-prior", "lam": lam})
+        lis = Listener(server)
+        out = _complete(server, prompt="In 1990 the city of", n=16, ignore_eos=True)
+        frames = [f for f in lis.close(16) if f["type"] == "step"]
+        o = frames[-1]["original"]
+        assert o["policy_hits"] == sum(f["hits"] for f in frames) == round(out["expertcache"]["hits"])
+        assert o["policy_misses"] == sum(f["misses"] for f in frames)
+        if same:
+            assert (o["hits"], o["misses"]) == (o["policy_hits"], o["policy_misses"])
+        assert o["hit_rate"] == pytest.approx(o["hits"] / (o["hits"] + o["misses"]))
+    _reset(server)
+
+
 def test_a_subscriber_that_never_reads_does_not_block_or_change_generation(server):
     _reset(server)
     lv = _lv(server)
@@ -196,9 +218,10 @@ def test_a_subscriber_that_never_reads_does_not_block_or_change_generation(serve
     stuck = lv["broker"].subscribe(stuck_loop)
     stuck.frames = type(stuck.frames)(maxlen=4)
     # and a real connection that never reads a byte
+    n_before = len(lv["broker"].subscribers) - 1
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"GET /v1/expertcache/events HTTP/1.1\r\nHost: x\r\n\r\n")
-    _wait(lambda: len(lv["broker"].subscribers) >= 2, what="the silent subscriber")
+    _wait(lambda: len(lv["broker"].subscribers) >= n_before + 2, what="the silent subscriber")
     try:
         published0 = lv["broker"].published
         _reset(server)
@@ -207,13 +230,14 @@ def test_a_subscriber_that_never_reads_does_not_block_or_change_generation(serve
         published = lv["broker"].published - published0
         assert published >= 24
         assert len(stuck.frames) == 4 and stuck.dropped == published - 4 and stuck.delivered == 0
+        assert lv["tap"].totals["forwards"] >= 24
         for s in lv["broker"].subscribers:
             assert len(s.frames) <= s.frames.maxlen
     finally:
         lv["broker"].unsubscribe(stuck)
         stuck_loop.close()
         sock.close()
-    _wait(lambda: len(lv["broker"].subscribers) == 0, what="the closed subscriber to leave")
+    _wait(lambda: len(lv["broker"].subscribers) <= n_before, what="the closed subscriber to leave")
 
 
 def test_broker_queue_is_bounded_and_drops_the_oldest():
@@ -455,12 +479,16 @@ def test_browser_page_loads_with_the_grid_and_no_console_errors(page):
 
 
 @pytest.mark.browser
-def test_browser_prompt_streams_text_and_the_grid_changes_during_generation(page, tmp_path):
+def test_browser_prompt_streams_text_and_the_grid_changes_during_generation(page, server, tmp_path):
     from selenium.webdriver.common.by import By
 
+    # a change made elsewhere (here: over HTTP) reaches the page as a config event
+    httpx.post(server.url + "/v1/expertcache/config", json={"policy": "cache-prior", "lam": 0.5})
+    _poll(lambda: "cache-prior(lam=0.5,J=1)" in page.find_element(By.ID, "config").text, "the config event")
+    assert page.find_element(By.ID, "strength-value").text == "0.5"
     prompt = page.find_element(By.ID, "prompt")
     prompt.clear()
-    prompt.send_keys("The history of the city began")
+    prompt.send_keys("In 1990 the city of")
     n = page.find_element(By.ID, "max-tokens")
     n.clear()
     n.send_keys("64")
@@ -490,6 +518,10 @@ def test_browser_prompt_streams_text_and_the_grid_changes_during_generation(page
     for fig in ("tok-s", "hit-rate", "bytes-tok"):
         assert page.find_element(By.ID, fig).text not in ("", "–"), fig
     assert shot is not None and shot.stat().st_size > 10_000
+    # a cache-aware policy is shown against original routing on the same tokens
+    assert page.find_element(By.ID, "orig-box").is_displayed()
+    assert page.find_element(By.ID, "orig-rate").text.endswith("%")
+    _reset(server)
     assert not _console_errors(page)
 
 

@@ -169,6 +169,54 @@ class Tap:
 
         rt._step = step
         metrics.on_step = on_step
+        # the shadow: what original routing would have hit on the same tokens (cache-aware policies only)
+        self.shadow: list | None = None
+        self._shadow_acc = [0, 0]
+        self.shadow_totals = dict(hits=0, misses=0, policy_hits=0, policy_misses=0, since_seq=0)
+        for m in rt.layers:
+            inner = m.router.forward
+
+            def fwd(*args, _inner=inner, _m=m, **kw):
+                out = _inner(*args, **kw)
+                if self.broker.subscribers and self.rt.routing.cache_aware:
+                    self._shadow_route(_m, out[0])
+                return out
+
+            m.router.forward = fwd
+
+    def reset_shadow(self) -> None:
+        """Restart the shadow caches from the live caches' contents (at a configuration change)."""
+        self.shadow = None
+
+    def _shadow_route(self, m, z_TE) -> None:
+        """Route the forward's tokens at layer ``m`` with original routing and serve them from the shadow cache
+        (the union of the rows' experts by total weight, as the runtime serves a step)."""
+        import torch
+
+        from expertcache.cache import make_cache
+        from expertcache.models.adapters import order_by_logits
+        from expertcache.routing import topk_rank
+
+        rt = self.rt
+        if self.shadow is None:  # starts from what the live caches hold now
+            self.shadow = [make_cache(rt.eviction, rt.num_experts, rt.capacity, gamma=getattr(rt, "gamma", 0.9),
+                                      initial=sorted(st.cache.resident()))
+                           for st in rt.states]
+            self.shadow_totals = dict(hits=0, misses=0, policy_hits=0, policy_misses=0, since_seq=self.seq + 1)
+        z_cpu_TE = z_TE.detach().to("cpu")
+        zr_TE, allowed_TE = rt.family.ranking(m.router, z_cpu_TE)
+        if allowed_TE is not None:
+            zr_TE = zr_TE.masked_fill(~allowed_TE, float("-inf"))
+        ids_TK = order_by_logits(topk_rank(zr_TE, rt.top_k), z_cpu_TE)
+        if ids_TK.shape[0] == 1:
+            order = [int(e) for e in ids_TK[0].tolist() if e >= 0]
+        else:
+            w_TK = rt.family.weights(m.router, z_cpu_TE, ids_TK).float()
+            total_E = torch.zeros(rt.num_experts).index_add_(0, ids_TK.flatten(), w_TK.flatten())
+            order = sorted(set(ids_TK.flatten().tolist()), key=lambda e: (-float(total_E[e]), e))
+        hits = self.shadow[m.index].access_step(order)
+        self._shadow_acc[0] += sum(hits)
+        self._shadow_acc[1] += len(hits) - sum(hits)
 
     def _empty(self) -> list[dict]:
         return [dict(requested=[], hit=set(), miss=set(), evicted=set(), prefetched=set()) for _ in range(self.L)]
@@ -188,6 +236,8 @@ class Tap:
             self._recent.append((tokens, seconds))
         if not self.broker.subscribers:
             self._acc = self._empty()
+            self._shadow_acc = [0, 0]
+            self.shadow = None
             return
         acc, self._acc = self._acc, self._empty()
         self.seq += 1
@@ -198,12 +248,24 @@ class Tap:
                                evicted=_sorted(a["evicted"]), prefetched=_sorted(a["prefetched"]),
                                resident=_sorted(st.cache.resident())))
         acc_n = t["hits"] + t["misses"]
+        shadow = None
+        if self.shadow is not None and self.rt.routing.cache_aware:
+            sh = self.shadow_totals
+            sh["hits"] += self._shadow_acc[0]
+            sh["misses"] += self._shadow_acc[1]
+            sh["policy_hits"] += h
+            sh["policy_misses"] += m
+            n0, n1 = sh["hits"] + sh["misses"], sh["policy_hits"] + sh["policy_misses"]
+            shadow = dict(sh, hit_rate=sh["hits"] / n0 if n0 else None,
+                          policy_hit_rate=sh["policy_hits"] / n1 if n1 else None)
+        self._shadow_acc = [0, 0]
         frame = dict(type="step", seq=self.seq, time=time.time(), phase="decode" if rows else "prefill", rows=rows,
                      tokens=tokens, seconds=seconds, hits=h, misses=m, bytes_read=b, layers=layers,
                      totals=dict(t, hit_rate=(t["hits"] / acc_n) if acc_n else None,
                                  bytes_per_token=(t["decode_bytes"] / t["decode_tokens"]) if t["decode_tokens"]
                                  else None,
-                                 tok_s=(sum(n for n, _ in self._recent) / n_s) if n_s > 0 else None))
+                                 tok_s=(sum(n for n, _ in self._recent) / n_s) if n_s > 0 else None),
+                     original=shadow)
         self.broker.publish(frame)
 
 
@@ -236,6 +298,7 @@ class LiveControl:
         self._pending: dict | None = None
         self._lock = threading.Lock()
         self.version = 0
+        self.tap: Tap | None = None
 
     def resolved(self) -> dict:
         rt = self.rt
@@ -319,6 +382,8 @@ class LiveControl:
         else:
             rt.routing, rt.router = plan["routing"], plan["router"]
         self.version += 1
+        if self.tap is not None:
+            self.tap.reset_shadow()
         self.broker.publish(dict(type="config", config=self.resolved(), time=time.time()))
 
 
@@ -464,6 +529,7 @@ def install_liveview(app, engine, metrics, *, trace_dirs=(), queue_frames: int =
     broker = Broker(queue_frames)
     control = LiveControl(engine, broker)
     tap = Tap(engine.rt, metrics, broker, control)
+    control.tap = tap
     app.state.liveview = dict(broker=broker, control=control, tap=tap)
     trace_dirs = [Path(d) for d in trace_dirs]
     trace_cache: dict[Path, RoutingTrace] = {}

@@ -65,6 +65,14 @@ function draw() {  // at most once per animation frame: the newest frame wins, n
   const f = state.pending; state.pending = null;
   if (!f || state.mode !== "live") return;
   paintLayers(f.layers); paintTotals(f.totals, true);
+  const o = f.original;  // cache-aware policy: policy vs original routing on the same tokens (shadow cache)
+  $("orig-box").classList.toggle("hidden", !o);
+  if (o) {
+    $("orig-rate").textContent = pct(o.hit_rate);
+    $("orig-label").textContent = `original routing, same tokens (policy: ${pct(o.policy_hit_rate)})`;
+    $("orig-box").title = `since frame ${o.since_seq}: this policy ${pct(o.policy_hit_rate)}, original top-K ` +
+      `${pct(o.hit_rate)} (a shadow cache of the same size and eviction fed the original selections)`;
+  }
   $("step-no").textContent = state.frames; $("dropped").textContent = state.dropped;
   state.drawn++; document.body.dataset.drawn = state.drawn;
 }
@@ -253,6 +261,7 @@ function setMode(mode) {
     replayPause();
     if (state.config) { buildGrid(state.config.moe_layers, state.config.num_experts); showConfig(state.config); }
   } else if (state.replay) {
+    $("orig-box").classList.add("hidden");
     showReplayFrame(state.replayPos);
   }
 }
