@@ -209,6 +209,22 @@ def test_original_routing_shadow_rate(server):
     _reset(server)
 
 
+def test_prefetches_show_as_prefetched_not_as_demand_misses(server):
+    _reset(server)
+    rt, eng = server.app.state.engine.rt, server.app.state.engine
+    lis = Listener(server)
+    absent = [e for e in range(rt.num_experts) if e not in rt.states[0].cache][:3]
+    with eng._lock:  # the engine is idle and cannot start a forward meanwhile
+        assert eng.in_flight() == 0 and rt.prefetch(0, absent) == 3
+    _complete(server, n=2)
+    f = next(f for f in lis.close(1) if f["type"] == "step")
+    ly = f["layers"][0]
+    assert ly["prefetched"] == sorted(absent)
+    assert not set(absent) & set(ly["miss"])  # loaded ahead: a request for them is a hit, not a miss
+    assert all(not x["prefetched"] for x in f["layers"][1:])
+    _reset(server)
+
+
 def test_a_subscriber_that_never_reads_does_not_block_or_change_generation(server):
     _reset(server)
     lv = _lv(server)

@@ -247,8 +247,8 @@ class Metrics:
 # the app
 
 
-def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[str, ...] = (), metrics: Metrics | None = None,
-               liveview: bool = True, trace_dirs: tuple = ()):
+def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[str, ...] = (),
+               metrics: Metrics | None = None, liveview: bool = True, trace_dirs: tuple = ()):
     """FastAPI app serving ``engine`` under the model name ``model_id`` (``aliases`` are accepted too).
     ``liveview`` adds the page at ``/`` and its routes (:mod:`expertcache.serve.liveview`; ``trace_dirs``: more
     routing traces the replay may open).
