@@ -358,14 +358,28 @@ class LiveControl:
             raise ConfigError(_culprit(str(exc), body), str(exc)) from None
         return dict(routing=cfg, router=router, eviction=eviction, gamma=float(gamma), capacity=int(capacity))
 
-    def request(self, body) -> dict:
-        plan = self.validate(body)
+    def _apply_if_idle(self) -> None:
         eng = self.engine
         with eng._lock:  # idle: no forward can start while we hold the engine's lock
-            with self._lock:
-                self._pending = plan
             if not (eng._waiting or eng._prefilling or eng._rows):
                 self.apply_pending()
+
+    def request(self, body) -> dict:
+        """Validate and queue ``body``; applied at once when the engine is idle. Returns the resolved config."""
+        plan = self.validate(body)
+        with self._lock:
+            self._pending = plan
+        self._apply_if_idle()
+        return self.resolved()
+
+    async def request_async(self, body, timeout: float = 10.0) -> dict:
+        """:meth:`request`, then wait (without blocking the event loop) until the engine thread has applied it
+        after its next forward, or the engine went idle first (then apply it here)."""
+        self.request(body)
+        deadline = time.monotonic() + timeout
+        while self._pending is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            self._apply_if_idle()
         return self.resolved()
 
     def apply_pending(self) -> None:
@@ -565,7 +579,7 @@ def install_liveview(app, engine, metrics, *, trace_dirs=(), queue_frames: int =
     @app.post("/v1/expertcache/config")
     async def post_config(request: HTTPRequest):
         try:
-            return control.request(await json_body(request))
+            return await control.request_async(await json_body(request))
         except ConfigError as e:
             return bad(e)
 
@@ -579,8 +593,16 @@ def install_liveview(app, engine, metrics, *, trace_dirs=(), queue_frames: int =
     async def events(request: HTTPRequest):
         sub = broker.subscribe(asyncio.get_running_loop())
         rt = engine.rt
+        for _ in range(100):  # the engine thread may be changing a cache right now: read again
+            try:
+                layers = [dict(resident=_sorted(st.cache.resident())) for st in rt.states]
+                break
+            except RuntimeError:
+                await asyncio.sleep(0.001)
+        else:
+            layers = [dict(resident=[]) for _ in rt.states]
         hello = dict(type="hello", schema_version=SCHEMA_VERSION, config=control.resolved(), queue_frames=broker.maxlen,
-                     layers=[dict(resident=_sorted(st.cache.resident())) for st in rt.states], totals=tap.totals)
+                     layers=layers, totals=dict(tap.totals))
 
         async def stream():
             try:
