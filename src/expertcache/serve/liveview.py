@@ -322,20 +322,7 @@ class LiveControl:
         if "policy" in body and body["policy"] != routing["policy"]:
             # a new policy starts from its defaults (and the current top-J) unless fields are given
             routing = dict(RoutingConfig().to_dict(), top_j=routing["top_j"])
-        for k, v in body.items():
-            if k in _ROUTING_FIELDS:
-                if k == "policy":
-                    if v not in POLICIES:
-                        raise ConfigError("policy", f"unknown policy {json.dumps(v)[:40]}; choose one of {list(POLICIES)}")
-                elif k in ("h", "delta") and v is None:
-                    pass
-                else:
-                    _check_number(k, v, k in _INT_FIELDS)
-                routing[k] = v
-        try:
-            cfg = RoutingConfig(**routing)
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(_culprit(str(exc), body), str(exc)) from None
+        cfg = _routing_from(body, routing)
         if cfg.h is not None and not 1 <= cfg.h <= rt.top_k:
             raise ConfigError("h", f"must be in [1, K={rt.top_k}], got {cfg.h}")
         eviction = body.get("eviction", rt.eviction)
@@ -401,6 +388,25 @@ class LiveControl:
         self.broker.publish(dict(type="config", config=self.resolved(), time=time.time()))
 
 
+def _routing_from(body: dict, base: dict) -> RoutingConfig:
+    """``base`` (RoutingConfig fields) updated with ``body``'s routing fields, type-checked and validated."""
+    routing = dict(base)
+    for k in _ROUTING_FIELDS:
+        if k not in body:
+            continue
+        v = body[k]
+        if k == "policy":
+            if v not in POLICIES:
+                raise ConfigError("policy", f"unknown policy {json.dumps(v)[:40]}; choose one of {list(POLICIES)}")
+        elif not (k in ("h", "delta") and v is None):
+            _check_number(k, v, k in _INT_FIELDS)
+        routing[k] = v
+    try:
+        return RoutingConfig(**routing)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(_culprit(str(exc), body), str(exc)) from None
+
+
 def _strength(policy: str) -> str | None:
     from expertcache.routing.config import STRENGTH
 
@@ -447,8 +453,8 @@ def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str
     if not 0 <= start < trace.num_tokens:
         raise ConfigError("start", f"must be in [0, {trace.num_tokens}), got {start}")
     stop = min(trace.num_tokens, start + steps)
-    part = RoutingTrace(logits_TLE=np.asarray(trace.logits_TLE[start:stop]), ids_TLK=np.asarray(trace.ids_TLK[start:stop]),
-                        meta=replace(meta, sequence_starts=[0]))
+    part = RoutingTrace(logits_TLE=np.asarray(trace.logits_TLE[start:stop]),
+                        ids_TLK=np.asarray(trace.ids_TLK[start:stop]), meta=replace(meta, sequence_starts=[0]))
     freq = activation_frequency(trace.ids_TLK, meta.num_experts) if routing.policy == "eras-bias" else None
     res = simulate(part, routing, capacity, eviction=eviction, gamma=gamma, freq_LE=freq)
     served_TLK = np.asarray(res.ids_TLK)
@@ -497,20 +503,7 @@ def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
     name = body.get("trace")
     if name not in traces:
         raise ConfigError("trace", f"unknown trace {json.dumps(name)[:80]}; available: {sorted(traces)}")
-    routing = {}
-    for k in _ROUTING_FIELDS:
-        if k in body:
-            v = body[k]
-            if k == "policy":
-                if v not in POLICIES:
-                    raise ConfigError("policy", f"unknown policy {json.dumps(v)[:40]}; choose one of {list(POLICIES)}")
-            elif not (k in ("h", "delta") and v is None):
-                _check_number(k, v, k in _INT_FIELDS)
-            routing[k] = v
-    try:
-        cfg = RoutingConfig(**routing)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(_culprit(str(exc), body), str(exc)) from None
+    cfg = _routing_from(body, {})
     eviction = body.get("eviction", "lru")
     if eviction not in ("lru", "lfu", "gamma", "belady"):
         raise ConfigError("eviction", f"must be one of lru, lfu, gamma, belady, got {json.dumps(eviction)[:40]}")
