@@ -255,6 +255,8 @@ function setMode(mode) {
   $("pane-live").classList.toggle("hidden", mode !== "live");
   $("pane-replay").classList.toggle("hidden", mode !== "replay");
   $("step-label").textContent = mode === "live" ? "frames" : "replay step";
+  $("hit-label").textContent = mode === "live" ? "hit rate since start" : "hit rate, replay so far";
+  $("orig-box").classList.add("hidden");  // live: the next frame shows it again for a cache-aware policy
   const evs = mode === "live" ? (state.config ? state.config.choices.eviction : []) : ["lru", "lfu", "gamma", "belady"];
   fillSelect($("eviction"), evs, $("eviction").value);
   if (mode === "live") {
