@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "on running rows (default: 128)")
     s.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are cancelled (default: 30)")
+    s.add_argument("--trace-dir", action="append", default=[], metavar="DIR",
+                   help="a folder of routing traces (*.trace.safetensors) the live view's replay may open, besides "
+                        "the shipped ones (repeatable)")
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_offload_args(p)
     add_routing_args(p)
@@ -56,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_batch < 1 or args.max_queue < 0 or args.prefill_chunk < 1 or args.shutdown_grace < 0:
         raise UsageError("--max-batch and --prefill-chunk must be >= 1, --max-queue and --shutdown-grace >= 0")
+    from pathlib import Path
+
+    for d in args.trace_dir:
+        if not Path(d).is_dir():
+            raise UsageError(f"--trace-dir {d}: not a folder")
     from transformers import AutoConfig
 
     from expertcache.offload import OffloadedModel
@@ -83,11 +91,12 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if args.model in ("granular", "coarse") else path.name)
     engine = Engine(rt, tok, max_batch=args.max_batch, max_queue=args.max_queue,
                     prefill_chunk=args.prefill_chunk).start()
-    app = create_app(engine, name, tokenizer=tok, aliases=(str(args.model),) if str(args.model) != name else ())
+    app = create_app(engine, name, tokenizer=tok, aliases=(str(args.model),) if str(args.model) != name else (),
+                     trace_dirs=tuple(args.trace_dir))
     host, port = sock.getsockname()[:2]
     print(f"expertcache serve: {name} [{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, "
           f"{rt.routing.label()}+{rt.eviction}, max batch {args.max_batch}, context {context}] on "
-          f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
+          f"http://{host}:{port}/v1 (live view: http://{host}:{port}/)", file=sys.stderr, flush=True)
     try:
         serve_forever(app, sock, grace_s=args.shutdown_grace, log_level=args.log_level)
     finally:

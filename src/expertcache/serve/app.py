@@ -248,8 +248,10 @@ class Metrics:
 
 
 def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[str, ...] = (),
-               metrics: Metrics | None = None):
+               metrics: Metrics | None = None, liveview: bool = True, trace_dirs: tuple = ()):
     """FastAPI app serving ``engine`` under the model name ``model_id`` (``aliases`` are accepted too).
+    ``liveview`` adds the page at ``/`` and its routes (:mod:`expertcache.serve.liveview`; ``trace_dirs``: more
+    routing traces the replay may open).
     ``app.state.shutting_down`` (set by :func:`begin_shutdown`) makes new requests 503."""
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
@@ -453,6 +455,10 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
     async def chat_completions(request: HTTPRequest):
         return await handle(request, chat=True)
 
+    if liveview:
+        from expertcache.serve.liveview import install_liveview
+
+        install_liveview(app, engine, metrics, trace_dirs=trace_dirs)
     return app
 
 

@@ -1,0 +1,652 @@
+"""The live view of the expert cache (issue 16): a page at ``/``, its event stream, live controls and trace replay.
+
+Routes added to the serve app by :func:`install_liveview` (schema in ``docs/SERVE.md``, "Live view"):
+
+- ``GET /`` and ``GET /static/<file>``: the page (plain HTML/JS/CSS shipped in ``serve/static``, no build step,
+  nothing fetched from elsewhere);
+- ``GET /v1/expertcache/events``: server-sent events, one JSON frame per model forward (per MoE layer: the
+  experts requested, hits, misses, evictions, prefetches and the resident set after the step; running totals).
+  Each subscriber has a bounded queue: when a page reads slower than the model decodes, its oldest frames are
+  dropped (and counted), the engine thread never waits;
+- ``GET /v1/expertcache/config``, ``POST /v1/expertcache/config``: the resolved routing policy, eviction and
+  cache size the runtime really uses; a POST validates (400 with an OpenAI error body naming the field) and the
+  engine thread applies it between two forwards (at once when idle);
+- ``GET /v1/expertcache/traces``, ``POST /v1/expertcache/replay``: step through a routing trace (the shipped ones
+  or ``--trace-dir``'s) under any policy, eviction and cache size with the simulator; per-step frames in the
+  same schema as the live ones.
+
+The engine is not edited: the tap wraps the runtime's per-layer cache step (``OffloadedModel._step``, one per
+MoE layer per forward, also used by prefetches) and the metrics' ``on_step`` (called by the engine thread after
+every forward), both on the instances.
+"""
+
+
+import asyncio
+import collections
+import json
+import threading
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from expertcache.routing import POLICIES, Router, RoutingConfig
+
+__all__ = ["install_liveview", "Broker", "Tap", "LiveControl", "replay_frames", "SCHEMA_VERSION", "shipped_traces"]
+
+SCHEMA_VERSION = 1
+STATIC = Path(__file__).with_name("static")
+LIVE_EVICTIONS = ("lru", "lfu", "gamma")  # belady needs the future: replay only
+MAX_REPLAY_STEPS = 2048
+
+
+class ConfigError(ValueError):
+    """A bad live-configuration or replay field; ``param`` names it (HTTP 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message if message.startswith(param) else f"{param}: {message}")
+        self.param = param
+
+
+# ---------------------------------------------------------------------------------------------
+# the bounded fan-out
+
+
+class Subscriber:
+    """One event-stream client: a bounded deque filled by the engine thread, drained by the event loop.
+    Full → the oldest frame is dropped (``dropped`` counts them)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, maxlen: int) -> None:
+        self.loop = loop
+        self.frames: collections.deque = collections.deque(maxlen=maxlen)
+        self.lock = threading.Lock()
+        self.dropped = 0
+        self.delivered = 0
+        self.ready = asyncio.Event()
+        self._wake_pending = False
+
+    def put(self, frame: dict) -> None:
+        """Engine thread: never blocks (beyond a short lock), never grows past ``maxlen``."""
+        with self.lock:
+            if len(self.frames) == self.frames.maxlen:
+                self.dropped += 1
+            self.frames.append(frame)
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        try:
+            self.loop.call_soon_threadsafe(self.ready.set)
+        except RuntimeError:  # the loop is closed: nobody reads any more
+            pass
+
+    def take(self) -> list[dict]:
+        with self.lock:
+            out = list(self.frames)
+            self.frames.clear()
+            self._wake_pending = False
+            self.ready.clear()
+            self.delivered += len(out)
+        return out
+
+
+class Broker:
+    """Fan-out of frames to subscribers, each with its own bounded queue (``maxlen`` frames)."""
+
+    def __init__(self, maxlen: int = 64) -> None:
+        self.maxlen = maxlen
+        self._subs: list[Subscriber] = []
+        self._lock = threading.Lock()
+        self.published = 0
+
+    def subscribe(self, loop: asyncio.AbstractEventLoop) -> Subscriber:
+        s = Subscriber(loop, self.maxlen)
+        with self._lock:
+            self._subs = self._subs + [s]
+        return s
+
+    def unsubscribe(self, s: Subscriber) -> None:
+        with self._lock:
+            self._subs = [x for x in self._subs if x is not s]
+
+    @property
+    def subscribers(self) -> list[Subscriber]:
+        return self._subs
+
+    def publish(self, frame: dict) -> None:
+        self.published += 1
+        for s in self._subs:  # a copy-on-write list: no lock needed to iterate
+            s.put(frame)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tap on the runtime
+
+
+def _sorted(x) -> list[int]:
+    return sorted(int(e) for e in x)
+
+
+class Tap:
+    """Records, per MoE layer, what each cache step did, and turns every forward into a frame.
+
+    Wraps ``rt._step`` (the per-layer cache step) and ``metrics.on_step`` (engine thread, after each forward)
+    on the instances. Frames are built only while someone subscribes; running totals always."""
+
+    def __init__(self, rt, metrics, broker: Broker, control: "LiveControl | None" = None) -> None:
+        self.rt, self.broker, self.control = rt, broker, control
+        self.L = len(rt.layers)
+        self._acc = self._empty()
+        self.seq = 0
+        self.totals = dict(tokens=0, hits=0, misses=0, bytes_read=0, forwards=0, decode_tokens=0,
+                           decode_bytes=0, decode_seconds=0.0)
+        self._recent: collections.deque = collections.deque(maxlen=32)
+        orig_step = rt._step
+        orig_on_step = metrics.on_step
+
+        def step(st, order, on_ready):
+            if not self.broker.subscribers:
+                return orig_step(st, order, on_ready)
+            before = st.cache.resident()
+            orig_step(st, order, on_ready)
+            after = st.cache.resident()
+            a = self._acc[st.moe.index]
+            if on_ready is None:  # a prefetch (OffloadedModel.prefetch): loads that are not demand misses
+                a["prefetched"].update(after - before)
+            else:
+                for e in order:
+                    a["requested"].append(int(e))
+                    (a["hit"] if e in before else a["miss"]).add(int(e))
+            a["evicted"].update(before - after)
+
+        def on_step(rows, tokens, seconds, delta):
+            orig_on_step(rows, tokens, seconds, delta)
+            try:
+                self._on_forward(rows, tokens, seconds, delta)
+            finally:
+                if self.control is not None:
+                    self.control.apply_pending()  # between two forwards, in the engine thread
+
+        rt._step = step
+        metrics.on_step = on_step
+        # the shadow: what original routing would have hit on the same tokens (cache-aware policies only)
+        self.shadow: list | None = None
+        self._shadow_acc = [0, 0]
+        self.shadow_totals = dict(hits=0, misses=0, policy_hits=0, policy_misses=0, since_seq=0)
+        for m in rt.layers:
+            inner = m.router.forward
+
+            def fwd(*args, _inner=inner, _m=m, **kw):
+                out = _inner(*args, **kw)
+                if self.broker.subscribers and self.rt.routing.cache_aware:
+                    self._shadow_route(_m, out[0])
+                return out
+
+            m.router.forward = fwd
+
+    def reset_shadow(self) -> None:
+        """Restart the shadow caches from the live caches' contents (at a configuration change)."""
+        self.shadow = None
+
+    def _shadow_route(self, m, z_TE) -> None:
+        """Route the forward's tokens at layer ``m`` with original routing and serve them from the shadow cache
+        (the union of the rows' experts by total weight, as the runtime serves a step)."""
+        import torch
+
+        from expertcache.cache import make_cache
+        from expertcache.models.adapters import order_by_logits
+        from expertcache.routing import topk_rank
+
+        rt = self.rt
+        if self.shadow is None:  # starts from what the live caches hold now
+            self.shadow = [make_cache(rt.eviction, rt.num_experts, rt.capacity, gamma=getattr(rt, "gamma", 0.9),
+                                      initial=sorted(st.cache.resident()))
+                           for st in rt.states]
+            self.shadow_totals = dict(hits=0, misses=0, policy_hits=0, policy_misses=0, since_seq=self.seq + 1)
+        z_cpu_TE = z_TE.detach().to("cpu")
+        zr_TE, allowed_TE = rt.family.ranking(m.router, z_cpu_TE)
+        if allowed_TE is not None:
+            zr_TE = zr_TE.masked_fill(~allowed_TE, float("-inf"))
+        ids_TK = order_by_logits(topk_rank(zr_TE, rt.top_k), z_cpu_TE)
+        if ids_TK.shape[0] == 1:
+            order = [int(e) for e in ids_TK[0].tolist() if e >= 0]
+        else:
+            w_TK = rt.family.weights(m.router, z_cpu_TE, ids_TK).float()
+            total_E = torch.zeros(rt.num_experts).index_add_(0, ids_TK.flatten(), w_TK.flatten())
+            order = sorted(set(ids_TK.flatten().tolist()), key=lambda e: (-float(total_E[e]), e))
+        hits = self.shadow[m.index].access_step(order)
+        self._shadow_acc[0] += sum(hits)
+        self._shadow_acc[1] += len(hits) - sum(hits)
+
+    def _empty(self) -> list[dict]:
+        return [dict(requested=[], hit=set(), miss=set(), evicted=set(), prefetched=set()) for _ in range(self.L)]
+
+    def _on_forward(self, rows: int, tokens: int, seconds: float, delta: dict) -> None:
+        t = self.totals
+        h, m, b = int(round(delta["hits"])), int(round(delta["misses"])), int(delta["bytes_read"])
+        t["tokens"] += tokens
+        t["hits"] += h
+        t["misses"] += m
+        t["bytes_read"] += b
+        t["forwards"] += 1
+        if rows:  # a decode step
+            t["decode_tokens"] += tokens
+            t["decode_bytes"] += b
+            t["decode_seconds"] += seconds
+            self._recent.append((tokens, seconds))
+        if not self.broker.subscribers:
+            self._acc = self._empty()
+            self._shadow_acc = [0, 0]
+            self.shadow = None
+            return
+        acc, self._acc = self._acc, self._empty()
+        self.seq += 1
+        n_s = sum(s for _, s in self._recent)
+        layers = []
+        for st, a in zip(self.rt.states, acc):
+            layers.append(dict(requested=a["requested"], hit=_sorted(a["hit"]), miss=_sorted(a["miss"]),
+                               evicted=_sorted(a["evicted"]), prefetched=_sorted(a["prefetched"]),
+                               resident=_sorted(st.cache.resident())))
+        acc_n = t["hits"] + t["misses"]
+        shadow = None
+        if self.shadow is not None and self.rt.routing.cache_aware:
+            sh = self.shadow_totals
+            sh["hits"] += self._shadow_acc[0]
+            sh["misses"] += self._shadow_acc[1]
+            sh["policy_hits"] += h
+            sh["policy_misses"] += m
+            n0, n1 = sh["hits"] + sh["misses"], sh["policy_hits"] + sh["policy_misses"]
+            shadow = dict(sh, hit_rate=sh["hits"] / n0 if n0 else None,
+                          policy_hit_rate=sh["policy_hits"] / n1 if n1 else None)
+        self._shadow_acc = [0, 0]
+        frame = dict(type="step", seq=self.seq, time=time.time(), phase="decode" if rows else "prefill", rows=rows,
+                     tokens=tokens, seconds=seconds, hits=h, misses=m, bytes_read=b, layers=layers,
+                     totals=dict(t, hit_rate=(t["hits"] / acc_n) if acc_n else None,
+                                 bytes_per_token=(t["decode_bytes"] / t["decode_tokens"]) if t["decode_tokens"]
+                                 else None,
+                                 tok_s=(sum(n for n, _ in self._recent) / n_s) if n_s > 0 else None),
+                     original=shadow)
+        self.broker.publish(frame)
+
+
+# ---------------------------------------------------------------------------------------------
+# live configuration
+
+
+_ROUTING_FIELDS = {f.name: f for f in fields(RoutingConfig)}
+_INT_FIELDS = {"top_j", "h", "m", "capacity"}
+
+
+def _check_number(key: str, v, integer: bool) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise ConfigError(key, f"must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}")
+    if isinstance(v, float) and v != v:
+        raise ConfigError(key, "must be a number, got NaN")
+
+
+class LiveControl:
+    """What the runtime allows changing while it serves: routing policy and its parameters (λ ...), top-J,
+    eviction, γ and the cache size C. :meth:`request` validates in the caller's thread; the engine thread
+    applies the change (:meth:`apply_pending`) between two forwards, or the caller does at once when the
+    engine is idle (holding the engine's lock, so no forward can start meanwhile).
+
+    A routing change swaps the router and keeps the caches (their contents and statistics); an eviction, γ
+    or cache-size change restarts the caches empty (``OffloadedModel.configure``)."""
+
+    def __init__(self, engine, broker: Broker) -> None:
+        self.engine, self.rt, self.broker = engine, engine.rt, broker
+        self._pending: dict | None = None
+        self._lock = threading.Lock()
+        self.version = 0
+        self.tap: Tap | None = None
+
+    def resolved(self) -> dict:
+        rt = self.rt
+        return dict(routing=rt.routing.to_dict(), label=rt.routing.label(), cache_aware=rt.routing.cache_aware,
+                    strength=_strength(rt.routing.policy),
+                    eviction=rt.eviction, gamma=getattr(rt, "gamma", 0.9), capacity=rt.capacity,
+                    num_experts=rt.num_experts, top_k=rt.top_k, moe_layers=len(rt.layers),
+                    expert_bytes=rt.expert_bytes, version=self.version, pending=self._pending is not None,
+                    choices=dict(policy=list(POLICIES), eviction=list(LIVE_EVICTIONS)))
+
+    def validate(self, body) -> dict:
+        """The change as a plan ``{routing, router, eviction, gamma, capacity}`` or :class:`ConfigError`."""
+        rt = self.rt
+        if not isinstance(body, dict):
+            raise ConfigError("body", "must be a JSON object")
+        allowed = set(_ROUTING_FIELDS) | {"eviction", "gamma", "capacity"}
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown field; the live configuration has {sorted(allowed)}")
+        routing = rt.routing.to_dict()
+        if "policy" in body and body["policy"] != routing["policy"]:
+            # a new policy starts from its defaults (and the current top-J) unless fields are given
+            routing = dict(RoutingConfig().to_dict(), top_j=routing["top_j"])
+        cfg = _routing_from(body, routing)
+        if cfg.h is not None and not 1 <= cfg.h <= rt.top_k:
+            raise ConfigError("h", f"must be in [1, K={rt.top_k}], got {cfg.h}")
+        eviction = body.get("eviction", rt.eviction)
+        if eviction not in LIVE_EVICTIONS:
+            raise ConfigError("eviction", f"must be one of {list(LIVE_EVICTIONS)} live (belady needs the future: "
+                                          f"use the replay), got {json.dumps(eviction)[:40]}")
+        gamma = body.get("gamma", getattr(rt, "gamma", 0.9))
+        _check_number("gamma", gamma, False)
+        if not 0 < gamma <= 1:
+            raise ConfigError("gamma", f"must be in (0, 1], got {gamma}")
+        capacity = body.get("capacity", rt.capacity)
+        _check_number("capacity", capacity, True)
+        if not 1 <= capacity <= rt.num_experts:
+            raise ConfigError("capacity", f"must be between 1 and N={rt.num_experts}, got {capacity}")
+        freq = getattr(rt.router, "freq_LE", None)
+        try:
+            router = Router(cfg, num_experts=rt.num_experts, k=rt.top_k, renormalize=rt.renormalize,
+                            scoring=rt.family.scoring, freq_LE=freq)
+        except ValueError as exc:
+            raise ConfigError(_culprit(str(exc), body), str(exc)) from None
+        return dict(routing=cfg, router=router, eviction=eviction, gamma=float(gamma), capacity=int(capacity))
+
+    def _apply_if_idle(self) -> None:
+        eng = self.engine
+        with eng._lock:  # idle: no forward can start while we hold the engine's lock
+            if not (eng._waiting or eng._prefilling or eng._rows):
+                self.apply_pending()
+
+    def request(self, body) -> dict:
+        """Validate and queue ``body``; applied at once when the engine is idle. Returns the resolved config."""
+        plan = self.validate(body)
+        with self._lock:
+            self._pending = plan
+        self._apply_if_idle()
+        return self.resolved()
+
+    async def request_async(self, body, timeout: float = 10.0) -> dict:
+        """:meth:`request`, then wait (without blocking the event loop) until the engine thread has applied it
+        after its next forward, or the engine went idle first (then apply it here)."""
+        self.request(body)
+        deadline = time.monotonic() + timeout
+        while self._pending is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            self._apply_if_idle()
+        return self.resolved()
+
+    def apply_pending(self) -> None:
+        with self._lock:
+            plan, self._pending = self._pending, None
+        if plan is None:
+            return
+        rt = self.rt
+        if (plan["eviction"], plan["capacity"], plan["gamma"]) != (rt.eviction, rt.capacity,
+                                                                   getattr(rt, "gamma", 0.9)):
+            freq = getattr(rt.router, "freq_LE", None)
+            rt.configure(routing=plan["routing"], eviction=plan["eviction"], gamma=plan["gamma"],
+                         capacity=plan["capacity"], freq_LE=None if freq is None else freq.numpy())
+        else:
+            rt.routing, rt.router = plan["routing"], plan["router"]
+        self.version += 1
+        if self.tap is not None:
+            self.tap.reset_shadow()
+        self.broker.publish(dict(type="config", config=self.resolved(), time=time.time()))
+
+
+def _routing_from(body: dict, base: dict) -> RoutingConfig:
+    """``base`` (RoutingConfig fields) updated with ``body``'s routing fields, type-checked and validated."""
+    routing = dict(base)
+    for k in _ROUTING_FIELDS:
+        if k not in body:
+            continue
+        v = body[k]
+        if k == "policy":
+            if v not in POLICIES:
+                raise ConfigError("policy", f"unknown policy {json.dumps(v)[:40]}; choose one of {list(POLICIES)}")
+        elif not (k in ("h", "delta") and v is None):
+            _check_number(k, v, k in _INT_FIELDS)
+        routing[k] = v
+    try:
+        return RoutingConfig(**routing)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(_culprit(str(exc), body), str(exc)) from None
+
+
+def _strength(policy: str) -> str | None:
+    from expertcache.routing.config import STRENGTH
+
+    return STRENGTH[policy]
+
+
+def _culprit(message: str, body: dict) -> str:
+    for k in sorted(body, key=len, reverse=True):
+        if message.lower().startswith(k.lower()) or f" {k} " in message or f"{k}=" in message:
+            return k
+    if "top-J" in message:
+        return "top_j"
+    return "policy" if "policy" in body else next(iter(body), "body")
+
+
+# ---------------------------------------------------------------------------------------------
+# replay
+
+
+def shipped_traces() -> dict[str, Path]:
+    d = Path(__file__).resolve().parent.parent / "assets" / "traces"
+    return {p.name: p for p in sorted(d.glob("*.trace.safetensors"))}
+
+
+def list_traces(trace_dirs) -> dict[str, Path]:
+    out = shipped_traces()
+    for d in trace_dirs:
+        for p in sorted(Path(d).glob("*.trace.safetensors")):
+            out.setdefault(p.name, p)
+    return out
+
+
+def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str = "lru", gamma: float = 0.9,
+                  start: int = 0, steps: int = 256) -> dict:
+    """Tokens ``start .. start+steps`` of ``trace`` under ``routing`` / ``eviction`` / ``capacity`` through
+    :func:`expertcache.sim.simulate` (one sequence, caches carried, empty at ``start``), then the served
+    selections stepped through one fresh cache per layer to get per-step frames (same schema as the live
+    ones). ``result`` holds the simulator's per-layer counts: the frames add up to them."""
+    from expertcache.cache import make_cache
+    from expertcache.sim import activation_frequency, simulate
+    from expertcache.trace.format import RoutingTrace
+
+    meta = trace.meta
+    if not 0 <= start < trace.num_tokens:
+        raise ConfigError("start", f"must be in [0, {trace.num_tokens}), got {start}")
+    stop = min(trace.num_tokens, start + steps)
+    part = RoutingTrace(logits_TLE=np.asarray(trace.logits_TLE[start:stop]),
+                        ids_TLK=np.asarray(trace.ids_TLK[start:stop]), meta=replace(meta, sequence_starts=[0]))
+    freq = activation_frequency(trace.ids_TLK, meta.num_experts) if routing.policy == "eras-bias" else None
+    res = simulate(part, routing, capacity, eviction=eviction, gamma=gamma, freq_LE=freq)
+    served_TLK = np.asarray(res.ids_TLK)
+    T, L, _ = served_TLK.shape
+    layer_steps = [served_TLK[:, li, :].tolist() for li in range(L)]
+    caches = [make_cache(eviction, meta.num_experts, capacity, gamma=gamma, seed=li,
+                         future=[[e for e in s if e >= 0] for s in layer_steps[li]] if eviction == "belady" else None)
+              for li in range(L)]
+    frames = []
+    hits = misses = 0
+    for t in range(T):
+        layers = []
+        h_t = m_t = 0
+        for li, cache in enumerate(caches):
+            order = [int(e) for e in layer_steps[li][t] if e >= 0]
+            before = cache.resident()
+            hit = cache.access_step(order)
+            after = cache.resident()
+            h_t += sum(hit)
+            m_t += len(hit) - sum(hit)
+            layers.append(dict(requested=order, hit=sorted(e for e, x in zip(order, hit) if x),
+                               miss=sorted(e for e, x in zip(order, hit) if not x), evicted=_sorted(before - after),
+                               prefetched=[], resident=_sorted(after)))
+        hits += h_t
+        misses += m_t
+        frames.append(dict(type="step", seq=t + 1, step=start + t, phase="replay", rows=1, tokens=1, hits=h_t,
+                           misses=m_t, layers=layers,
+                           totals=dict(tokens=t + 1, hits=hits, misses=misses,
+                                       hit_rate=hits / (hits + misses) if hits + misses else None)))
+    per_layer = [dict(hits=s.hits, misses=s.misses, accesses=s.accesses) for s in res.per_layer]
+    return dict(type="replay", trace=dict(model=meta.model, source=meta.source, num_tokens=trace.num_tokens,
+                                          num_experts=meta.num_experts, top_k=meta.top_k, num_layers=L),
+                config=dict(routing=routing.to_dict(), label=routing.label(), eviction=eviction, gamma=gamma,
+                            capacity=capacity, start=start, steps=T),
+                result=dict(miss_rate=res.miss_rate, per_layer=per_layer), frames=frames)
+
+
+def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
+    if not isinstance(body, dict):
+        raise ConfigError("body", "must be a JSON object")
+    allowed = set(_ROUTING_FIELDS) | {"trace", "capacity", "eviction", "gamma", "start", "steps"}
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown field; a replay takes {sorted(allowed)}")
+    traces = list_traces(trace_dirs)
+    name = body.get("trace")
+    if name not in traces:
+        raise ConfigError("trace", f"unknown trace {json.dumps(name)[:80]}; available: {sorted(traces)}")
+    cfg = _routing_from(body, {})
+    eviction = body.get("eviction", "lru")
+    if eviction not in ("lru", "lfu", "gamma", "belady"):
+        raise ConfigError("eviction", f"must be one of lru, lfu, gamma, belady, got {json.dumps(eviction)[:40]}")
+    if eviction == "belady" and cfg.cache_aware:
+        raise ConfigError("eviction", "belady needs fixed selections: only with policy original or prune")
+    out = dict(routing=cfg, eviction=eviction)
+    for k, default, integer in (("capacity", 8, True), ("gamma", 0.9, False), ("start", 0, True), ("steps", 256, True)):
+        v = body.get(k, default)
+        _check_number(k, v, integer)
+        out[k] = v
+    if not 0 < out["gamma"] <= 1:
+        raise ConfigError("gamma", f"must be in (0, 1], got {out['gamma']}")
+    if not 1 <= out["steps"] <= MAX_REPLAY_STEPS:
+        raise ConfigError("steps", f"must be in [1, {MAX_REPLAY_STEPS}], got {out['steps']}")
+    return traces[name], out
+
+
+# ---------------------------------------------------------------------------------------------
+# routes
+
+
+def install_liveview(app, engine, metrics, *, trace_dirs=(), queue_frames: int = 64) -> None:
+    """Add the page, the event stream, the live controls and the replay to the serve ``app``."""
+    from fastapi import Request as HTTPRequest
+    from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+
+    from expertcache.serve.app import ServeError
+    from expertcache.trace.format import RoutingTrace, TraceError
+
+    broker = Broker(queue_frames)
+    control = LiveControl(engine, broker)
+    tap = Tap(engine.rt, metrics, broker, control)
+    control.tap = tap
+    app.state.liveview = dict(broker=broker, control=control, tap=tap)
+    trace_dirs = [Path(d) for d in trace_dirs]
+    trace_cache: dict[Path, RoutingTrace] = {}
+    files = {p.name: p for p in STATIC.iterdir() if p.is_file()}
+    types = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+             ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
+
+    def bad(e: ConfigError) -> JSONResponse:
+        return JSONResponse(ServeError(400, str(e), param=e.param, code="invalid_value").body(), status_code=400)
+
+    async def json_body(request: HTTPRequest):
+        try:
+            return json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError("body", f"not valid JSON: {exc}") from None
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return FileResponse(files["index.html"], media_type=types[".html"], headers={"Cache-Control": "no-cache"})
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static(name: str):
+        p = files.get(name)  # only the shipped files, by exact name
+        if p is None:
+            return JSONResponse(ServeError(404, f"no static file {name!r}", code="not_found").body(), status_code=404)
+        return FileResponse(p, media_type=types.get(p.suffix, "application/octet-stream"),
+                            headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/expertcache/config")
+    async def get_config():
+        return control.resolved()
+
+    @app.post("/v1/expertcache/config")
+    async def post_config(request: HTTPRequest):
+        try:
+            return await control.request_async(await json_body(request))
+        except ConfigError as e:
+            return bad(e)
+
+    @app.get("/v1/expertcache/stats")
+    async def stats():
+        return dict(totals=tap.totals, published=broker.published,
+                    subscribers=[dict(queued=len(s.frames), dropped=s.dropped, delivered=s.delivered)
+                                 for s in broker.subscribers])
+
+    @app.get("/v1/expertcache/events")
+    async def events(request: HTTPRequest):
+        sub = broker.subscribe(asyncio.get_running_loop())
+        rt = engine.rt
+        for _ in range(100):  # the engine thread may be changing a cache right now: read again
+            try:
+                layers = [dict(resident=_sorted(st.cache.resident())) for st in rt.states]
+                break
+            except RuntimeError:
+                await asyncio.sleep(0.001)
+        else:
+            layers = [dict(resident=[]) for _ in rt.states]
+        hello = dict(type="hello", schema_version=SCHEMA_VERSION, config=control.resolved(), queue_frames=broker.maxlen,
+                     layers=layers, totals=dict(tap.totals))
+
+        async def stream():
+            try:
+                yield f"data: {json.dumps(hello)}\n\n"
+                last = time.monotonic()
+                while not app.state.shutting_down:
+                    try:
+                        await asyncio.wait_for(sub.ready.wait(), timeout=0.25)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        if time.monotonic() - last > 15:
+                            last = time.monotonic()
+                            yield ": keep-alive\n\n"
+                        continue
+                    frames = sub.take()
+                    if frames:
+                        dropped = sub.dropped
+                        last = time.monotonic()
+                        yield "".join(f"data: {json.dumps(dict(f, dropped=dropped))}\n\n" for f in frames)
+            finally:
+                broker.unsubscribe(sub)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/v1/expertcache/traces")
+    async def traces():
+        return dict(traces=[dict(name=n, shipped=n in shipped_traces()) for n in list_traces(trace_dirs)])
+
+    @app.post("/v1/expertcache/replay")
+    async def replay(request: HTTPRequest):
+        try:
+            path, opts = parse_replay(await json_body(request), trace_dirs)
+            trace = trace_cache.get(path)
+            if trace is None:
+                try:
+                    trace = trace_cache[path] = await asyncio.to_thread(RoutingTrace.load, path)
+                except (TraceError, OSError) as exc:
+                    raise ConfigError("trace", f"cannot read {path.name}: {exc}") from None
+            if opts["capacity"] > trace.meta.num_experts:
+                raise ConfigError("capacity", f"must be between 1 and N={trace.meta.num_experts}, "
+                                              f"got {opts['capacity']}")
+            if opts["capacity"] < 1:
+                raise ConfigError("capacity", f"must be >= 1, got {opts['capacity']}")
+            if opts["routing"].top_j > trace.meta.top_k:
+                raise ConfigError("top_j", f"exceeds K={trace.meta.top_k}")
+            return await asyncio.to_thread(replay_frames, trace, opts["routing"], opts["capacity"],
+                                           eviction=opts["eviction"], gamma=opts["gamma"], start=opts["start"],
+                                           steps=opts["steps"])
+        except ConfigError as e:
+            return bad(e)
+        except ValueError as e:  # the simulator refused the combination
+            return bad(ConfigError("policy", str(e)))

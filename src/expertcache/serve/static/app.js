@@ -1,0 +1,301 @@
+// expertcache live view: plain JS, no build step, talks only to the server that served it.
+// Streams: /v1/completions (stream: true) for the text, /v1/expertcache/events for the cache frames
+// (schema in docs/SERVE.md, "Live view"); controls: /v1/expertcache/config; replay: /v1/expertcache/replay.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = {
+  mode: "live", config: null, model: null, cells: [], N: 0, L: 0,
+  pending: null, drawn: 0, frames: 0, dropped: 0, abort: null,
+  replay: null, replayPos: 0, replayTimer: null,
+};
+const STRENGTH_RANGE = {  // [min, max, step] of each policy's strength parameter
+  lam: [0, 1, 0.05], p: [0, 1, 0.05], alpha: [0, 1, 0.05], beta: [0, 5, 0.1], m: [0, 8, 1], h: [1, 8, 1],
+};
+
+function fmtBytes(b) {
+  if (b == null || !isFinite(b)) return "–";
+  const u = ["B", "KiB", "MiB", "GiB"]; let i = 0;
+  while (b >= 1024 && i < u.length - 1) { b /= 1024; i++; }
+  return (i ? b.toFixed(1) : Math.round(b)) + " " + u[i];
+}
+const pct = (x) => (x == null ? "–" : (100 * x).toFixed(1) + "%");
+
+// ---- the grid ------------------------------------------------------------------------------
+function buildGrid(L, N) {
+  if (L === state.L && N === state.N) return;
+  state.L = L; state.N = N; state.cells = [];
+  const grid = $("grid"); grid.textContent = "";
+  for (let l = 0; l < L; l++) {
+    const row = document.createElement("div"); row.className = "layer";
+    const name = document.createElement("span"); name.className = "name"; name.textContent = "layer " + l;
+    const cells = document.createElement("div"); cells.className = "cells";
+    const arr = [];
+    for (let e = 0; e < N; e++) {
+      const c = document.createElement("i"); c.className = "cell"; c.title = `layer ${l}, expert ${e}`;
+      c.dataset.layer = l; c.dataset.expert = e; cells.appendChild(c); arr.push(c);
+    }
+    row.appendChild(name); row.appendChild(cells); grid.appendChild(row); state.cells.push(arr);
+  }
+}
+
+function paintLayers(layers) {
+  layers.forEach((ly, l) => {
+    const arr = state.cells[l]; if (!arr) return;
+    const cls = new Array(arr.length).fill("cell");
+    for (const e of ly.resident || []) cls[e] = "cell c-res";
+    for (const e of ly.evicted || []) cls[e] = "cell c-evict";
+    for (const e of ly.prefetched || []) cls[e] = "cell c-pre";
+    for (const e of ly.miss || []) cls[e] = "cell c-miss";
+    for (const e of ly.hit || []) cls[e] = "cell c-hit";
+    for (let e = 0; e < arr.length; e++) if (arr[e].className !== cls[e]) arr[e].className = cls[e];
+  });
+}
+
+function paintTotals(t, live) {
+  if (!t) return;
+  $("hit-rate").textContent = pct(t.hit_rate);
+  if (live) {
+    $("tok-s").textContent = t.tok_s == null ? "–" : t.tok_s.toFixed(1);
+    $("bytes-tok").textContent = fmtBytes(t.bytes_per_token);
+  }
+}
+
+function draw() {  // at most once per animation frame: the newest frame wins, none queue up here
+  const f = state.pending; state.pending = null;
+  if (!f || state.mode !== "live") return;
+  paintLayers(f.layers); paintTotals(f.totals, true);
+  const o = f.original;  // cache-aware policy: policy vs original routing on the same tokens (shadow cache)
+  $("orig-box").classList.toggle("hidden", !o);
+  if (o) {
+    $("orig-rate").textContent = pct(o.hit_rate);
+    $("orig-label").textContent = `original routing, same tokens (policy: ${pct(o.policy_hit_rate)})`;
+    $("orig-box").title = `since frame ${o.since_seq}: this policy ${pct(o.policy_hit_rate)}, original top-K ` +
+      `${pct(o.hit_rate)} (a shadow cache of the same size and eviction fed the original selections)`;
+  }
+  $("step-no").textContent = state.frames; $("dropped").textContent = state.dropped;
+  state.drawn++; document.body.dataset.drawn = state.drawn;
+}
+
+// ---- events from the server ----------------------------------------------------------------
+function connectEvents() {
+  const es = new EventSource("/v1/expertcache/events");
+  es.onopen = () => { $("conn").textContent = "live"; $("conn").className = "badge ok"; };
+  es.onerror = () => { $("conn").textContent = "reconnecting…"; $("conn").className = "badge bad"; };
+  es.onmessage = (ev) => {
+    const f = JSON.parse(ev.data);
+    if (f.type === "hello") {
+      showConfig(f.config);
+      if (state.mode === "live") { buildGrid(f.config.moe_layers, f.config.num_experts); paintLayers(f.layers); }
+    } else if (f.type === "config") {
+      showConfig(f.config);
+    } else if (f.type === "step") {
+      state.frames++; state.dropped = f.dropped || 0;
+      if (!state.pending) requestAnimationFrame(draw);
+      state.pending = f;
+    }
+  };
+}
+
+// ---- configuration -------------------------------------------------------------------------
+function fillSelect(sel, values, current) {
+  if (sel.options.length !== values.length) {
+    sel.textContent = "";
+    for (const v of values) { const o = document.createElement("option"); o.value = o.textContent = v; sel.appendChild(o); }
+  }
+  if (current != null) sel.value = current;
+}
+
+function setStrengthControl(policy, routing, topK) {
+  const name = STRENGTH_NAMES[policy];
+  const s = $("strength");
+  $("strength-name").textContent = name ? (name === "lam" ? "λ" : name) : "strength";
+  s.disabled = !name;
+  if (!name) { $("strength-value").textContent = "–"; return; }
+  const [lo, hi, step] = STRENGTH_RANGE[name];
+  s.min = lo; s.max = (name === "m" || name === "h") ? topK : hi; s.step = step;
+  const v = routing && routing.policy === policy ? routing[name] : null;
+  s.value = v == null ? (name === "h" ? topK : lo) : v;
+  $("strength-value").textContent = s.value;
+}
+const STRENGTH_NAMES = { original: null, prune: "h", "max-rank": "m", cumsum: "p", "cache-prior": "lam",
+  "eras-threshold": "alpha", "eras-bias": "beta" };
+
+function showConfig(c) {
+  state.config = c;
+  $("config").textContent = JSON.stringify({ label: c.label, routing: c.routing, eviction: c.eviction,
+    gamma: c.gamma, capacity: c.capacity, num_experts: c.num_experts, top_k: c.top_k, moe_layers: c.moe_layers,
+    expert_bytes: c.expert_bytes, version: c.version, pending: c.pending }, null, 1);
+  document.body.dataset.configVersion = c.version;
+  if (state.mode !== "live") return;
+  fillSelect($("policy"), c.choices.policy, c.routing.policy);
+  fillSelect($("eviction"), c.choices.eviction, c.eviction);
+  setStrengthControl(c.routing.policy, c.routing, c.top_k);
+  $("top-j").value = c.routing.top_j; $("top-j").max = c.top_k;
+  $("capacity").value = c.capacity; $("capacity").max = c.num_experts;
+}
+
+function controlBody() {
+  const policy = $("policy").value;
+  const body = { policy, top_j: Number($("top-j").value), eviction: $("eviction").value,
+    capacity: Number($("capacity").value) };
+  const name = STRENGTH_NAMES[policy];
+  if (name) body[name] = Number($("strength").value);
+  return body;
+}
+
+async function postConfig() {
+  if (state.mode !== "live") return;
+  $("config-error").textContent = "";
+  const r = await fetch("/v1/expertcache/config", { method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify(controlBody()) });
+  const j = await r.json();
+  if (!r.ok) { $("config-error").textContent = j.error ? j.error.message : "error " + r.status; return; }
+  showConfig(j);
+}
+
+// ---- the prompt ----------------------------------------------------------------------------
+async function generate() {
+  if (!state.model) return;
+  $("output").textContent = ""; $("gen-status").textContent = "generating…";
+  $("generate").disabled = true; $("stop").disabled = false;
+  document.body.dataset.generating = "1";
+  const ctl = new AbortController(); state.abort = ctl;
+  try {
+    const r = await fetch("/v1/completions", { method: "POST", signal: ctl.signal,
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ model: state.model, prompt: $("prompt").value, stream: true,
+        max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value) }) });
+    if (!r.ok) {
+      const j = await r.json().catch(() => ({}));
+      $("gen-status").textContent = (j.error && j.error.message) || ("error " + r.status); return;
+    }
+    const reader = r.body.getReader(); const dec = new TextDecoder(); let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read(); if (done) break;
+      buf += dec.decode(value, { stream: true });
+      let i;
+      while ((i = buf.indexOf("\n\n")) >= 0) {
+        const line = buf.slice(0, i); buf = buf.slice(i + 2);
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6); if (data === "[DONE]") continue;
+        const j = JSON.parse(data);
+        if (j.error) { $("gen-status").textContent = j.error.message; continue; }
+        const ch = j.choices && j.choices[0];
+        if (ch && ch.text) $("output").textContent += ch.text;
+        if (j.expertcache) {
+          const e = j.expertcache;
+          $("gen-status").textContent = `${j.usage.completion_tokens} tokens · ${ch.finish_reason} · this request: ` +
+            `hit rate ${pct(e.hit_rate)}, ${fmtBytes(e.bytes_read)} read · ${e.policy}+${e.eviction}, C=${e.capacity}`;
+        }
+      }
+    }
+  } catch (err) {
+    if (err.name !== "AbortError") $("gen-status").textContent = String(err);
+    else $("gen-status").textContent = "stopped";
+  } finally {
+    $("generate").disabled = false; $("stop").disabled = true; state.abort = null;
+    document.body.dataset.generating = "0";
+  }
+}
+
+// ---- replay --------------------------------------------------------------------------------
+async function loadTraces() {
+  const r = await fetch("/v1/expertcache/traces"); const j = await r.json();
+  fillSelect($("trace-select"), j.traces.map((t) => t.name), null);
+}
+
+async function replayLoad() {
+  replayPause();
+  $("replay-status").textContent = "simulating…"; $("config-error").textContent = "";
+  const body = Object.assign(controlBody(), { trace: $("trace-select").value,
+    start: Number($("replay-start").value), steps: Number($("replay-steps").value) });
+  const r = await fetch("/v1/expertcache/replay", { method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify(body) });
+  const j = await r.json();
+  if (!r.ok) { $("replay-status").textContent = ""; $("config-error").textContent = j.error.message; return; }
+  state.replay = j; state.replayPos = 0;
+  buildGrid(j.trace.num_layers, j.trace.num_experts);
+  $("replay-pos").max = j.frames.length - 1; $("replay-pos").disabled = false;
+  $("replay-play").disabled = $("replay-next").disabled = false;
+  $("replay-status").textContent = `${j.trace.model} trace, tokens ${j.config.start}…${j.config.start + j.config.steps - 1}` +
+    ` under ${j.config.label}+${j.config.eviction}, C=${j.config.capacity}: simulator miss rate ${pct(j.result.miss_rate)}`;
+  $("bytes-tok").textContent = "–"; $("tok-s").textContent = "–";
+  showReplayFrame(0);
+  replayPlay();
+}
+
+function showReplayFrame(i) {
+  const fr = state.replay.frames[i]; if (!fr) return;
+  state.replayPos = i; $("replay-pos").value = i;
+  paintLayers(fr.layers); paintTotals(fr.totals, false);
+  $("step-no").textContent = `${i + 1}/${state.replay.frames.length}`;
+  document.body.dataset.replayStep = i;
+}
+
+function replayPlay() {
+  if (!state.replay) return;
+  replayPause();
+  $("replay-play").textContent = "Pause";
+  const tick = () => {
+    if (state.replayPos >= state.replay.frames.length - 1) { replayPause(); return; }
+    showReplayFrame(state.replayPos + 1);
+    state.replayTimer = setTimeout(tick, 1000 / Number($("replay-speed").value));
+  };
+  state.replayTimer = setTimeout(tick, 1000 / Number($("replay-speed").value));
+}
+function replayPause() {
+  if (state.replayTimer) clearTimeout(state.replayTimer);
+  state.replayTimer = null; $("replay-play").textContent = "Play";
+}
+
+function setMode(mode) {
+  state.mode = mode;
+  for (const b of document.querySelectorAll(".tab")) b.classList.toggle("active", b.dataset.mode === mode);
+  $("pane-live").classList.toggle("hidden", mode !== "live");
+  $("pane-replay").classList.toggle("hidden", mode !== "replay");
+  $("step-label").textContent = mode === "live" ? "frames" : "replay step";
+  $("hit-label").textContent = mode === "live" ? "hit rate since start" : "hit rate, replay so far";
+  $("orig-box").classList.add("hidden");  // live: the next frame shows it again for a cache-aware policy
+  const evs = mode === "live" ? (state.config ? state.config.choices.eviction : []) : ["lru", "lfu", "gamma", "belady"];
+  fillSelect($("eviction"), evs, $("eviction").value);
+  if (mode === "live") {
+    replayPause();
+    if (state.config) { buildGrid(state.config.moe_layers, state.config.num_experts); showConfig(state.config); }
+  } else if (state.replay) {
+    $("orig-box").classList.add("hidden");
+    showReplayFrame(state.replayPos);
+  }
+}
+
+// ---- wiring --------------------------------------------------------------------------------
+async function init() {
+  $("tab-live").onclick = () => setMode("live");
+  $("tab-replay").onclick = () => setMode("replay");
+  $("generate").onclick = generate;
+  $("stop").onclick = () => state.abort && state.abort.abort();
+  $("policy").onchange = () => {
+    setStrengthControl($("policy").value, state.config && state.config.routing, state.config ? state.config.top_k : 8);
+    postConfig();
+  };
+  $("strength").oninput = () => { $("strength-value").textContent = $("strength").value; };
+  $("strength").onchange = postConfig;
+  $("top-j").onchange = postConfig;
+  $("eviction").onchange = postConfig;
+  $("capacity").onchange = postConfig;
+  $("replay-load").onclick = replayLoad;
+  $("replay-play").onclick = () => (state.replayTimer ? replayPause() : replayPlay());
+  $("replay-next").onclick = () => { replayPause(); if (state.replay) showReplayFrame(Math.min(state.replayPos + 1, state.replay.frames.length - 1)); };
+  $("replay-pos").oninput = () => { replayPause(); showReplayFrame(Number($("replay-pos").value)); };
+  const [models, config] = await Promise.all([fetch("/v1/models").then((r) => r.json()),
+    fetch("/v1/expertcache/config").then((r) => r.json())]);
+  state.model = models.data[0].id;
+  $("model").textContent = `${state.model} · ${config.moe_layers} MoE layers × ${config.num_experts} experts, K=${config.top_k}`;
+  showConfig(config);
+  buildGrid(config.moe_layers, config.num_experts);
+  connectEvents();
+  await loadTraces();
+  document.body.dataset.ready = "1";
+}
+
+init().catch((err) => { $("gen-status").textContent = "failed to start: " + err; });
