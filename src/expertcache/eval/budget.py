@@ -107,3 +107,41 @@ def fixed_at(points: list[tuple[float, float]], miss_rate: float) -> float | Non
             w = 0.0 if m1 == m0 else (miss_rate - m0) / (m1 - m0)
             return math.exp(y0 + w * (y1 - y0))
     return math.exp(hull[0][1])
+
+
+def calibrate_strength(trace, policy: str, capacity, target: float, *, freq_LE=None, iters: int = 8,
+                       tokens: int | None = None) -> float:
+    """The fixed strength (λ or β) whose open-loop miss rate on ``trace`` (the simulator, LRU, caches carried
+    between its sequences) is ``target``: bisection on log strength over the controller's default range.
+    The controller starts there (``ControllerConfig(s0=...)``) and corrects online what the open loop and the
+    other text get wrong. ``tokens``: simulate only the first tokens of the trace."""
+    from expertcache.routing.config import STRENGTH
+    from expertcache.routing.controller import DEFAULT_RANGE
+    from expertcache.sim import simulate
+
+    if tokens is not None and tokens < trace.num_tokens:
+        from dataclasses import replace
+
+        from expertcache.trace import RoutingTrace
+
+        m = trace.meta
+        meta = replace(m, sequence_starts=[s for s in m.sequence_starts if s < tokens] or [0])
+        trace = RoutingTrace(logits_TLE=trace.logits_TLE[:tokens], ids_TLK=trace.ids_TLK[:tokens], meta=meta)
+    lo, hi, _ = DEFAULT_RANGE[policy]
+    a, b = math.log(lo), math.log(hi)
+
+    def rate(log_s: float) -> float:
+        rc = RoutingConfig(policy, **{STRENGTH[policy]: float(math.exp(log_s))})
+        return simulate(trace, rc, capacity, between_sequences="carry", freq_LE=freq_LE).miss_rate
+
+    if rate(a) <= target:
+        return lo
+    if rate(b) >= target:
+        return hi
+    for _ in range(iters):
+        mid = 0.5 * (a + b)
+        if rate(mid) > target:
+            a = mid
+        else:
+            b = mid
+    return float(math.exp(0.5 * (a + b)))

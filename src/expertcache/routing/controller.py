@@ -35,7 +35,10 @@ DEFAULT_RANGE = {"cache-prior": (1e-3, 1.0, 0.2), "eras-bias": (1e-3, 8.0, 1.0)}
 @dataclass(frozen=True)
 class ControllerConfig:
     """target: miss rate in (0, 1). s_min / s_max: strength range (s_min ≈ original routing). s0: initial
-    strength (one value, or per layer). ki, kp: integral and proportional gains on log s. smoothing: EMA
+    strength (one value, or per layer; calibrate it with
+    :func:`expertcache.eval.budget.calibrate_strength` -- the default gains assume a calibrated start; from an
+    uncalibrated one, ki = 0.1 converges faster at some cost in perplexity). ki, kp: integral and proportional
+    gains on log s (kp > 0 reacts faster but jitters the strength, which costs perplexity). smoothing: EMA
     factor of the proportional error. levels: quantisation of the strength range. per_layer: one controlled
     strength per layer, each driving its layer's miss rate to the target (fails where a layer's miss rate under
     the original routing is already below the target); default: one strength for all layers, driven by the
@@ -45,11 +48,12 @@ class ControllerConfig:
     s_min: float = 1e-3
     s_max: float = 1.0
     s0: float | tuple[float, ...] = 0.2
-    ki: float = 0.1
-    kp: float = 0.3
+    ki: float = 0.03
+    kp: float = 0.0
     smoothing: float = 0.05
     levels: int = 96
     per_layer: bool = False
+    decay: float = 0.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.target, (int, float)) and 0.0 < self.target < 1.0):
@@ -144,7 +148,8 @@ class MissRateController:
         x = self._ctl[layer if c.per_layer else 0]
         e = (misses / self.k - c.target) / c.target
         x.smooth += c.smoothing * self._scale * (e - x.smooth)
-        integral = x.integral + self._scale * e
+        gain = 1.0 if c.decay <= 0 else math.sqrt(c.decay / (c.decay + counter.tokens))
+        integral = x.integral + self._scale * gain * e
         u = x.base + c.kp * x.smooth + c.ki * integral
         if (u > self._hi and e > 0) or (u < self._lo and e < 0):  # anti-windup: do not integrate further out
             integral = x.integral
