@@ -112,3 +112,30 @@ def test_closed_loop_on_a_tiny_model_hits_the_target():
     assert sum(s.misses for s in stats.per_layer) == sum(x.misses for x in ctl.layers)
     assert stats.miss_rate == pytest.approx(ctl.miss_rate())
     assert stats.miss_rate == pytest.approx(target, rel=0.1)
+
+
+def test_eval_cli_target_miss_rate(tmp_path, capsys):
+    import json
+
+    from expertcache.cli.main import main
+    from expertcache.eval.synthetic import save_tiny_with_tokenizer, write_toy_data
+
+    model = save_tiny_with_tokenizer("mixtral", tmp_path / "m")
+    data = write_toy_data(tmp_path / "d")
+    base = ["eval", "--model", str(model), "--task", "wikitext", "--data-dir", str(data), "--limit", "2",
+            "--capacity", "4", "--no-progress"]
+    assert main([*base, "--policy", "cache-prior", "--json"]) == 0
+    orig = json.loads(capsys.readouterr().out)
+    target = round(orig["miss_rate"] * 0.6, 4)
+    assert main([*base, "--policy", "cache-prior", "--target-miss-rate", str(target), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["controller"]["target"] == target
+    assert row["controller"]["miss_rate"] == pytest.approx(row["miss_rate"])
+    assert row["miss_rate"] < orig["miss_rate"]
+    for bad, match in ((["--policy", "cumsum", "--target-miss-rate", "0.1"], "cache-prior .*or eras-bias"),
+                       (["--policy", "cache-prior", "--target-miss-rate", "1.5"], r"\(0, 1\)"),
+                       (["--policy", "cache-prior", "--calibrate-from", "x"], "needs --target-miss-rate"),
+                       (["--policy", "cache-prior", "--target-miss-rate", "0.1", "--calibrate-from",
+                         str(tmp_path / "none")], "calibrate-from")):
+        assert main([*base, *bad]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
