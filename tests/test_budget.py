@@ -132,10 +132,26 @@ def test_eval_cli_target_miss_rate(tmp_path, capsys):
     assert row["controller"]["target"] == target
     assert row["controller"]["miss_rate"] == pytest.approx(row["miss_rate"])
     assert row["miss_rate"] < orig["miss_rate"]
+    # the same budget in bytes: B = X · K · L · bytes of one expert (as loaded)
+    from expertcache.eval import load_model_and_tokenizer
+    from expertcache.models import patch_model
+    from expertcache.routing.budget import expert_bytes
+
+    m, _ = load_model_and_tokenizer(str(model))
+    with patch_model(m, RoutingConfig("cache-prior"), capacity=4) as p:
+        per_token = target * p.top_k * len(p.layers) * expert_bytes(p)
+        assert expert_bytes(p) == sum(q.numel() * q.element_size()
+                                      for q in p.layers[0].block.experts.parameters()) // p.num_experts
+    assert main([*base, "--policy", "cache-prior", "--target-bytes-per-token", str(per_token), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["controller"]["target"] == pytest.approx(target)
     for bad, match in ((["--policy", "cumsum", "--target-miss-rate", "0.1"], "cache-prior .*or eras-bias"),
+                       (["--policy", "cache-prior", "--target-bytes-per-token", "1e15"], "miss rate of"),
+                       (["--policy", "cache-prior", "--target-bytes-per-token", "5", "--target-miss-rate", "0.1"],
+                        "not both"),
                        (["--policy", "cache-prior", "--target-miss-rate", "1.5"], r"\(0, 1\)"),
                        (["--policy", "cache-prior", "--calibrate-from", "x"], "needs --target-miss-rate"),
                        (["--policy", "cache-prior", "--target-miss-rate", "0.1", "--calibrate-from",
                          str(tmp_path / "none")], "calibrate-from")):
         assert main([*base, *bad]) == 2
-        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+        err = capsys.readouterr().err.strip().splitlines()  # one error line (after the model load for bytes)
+        assert err[-1].startswith("expertcache eval: error") and __import__("re").search(match, err[-1]), err

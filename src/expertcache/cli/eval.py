@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--target-miss-rate", type=float, default=None, metavar="X",
                    help="instead of a fixed strength, an online controller sets lambda / beta so that the running "
                    "miss rate stays at X in (0, 1) (one strength for all layers; see docs/BEYOND.md)")
+    g.add_argument("--target-bytes-per-token", type=float, default=None, metavar="B",
+                   help="the same budget in expert bytes loaded per token: X = B / (K * L * bytes of one routed "
+                   "expert as loaded)")
     g.add_argument("--calibrate-from", default=None, metavar="TRACE",
                    help="with --target-miss-rate: start the controller at the strength the simulator gives for X on "
                    "this routing trace (default: start at the policy's default strength)")
@@ -80,17 +83,25 @@ def freq_profile(args, routing):
 def budget_hook(args, routing, freq):
     """``router_hook`` for :func:`evaluate` from ``--target-miss-rate`` / ``--calibrate-from`` (None without a
     target); flags are checked here, before the model loads."""
+    import math as _m
+
     target = getattr(args, "target_miss_rate", None)
-    if target is None:
+    per_token = getattr(args, "target_bytes_per_token", None)
+    if target is None and per_token is None:
         if getattr(args, "calibrate_from", None):
             raise ValueError("--calibrate-from needs --target-miss-rate")
         return None
-    import math as _m
-
-    if not (_m.isfinite(target) and 0.0 < target < 1.0):
+    if target is not None and per_token is not None:
+        raise ValueError("give --target-miss-rate or --target-bytes-per-token, not both")
+    if per_token is not None:
+        if not (_m.isfinite(per_token) and per_token > 0):
+            raise ValueError(f"--target-bytes-per-token must be > 0, got {per_token}")
+        if args.calibrate_from:
+            raise ValueError("--calibrate-from works with --target-miss-rate (convert the bytes first)")
+    elif not (_m.isfinite(target) and 0.0 < target < 1.0):
         raise ValueError(f"--target-miss-rate must be in (0, 1), got {target}")
     if routing.policy not in ("cache-prior", "eras-bias"):
-        raise ValueError(f"--target-miss-rate controls cache-prior (lambda) or eras-bias (beta), not --policy {routing.policy}")
+        raise ValueError(f"--target-miss-rate / --target-bytes-per-token control cache-prior (lambda) or eras-bias (beta), not --policy {routing.policy}")
     if args.capacity in (None, "none"):
         raise ValueError("--target-miss-rate needs a cache (--capacity)")
     s0 = None
@@ -102,9 +113,15 @@ def budget_hook(args, routing, freq):
         s0 = calibrate_strength(tr, routing.policy, args.capacity, target, freq_LE=freq, tokens=2048)
 
     def hook(patch):
-        from expertcache.routing.budget import attach
+        from expertcache.routing.budget import attach, expert_bytes
 
-        return attach(patch, target, **({} if s0 is None else {"s0": s0}))
+        x = target
+        if per_token is not None:
+            x = per_token / (patch.top_k * len(patch.layers) * expert_bytes(patch))
+            if not 0.0 < x < 1.0:
+                raise ValueError(f"--target-bytes-per-token {per_token:g} is a miss rate of {x:.4g} (K={patch.top_k}, "
+                                 f"L={len(patch.layers)}, {expert_bytes(patch)} bytes per expert): must be in (0, 1)")
+        return attach(patch, x, **({} if s0 is None else {"s0": s0}))
 
     return hook
 
@@ -125,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     freq = freq_profile(args, routing)
     hook = budget_hook(args, routing, freq)
     print_resolved("eval", routing, f", cache {args.eviction} C={args.capacity}"
-                   + (f", target miss rate {args.target_miss_rate}" if hook else ""))
+                   + ("" if not hook else f", target miss rate {args.target_miss_rate}" if args.target_miss_rate
+                      is not None else f", target {args.target_bytes_per_token:g} expert bytes per token"))
     model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
                              max_new_tokens=args.max_new_tokens)
     row = evaluate(model, task, routing, eviction=args.eviction, capacity=args.capacity, gamma=args.gamma,
@@ -138,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(row, sort_keys=True))
     else:
         label = routing.label() if hook is None else \
-            f"{routing.policy}(target miss rate {args.target_miss_rate},J={routing.top_j})"
+            f"{routing.policy}(target miss rate {row['controller']['target']:.4g},J={routing.top_j})"
         print_table(row, label, file=sys.stdout)
     return 0
 

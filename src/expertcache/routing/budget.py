@@ -28,7 +28,7 @@ import torch
 from expertcache.routing.config import STRENGTH, Router, RoutingConfig
 from expertcache.routing.controller import ControllerConfig, MissRateController
 
-__all__ = ["BudgetRouter", "attach"]
+__all__ = ["BudgetRouter", "attach", "expert_bytes"]
 
 
 class BudgetRouter:
@@ -106,3 +106,14 @@ def attach(patch, target: float | ControllerConfig, *, record: bool = False, **k
     ctl = MissRateController(cfg, num_layers=len(patch.layers), k=patch.top_k, record=record)
     patch.router = BudgetRouter(patch.router, ctl)
     return ctl
+
+
+def expert_bytes(patch) -> int:
+    """Bytes of one routed expert of a patched model as loaded (parameters of the first MoE layer's ``experts``
+    module / N): the unit of ``--target-bytes-per-token`` = miss rate · K · L · expert bytes."""
+    block = patch.layers[0].block
+    experts = getattr(block, "experts", None)
+    if experts is None:
+        raise ValueError(f"{patch.family.model_type}: no .experts module in the MoE block to size an expert")
+    total = sum(p.numel() * p.element_size() for p in experts.parameters())
+    return max(1, total // patch.num_experts)
