@@ -97,6 +97,11 @@ def test_bad_model_args(args, match):
         ExpertCacheLM(pretrained="granular", **args)
 
 
+def test_missing_checkpoint_names_pretrained(tmp_path):
+    with pytest.raises(FileNotFoundError, match="pretrained=.*nope"):
+        ExpertCacheLM(pretrained=str(tmp_path / "nope"))
+
+
 @needs_data
 def test_local_task_yamls(tmp_path):
     names = write_local_tasks(DATA, tmp_path)

@@ -117,7 +117,10 @@ class ExpertCacheLM(TemplateLM):
 
             t = RoutingTrace.load(freq_from)
             freq = activation_frequency(t.ids_TLK, t.meta.num_experts)
-        self.model, self.tokenizer = load_model_and_tokenizer(str(pretrained))
+        try:
+            self.model, self.tokenizer = load_model_and_tokenizer(str(pretrained))
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"--model_args pretrained={pretrained}: {exc}") from None
         self.model.eval()
         self._max_length = _num("max_length", max_length, int) or context_length(self.model)
         self._max_gen_toks = _num("max_gen_toks", max_gen_toks, int) or 256
