@@ -84,6 +84,17 @@ def test_cache_prior_misses_less_than_original(lm_original):
     assert strong.miss_report()["miss_rate"] < plain.miss_report()["miss_rate"]
 
 
+def test_target_miss_rate_model_arg():
+    lm = ExpertCacheLM(pretrained="granular", policy="cache-prior", capacity="0.25", target_miss_rate="0.2")
+    lm.loglikelihood_rolling([_req("loglikelihood_rolling", (" ".join(["Debian packages"] * 200),))],
+                             disable_tqdm=True)
+    rep = lm.miss_report()
+    assert rep["policy"].startswith("cache-prior(target miss rate 0.2")
+    assert rep["controller"]["target"] == 0.2 and rep["controller"]["miss_rate"] == pytest.approx(rep["miss_rate"])
+    with pytest.raises(ValueError, match="cache-prior .*or eras-bias"):
+        ExpertCacheLM(pretrained="granular", policy="cumsum", target_miss_rate="0.2")
+
+
 @pytest.mark.parametrize("args, match", [
     (dict(policy="nope"), "unknown routing policy"),
     (dict(policy="cache-prior", lam="x"), "lam='x'"),

@@ -73,14 +73,15 @@ class ExpertCacheLM(TemplateLM):
     pretrained: 'granular' / 'coarse' (shipped) or a checkpoint folder. policy + its strength (lam, p, alpha,
     beta, m, h, top_j, delta): the :class:`expertcache.routing.RoutingConfig`. capacity: experts per layer
     cache (count or fraction of N). eviction, scope ('all' | 'generation'), between_sequences ('carry' |
-    'reset': per lm-eval request), freq_from: routing trace for the eras-bias profile. max_length: context
+    'reset': per lm-eval request), freq_from: routing trace for the eras-bias profile. target_miss_rate: an
+    online controller sets the strength (cache-prior / eras-bias) to hold this miss rate. max_length: context
     (default the model's, capped at 1024); max_gen_toks: generation cap (default 256). batch_size must be 1
     (the caches see one token stream).
     """
 
     def __init__(self, pretrained: str = "granular", policy: str = "original", capacity: Any = 0.5,
                  eviction: str = "lru", scope: str = "all", between_sequences: str = "carry",
-                 freq_from: str | None = None, seed: Any = 0, max_length: Any = None, max_gen_toks: Any = 256,
+                 freq_from: str | None = None, target_miss_rate: Any = None, seed: Any = 0, max_length: Any = None, max_gen_toks: Any = 256,
                  threads: Any = 1, batch_size: Any = 1, device: str | None = None, **kwargs: Any) -> None:
         super().__init__()
         from expertcache.eval import context_length, load_model_and_tokenizer
@@ -127,6 +128,12 @@ class ExpertCacheLM(TemplateLM):
         self.patch = patch_model(self.model, self.routing, eviction=eviction, capacity=cap, scope=scope,
                                  between_sequences=between_sequences, seed=_num("seed", seed, int) or 0,
                                  freq_LE=freq)
+        self.controller = None
+        target = _num("target_miss_rate", target_miss_rate, float)
+        if target is not None:  # budget-targeted routing: the strength is set online (docs/BEYOND.md)
+            from expertcache.routing.budget import attach
+
+            self.controller = attach(self.patch, target)
         self.pretrained = str(pretrained)
         self._by_kind: dict[str, list[int]] = {}  # request type -> [misses, slots]
         _INSTANCES.append(self)
@@ -170,7 +177,10 @@ class ExpertCacheLM(TemplateLM):
         """{'policy', 'capacity', 'miss_rate', 'miss_rate_by_request': {type: rate}, 'tokens'} so far."""
         misses, slots = self._totals()
         s = self.patch.stats()
-        return dict(policy=self.routing.label(), capacity=self.patch.capacity,
+        label = self.routing.label() if self.controller is None else \
+            f"{self.routing.policy}(target miss rate {self.controller.config.target:g},J={self.routing.top_j})"
+        return dict(policy=label, capacity=self.patch.capacity,
+                    controller=None if self.controller is None else self.controller.state(),
                     miss_rate=misses / slots if slots else 0.0,
                     miss_rate_by_request={k: (m / n if n else 0.0) for k, (m, n) in self._by_kind.items()},
                     tokens=s.per_layer[0].steps if s.per_layer else 0,
