@@ -155,3 +155,29 @@ def test_eval_cli_target_miss_rate(tmp_path, capsys):
         assert main([*base, *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()  # one error line (after the model load for bytes)
         assert err[-1].startswith("expertcache eval: error") and __import__("re").search(match, err[-1]), err
+
+
+def test_open_loop_simulate_with_a_controller(tmp_path, capsys):
+    from test_trace_sim import make_trace
+
+    from expertcache.cli.main import main
+    from expertcache.routing.budget import wrap
+    from expertcache.sim import simulate
+
+    torch.set_num_threads(1)
+    trace = make_trace(t=1500, l=2, e=16, k=2, starts=[0])
+    base = simulate(trace, RoutingConfig("cache-prior"), 4).miss_rate
+    target = round(0.6 * base, 4)
+    made = []
+    res = simulate(trace, RoutingConfig("cache-prior"), 4,
+                   router_hook=lambda r: made.append(wrap(r, target, trace.num_layers)) or made[-1])
+    ctl = made[0].controller
+    assert sum(s.misses for s in res.per_layer) == sum(x.misses for x in ctl.layers)
+    assert res.miss_rate == pytest.approx(target, rel=0.1)
+    path = str(trace.save(tmp_path / "t.trace"))
+    assert main(["simulate", path, "--policy", "cache-prior", "--capacity", "4", "--target-miss-rate", str(target),
+                 "--json"]) == 0
+    row = __import__("json").loads(capsys.readouterr().out)
+    assert row["controller"]["target"] == target and row["miss_rate"] == pytest.approx(res.miss_rate)
+    assert main(["simulate", path, "--policy", "max-rank", "--target-miss-rate", "0.1"]) == 2
+    assert main(["simulate", path, "--policy", "cache-prior", "--target-miss-rate", "0"]) == 2

@@ -28,7 +28,7 @@ import torch
 from expertcache.routing.config import STRENGTH, Router, RoutingConfig
 from expertcache.routing.controller import ControllerConfig, MissRateController
 
-__all__ = ["BudgetRouter", "attach", "expert_bytes"]
+__all__ = ["BudgetRouter", "attach", "wrap", "expert_bytes"]
 
 
 class BudgetRouter:
@@ -106,6 +106,15 @@ def attach(patch, target: float | ControllerConfig, *, record: bool = False, **k
     ctl = MissRateController(cfg, num_layers=len(patch.layers), k=patch.top_k, record=record)
     patch.router = BudgetRouter(patch.router, ctl)
     return ctl
+
+
+def wrap(router: Router, target: float | ControllerConfig, num_layers: int, *, record: bool = False,
+         **kw) -> BudgetRouter:
+    """A :class:`BudgetRouter` around ``router`` with a fresh controller (``.controller``): the
+    ``router_hook`` of :func:`expertcache.sim.simulate` for budget-targeted routing in open loop."""
+    cfg = target if isinstance(target, ControllerConfig) else \
+        ControllerConfig.for_policy(router.config.policy, float(target), **kw)
+    return BudgetRouter(router, MissRateController(cfg, num_layers=num_layers, k=router.k, record=record))
 
 
 def expert_bytes(patch) -> int:
