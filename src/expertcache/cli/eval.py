@@ -53,6 +53,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_predictor_arg(p)
     p.add_argument("--replace-rank", type=positive_int, default=None, help="sensitivity perturbation (policy original): "
                    "replace the expert at this 1-based rank by a random expert outside the top-K")
+    g = p.add_argument_group("budget-targeted routing (cache-prior, eras-bias)")
+    g.add_argument("--target-miss-rate", type=float, default=None, metavar="X",
+                   help="instead of a fixed strength, an online controller sets lambda / beta so that the running "
+                   "miss rate stays at X in (0, 1) (one strength for all layers; see docs/BEYOND.md)")
+    g.add_argument("--target-bytes-per-token", type=float, default=None, metavar="B",
+                   help="the same budget in expert bytes loaded per token: X = B / (K * L * bytes of one routed "
+                   "expert as loaded)")
+    g.add_argument("--calibrate-from", default=None, metavar="TRACE",
+                   help="with --target-miss-rate: start the controller at the strength the simulator gives for X on "
+                   "this routing trace (default: start at the policy's default strength)")
     p.add_argument("--trace-out", default=None, help="also save the recorded routing trace to this file")
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON row instead of a table")
     p.add_argument("--out", default=None, help="also append the JSON row to this JSONL file")
@@ -72,6 +82,52 @@ def freq_profile(args, routing):
     return activation_frequency(tr.ids_TLK, tr.meta.num_experts)
 
 
+def budget_hook(args, routing, freq):
+    """``router_hook`` for :func:`evaluate` from ``--target-miss-rate`` / ``--calibrate-from`` (None without a
+    target); flags are checked here, before the model loads."""
+    import math as _m
+
+    target = getattr(args, "target_miss_rate", None)
+    per_token = getattr(args, "target_bytes_per_token", None)
+    if target is None and per_token is None:
+        if getattr(args, "calibrate_from", None):
+            raise ValueError("--calibrate-from needs --target-miss-rate")
+        return None
+    if target is not None and per_token is not None:
+        raise ValueError("give --target-miss-rate or --target-bytes-per-token, not both")
+    if per_token is not None:
+        if not (_m.isfinite(per_token) and per_token > 0):
+            raise ValueError(f"--target-bytes-per-token must be > 0, got {per_token}")
+        if args.calibrate_from:
+            raise ValueError("--calibrate-from works with --target-miss-rate (convert the bytes first)")
+    elif not (_m.isfinite(target) and 0.0 < target < 1.0):
+        raise ValueError(f"--target-miss-rate must be in (0, 1), got {target}")
+    if routing.policy not in ("cache-prior", "eras-bias"):
+        raise ValueError(f"--target-miss-rate / --target-bytes-per-token control cache-prior (lambda) or eras-bias (beta), not --policy {routing.policy}")
+    if args.capacity in (None, "none"):
+        raise ValueError("--target-miss-rate needs a cache (--capacity)")
+    s0 = None
+    if args.calibrate_from:
+        from expertcache.eval.budget import calibrate_strength
+        from expertcache.trace import RoutingTrace
+
+        tr = RoutingTrace.load(check_input_file(args.calibrate_from, "--calibrate-from"))
+        s0 = calibrate_strength(tr, routing.policy, args.capacity, target, freq_LE=freq, tokens=2048)
+
+    def hook(patch):
+        from expertcache.routing.budget import attach, expert_bytes
+
+        x = target
+        if per_token is not None:
+            x = per_token / (patch.top_k * len(patch.layers) * expert_bytes(patch))
+            if not 0.0 < x < 1.0:
+                raise ValueError(f"--target-bytes-per-token {per_token:g} is a miss rate of {x:.4g} (K={patch.top_k}, "
+                                 f"L={len(patch.layers)}, {expert_bytes(patch)} bytes per expert): must be in (0, 1)")
+        return attach(patch, x, **({} if s0 is None else {"s0": s0}))
+
+    return hook
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -87,20 +143,26 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("a live cache cannot use belady (it needs the future); every eval row already reports "
                          "belady_miss_rate for the same selections")
     freq = freq_profile(args, routing)
-    print_resolved("eval", routing, f", cache {args.eviction} C={args.capacity}")
     predictor = predictor_from_args(args)
+    hook = budget_hook(args, routing, freq)
+    print_resolved("eval", routing, f", cache {args.eviction} C={args.capacity}"
+                   + ("" if not hook else f", target miss rate {args.target_miss_rate}" if args.target_miss_rate
+                      is not None else f", target {args.target_bytes_per_token:g} expert bytes per token"))
     model, tok, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
                              max_new_tokens=args.max_new_tokens)
     row = evaluate(model, task, routing, eviction=args.eviction, capacity=args.capacity, gamma=args.gamma,
                    initial=args.initial, seed=args.seed, between_sequences=args.between_sequences, scope=args.scope,
                    freq_LE=freq, replace_rank=args.replace_rank, progress=not args.no_progress,
-                   trace_out=args.trace_out, model_name=args.model, prefetch=_prefetcher(predictor, model, tok))
+                   trace_out=args.trace_out, model_name=args.model, prefetch=_prefetcher(predictor, model, tok),
+                   router_hook=hook)
     if args.out:
         append_jsonl(args.out, row)
     if args.json:
         print(json.dumps(row, sort_keys=True))
     else:
-        print_table(row, routing.label(), file=sys.stdout)
+        label = routing.label() if hook is None else \
+            f"{routing.policy}(target miss rate {row['controller']['target']:.4g},J={routing.top_j})"
+        print_table(row, label, file=sys.stdout)
     return 0
 
 
@@ -124,6 +186,12 @@ def print_table(row: dict, label: str, file=sys.stdout) -> None:
     if row.get("generation_miss_rate") is not None:
         line += f"   generation-only miss rate {_pct(row['generation_miss_rate'])}"
     print(line, file=file)
+    if row.get("controller"):
+        ctl = row["controller"]
+        sat = [x for x in ctl["saturated"] if x]
+        print(f"controller target {_pct(ctl['target'])}   achieved {_pct(ctl['miss_rate'])}   final strength "
+              f"{ctl['strengths'][0]:.4g}" + (f"   SATURATED at the {sat[0]} strength: target out of reach" if sat
+                                             else ""), file=file)
 
 
 def _prefetcher(predictor, model, tok):

@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "for the same selections (offline bound)")
     p.add_argument("--freq-from", default=None, help="ERAS-bias activation profile: a trace to build it from, "
                    "or a .npy/.json profile from `expertcache analyze --profile-out` (default: the simulated trace)")
+    p.add_argument("--target-miss-rate", type=float, default=None, metavar="X",
+                   help="cache-prior / eras-bias: an online controller sets the strength to hold the running miss "
+                   "rate at X in (0, 1) (docs/BEYOND.md); the fixed --lam / --beta is ignored")
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON row instead of a table")
     p.add_argument("--out", default=None, help="also append the JSON row to this JSONL file")
     p.add_argument("--progress", action="store_true", help="show a progress bar")
@@ -51,7 +54,15 @@ def run(args: argparse.Namespace) -> int:
     routing = routing_from_args(args)
     check_output_path(args.out, "--out")
     check_input_file(args.freq_from, "--freq-from")
-    print_resolved("simulate", routing, f", cache {args.eviction} C={args.capacity}")
+    target = args.target_miss_rate
+    if target is not None:
+        if not (math.isfinite(target) and 0.0 < target < 1.0):
+            raise ValueError(f"--target-miss-rate must be in (0, 1), got {target}")
+        if routing.policy not in ("cache-prior", "eras-bias"):
+            raise ValueError(f"--target-miss-rate controls cache-prior (lambda) or eras-bias (beta), not --policy "
+                             f"{routing.policy}")
+    print_resolved("simulate", routing, f", cache {args.eviction} C={args.capacity}"
+                   + ("" if target is None else f", target miss rate {target}"))
     trace = RoutingTrace.load(args.trace or default_trace_path())
     freq = None
     if routing.policy == "eras-bias":
@@ -63,17 +74,35 @@ def run(args: argparse.Namespace) -> int:
             freq = activation_frequency(trace.ids_TLK, trace.meta.num_experts)
     if args.eviction == "belady" and routing.cache_aware:
         raise ValueError("--eviction belady needs fixed selections; use --eviction lru --belady for the bound")
+    hooked = []
+
+    def hook(router):
+        from expertcache.routing.budget import wrap
+
+        hooked.append(wrap(router, target, trace.num_layers))
+        return hooked[-1]
+
     result = simulate(trace, routing, args.capacity, eviction=args.eviction, gamma=args.gamma,
                       initial=args.initial, seed=args.seed, belady=args.belady, freq_LE=freq,
-                      between_sequences=args.between_sequences, progress=args.progress)
+                      between_sequences=args.between_sequences, progress=args.progress,
+                      router_hook=hook if target is not None else None)
     row = result.to_row()
+    label = routing.label()
+    if hooked:
+        row["controller"] = hooked[0].controller.state()
+        label = f"{routing.policy}(target miss rate {target:g},J={routing.top_j})"
     row["config"]["trace"] = str(args.trace or "demo")
     if args.out:
         append_jsonl(args.out, row)
     if args.json:
         print(json.dumps(row, sort_keys=True))
         return 0
-    print_table(row, routing.label(), trace.meta, file=sys.stdout)
+    print_table(row, label, trace.meta, file=sys.stdout)
+    if hooked:
+        ctl = row["controller"]
+        print(f"controller target {_fmt(ctl['target'], True)}   achieved {_fmt(ctl['miss_rate'], True)}   final "
+              f"strength {ctl['strengths'][0]:.4g}" + ("   SATURATED: target out of reach" if any(ctl["saturated"])
+                                                        else ""), file=sys.stdout)
     return 0
 
 

@@ -55,6 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_cache_state_args(g)
     p.add_argument("--out", required=True, help="JSONL file to append rows to (resumes if it exists; a second sweep "
                    "on the same file is refused while the first runs: lock <out>.lock)")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run the sweep's runs as Ray tasks (pip install 'expertcache[ray]'): no ADDRESS = a new local "
+                   "Ray instance, 'auto' = this node's cluster, ray://HOST:10001 = Ray client; the driver alone "
+                   "writes --out (same rows, same resume)")
+    p.add_argument("--ray-cpus", type=positive_int, default=None,
+                   help="--ray without ADDRESS: CPUs (= parallel runs) of the local Ray instance (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print how many runs are planned and pending, run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -86,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.out, "--out")
     check_input_file(args.trace, "--trace")
     check_input_file(args.freq_from, "--freq-from")
+    if args.ray is not None and not args.dry_run:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise UsageError("--ray needs Ray: pip install 'expertcache[ray]'") from None
     if args.dry_run:
         return _run(args)
     try:
@@ -152,7 +163,19 @@ def _run(args: argparse.Namespace) -> int:
     js = {r["routing"]["policy"]: r["routing"]["top_j"] for r in runs}
     print(f"expertcache sweep: {len(runs)} runs; top-J per policy "
           + ", ".join(f"{k} {v}" for k, v in js.items() if k not in ("original", "prune")), file=sys.stderr)
-    executed, skipped = run_sweep(runs, args.out, execute, progress=progress)
+    if args.ray is not None:
+        from expertcache.eval import ray_sweep
+
+        if args.trace:
+            spec = ray_sweep.open_loop_spec(args.trace, need_freq="eras-bias" in policies, threads=args.threads)
+        else:
+            spec = ray_sweep.closed_loop_spec(model=str(args.model), task=args.task, data_dir=args.data_dir,
+                                              limit=args.limit, shots=args.shots,
+                                              max_new_tokens=args.max_new_tokens, freq_LE=freq, threads=args.threads)
+        executed, skipped = ray_sweep.run_sweep_ray(runs, args.out, spec, address=args.ray, num_cpus=args.ray_cpus,
+                                                    progress=progress)
+    else:
+        executed, skipped = run_sweep(runs, args.out, execute, progress=progress)
     print(f"sweep: {executed} runs appended to {args.out}, {skipped} already there (skipped)", file=sys.stderr)
     return 0
 

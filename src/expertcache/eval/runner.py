@@ -85,11 +85,15 @@ def prepare(model_spec: str, task: str, *, data_dir=None, limit: int | None = No
 def evaluate(model, task: Task, routing: RoutingConfig, *, eviction: str = "lru", capacity="0.5",
              gamma: float = 0.9, initial: str | None = None, seed: int = 0, between_sequences: str = "carry",
              scope: str | None = None, freq_LE=None, replace_rank: int | None = None, progress: bool = False,
-             trace_out: str | None = None, model_name: str | None = None, prefetch=None) -> dict[str, Any]:
+             trace_out: str | None = None, model_name: str | None = None, prefetch=None,
+             router_hook=None) -> dict[str, Any]:
     """Run ``task`` on ``model`` under ``routing`` with live caches; returns the result row (module docstring).
     ``scope`` defaults to the task's (GSM8K: 'generation', else 'all'); ``trace_out`` also saves the recorded
     routing trace there. ``prefetch(patch, task)`` (MELINOE) installs prefetching into the patch before the task
-    runs and returns an object whose ``summary()`` (prefetch counts) is added to the row."""
+    runs and returns an object whose ``summary()`` (prefetch counts) is added to the row. ``router_hook(patch)``,
+    called once the model is patched, may replace the patch's router (budget-targeted routing:
+    :func:`expertcache.routing.budget.attach`); an object it returns with a ``state()`` method is reported as the
+    row's ``controller``."""
     from expertcache.models import patch_model
     from expertcache.sim import replay
 
@@ -99,6 +103,7 @@ def evaluate(model, task: Task, routing: RoutingConfig, *, eviction: str = "lru"
     with patch_model(model, routing, eviction=eviction, capacity=capacity, scope=scope,
                      between_sequences=between_sequences, initial=init, seed=seed, gamma=gamma, record=True,
                      freq_LE=freq_LE, replace_rank=replace_rank) as patch:
+        hooked = router_hook(patch) if router_hook is not None else None
         pre = prefetch(patch, task) if prefetch is not None else None
         out = task.run(model, patch, progress=progress)
         stats = patch.stats()
@@ -132,4 +137,6 @@ def evaluate(model, task: Task, routing: RoutingConfig, *, eviction: str = "lru"
                task_metrics=out, seconds=time.perf_counter() - t0)
     if pre is not None:
         row.update(pre.summary())
+    if hasattr(hooked, "state"):
+        row["controller"] = hooked.state()
     return row

@@ -195,6 +195,7 @@ def simulate(
     between_sequences: str = "carry",
     expert_bytes: int | Sequence[int] | None = None,
     progress: bool = False,
+    router_hook=None,
 ) -> SimResult:
     """Open-loop simulation of ``routing`` (a :class:`~expertcache.routing.RoutingConfig`) on ``trace``
     (a :class:`~expertcache.trace.RoutingTrace`).
@@ -203,7 +204,8 @@ def simulate(
     re-rank each token's recorded logits against the current residency (token by token, since residency
     changes after every token) using the trace's scoring and renormalisation. With ``belady=True`` the
     selections served are also replayed under Belady's optimal eviction (the offline bound for the same
-    selections). ``eras-bias`` needs ``freq_LE`` (see :func:`activation_frequency`).
+    selections). ``eras-bias`` needs ``freq_LE`` (see :func:`activation_frequency`). ``router_hook(router)``
+    may replace the cache-aware policy's Router (budget-targeted routing: :func:`expertcache.routing.budget.wrap`).
     """
     import torch
 
@@ -237,6 +239,8 @@ def simulate(
         freq = None if freq_LE is None else torch.as_tensor(np.asarray(freq_LE), dtype=torch.float32)
         router = Router(routing, num_experts=n, k=k, renormalize=meta.renormalize, scoring=meta.scoring,
                         freq_LE=freq)
+        if router_hook is not None:  # e.g. budget-targeted routing (expertcache.routing.budget.wrap)
+            router = router_hook(router)
         logits = torch.from_numpy(np.asarray(trace.logits_TLE, dtype=np.float32))
         served = np.empty(trace.ids_TLK.shape, dtype=np.int64)
         num_layers = trace.num_layers

@@ -1,0 +1,51 @@
+"""Cost of budget-targeted routing: wall time of the closed-loop held-out stream (granular, C = N/2, 4096 tokens)
+under a fixed Cache-Prior λ vs the miss-rate controller (token-by-token routing), interleaved repeats, medians.
+
+    python benchmarks/bench_budget.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=4096)
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    from expertcache.eval import load_model_and_tokenizer
+    from expertcache.eval.budget import heldout_tokens, stream_eval
+    from expertcache.routing import RoutingConfig
+
+    model, tok = load_model_and_tokenizer("granular")
+    toks = heldout_tokens(tok, args.tokens)
+    runs = {"fixed lambda=0.15": dict(routing=RoutingConfig("cache-prior", lam=0.15)),
+            "controller target=0.0264": dict(routing=RoutingConfig("cache-prior"), target=0.0264,
+                                             controller_kw=dict(s0=0.149))}
+    times = {k: [] for k in runs}
+    stream_eval(model, toks[:512], RoutingConfig("cache-prior", lam=0.15), capacity=0.5)  # warm-up (numba)
+    for _ in range(args.repeats):
+        for name, kw in runs.items():
+            t0 = time.perf_counter()
+            stream_eval(model, toks, capacity=0.5, **kw)
+            times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["fixed lambda=0.15"])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{name:28s} median {med:.2f} s ({args.tokens / med:.0f} tok/s), x{med / base:.2f}; runs "
+              + ", ".join(f"{t:.2f}" for t in ts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

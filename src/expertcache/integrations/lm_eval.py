@@ -1,0 +1,385 @@
+"""An lm-evaluation-harness model that scores any lm-eval task on a cache-patched MoE model.
+
+``ExpertCacheLM`` (registered in lm-eval's model registry as ``expertcache``) loads a checkpoint with
+:func:`expertcache.eval.load_model_and_tokenizer`, installs a routing policy and one live expert cache per MoE
+layer with :func:`expertcache.models.patch_model`, and answers lm-eval's three request types on it:
+
+- ``loglikelihood`` (multiple choice: MMLU, HellaSwag, ...) -- one forward call per (context, continuation);
+- ``loglikelihood_rolling`` (perplexity tasks) -- lm-eval's disjoint rolling windows of the model's context;
+- ``generate_until`` (GSM8K, ...) -- greedy decoding with the KV cache until a stop string or ``max_gen_toks``.
+
+Beside the task metric it reports the cache miss rate (misses / (tokens · layers · K), every token the model
+processed, prompt tokens included) overall and per request type: :meth:`ExpertCacheLM.miss_report`, logged
+after each request batch and printed by the launcher below.
+
+**The miss rates are not the closed-loop ones of ``expertcache eval``.** lm-eval reorders requests (longest
+first, grouped by request type) and, for multiple choice, runs the same context once per choice, so the
+caches see a different stream of tokens than a user reading the documents in order. Use them to compare
+policies under the same lm-eval task; quote ``expertcache eval`` for the miss rate of a policy.
+
+Usage (lm-eval 0.4.x does not load plugin models by itself, so the launcher registers the model first and then
+runs lm-eval's own command line with the same arguments)::
+
+    python -m expertcache.integrations.lm_eval --model expertcache \\
+        --model_args pretrained=granular,policy=cache-prior,lam=0.2,capacity=0.5 --tasks ... --limit 20
+
+or from Python: ``lm_eval.simple_evaluate(model=ExpertCacheLM(pretrained=..., policy=...), tasks=[...])``.
+The package also declares the entry point ``lm_eval.models: expertcache`` for lm-eval versions that read it.
+
+:func:`write_local_tasks` writes task YAMLs over local copies of MMLU / GSM8K / WikiText-2 (no hub access)
+for ``--include_path``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("expertcache.integrations.lm_eval needs lm-eval: pip install 'expertcache[lmeval]'") from exc
+
+import torch
+
+from expertcache.routing import STRENGTH, RoutingConfig
+
+__all__ = ["ExpertCacheLM", "write_local_tasks", "main"]
+
+log = logging.getLogger(__name__)
+
+_INSTANCES: list = []  # every ExpertCacheLM built in this process: the launcher prints their miss rates
+
+_FLOATS = ("lam", "p", "alpha", "beta", "delta")
+_INTS = ("m", "h", "top_j")
+
+
+def _num(name: str, value: Any, kind) -> Any:
+    if value is None or value == "" or (isinstance(value, str) and value.lower() == "none"):
+        return None
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--model_args {name}={value!r}: not a {'whole number' if kind is int else 'number'}") from None
+
+
+@register_model("expertcache")
+class ExpertCacheLM(TemplateLM):
+    """lm-eval model: a supported MoE checkpoint under a cache-aware routing policy (see the module docstring).
+
+    pretrained: 'granular' / 'coarse' (shipped) or a checkpoint folder. policy + its strength (lam, p, alpha,
+    beta, m, h, top_j, delta): the :class:`expertcache.routing.RoutingConfig`. capacity: experts per layer
+    cache (count or fraction of N). eviction, scope ('all' | 'generation'), between_sequences ('carry' |
+    'reset': per lm-eval request), freq_from: routing trace for the eras-bias profile. target_miss_rate: an
+    online controller sets the strength (cache-prior / eras-bias) to hold this miss rate. max_length: context
+    (default the model's, capped at 1024); max_gen_toks: generation cap (default 256). batch_size must be 1
+    (the caches see one token stream).
+    """
+
+    def __init__(self, pretrained: str = "granular", policy: str = "original", capacity: Any = 0.5,
+                 eviction: str = "lru", scope: str = "all", between_sequences: str = "carry",
+                 freq_from: str | None = None, target_miss_rate: Any = None, seed: Any = 0, max_length: Any = None, max_gen_toks: Any = 256,
+                 threads: Any = 1, batch_size: Any = 1, device: str | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        from expertcache.eval import context_length, load_model_and_tokenizer
+        from expertcache.models import patch_model
+
+        routing = {}
+        for name in list(kwargs):
+            if name in _FLOATS:
+                routing[name] = _num(name, kwargs.pop(name), float)
+            elif name in _INTS:
+                routing[name] = _num(name, kwargs.pop(name), int)
+        for name in ("max_batch_size", "dtype", "trust_remote_code"):  # lm-eval's generic extras: ignored
+            kwargs.pop(name, None)
+        if kwargs:
+            raise ValueError(f"--model_args: unknown option(s) {', '.join(sorted(kwargs))} for the expertcache model")
+        routing = {k: v for k, v in routing.items() if v is not None or k == "delta"}
+        self.routing = RoutingConfig(policy=policy, **routing)
+        if str(batch_size) not in ("1", "auto") and _num("batch_size", batch_size, int) != 1:
+            raise ValueError(f"--batch_size {batch_size}: the expertcache model runs one request at a time "
+                             "(its caches see one token stream); use --batch_size 1")
+        if device not in (None, "cpu"):  # lm-eval passes cuda:0 by default
+            log.info("expertcache lm-eval model runs on the CPU (ignoring --device %s)", device)
+        torch.set_num_threads(_num("threads", threads, int) or 1)
+        cap = capacity
+        if isinstance(cap, str):
+            cap = _num("capacity", cap, float)
+            cap = int(cap) if cap is not None and cap >= 1 and cap == int(cap) else cap
+        freq = None
+        if self.routing.policy == "eras-bias":
+            if not freq_from:
+                raise ValueError("--model_args policy=eras-bias needs freq_from=TRACE (activation profile)")
+            from expertcache.sim import activation_frequency
+            from expertcache.trace import RoutingTrace
+
+            t = RoutingTrace.load(freq_from)
+            freq = activation_frequency(t.ids_TLK, t.meta.num_experts)
+        try:
+            self.model, self.tokenizer = load_model_and_tokenizer(str(pretrained))
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"--model_args pretrained={pretrained}: {exc}") from None
+        self.model.eval()
+        self._max_length = _num("max_length", max_length, int) or context_length(self.model)
+        self._max_gen_toks = _num("max_gen_toks", max_gen_toks, int) or 256
+        self.patch = patch_model(self.model, self.routing, eviction=eviction, capacity=cap, scope=scope,
+                                 between_sequences=between_sequences, seed=_num("seed", seed, int) or 0,
+                                 freq_LE=freq)
+        self.controller = None
+        target = _num("target_miss_rate", target_miss_rate, float)
+        if target is not None:  # budget-targeted routing: the strength is set online (docs/BEYOND.md)
+            from expertcache.routing.budget import attach
+
+            self.controller = attach(self.patch, target)
+        self.pretrained = str(pretrained)
+        self._by_kind: dict[str, list[int]] = {}  # request type -> [misses, slots]
+        _INSTANCES.append(self)
+
+    # -- lm-eval plumbing -----------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        eos = self.tokenizer.eos_token_id
+        return int(eos if eos is not None else self.model.config.eos_token_id)
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    # -- miss rates -------------------------------------------------------------------------------
+
+    def _totals(self) -> tuple[int, int]:
+        s = self.patch.stats()
+        return sum(x.misses for x in s.per_layer), sum(x.steps for x in s.per_layer) * s.top_k
+
+    def _account(self, kind: str, before: tuple[int, int]) -> None:
+        after = self._totals()
+        acc = self._by_kind.setdefault(kind, [0, 0])
+        acc[0] += after[0] - before[0]
+        acc[1] += after[1] - before[1]
+        rate = acc[0] / acc[1] if acc[1] else 0.0
+        log.info("expertcache %s: miss rate %.4f (%s)", kind, rate, self.routing.label())
+
+    def miss_report(self) -> dict[str, Any]:
+        """{'policy', 'capacity', 'miss_rate', 'miss_rate_by_request': {type: rate}, 'tokens'} so far."""
+        misses, slots = self._totals()
+        s = self.patch.stats()
+        label = self.routing.label() if self.controller is None else \
+            f"{self.routing.policy}(target miss rate {self.controller.config.target:g},J={self.routing.top_j})"
+        return dict(policy=label, capacity=self.patch.capacity,
+                    controller=None if self.controller is None else self.controller.state(),
+                    miss_rate=misses / slots if slots else 0.0,
+                    miss_rate_by_request={k: (m / n if n else 0.0) for k, (m, n) in self._by_kind.items()},
+                    tokens=s.per_layer[0].steps if s.per_layer else 0,
+                    note="lm-eval reorders requests: not the closed-loop miss rate of `expertcache eval`")
+
+    # -- scoring ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _score(self, context_enc: list[int], continuation_enc: list[int]) -> tuple[float, bool]:
+        """Sum of log p(continuation | context) and whether it is the greedy continuation: one forward call
+        over (context + continuation)[-(max_length + 1):][:-1]."""
+        whole = (context_enc + continuation_enc)[-(self.max_length + 1):]
+        n = len(continuation_enc)
+        if n == 0:
+            return 0.0, True
+        inp = torch.tensor([whole[:-1]], dtype=torch.long)
+        logits = self.model(input_ids=inp).logits[0, -n:].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        target = torch.tensor(whole[-n:], dtype=torch.long)
+        ll = float(logp.gather(1, target[:, None]).sum())
+        greedy = bool((logp.argmax(dim=-1) == target).all())
+        self.patch.new_sequence()
+        return ll, greedy
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        from tqdm import tqdm
+
+        before = self._totals()
+        out = []
+        for (_, context_enc, continuation_enc) in tqdm(requests, desc="expertcache loglikelihood",
+                                                        disable=disable_tqdm):
+            out.append(self._score(context_enc, continuation_enc))
+        self._account("loglikelihood", before)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+        from tqdm import tqdm
+
+        before = self._totals()
+        out = []
+        for req in tqdm(requests, desc="expertcache loglikelihood_rolling", disable=disable_tqdm):
+            (string,) = req.args
+            windows = map(make_disjoint_window, get_rolling_token_windows(
+                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1))
+            out.append(sum(self._score(ctx, cont)[0] for ctx, cont in windows))
+        self._account("loglikelihood_rolling", before)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from tqdm import tqdm
+
+        from expertcache.eval.tasks import greedy_generate
+
+        before = self._totals()
+        out = []
+        for req in tqdm(requests, desc="expertcache generate_until", disable=disable_tqdm):
+            context, gen_kwargs = req.args
+            gen_kwargs = dict(gen_kwargs or {})
+            until = gen_kwargs.pop("until", None) or []
+            if isinstance(until, str):
+                until = [until]
+            max_new = int(gen_kwargs.pop("max_gen_toks", self._max_gen_toks))
+            if gen_kwargs.get("do_sample") or float(gen_kwargs.get("temperature", 0.0) or 0.0) > 0:
+                log.warning("expertcache lm-eval model decodes greedily; ignoring sampling options %s", gen_kwargs)
+            ids = self.tok_encode(context)[-(self.max_length - 1):]
+            max_new = max(1, min(max_new, self.max_length - len(ids)))
+            new = greedy_generate(self.model, ids, max_new, stop_texts=until, tokenizer=self.tokenizer,
+                                  eos_id=self.eot_token_id)
+            text = self.tok_decode(new)
+            for stop in until:
+                if stop and stop in text:
+                    text = text.split(stop)[0]
+            self.patch.new_sequence()
+            out.append(text)
+        self._account("generate_until", before)
+        return out
+
+
+# -- local task YAMLs (no hub access) ---------------------------------------------------------------
+
+def write_local_tasks(data_dir: str | Path, out_dir: str | Path, *, mmlu_subjects: tuple[str, ...] = (
+        "abstract_algebra", "high_school_geography")) -> list[str]:
+    """Write lm-eval task YAMLs over the local copies in ``data_dir`` (the layout of ``shared/data``: mmlu/,
+    gsm8k/, wikitext-2-raw-v1/) into ``out_dir``; returns the task names (``ec_mmlu_<subject>``,
+    ``ec_gsm8k``, ``ec_wikitext``) of the files it wrote. Use with ``--include_path out_dir``. Data files are
+    read by the ``datasets`` csv/json builders: nothing is downloaded."""
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+
+    def put(name: str, text: str) -> None:
+        tmp = out_dir / f".{name}.yaml.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out_dir / f"{name}.yaml")
+        names.append(name)
+
+    for subject in mmlu_subjects:
+        test = data_dir / "mmlu" / "test" / f"{subject}_test.csv"
+        dev = data_dir / "mmlu" / "dev" / f"{subject}_dev.csv"
+        if not test.is_file():
+            continue
+        put(f"ec_mmlu_{subject}", f"""task: ec_mmlu_{subject}
+dataset_path: csv
+dataset_kwargs:
+  data_files:
+    test: {test.resolve()}
+    dev: {dev.resolve()}
+test_split: test
+fewshot_split: dev
+output_type: multiple_choice
+doc_to_text: "{{{{question.strip()}}}}\\nA. {{{{choice0}}}}\\nB. {{{{choice1}}}}\\nC. {{{{choice2}}}}\\nD. {{{{choice3}}}}\\nAnswer:"
+doc_to_choice: ["A", "B", "C", "D"]
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""")
+    gsm = data_dir / "gsm8k" / "test.jsonl"
+    if gsm.is_file():
+        put("ec_gsm8k", f"""task: ec_gsm8k
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {gsm.resolve()}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer.split('####')[-1].strip()}}}}"
+generation_kwargs:
+  until: ["Question:", "\\n\\n"]
+  do_sample: false
+  max_gen_toks: 32
+filter_list:
+  - name: strict-match
+    filter:
+      - function: regex
+        regex_pattern: "(-?[0-9.,]+)"
+        group_select: -1
+      - function: take_first
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_punctuation: true
+metadata:
+  version: 1.0
+""")
+    wiki = data_dir / "wikitext-2-raw-v1" / "test.jsonl"
+    if wiki.is_file():
+        put("ec_wikitext", f"""task: ec_wikitext
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {wiki.resolve()}
+test_split: test
+process_docs: !function ec_utils.nonempty
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+should_decontaminate: false
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+""")
+        tmp = out_dir / ".ec_utils.py.tmp"
+        tmp.write_text("def nonempty(dataset):\n"
+                       "    return dataset.filter(lambda d: len(d['text'].strip()) > 0)\n", encoding="utf-8")
+        tmp.replace(out_dir / "ec_utils.py")
+    return names
+
+
+def _print_reports() -> None:
+    for lm in list(_INSTANCES):
+        r = lm.miss_report()
+        by = ", ".join(f"{k} {v:.4f}" for k, v in r["miss_rate_by_request"].items())
+        print(f"expertcache: {r['policy']} capacity={r['capacity']}: miss rate {r['miss_rate']:.4f} over "
+              f"{r['tokens']} tokens ({by}); lm-eval reorders requests, so this is not the closed-loop miss rate "
+              "of `expertcache eval`", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m expertcache.integrations.lm_eval [lm_eval arguments]``: lm-eval's command line with the
+    ``expertcache`` model registered, then the miss rates (stderr)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+    _print_reports()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

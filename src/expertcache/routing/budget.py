@@ -1,0 +1,128 @@
+"""Routing to a miss-rate budget: a :class:`~expertcache.routing.Router` whose strength is set per layer and per
+token by a :class:`~expertcache.routing.controller.MissRateController`.
+
+:class:`BudgetRouter` has the interface of ``Router`` that the patched model and the simulator call
+(``rank``/``route``/``keys``/``kernel_params``/``delta_for``, ``k``, ``num_experts``, ...). It keeps one
+prepared ``Router`` per quantised strength level (sharing the per-layer Cache-Prior running Δavg and the ERAS
+profile), routes each (token, layer) with the level the controller holds for that layer, counts the token's
+misses against the residency it was given (a selected expert that is not resident is a miss: exactly what the
+cache will count) and feeds them back. ``keys`` and ``kernel_params`` return None, so a patched model takes
+its token-by-token path (every token routed against the live cache, then served) and the controller sees
+every token in order, also inside a prefill or a teacher-forced chunk.
+
+Install into a patched model with :func:`attach` (the one hook: it sets ``patch.router``)::
+
+    patch = patch_model(model, RoutingConfig("cache-prior", lam=0.2), capacity=0.5)
+    ctl = attach(patch, target=0.10)          # or ControllerConfig(...)
+    ...run the model...
+    ctl.state()                               # per-layer λ, achieved miss rate, saturation
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from expertcache.routing.config import STRENGTH, Router, RoutingConfig
+from expertcache.routing.controller import ControllerConfig, MissRateController
+
+__all__ = ["BudgetRouter", "attach", "wrap", "expert_bytes"]
+
+
+class BudgetRouter:
+    """A Router for ``base.config.policy`` (cache-prior or eras-bias) with per-layer strengths from
+    ``controller`` (see the module docstring). ``base``: the Router the policy would otherwise use."""
+
+    def __init__(self, base: Router, controller: MissRateController) -> None:
+        policy = base.config.policy
+        if policy not in ("cache-prior", "eras-bias"):
+            raise ValueError(f"a miss-rate target controls cache-prior or eras-bias, not {policy!r}")
+        self.base = base
+        self.controller = controller
+        self.config = base.config
+        self._name = STRENGTH[policy]
+        self._routers: dict[int, Router] = {}
+
+    def __getattr__(self, name: str) -> Any:  # k, num_experts, renormalize, scoring, freq_LE, deltas
+        if name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def router_at(self, level: int) -> Router:
+        r = self._routers.get(level)
+        if r is None:
+            b = self.base
+            cfg = replace(b.config, **{self._name: float(self.controller.level_value(level))})
+            r = self._routers[level] = Router(cfg, num_experts=b.num_experts, k=b.k, renormalize=b.renormalize,
+                                              scoring=b.scoring, freq_LE=b.freq_LE, deltas=b.deltas)
+        return r
+
+    def delta_for(self, layer: int):
+        return self.base.delta_for(layer)
+
+    def keys(self, *args, **kwargs):
+        return None  # token by token: the controller must see each token before the next is ranked
+
+    def kernel_params(self, *args, **kwargs):
+        return None
+
+    def rank(self, layer, z_TE: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
+        """``Router.rank`` at the controller's strength of each row's layer; then every row's misses (selected,
+        not resident) update its layer's strength. Rows of one call share the residency they were given."""
+        rows = isinstance(layer, (list, tuple))
+        layers = list(layer) if rows else [layer] * z_TE.shape[0]
+        e = self.base.num_experts
+        if resident is None:
+            resident = torch.zeros(e, dtype=torch.bool)
+        res_TE = resident.reshape(-1, e).expand(z_TE.shape[0], e) if resident.dim() == 1 or resident.shape[0] == 1 \
+            else resident
+        out = torch.empty(z_TE.shape[0], self.base.k, dtype=torch.long)
+        for t, li in enumerate(layers):
+            ids = self.router_at(self.controller.level(li)).rank(li, z_TE[t:t + 1], res_TE[t:t + 1])
+            out[t] = ids[0]
+            sel = ids[0][ids[0] >= 0]
+            misses = int((~res_TE[t].to("cpu")[sel.to("cpu")]).sum())
+            self.controller.update(li, misses)
+        return out
+
+    def route(self, layer, z_TE: torch.Tensor, resident: torch.Tensor | None):
+        from expertcache.routing.policies import weights_for
+
+        ids_TK = self.rank(layer, z_TE, resident)
+        return weights_for(ids_TK, z_TE, renormalize=self.base.renormalize, scoring=self.base.scoring, dropped=False)
+
+
+def attach(patch, target: float | ControllerConfig, *, record: bool = False, **kw) -> MissRateController:
+    """Put a per-layer miss-rate controller into a patched model (``patch`` from
+    :func:`expertcache.models.patch_model` with a cache-aware ``cache-prior`` or ``eras-bias`` policy and a
+    cache); returns the controller. ``target``: a miss rate, or a full :class:`ControllerConfig`; ``kw``:
+    ControllerConfig fields (gains, range, s0). ``record``: keep every layer's strength after each token."""
+    if getattr(patch, "capacity", None) is None:
+        raise ValueError("a miss-rate target needs a cache (patch_model(..., capacity=...))")
+    cfg = target if isinstance(target, ControllerConfig) else \
+        ControllerConfig.for_policy(patch.routing.policy, float(target), **kw)
+    ctl = MissRateController(cfg, num_layers=len(patch.layers), k=patch.top_k, record=record)
+    patch.router = BudgetRouter(patch.router, ctl)
+    return ctl
+
+
+def wrap(router: Router, target: float | ControllerConfig, num_layers: int, *, record: bool = False,
+         **kw) -> BudgetRouter:
+    """A :class:`BudgetRouter` around ``router`` with a fresh controller (``.controller``): the
+    ``router_hook`` of :func:`expertcache.sim.simulate` for budget-targeted routing in open loop."""
+    cfg = target if isinstance(target, ControllerConfig) else \
+        ControllerConfig.for_policy(router.config.policy, float(target), **kw)
+    return BudgetRouter(router, MissRateController(cfg, num_layers=num_layers, k=router.k, record=record))
+
+
+def expert_bytes(patch) -> int:
+    """Bytes of one routed expert of a patched model as loaded (parameters of the first MoE layer's ``experts``
+    module / N): the unit of ``--target-bytes-per-token`` = miss rate · K · L · expert bytes."""
+    block = patch.layers[0].block
+    experts = getattr(block, "experts", None)
+    if experts is None:
+        raise ValueError(f"{patch.family.model_type}: no .experts module in the MoE block to size an expert")
+    total = sum(p.numel() * p.element_size() for p in experts.parameters())
+    return max(1, total // patch.num_experts)

@@ -1,0 +1,152 @@
+"""`expertcache sweep --ray`: the runs as tasks on a local 2-worker Ray, rows written by the driver alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from expertcache.cli.main import main  # noqa: E402
+from expertcache.eval import ray_sweep  # noqa: E402
+from expertcache.results import read_jsonl  # noqa: E402
+
+from test_trace_sim import make_trace  # noqa: E402
+
+SRC = str(Path(ray_sweep.__file__).resolve().parents[2])  # the expertcache under test, also on the workers
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture()
+def trace_file(tmp_path):
+    torch.set_num_threads(1)
+    return str(make_trace(t=200, l=2, e=8, k=2, starts=[0, 100]).save(tmp_path / "t.trace"))
+
+
+def _canon(rows):
+    """Rows keyed by sweep_key, without wall-clock fields."""
+    out = {}
+    for r in rows:
+        r = {k: v for k, v in r.items() if k != "seconds"}
+        out[r["sweep_key"]] = json.dumps(r, sort_keys=True)
+    return out
+
+
+def _sweep_args(trace_file, out):
+    return ["sweep", "--trace", trace_file, "--policies", "original,cache-prior,eras-bias", "--grid", "3",
+            "--capacity", "2,4", "--out", str(out), "--no-progress"]
+
+
+@pytest.mark.slow
+def test_ray_rows_equal_single_process_and_resume(local_ray, trace_file, tmp_path):
+    single, distributed = tmp_path / "single.jsonl", tmp_path / "ray.jsonl"
+    assert main(_sweep_args(trace_file, single)) == 0
+    assert main([*_sweep_args(trace_file, distributed), "--ray"]) == 0
+    a, b = _canon(read_jsonl(single)), _canon(read_jsonl(distributed))
+    assert len(a) == 14 and a == b  # 2 capacities x (original + 3 λ + 3 β)
+
+    # a killed sweep: 5 rows kept, the 6th torn mid-write; the resumed --ray sweep adds exactly the missing 9
+    lines = distributed.read_text().splitlines(keepends=True)
+    resumed = tmp_path / "resumed.jsonl"
+    resumed.write_text("".join(lines[:5]) + lines[5][:40])
+    assert main([*_sweep_args(trace_file, resumed), "--ray"]) == 0
+    rows = list(read_jsonl(resumed))
+    assert len(rows) == 14 and _canon(rows) == a
+    assert [r["sweep_key"] for r in rows[:5]] == [json.loads(x)["sweep_key"] for x in lines[:5]]
+    # nothing left to do: the file is untouched
+    before = resumed.read_bytes()
+    assert main([*_sweep_args(trace_file, resumed), "--ray"]) == 0
+    assert resumed.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_ray_closed_loop_tiny_model_equals_single_process(local_ray, tmp_path):
+    from expertcache.eval.synthetic import save_tiny_with_tokenizer, write_toy_data
+
+    model = save_tiny_with_tokenizer("mixtral", tmp_path / "m")
+    data = write_toy_data(tmp_path / "d")
+    args = ["sweep", "--model", str(model), "--task", "wikitext", "--data-dir", str(data), "--limit", "1",
+            "--policies", "original,cache-prior", "--strengths", "0,1", "--capacity", "4", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "a.jsonl")]) == 0
+    assert main([*args, "--out", str(tmp_path / "b.jsonl"), "--ray"]) == 0
+    a, b = _canon(read_jsonl(tmp_path / "a.jsonl")), _canon(read_jsonl(tmp_path / "b.jsonl"))
+    assert len(a) == 3 and a == b
+
+
+@pytest.mark.slow
+def test_failed_run_keeps_finished_rows(local_ray, trace_file, tmp_path):
+    from expertcache.eval.sweep import plan
+
+    runs = plan(mode="open-loop", source={"trace": trace_file}, policies=["original", "cache-prior"], k=2,
+                num_experts=8, capacities=[4], evictions=["lru"], points=2)
+    bad = dict(runs[-1], routing=dict(runs[-1]["routing"], policy="nope"))
+    spec = ray_sweep.open_loop_spec(trace_file, need_freq=False)
+    out = tmp_path / "x.jsonl"
+    with pytest.raises(Exception, match="unknown routing policy"):
+        ray_sweep.run_sweep_ray([*runs, bad], out, spec)
+    rows = list(read_jsonl(out)) if out.exists() else []
+    assert len(rows) <= len(runs) and len({r["sweep_key"] for r in rows}) == len(rows)
+
+
+@pytest.mark.slow
+def test_cli_starts_its_own_local_ray(trace_file, tmp_path):
+    """`--ray --ray-cpus 2` from a fresh process: a local instance is started, used and shut down."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "own.jsonl"
+    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    p = subprocess.run([sys.executable, "-m", "expertcache.cli.main", *_sweep_args(trace_file, out), "--ray",
+                        "--ray-cpus", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "14 runs appended" in p.stderr and len(list(read_jsonl(out))) == 14
+
+
+def test_dry_run_with_ray_starts_nothing(trace_file, tmp_path, capsys):
+    assert main([*_sweep_args(trace_file, tmp_path / "d.jsonl"), "--ray", "--dry-run"]) == 0
+    assert "14 runs planned, 14 pending" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_interrupted_ray_sweep_resumes_without_duplicates(trace_file, tmp_path):
+    """Ctrl-C (SIGINT) on a running `sweep --ray` driver, then the same command again: every planned run
+    exactly once, the rows equal a single-process sweep's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out, ref = tmp_path / "int.jsonl", tmp_path / "ref.jsonl"
+    args = ["sweep", "--trace", trace_file, "--policies", "cache-prior,eras-bias", "--grid", "40",
+            "--capacity", "1,2,3,4,5,6", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "expertcache.cli.main", *args, "--out", str(out), "--ray", "--ray-cpus", "2"]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 20):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=120)
+    partial = len(list(read_jsonl(out)))
+    assert 20 <= partial < 480, partial  # interrupted mid-way
+    assert subprocess.run(cmd, env=env, capture_output=True, timeout=300).returncode == 0
+    assert main([*args, "--out", str(ref)]) == 0
+    rows = list(read_jsonl(out))
+    assert len(rows) == 480 and len({r["sweep_key"] for r in rows}) == 480
+    assert _canon(rows) == _canon(read_jsonl(ref))
