@@ -144,14 +144,24 @@ class Tap:
         orig_step = rt._step
         orig_on_step = metrics.on_step
 
-        def step(st, order, on_ready):
+        orig_prefetch = rt.prefetch
+        self._in_prefetch = False
+
+        def prefetch(*args, **kwargs):  # marks the cache steps of OffloadedModel.prefetch (not demand misses)
+            self._in_prefetch = True
+            try:
+                return orig_prefetch(*args, **kwargs)
+            finally:
+                self._in_prefetch = False
+
+        def step(st, order, on_ready, *args, **kwargs):
             if not self.broker.subscribers:
-                return orig_step(st, order, on_ready)
+                return orig_step(st, order, on_ready, *args, **kwargs)
             before = st.cache.resident()
-            orig_step(st, order, on_ready)
+            orig_step(st, order, on_ready, *args, **kwargs)
             after = st.cache.resident()
             a = self._acc[st.moe.index]
-            if on_ready is None:  # a prefetch (OffloadedModel.prefetch): loads that are not demand misses
+            if on_ready is None or self._in_prefetch:  # a prefetch: loads that are not demand misses
                 a["prefetched"].update(after - before)
             else:
                 for e in order:
@@ -168,6 +178,7 @@ class Tap:
                     self.control.apply_pending()  # between two forwards, in the engine thread
 
         rt._step = step
+        rt.prefetch = prefetch
         metrics.on_step = on_step
         # the shadow: what original routing would have hit on the same tokens (cache-aware policies only)
         self.shadow: list | None = None
