@@ -26,20 +26,18 @@ The combine weights of the selected ids come from the family's own weight rule
 (:mod:`expertcache.models.adapters`), and the expert compute stays batched (the model's experts module
 runs unchanged on the returned ``(ids, weights)``).
 
-What runs, and when (every path makes the same decisions; ``tests/test_keyed_select.py`` pins them against
-the token-by-token reference above):
+What runs, and when (each decision is made by one kernel: the policy's keys and selection in
+:mod:`expertcache.routing.kernels`, the eviction in the cache's module; ``tests/test_keyed_select.py``
+pins them against the token-by-token oracles of ``tests/oracles.py``):
 
 - **Residency-independent calls** (``policy='original'``, or a prefill outside ``scope='generation'``, with
   nothing recorded) return the stock outputs at once and only queue their selections; the queue is served
-  in bulk (one compiled loop per layer, :meth:`LRUCache.serve_array`) before anything reads or serves a
+  in bulk (one kernel call per layer, :meth:`LRUCache.serve_array`) before anything reads or serves a
   cache: ``stats()``, ``caches``, ``row_caches``, ``new_sequence()``, ``reset_caches()`` and the next
   cache-aware call (or after 4096 queued tokens per row and layer).
-- **Cache-aware policies** run steps 1-3 for all P tokens of a row in one compiled call when numba is
-  installed and the cache is LRU (:mod:`expertcache.models.fused`: the policy's keys from
-  :func:`expertcache.routing.kernels.token_keys`, selection and serving from :mod:`expertcache.cache.kernels`,
-  and, for families with a ``weight_rule``, the combine weights); a token the compiled loop cannot take
-  (a tie at the top-J boundary, a non-finite logit) goes the per-token way and the loop resumes after it.
-  Otherwise ``Router.keys`` + ``ExpertCache.select_serve``, else ``Router.rank`` token by token.
+- **Cache-aware policies** run steps 1-3 for all P tokens of a row in one kernel call when the cache is LRU
+  (:mod:`expertcache.models.fused`), else ``Router.keys`` + ``ExpertCache.select_serve``; the weights of a
+  changed selection come from the family's torch rule.
 - A decoding step whose policy kept the model's own choice (same ids as the stock router) returns the stock
   weights unchanged.
 
@@ -47,7 +45,7 @@ Contracts:
 
 - ``policy='original'`` returns exactly the stock router's outputs (bit-identical logits); any cache is
   only observed. A cache-aware policy with strength 0 selects the same ids, weighted by the family's
-  formula (equal to the stock weights up to float rounding; the compiled weight rule computes in float64).
+  formula (equal to the stock weights up to float rounding).
 - **Batch > 1**: every row of the batch has its own cache per layer (row b of every forward call is one
   sequence; B comes from the model's ``input_ids``/``inputs_embeds``); caches of rows ≥ 1 are created on
   first use. Padding tokens (``attention_mask == 0`` in the
@@ -85,8 +83,7 @@ from torch import nn
 from expertcache import __version__
 from expertcache.cache import CacheStats, ExpertCache, LRUCache, make_cache, resolve_capacity
 from expertcache.models import fused
-from expertcache.models.adapters import (Family, MoELayer, _restrict, family_for, find_moe_layers,
-                                         order_by_logits, ranks_logits)
+from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits, ranks_logits
 from expertcache.routing import Router, RoutingConfig
 
 __all__ = ["patch_model", "MoEPatch", "SCOPES", "BETWEEN_SEQUENCES"]
@@ -218,17 +215,8 @@ class MoEPatch:
         self._ensure_rows(1)  # row 0's caches now, not in the first forward
         # the lean per-call path (_route_lean) applies to this configuration
         self._lean_original = routing.policy == "original" and replace_rank is None
-        compiled_policy = fused.AVAILABLE and routing.policy in fused.COMPILED_POLICIES
-        self._weight_rules = [fused.weight_rule_array(self.family.weight_rule(m.router)) if compiled_policy else None
-                              for m in self.layers]
         self._lean = (self.capacity is not None and not record and replace_rank is None
                       and (self._lean_original or (routing.cache_aware and eviction == "lru")))
-        if self._lean and fused.AVAILABLE and routing.cache_aware:  # set the compiled path up now, not per token
-            for li, cache in enumerate(self._streams[0]):
-                if isinstance(cache, LRUCache) and cache._compiled():
-                    cache._own_arrays()
-                for allowed, restrict in ((False, False), (True, False), (True, True)):
-                    self.router.kernel_params(li, allowed=allowed, restrict=restrict)
         self._install()
 
     # -- installation ---------------------------------------------------------------------------
@@ -485,24 +473,6 @@ class MoEPatch:
         cache = self._streams[0][m.index]
         if self._pending:
             self._flush((0, m.index))
-        rule = self._weight_rules[m.index]
-        if rule is not None:  # selection, serving and the family's weights in one compiled call
-            parts = self.family.ranking_parts
-            values_TE, allowed_TE = (parts or self.family.ranking)(m.router, z_TE)
-            fast = fused.keyed_serve(self.router, m.index, values_TE, z_TE, allowed_TE, cache, rule,
-                                     restrict=parts is not None, stock=(ids0_TK, w0_TK))
-            if fast is not None:
-                ids_np, done, w_np = fast
-                if done == t:
-                    if t == 1 and sorted(ids_np[0].tolist()) == sorted(ids0_TK.tolist()[0]):
-                        return w0_TK, ids0_TK  # the policy kept the model's own choice: its own weights
-                    return torch.from_numpy(w_np).to(w0_TK.dtype), torch.from_numpy(ids_np).to(ids0_TK.dtype)
-                zr_TE = values_TE if parts is None or allowed_TE is None else _restrict(values_TE, allowed_TE)
-                rest = self._select(m.index, zr_TE[done:], z_TE[done:],
-                                    None if allowed_TE is None else allowed_TE[done:], cache)
-                ids_TK = torch.cat([torch.from_numpy(ids_np[:done]), rest])
-                w_TK = self.family.weights(m.router, z_TE, ids_TK)
-                return w_TK.to(w0_TK.dtype), ids_TK.to(ids0_TK.dtype)
         zr_TE, allowed_TE = self.family.ranking(m.router, z_TE)
         ids_TK = self._select(m.index, zr_TE, z_TE, allowed_TE, cache)
         if t == 1:
@@ -557,49 +527,13 @@ class MoEPatch:
             if cache is not None:
                 cache.serve_array(ids_PK.numpy())
             return ids_PK
-        p = zr_PE.shape[0]
-        fast = fused.keyed_serve(self.router, layer, zr_PE, z_PE, allowed_PE, cache)
-        if fast is not None and fast[1] == p:  # one compiled call (numba, LRU) took every token
-            return torch.from_numpy(fast[0])
-        parts, p0 = [], 0
-        while fast is not None:  # a token the compiled call cannot take goes the per-token way
-            ids_PK, done = fast
-            parts.append(torch.from_numpy(ids_PK[:done]))
-            p0 += done
-            fast = None
-            if p0 < p:
-                parts.append(self._select_each(layer, zr_PE[p0:p0 + 1], z_PE[p0:p0 + 1],
-                                               None if allowed_PE is None else allowed_PE[p0:p0 + 1], cache))
-                p0 += 1
-                if p0 < p:
-                    fast = fused.keyed_serve(self.router, layer, zr_PE[p0:], z_PE[p0:],
-                                             None if allowed_PE is None else allowed_PE[p0:], cache)
-        if p0 < p:
-            zr_PE, z_PE = zr_PE[p0:], z_PE[p0:]
-            allowed_PE = None if allowed_PE is None else allowed_PE[p0:]
-            keys = self.router.keys(layer, zr_PE, allowed_PE)
-            if keys is not None:  # all remaining tokens in one call (compiled for LRU when numba is installed)
-                z_np_PE = z_PE.float().numpy()
-                parts.append(torch.from_numpy(
-                    cache.select_serve(keys.order_PE, keys.kres_PE, keys.knon_PE, z_np_PE, self.top_k)))
-            else:
-                parts.append(self._select_each(layer, zr_PE, z_PE, allowed_PE, cache))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _select_each(self, layer: int, zr_PE, z_PE, allowed_PE, cache: ExpertCache) -> torch.Tensor:
-        """The reference path: ``Router.rank`` on one token at a time against the live residency."""
-        out: list[list[int]] = []
-        z_rows = z_PE.float().tolist()
-        for p in range(zr_PE.shape[0]):
-            resident_1E = torch.tensor(cache.resident_mask()).unsqueeze(0)
-            if allowed_PE is not None:
-                resident_1E = resident_1E & allowed_PE[p:p + 1]
-            ids = self.router.rank(layer, zr_PE[p:p + 1], resident_1E)[0].tolist()
-            z_row = z_rows[p]
-            ids.sort(key=lambda e: -z_row[e] if e >= 0 else float("inf"))  # = order_by_logits (stable)
-            cache.access_step(ids)
-            out.append(ids)
-        return torch.tensor(out, dtype=torch.long).reshape(len(out), self.top_k)
+        if isinstance(cache, LRUCache):  # keys, selection and serving in one kernel call
+            return torch.from_numpy(fused.keyed_serve(self.router, layer, zr_PE, z_PE, allowed_PE, cache))
+        keys = self.router.keys(layer, zr_PE, allowed_PE)
+        if keys is None:
+            raise ValueError("router logits contain NaN")
+        return torch.from_numpy(cache.select_serve(keys.order_PE, keys.kres_PE, keys.knon_PE,
+                                                   z_PE.float().numpy(), self.top_k))
 
     # -- recording ----------------------------------------------------------------------------------
 
