@@ -80,6 +80,16 @@ class ExpertCache:
         seed: int = 0,
         expert_bytes: int | Sequence[int] | None = None,
     ) -> None:
+        self._setup(num_experts, capacity, expert_bytes)
+        self._loaded_at: dict[int, int] = self._make_store()  # resident expert -> step it was loaded
+        self._step = 0
+        # experts of the step being served: a victim is chosen among the others while there are any (rule 1)
+        self._serving: set[int] | frozenset[int] = frozenset()
+        for e in initial_set(initial, seed, num_experts, capacity):
+            self._insert(e)
+
+    def _setup(self, num_experts: int, capacity: int, expert_bytes) -> None:
+        """What every cache holds: N, C (checked), the statistics and the bytes per load."""
         if num_experts < 1:
             raise ValueError(f"number of experts must be ≥ 1, got {num_experts}")
         if not 1 <= capacity <= num_experts:
@@ -88,12 +98,6 @@ class ExpertCache:
         self.capacity = capacity
         self.stats = CacheStats(num_experts)
         self._expert_bytes = expert_bytes
-        self._loaded_at: dict[int, int] = self._make_store()  # resident expert -> step it was loaded
-        self._step = 0
-        # experts of the step being served: a victim is chosen among the others while there are any (rule 1)
-        self._serving: set[int] | frozenset[int] = frozenset()
-        for e in initial_set(initial, seed, num_experts, capacity):
-            self._insert(e)
 
     # -- public API ---------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from expertcache import compiled
-from expertcache.cache.base import ExpertCache, check_keyed, initial_set
+from expertcache.cache.base import ExpertCache, check_keyed, initial_set, order_steps
 from expertcache.cache.stats import CacheStats
 from expertcache.compiled import jit as _jit
 from expertcache.compiled import jit_inline as _jit_inline
@@ -98,41 +98,27 @@ def serve_one(ids, kk, lru_E, lru_S, miss_buf):
 
 
 @_jit
-def _serve(ids_PK, z_PE, by_z, lru_E, lru_S):
-    """Serve P steps (validated one by one: returns the first bad step, at which nothing changed, or -1);
-    with ``by_z`` each step's ids are first stably sorted by descending ``z_PE`` (-1 slots last)."""
+def _serve(ids_PK, lru_E, lru_S):
+    """Serve P steps, validated one by one: returns the first bad step (an id out of range or repeated), at
+    which nothing changed, or -1."""
     n = lru_E.shape[1]
-    p_count, k = ids_PK.shape
+    k = ids_PK.shape[1]
     miss_buf = np.empty(k, np.int64)
     seen = np.zeros(n, np.bool_)
-    ids = np.empty(k, np.int64)
-    for p in range(p_count):
-        if by_z:  # stable sort by descending z, dropped (-1) slots last
-            for i in range(k):
-                e = ids_PK[p, i]
-                j = i
-                if e >= 0:
-                    zi = z_PE[p, e]
-                    while j > 0 and (ids[j - 1] < 0 or z_PE[p, ids[j - 1]] < zi):
-                        ids[j] = ids[j - 1]
-                        j -= 1
-                ids[j] = e
-        else:
-            for i in range(k):
-                ids[i] = ids_PK[p, i]
-        for i in range(k):  # validate the step before touching the state
-            e = ids[i]
-            if e < 0:
-                continue
-            if e >= n or seen[e]:
-                for j in range(i):
-                    if ids[j] >= 0 and ids[j] < n:
-                        seen[ids[j]] = False
-                return p
-            seen[e] = True
+    for p in range(ids_PK.shape[0]):
+        ids = ids_PK[p]
+        bad = False
         for i in range(k):
-            if ids[i] >= 0:
+            e = ids[i]
+            if e >= n or (e >= 0 and seen[e]):
+                bad = True
+            elif e >= 0:
+                seen[e] = True
+        for i in range(k):
+            if 0 <= ids[i] < n:
                 seen[ids[i]] = False
+        if bad:
+            return p
         serve_one(ids, k, lru_E, lru_S, miss_buf)
     return -1
 
@@ -150,8 +136,6 @@ def _select_serve(order_PE, kres_PE, knon_PE, z_PE, k, out_PK, lru_E, lru_S):
         serve_one(ids, k, lru_E, lru_S, miss_buf)
 
 
-_NO_Z = np.zeros((1, 1), np.float32)
-
 
 class LRUCache(ExpertCache):
     """Least-recently-used eviction; within a step the higher-weight expert is evicted first."""
@@ -160,13 +144,7 @@ class LRUCache(ExpertCache):
 
     def __init__(self, num_experts: int, capacity: int, *, initial: str | Iterable[int] | None = None,
                  seed: int = 0, expert_bytes: int | Sequence[int] | None = None) -> None:
-        if num_experts < 1:
-            raise ValueError(f"number of experts must be ≥ 1, got {num_experts}")
-        if not 1 <= capacity <= num_experts:
-            raise ValueError(f"cache capacity must be between 1 and N={num_experts} experts, got {capacity}")
-        self.num_experts = num_experts
-        self.capacity = capacity
-        self._expert_bytes = expert_bytes
+        self._setup(num_experts, capacity, expert_bytes)
         self.lru_E = np.zeros((6, num_experts), np.int64)
         self.lru_S = np.zeros(10, np.int64)
         self.lru_S[CAP] = capacity
@@ -174,8 +152,7 @@ class LRUCache(ExpertCache):
         self.lru_E[RESIDENT, ids] = 1
         self.lru_E[STAMP, ids] = np.arange(1, len(ids) + 1)  # in the given order: the first is least recent
         self.lru_S[CLOCK] = self.lru_S[N_RES] = len(ids)
-        self.stats = CacheStats(num_experts)  # the kernel counts in lru_S / lru_E; _fold moves it here
-        self._folded_step = 0
+        self._folded_step = 0  # the kernel counts in lru_S / lru_E; _fold moves the counts into stats
 
     def __contains__(self, expert: int) -> bool:
         return 0 <= expert < self.num_experts and bool(self.lru_E[RESIDENT, expert])
@@ -262,10 +239,10 @@ class LRUCache(ExpertCache):
         n = self.num_experts
         if order_by is not None:
             order_by = np.asarray(order_by)
-            if order_by.ndim != 2 or order_by.shape[0] != ids_PK.shape[0] or order_by.shape[1] != n:
+            if order_by.ndim != 2 or order_by.shape[1] != n:
                 raise ValueError(f"order_by must be [P={ids_PK.shape[0]}, E={n}], got {order_by.shape}")
-        bad = _serve(ids_PK, _NO_Z if order_by is None else np.ascontiguousarray(order_by, np.float32),
-                     order_by is not None, self.lru_E, self.lru_S)
+            ids_PK = np.ascontiguousarray(order_steps(ids_PK, order_by))
+        bad = _serve(ids_PK, self.lru_E, self.lru_S)
         self._fold()
         if bad >= 0:
             raise ValueError(f"bad step {ids_PK[bad].tolist()}: ids must be distinct and in [0, {n}); "

@@ -93,7 +93,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from expertcache.mole.table import TableSpec, export_table
+    from expertcache.mole.export import export_table
+    from expertcache.mole.table import TableSpec
 
     out = export_table(args.model_dir, args.out, quant=args.quant, dtype=args.dtype, threads=args.threads)
     spec = TableSpec(**json.loads((out / "config.json").read_text())["lookup_table"])

@@ -60,22 +60,22 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
+
+from expertcache.cache.base import order_steps
 
 __all__ = ["Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "family_for", "MoELayer", "find_moe_layers",
            "order_by_logits", "ranks_logits"]
 
 
 def order_by_logits(ids_TK: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
-    """``ids_TK`` sorted by descending logit ``z_TE`` (stable; -1 slots last). Every supported model's
-    combine weight is monotone in its own logit, so this is the descending-weight order the caches
-    need (001 Sec. 4.2: the higher-weight expert is evicted first)."""
-    valid_TK = ids_TK >= 0
-    key_TK = torch.where(valid_TK, z_TE.float().gather(1, ids_TK.clamp(min=0)),
-                         torch.full((), float("-inf")))
-    order_TK = torch.sort(key_TK, dim=1, descending=True, stable=True).indices
-    return ids_TK.gather(1, order_TK)
+    """``ids_TK`` sorted by descending logit ``z_TE`` (stable; -1 slots last; :func:`expertcache.cache.base.
+    order_steps`). Every supported model's combine weight is monotone in its own logit, so this is the
+    descending-weight order the caches need (001 Sec. 4.2: the higher-weight expert is evicted first)."""
+    ids = order_steps(ids_TK.detach().cpu().numpy(), z_TE.detach().float().cpu().numpy())
+    return torch.from_numpy(np.ascontiguousarray(ids)).to(ids_TK.device)
 
 
 def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ __all__ = ["keyed_serve"]
 #: sha256 (first 16 hex digits) of routing/kernels.py + cache/lru.py, whose functions the loop below inlines.
 #: numba's on-disk cache only notices edits to *this* file, so an edit there must change this line (a test
 #: checks it); otherwise a stale compiled loop would be loaded.
-_DEPENDS_ON = "5fa8cd6f688360b5"
+_DEPENDS_ON = "6d40c39b4b26b3ac"
 
 
 def kernel_sources_digest() -> str:
@@ -41,7 +41,6 @@ def kernel_sources_digest() -> str:
 def _keyed_serve(zr_PE, z_PE, prob_PE, ip, fp, penalty_PE, allowed_PE, k, out_PK, lru_E, lru_S):
     p_count, e = zr_PE.shape
     order = np.empty(e, np.int64)
-    tmp = np.empty(e, np.int64)
     kres = np.empty(e, np.float32)
     knon = np.empty(e, np.float32)
     bk = np.empty(k, np.float32)
@@ -50,7 +49,7 @@ def _keyed_serve(zr_PE, z_PE, prob_PE, ip, fp, penalty_PE, allowed_PE, k, out_PK
     miss_buf = np.empty(k, np.int64)
     for p in range(p_count):
         if rk.token_keys(zr_PE[p], prob_PE[min(p, prob_PE.shape[0] - 1)], ip, fp, penalty_PE[0],
-                         allowed_PE[min(p, allowed_PE.shape[0] - 1)], order, kres, knon, tmp) != rk.OK:
+                         allowed_PE[min(p, allowed_PE.shape[0] - 1)], order, kres, knon) != rk.OK:
             return p
         rk.select(order, kres, knon, z_PE[p], k, lru_E[0], bk, bp, ids)
         for i in range(k):

@@ -46,68 +46,8 @@ OK, NOT_FINITE = 0, 1
 
 
 @_jit_inline
-def _merge_sort_desc(z_E, order, tmp):
-    """Bottom-up stable merge sort of the indices by descending z (runs of 16 insertion-sorted first)."""
-    e = z_E.shape[0]
-    run = 16
-    for lo in range(0, e, run):
-        hi = min(lo + run, e)
-        for x in range(lo, hi):
-            v = z_E[x]
-            i = x
-            while i > lo and z_E[order[i - 1]] < v:
-                order[i] = order[i - 1]
-                i -= 1
-            order[i] = x
-    src, dst = order, tmp
-    width = run
-    while width < e:
-        for lo in range(0, e, 2 * width):
-            mid = min(lo + width, e)
-            hi = min(lo + 2 * width, e)
-            a, b, o = lo, mid, lo
-            while a < mid and b < hi:
-                if z_E[src[b]] > z_E[src[a]]:  # strictly greater: equal values keep the left (lower index) first
-                    dst[o] = src[b]
-                    b += 1
-                else:
-                    dst[o] = src[a]
-                    a += 1
-                o += 1
-            while a < mid:
-                dst[o] = src[a]
-                a += 1
-                o += 1
-            while b < hi:
-                dst[o] = src[b]
-                b += 1
-                o += 1
-        src, dst = dst, src
-        width *= 2
-    if src is not order:
-        order[:] = src
-
-
-@_jit_inline
-def _stable_desc_order(z_E, order, tmp):
-    """order[:] = the indices of z_E by descending value, ties by ascending index (= a stable sort of -z):
-    insertion sort for up to 64 experts (no allocation; fastest at these sizes), else merge sort."""
-    e = z_E.shape[0]
-    if e > 64:
-        _merge_sort_desc(z_E, order, tmp)
-        return
-    for x in range(e):
-        v = z_E[x]
-        i = x
-        while i > 0 and z_E[order[i - 1]] < v:
-            order[i] = order[i - 1]
-            i -= 1
-        order[i] = x
-
-
-@_jit_inline
-def token_keys(z_E, prob_E, ip, fp, penalty_E, allowed_E, order, kres, knon, tmp):
-    """One token's keys into ``order``/``kres``/``knon`` (length E; ``tmp`` is scratch).
+def token_keys(z_E, prob_E, ip, fp, penalty_E, allowed_E, order, kres, knon):
+    """One token's keys into ``order``/``kres``/``knon`` (length E).
 
     ``ip`` int64 ``[code, j, m, has_fixed, has_allowed]``; ``fp`` float64 ``[strength, fixed, total,
     count]`` with strength = λ, p or α, and Cache-Prior's running Δavg (total, count; updated in place).
@@ -120,7 +60,7 @@ def token_keys(z_E, prob_E, ip, fp, penalty_E, allowed_E, order, kres, knon, tmp
         if z_E[x] != z_E[x]:
             return NOT_FINITE
     z_E = z_E
-    _stable_desc_order(z_E, order, tmp)  # = torch.sort(descending=True, stable=True)
+    order[:] = np.argsort(-z_E, kind="mergesort")  # stable: = torch.sort(descending=True, stable=True)
     if code == 0:  # Cache-Prior: z + λ·Δavg for resident experts
         if ip[3]:
             boost = fp[1] * fp[0]
@@ -205,14 +145,13 @@ def _rank(z_PE, prob_PE, ip, fp, penalty_PE, allowed_PE, resident_PE, k, order_P
     """Keys of P tokens (into order/kres/knon) and, when ``k > 0``, the selection against ``resident_PE``
     (rows broadcast when there is one). Returns the index of the first NaN row, or -1."""
     p_count, e = z_PE.shape
-    tmp = np.empty(e, np.int64)
     bk = np.empty(max(k, 1), np.float32)
     bp = np.empty(max(k, 1), np.int64)
     ids = np.empty(max(k, 1), np.int64)
     for p in range(p_count):
         status = token_keys(z_PE[p], prob_PE[min(p, prob_PE.shape[0] - 1)], ip, fp,
                             penalty_PE[min(p, penalty_PE.shape[0] - 1)],
-                            allowed_PE[min(p, allowed_PE.shape[0] - 1)], order_PE[p], kres_PE[p], knon_PE[p], tmp)
+                            allowed_PE[min(p, allowed_PE.shape[0] - 1)], order_PE[p], kres_PE[p], knon_PE[p])
         if status != OK:
             return p
         if k > 0:

@@ -159,6 +159,8 @@ def _kernel_rank(policy: str, z_TE: torch.Tensor, resident: torch.Tensor, k: int
                  scoring: str = "softmax", penalty: torch.Tensor | None = None) -> torch.Tensor:
     """Run the policy's kernel (:func:`expertcache.routing.kernels.rank`) on the T rows: ids [T, K] in
     descending-logit order, on the device of ``z_TE``. ``delta``: a running Δavg, advanced token by token."""
+    _check(z_TE, k, resident)
+    _check_j(j, k)
     ip, fp = _rk.pack(policy, j, m=m, strength=strength, fixed=fixed,
                       total=0.0 if delta is None else delta.total, count=0 if delta is None else delta.count)
     z = z_TE.detach().to("cpu", torch.float32)
@@ -199,8 +201,6 @@ def prune_rank(z_TE: torch.Tensor, k: int, h: int) -> torch.Tensor:
 
 def max_rank_rank(z_TE: torch.Tensor, resident: torch.Tensor, k: int, m: int, j: int = 1) -> torch.Tensor:
     """Max-Rank (001 Algorithm 1): promote resident experts ranked < M, then always keep the top-J."""
-    _check(z_TE, k, resident)
-    _check_j(j, k)
     e = z_TE.shape[1]
     if not 0 <= m <= e:
         raise ValueError(f"max-rank M must be in [0, E={e}], got M={m}")
@@ -218,8 +218,6 @@ def cumsum_threshold_rank(
 ) -> torch.Tensor:
     """Cumulative-probability threshold (001 Algorithm 2 / Eq. 8): per token, M is the smallest number of
     top-ranked experts whose probabilities sum to ≥ p (M = 0 for p = 0), then Max-Rank with that M."""
-    _check(z_TE, k, resident)
-    _check_j(j, k)
     _check_unit("cumsum threshold p", p)
     return _kernel_rank("cumsum", z_TE, resident, k, j, strength=p, scoring=scoring)
 
@@ -267,8 +265,6 @@ def cache_prior_rank(
     :class:`DeltaAvg` with a running average, which this call advances token by token (token t is ranked
     with the average over the tokens before it and itself).
     """
-    _check(z_TE, k, resident)
-    _check_j(j, k)
     _check_unit("cache-prior λ", lam)
     if isinstance(delta, DeltaAvg):
         if delta.fixed is None:
@@ -294,8 +290,6 @@ def eras_threshold_rank(
 
     Optional top-J guarantee (not in 003; J = 0 reproduces the paper).
     """
-    _check(z_TE, k, resident)
-    _check_j(j, k)
     if alpha < 0:
         raise ValueError(f"ERAS α must be ≥ 0, got {alpha}")
     return _kernel_rank("eras-threshold", z_TE, resident, k, j, strength=alpha, scoring=scoring)
@@ -311,8 +305,6 @@ def eras_bias_rank(
 ) -> torch.Tensor:
     """ERAS biasing (003 III-B-2): subtract β·(1 - freq_i) from the logits of non-resident experts, take
     top-K. ``freq_E`` is the layer's normalised activation frequency profile (see ``expertcache.sim``)."""
-    _check(z_TE, k, resident)
-    _check_j(j, k)
     if beta < 0:
         raise ValueError(f"ERAS β must be ≥ 0, got {beta}")
     e = z_TE.shape[1]
