@@ -73,7 +73,6 @@ Contracts:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -81,15 +80,16 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, ExpertCache, LRUCache, make_cache, resolve_capacity
+from expertcache.cache import CacheStats, ExpertCache, LRUCache, resolve_capacity
 from expertcache.models import fused
+from expertcache.models.recording import Recording
+from expertcache.models.streams import CacheStreams
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits, ranks_logits
 from expertcache.routing import Router, RoutingConfig
 
 __all__ = ["patch_model", "MoEPatch", "SCOPES", "BETWEEN_SEQUENCES"]
 
 SCOPES = ("all", "generation")
-_MAX_PENDING = 4096  # deferred tokens per (row, layer) before they are served anyway (bounds the memory)
 _SAME_SET_CHECK = 8  # calls of up to this many tokens (decoding) skip the weights when the policy kept every choice
 BETWEEN_SEQUENCES = ("reset", "carry")
 
@@ -130,15 +130,6 @@ def patch_model(
                     record=record, freq_LE=freq_LE, replace_rank=replace_rank)
 
 
-@dataclass
-class _Recorded:
-    """One row's selections at one layer for one forward call (real tokens only), numpy."""
-
-    logits_SE: np.ndarray
-    ids_SK: np.ndarray
-    weights_SK: np.ndarray
-
-
 def _same_sets(a_PK: torch.Tensor, b_PK: torch.Tensor) -> bool:
     """Whether every row of ``a_PK`` holds the same ids as that row of ``b_PK`` (in any order)."""
     a, b = a_PK.numpy(), b_PK.numpy()
@@ -149,7 +140,7 @@ def _same_sets(a_PK: torch.Tensor, b_PK: torch.Tensor) -> bool:
     return bool((a == b).all())
 
 
-class MoEPatch:
+class MoEPatch(CacheStreams, Recording):
     """A patched model's routing state: policy, per-row per-layer caches, recording. See the module
     docstring for the semantics; build it with :func:`patch_model`."""
 
@@ -201,7 +192,7 @@ class MoEPatch:
         # state
         self._streams: list[list[ExpertCache]] = []  # [row][layer]
         self._retired: list[CacheStats | None] = [None] * len(self.layers)
-        self._rec: list[list[list[_Recorded]]] = []  # [row][layer][call]
+        self._rec: list[list[list]] = []  # [row][layer][call]
         self._done: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # finished sequences (TLE, TLK, TLK)
         self._batch: int | None = None  # B of the model forward being run (from its input ids / embeddings)
         self._attention_mask: torch.Tensor | None = None
@@ -282,92 +273,6 @@ class MoEPatch:
             return logits_TE, weights_TK, ids_TK
 
         return forward
-
-    # -- caches -----------------------------------------------------------------------------------
-
-    def _new_caches(self) -> list[ExpertCache]:
-        return [make_cache(self.eviction, self.num_experts, self.capacity, initial=self.initial,
-                           seed=self.seed + m.index, gamma=self.gamma) for m in self.layers]
-
-    def _ensure_rows(self, rows: int) -> None:
-        while self.capacity is not None and len(self._streams) < rows:
-            self._streams.append(self._new_caches())
-        while len(self._rec) < rows:
-            self._rec.append([[] for _ in self.layers])
-
-    @property
-    def caches(self) -> list[ExpertCache]:
-        """The live caches of batch row 0, one per MoE layer (empty list without a cache)."""
-        if self.capacity is None:
-            return []
-        self._ensure_rows(1)
-        self._flush()
-        return self._streams[0]
-
-    @property
-    def row_caches(self) -> list[list[ExpertCache]]:
-        """All live caches, ``[row][layer]``."""
-        self._flush()
-        return self._streams
-
-    def _queue(self, row: int, li: int, ids_PK: torch.Tensor, z_PE: torch.Tensor) -> None:
-        """Defer serving a residency-independent selection (served in call order by :meth:`_flush`)."""
-        key = (row, li)
-        self._pending.setdefault(key, []).append((ids_PK.numpy().copy(), z_PE.float().numpy().copy()))
-        n = self._pending_tokens.get(key, 0) + ids_PK.shape[0]
-        self._pending_tokens[key] = n
-        if n >= _MAX_PENDING:
-            self._flush(key)
-
-    def _flush(self, key: tuple[int, int] | None = None) -> None:
-        """Serve the deferred selections (of one (row, layer), or all) in bulk: ids ordered by descending
-        logit (stable, -1 last, as ``order_by_logits``), then ``cache.serve_array``."""
-        if not self._pending:
-            return
-        for k in ([key] if key is not None else list(self._pending)):
-            items = self._pending.pop(k, None)
-            self._pending_tokens.pop(k, None)
-            if not items:
-                continue
-            ids_PK = np.concatenate([i for i, _ in items]) if len(items) > 1 else items[0][0]
-            z_PE = np.concatenate([z for _, z in items]) if len(items) > 1 else items[0][1]
-            self._streams[k[0]][k[1]].serve_array(ids_PK, order_by=z_PE)
-
-    def reset_caches(self) -> None:
-        """Replace every cache by a fresh one (initial state); statistics so far are kept in ``stats()``."""
-        self._flush()
-        for row in self._streams:
-            for li, cache in enumerate(row):
-                self._retire(li, cache)
-        self._streams = []
-
-    def _retire(self, li: int, cache: ExpertCache) -> None:
-        s = cache.finish()
-        self._retired[li] = s if self._retired[li] is None else self._retired[li].merge(s)
-
-    def new_sequence(self) -> None:
-        """End the current sequence(s): close their recording; with ``between_sequences='reset'`` also
-        start fresh caches."""
-        self._finish_recording()
-        if self.between_sequences == "reset":
-            self.reset_caches()
-
-    def stats(self):
-        """Cache statistics so far as an :class:`expertcache.sim.SimResult` (``per_layer`` CacheStats,
-        ``overall``, ``miss_rate`` = misses / (tokens · L · K), ``to_row()``), over all rows and sequences."""
-        from expertcache.sim import SimResult
-
-        if self.capacity is None:
-            raise ValueError("this patch has no cache (capacity=None): there are no cache statistics")
-        self._flush()
-        per_layer = []
-        for li in range(len(self.layers)):
-            total = self._retired[li]
-            for row in self._streams:
-                s = row[li].finish()
-                total = s if total is None else total.merge(s)
-            per_layer.append(total if total is not None else CacheStats(self.num_experts))
-        return SimResult(per_layer, top_k=self.top_k, config=self.describe())
 
     def describe(self) -> dict[str, Any]:
         """The resolved configuration of this patch (JSON-serialisable), for result rows."""
@@ -502,10 +407,6 @@ class MoEPatch:
             if self.record:
                 self._record(row, m.index, z_PE, ids_PK, self.family.weights(m.router, z_PE, ids_PK))
 
-    def _record(self, row: int, li: int, z_PE, ids_PK, w_PK) -> None:
-        self._rec[row][li].append(_Recorded(z_PE.float().numpy().copy(), ids_PK.numpy().astype(np.int32),
-                                            w_PK.float().numpy().copy()))
-
     def _replaced(self, ids_PK: torch.Tensor, z_PE: torch.Tensor) -> torch.Tensor:
         """``ids_PK`` (the original top-K, descending logit) with the expert at rank ``replace_rank`` replaced by
         a uniformly drawn expert outside the top-K, re-ordered by descending logit."""
@@ -534,47 +435,3 @@ class MoEPatch:
             raise ValueError("router logits contain NaN")
         return torch.from_numpy(cache.select_serve(keys.order_PE, keys.kres_PE, keys.knon_PE,
                                                    z_PE.float().numpy(), self.top_k))
-
-    # -- recording ----------------------------------------------------------------------------------
-
-    def _assemble_rows(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        seqs = []
-        for row in self._rec:
-            if not row[0]:
-                continue
-            per_layer = [(np.concatenate([r.logits_SE for r in calls]), np.concatenate([r.ids_SK for r in calls]),
-                          np.concatenate([r.weights_SK for r in calls])) for calls in row]
-            lengths = {p[0].shape[0] for p in per_layer}
-            if len(lengths) != 1:
-                raise RuntimeError(f"recorded layers saw different token counts {sorted(lengths)}")
-            seqs.append(tuple(np.stack([p[i] for p in per_layer], axis=1) for i in range(3)))
-        return seqs
-
-    def _finish_recording(self) -> None:
-        self._done.extend(self._assemble_rows())
-        self._rec = []
-
-    def trace(self):
-        """A :class:`expertcache.trace.RoutingTrace` of everything recorded so far (finished sequences, then
-        the rows of the current one; one sequence per row per ``new_sequence``), with the router logits,
-        the selected ids (descending weight, -1 = dropped) and their combine weights."""
-        from expertcache.trace import RoutingTrace, TraceMeta
-
-        if not self.record:
-            raise ValueError("nothing recorded: patch the model with record=True")
-        seqs = self._done + self._assemble_rows()
-        n_l, e, k = len(self.layers), self.num_experts, self.top_k
-        if seqs:
-            logits = np.concatenate([sq[0] for sq in seqs]).astype(np.float32)
-            ids = np.concatenate([sq[1] for sq in seqs])
-            weights = np.concatenate([sq[2] for sq in seqs]).astype(np.float32)
-        else:
-            logits, ids, weights = (np.zeros((0, n_l, e), np.float32), np.zeros((0, n_l, k), np.int32),
-                                    np.zeros((0, n_l, k), np.float32))
-        starts = list(np.cumsum([0] + [sq[0].shape[0] for sq in seqs[:-1]]).astype(int)) if seqs else [0]
-        d = self.describe()
-        meta = TraceMeta(model=d["model"] or self.family.model_type, num_experts=e, top_k=k,
-                         renormalize=self.renormalize, num_layers=n_l, scoring=self.family.scoring,
-                         source="live:" + self.family.model_type, layer_ids=[m.layer_id for m in self.layers],
-                         sequence_starts=[int(x) for x in starts], extra={"patch": d})
-        return RoutingTrace(logits_TLE=logits, ids_TLK=ids, meta=meta, weights_TLK=weights)
