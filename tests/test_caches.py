@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -466,3 +468,31 @@ def test_belady_with_fewer_slots_than_k_keeps_the_experts_needed_soonest():
     slow = slow.finish()
     assert fast.misses == slow.misses == 17 <= lru.misses
     assert fast.accesses == slow.accesses == 21 and fast.evictions == slow.evictions
+
+
+# ---------------------------------------------------------------------------------------------
+# each eviction kernel against its rule written out token by token (tests/oracles.py)
+
+
+@pytest.mark.parametrize("kind,gamma", [("lru", None), ("lfu", None), ("gamma", 0.5), ("gamma", 0.0), ("belady", None)])
+def test_eviction_kernels_equal_the_oracles(kind, gamma):
+    import oracles
+
+    rng = np.random.default_rng(11)
+    for n, k, c in [(8, 2, 3), (16, 4, 4), (16, 4, 9), (32, 8, 12)]:
+        steps = [rng.choice(n, k, replace=False, p=np.arange(1, n + 1) / (n * (n + 1) / 2)).tolist()
+                 for _ in range(300)]
+        for s in steps[::7]:
+            s[-1] = -1  # dropped slots
+        cache = build(kind, n, c, steps, gamma)
+        hits = [cache.access_step(s) for s in steps]
+        if kind == "belady":
+            assert cache.stats.misses == oracles.belady_misses(steps, c)
+            continue
+        lru, resident, count, clock, want = [], {}, {}, [0], []
+        for s in steps:
+            if kind == "lru":
+                want.append(oracles.lru_step(lru, s, c))
+            else:
+                want.append(oracles.counting_step(resident, count, clock, s, c, 1.0 if gamma is None else gamma))
+        assert [[h for h, e in zip(hs, s) if e >= 0] for hs, s in zip(hits, steps)] == want

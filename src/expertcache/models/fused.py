@@ -1,8 +1,8 @@
-"""One kernel call per layer call for a cache-aware policy against a live LRU cache (used by the patch).
+"""One kernel call per layer call for a cache-aware policy against a live cache (used by the patch).
 
 For P tokens of one layer, token by token: the policy's keys (:func:`expertcache.routing.kernels.token_keys`),
 the selection against the cache's current residency (:func:`expertcache.routing.kernels.select`) and the
-serving (:func:`expertcache.cache.lru.serve_one`). No decision is made here: this only drives the three
+serving (:func:`expertcache.cache.base.serve_one`). No decision is made here: this only drives the three
 kernels in one loop, so that decoding pays one call overhead per layer instead of several. The combine
 weights of the selection come from the family's torch rule (:mod:`expertcache.models.adapters`), which
 must match transformers bit for bit and so is not repeated in the loop.
@@ -13,18 +13,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from expertcache.cache import LRUCache
-from expertcache.cache import lru as _lru
+from expertcache.cache import ExpertCache
+from expertcache.cache import base as _cache
 from expertcache.compiled import jit
 from expertcache.routing import Router
 from expertcache.routing import kernels as rk
 
 __all__ = ["keyed_serve"]
 
-#: sha256 (first 16 hex digits) of routing/kernels.py + cache/lru.py, whose functions the loop below inlines.
+#: sha256 (first 16 hex digits) of routing/kernels.py + cache/base.py, whose functions the loop below inlines.
 #: numba's on-disk cache only notices edits to *this* file, so an edit there must change this line (a test
 #: checks it); otherwise a stale compiled loop would be loaded.
-_DEPENDS_ON = "6d40c39b4b26b3ac"
+_DEPENDS_ON = "3ab969bf2bc3faf9"
 
 
 def kernel_sources_digest() -> str:
@@ -33,12 +33,12 @@ def kernel_sources_digest() -> str:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    data = (root / "routing" / "kernels.py").read_bytes() + (root / "cache" / "lru.py").read_bytes()
+    data = (root / "routing" / "kernels.py").read_bytes() + (root / "cache" / "base.py").read_bytes()
     return hashlib.sha256(data).hexdigest()[:16]
 
 
 @jit
-def _keyed_serve(zr_PE, z_PE, prob_PE, ip, fp, penalty_PE, allowed_PE, k, out_PK, lru_E, lru_S):
+def _keyed_serve(zr_PE, z_PE, prob_PE, ip, fp, penalty_PE, allowed_PE, k, out_PK, code, st_E, score_E, st_S, pf):
     p_count, e = zr_PE.shape
     order = np.empty(e, np.int64)
     kres = np.empty(e, np.float32)
@@ -47,19 +47,20 @@ def _keyed_serve(zr_PE, z_PE, prob_PE, ip, fp, penalty_PE, allowed_PE, k, out_PK
     bp = np.empty(k, np.int64)
     ids = np.empty(k, np.int64)
     miss_buf = np.empty(k, np.int64)
+    nxt = np.zeros(k, np.int64)
     for p in range(p_count):
         if rk.token_keys(zr_PE[p], prob_PE[min(p, prob_PE.shape[0] - 1)], ip, fp, penalty_PE[0],
                          allowed_PE[min(p, allowed_PE.shape[0] - 1)], order, kres, knon) != rk.OK:
             return p
-        rk.select(order, kres, knon, z_PE[p], k, lru_E[0], bk, bp, ids)
+        rk.select(order, kres, knon, z_PE[p], k, st_E[0], bk, bp, ids)
         for i in range(k):
             out_PK[p, i] = ids[i]
-        _lru.serve_one(ids, k, lru_E, lru_S, miss_buf)
+        _cache.serve_one(ids, k, nxt, code, st_E, score_E, st_S, pf, miss_buf)
     return p_count
 
 
 def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Tensor, allowed_PE: torch.Tensor | None,
-                cache: LRUCache) -> np.ndarray:
+                cache: ExpertCache) -> np.ndarray:
     """Select and serve P tokens of one row in one kernel call: ids int64 [P, K] in descending-logit order.
 
     ``zr_PE``: the ranking values (``Family.ranking``); ``allowed_PE``: the experts the model allows (an
@@ -74,7 +75,7 @@ def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Ten
                         rk._EMPTY_F if probs is None else probs, params.ip, params.fp,
                         rk._EMPTY_F if params.penalty is None else params.penalty,
                         rk._EMPTY_B if allowed_PE is None else allowed_PE.numpy(), router.k, out_PK,
-                        cache.lru_E, cache.lru_S)
+                        cache.code, cache.st_E, cache.score_E, cache.st_S, cache.pf)
     params.store()
     cache._fold()
     if done < zr.shape[0]:

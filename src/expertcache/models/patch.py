@@ -32,12 +32,11 @@ pins them against the token-by-token oracles of ``tests/oracles.py``):
 
 - **Residency-independent calls** (``policy='original'``, or a prefill outside ``scope='generation'``, with
   nothing recorded) return the stock outputs at once and only queue their selections; the queue is served
-  in bulk (one kernel call per layer, :meth:`LRUCache.serve_array`) before anything reads or serves a
+  in bulk (one kernel call per layer, :meth:`ExpertCache.serve_array`) before anything reads or serves a
   cache: ``stats()``, ``caches``, ``row_caches``, ``new_sequence()``, ``reset_caches()`` and the next
   cache-aware call (or after 4096 queued tokens per row and layer).
-- **Cache-aware policies** run steps 1-3 for all P tokens of a row in one kernel call when the cache is LRU
-  (:mod:`expertcache.models.fused`), else ``Router.keys`` + ``ExpertCache.select_serve``; the weights of a
-  changed selection come from the family's torch rule.
+- **Cache-aware policies** run steps 1-3 for all P tokens of a row in one kernel call
+  (:mod:`expertcache.models.fused`); the weights of a changed selection come from the family's torch rule.
 - A decoding step whose policy kept the model's own choice (same ids as the stock router) returns the stock
   weights unchanged.
 
@@ -80,7 +79,7 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, ExpertCache, LRUCache, resolve_capacity
+from expertcache.cache import CacheStats, ExpertCache, resolve_capacity
 from expertcache.models import fused
 from expertcache.models.recording import Recording
 from expertcache.models.streams import CacheStreams
@@ -207,7 +206,7 @@ class MoEPatch(CacheStreams, Recording):
         # the lean per-call path (_route_lean) applies to this configuration
         self._lean_original = routing.policy == "original" and replace_rank is None
         self._lean = (self.capacity is not None and not record and replace_rank is None
-                      and (self._lean_original or (routing.cache_aware and eviction == "lru")))
+                      and (self._lean_original or routing.cache_aware))
         self._install()
 
     # -- installation ---------------------------------------------------------------------------
@@ -428,10 +427,5 @@ class MoEPatch(CacheStreams, Recording):
             if cache is not None:
                 cache.serve_array(ids_PK.numpy())
             return ids_PK
-        if isinstance(cache, LRUCache):  # keys, selection and serving in one kernel call
-            return torch.from_numpy(fused.keyed_serve(self.router, layer, zr_PE, z_PE, allowed_PE, cache))
-        keys = self.router.keys(layer, zr_PE, allowed_PE)
-        if keys is None:
-            raise ValueError("router logits contain NaN")
-        return torch.from_numpy(cache.select_serve(keys.order_PE, keys.kres_PE, keys.knon_PE,
-                                                   z_PE.float().numpy(), self.top_k))
+        # keys, selection and serving in one kernel call
+        return torch.from_numpy(fused.keyed_serve(self.router, layer, zr_PE, z_PE, allowed_PE, cache))
