@@ -65,12 +65,14 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
     the given order, evicting the victim when the cache is full (module docstring). ``nxt[:kk]``: Belady's
     next-request step of each id. ``miss_buf``: scratch of length K."""
     resident_E, stamp_E, loaded_at_E, serving_E = st_E[0], st_E[1], st_E[2], st_E[6]
-    for i in range(kk):
-        if ids[i] >= 0:
-            serving_E[ids[i]] = 1
+    if code != 0:  # LRU needs no marks: the step's experts are its most recent
+        for i in range(kk):
+            if ids[i] >= 0:
+                serving_E[ids[i]] = 1
     clock = st_S[0]
     step = st_S[1] + 1
     n_res = st_S[2]
+    cap = st_S[3]
     if code == 1:  # Count <- γ·Count + r_t, kept scaled by γ^-t
         inc = pf[1]
         if pf[0] == 0.0:
@@ -92,15 +94,18 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
         if e < 0:
             continue
         nvalid += 1
-        if resident_E[e]:
-            if code == 2:
-                score_E[e] = -nxt[i]
-            else:
-                clock += 1
-                stamp_E[e] = clock
+        if resident_E[e]:  # a hit: touched (Belady: its next request is set below)
+            clock += 1
+            stamp_E[e] = clock
         else:
             miss_buf[nmiss] = i
             nmiss += 1
+    if code == 2:  # Belady: the hits' next requests; stamps stay the expert ids (ties: lowest id)
+        for i in range(kk):
+            e = ids[i]
+            if e >= 0 and resident_E[e]:
+                score_E[e] = -nxt[i]
+                stamp_E[e] = e
     st_S[4] += nvalid
     st_S[5] += nvalid - nmiss
     st_S[6] += nmiss
@@ -108,17 +113,25 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
         i = miss_buf[m]
         e = ids[i]
         st_E[5, e] += 1
-        if n_res >= st_S[3]:
+        if n_res >= cap:
             victim = -1
-            outside = False  # whether the victim is outside this step (rule 1)
-            for x in range(resident_E.shape[0]):
-                if resident_E[x]:
-                    out = serving_E[x] == 0
-                    if victim < 0 or (out and not outside) or (out == outside and (
-                            score_E[x] < score_E[victim] or (score_E[x] == score_E[victim]
-                                                             and stamp_E[x] < stamp_E[victim]))):
+            outside = True
+            if code == 0:  # LRU: the least recent resident expert (never one of this step's while C ≥ K)
+                best = clock + 1
+                for x in range(resident_E.shape[0]):
+                    if resident_E[x] and stamp_E[x] < best:
                         victim = x
-                        outside = out
+                        best = stamp_E[x]
+            else:  # the smallest (score, stamp) outside this step; any resident expert when C < K
+                outside = False
+                for x in range(resident_E.shape[0]):
+                    if resident_E[x]:
+                        out = serving_E[x] == 0
+                        if victim < 0 or (out and not outside) or (out == outside and (
+                                score_E[x] < score_E[victim] or (score_E[x] == score_E[victim]
+                                                                 and stamp_E[x] < stamp_E[victim]))):
+                            victim = x
+                            outside = out
             if code == 2 and not outside and -nxt[i] <= score_E[victim]:
                 st_S[9] += 1  # C < K: a transient load (served, then dropped, lifetime 0) keeps the victim
                 st_E[4, e] += 1
@@ -134,20 +147,21 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
         resident_E[e] = 1
         loaded_at_E[e] = step
         n_res += 1
+        clock += 1
+        stamp_E[e] = clock
         if code == 2:
             score_E[e] = -nxt[i]
-        else:
-            clock += 1
-            stamp_E[e] = clock
+            stamp_E[e] = e
     if code != 2 and 0 < nmiss < nvalid:  # rule 3: recency follows the given order
         for i in range(kk):
             e = ids[i]
             if e >= 0 and resident_E[e]:
                 clock += 1
                 stamp_E[e] = clock
-    for i in range(kk):
-        if ids[i] >= 0:
-            serving_E[ids[i]] = 0
+    if code != 0:
+        for i in range(kk):
+            if ids[i] >= 0:
+                serving_E[ids[i]] = 0
     st_S[0] = clock
     st_S[1] = step
     st_S[2] = n_res
@@ -161,8 +175,11 @@ def _serve(ids_PK, nxt_PK, code, st_E, score_E, st_S, pf):
     k = ids_PK.shape[1]
     miss_buf = np.empty(k, np.int64)
     seen = np.zeros(n, np.bool_)
+    nxt = nxt_PK[0]
     for p in range(ids_PK.shape[0]):
         ids = ids_PK[p]
+        if code == 2:
+            nxt = nxt_PK[p]
         bad = False
         for i in range(k):
             e = ids[i]
@@ -175,7 +192,7 @@ def _serve(ids_PK, nxt_PK, code, st_E, score_E, st_S, pf):
                 seen[ids[i]] = False
         if bad:
             return p
-        serve_one(ids, k, nxt_PK[min(p, nxt_PK.shape[0] - 1)], code, st_E, score_E, st_S, pf, miss_buf)
+        serve_one(ids, k, nxt, code, st_E, score_E, st_S, pf, miss_buf)
     return -1
 
 
