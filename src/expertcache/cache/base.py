@@ -246,6 +246,13 @@ class ExpertCache:
     kind = "base"
     code = LRU
 
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        old = [h for h in ("_touch", "_victim", "_on_step_start", "_reorder", "_forget", "_bypass") if h in vars(cls)]
+        if old:  # the per-step hooks are gone: fail loudly instead of silently serving as LRU
+            raise TypeError(f"{cls.__name__} defines {old}: an eviction rule is now a victim score in "
+                            "expertcache.cache.base.serve_one (a new `code`); see docs/ARCHITECTURE.md")
+
     def __init__(self, num_experts: int, capacity: int, *, initial: str | Iterable[int] | None = None,
                  seed: int = 0, expert_bytes: int | Sequence[int] | None = None, gamma: float = 1.0) -> None:
         if num_experts < 1:
