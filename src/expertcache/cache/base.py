@@ -261,6 +261,7 @@ class ExpertCache:
             raise ValueError(f"cache capacity must be between 1 and N={num_experts} experts, got {capacity}")
         self.num_experts = num_experts
         self.capacity = capacity
+        self._unfolded = False  # True while the kernel's counts (st_S, st_E) are not in stats yet
         self.stats = CacheStats(num_experts)
         self._expert_bytes = expert_bytes
         self.st_E = np.zeros((7, num_experts), np.int64)
@@ -311,6 +312,7 @@ class ExpertCache:
                 raise ValueError(f"expert id {e} out of range [0, {self.num_experts})")
         hits = [e >= 0 and bool(resident_E[e]) for e in ids]
         self.serve_array(np.asarray(ids, np.int64).reshape(1, len(ids)))
+        self._fold()
         return hits
 
     def serve(self, steps: Iterable[Sequence[int]]) -> None:
@@ -343,7 +345,7 @@ class ExpertCache:
                 raise ValueError(f"order_by must be [P={ids_PK.shape[0]}, E={n}], got {order_by.shape}")
             ids_PK = np.ascontiguousarray(order_steps(ids_PK, order_by))
         bad = _serve(ids_PK, self._next_steps(ids_PK), self.code, self.st_E, self.score_E, self.st_S, self.pf)
-        self._fold()
+        self._unfolded = True
         if bad >= 0:
             raise ValueError(f"bad step {ids_PK[bad].tolist()}: ids must be distinct and in [0, {n}); "
                              "an expert is requested twice in one step or is out of range")
@@ -365,7 +367,7 @@ class ExpertCache:
         arrays = check_keyed(order_PE, kres_PE, knon_PE, z_PE, k, self.num_experts)
         out_PK = np.empty((arrays[0].shape[0], k), np.int64)
         _select_serve(*arrays, int(k), out_PK, self.code, self.st_E, self.score_E, self.st_S, self.pf)
-        self._fold()
+        self._unfolded = True
         return out_PK
 
     def _next_steps(self, ids_PK: np.ndarray) -> np.ndarray:
@@ -374,9 +376,23 @@ class ExpertCache:
 
     # -- statistics ---------------------------------------------------------------------------
 
+    @property
+    def stats(self) -> CacheStats:
+        """The counters so far (what the kernel counted is moved in on the first read after a kernel call)."""
+        if self._unfolded:
+            self._fold()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: CacheStats) -> None:
+        if self._unfolded:
+            self._fold()
+        self._stats = value
+
     def _fold(self) -> None:
-        """Move what the kernel counted since the last call into ``stats`` (and zero it there)."""
-        s, st = self.st_S, self.stats
+        """Move what the kernel counted since the last fold into ``stats`` (and zero it there)."""
+        self._unfolded = False
+        s, st = self.st_S, self._stats
         accesses, hits, misses, lt_sum, lt_sq, lt_cnt = s[ACCESSES:].tolist()
         step = int(s[STEP])
         st.steps += step - self._folded_step

@@ -24,7 +24,7 @@ __all__ = ["keyed_serve"]
 #: sha256 (first 16 hex digits) of routing/kernels.py + cache/base.py, whose functions the loop below inlines.
 #: numba's on-disk cache only notices edits to *this* file, so an edit there must change this line (a test
 #: checks it); otherwise a stale compiled loop would be loaded.
-_DEPENDS_ON = "8bc76af2fb9c8ca9"
+_DEPENDS_ON = "8d3d10e986d0cf96"
 
 
 def kernel_sources_digest() -> str:
@@ -77,7 +77,7 @@ def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Ten
                         rk._EMPTY_B if allowed_PE is None else allowed_PE.numpy(), router.k, out_PK,
                         cache.code, cache.st_E, cache.score_E, cache.st_S, cache.pf)
     params.store()
-    cache._fold()
+    cache._unfolded = True
     if done < zr.shape[0]:
         raise ValueError("router logits contain NaN")
     return out_PK
