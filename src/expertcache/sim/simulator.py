@@ -233,27 +233,29 @@ def simulate(
                         freq_LE=freq)
         logits = torch.from_numpy(np.asarray(trace.logits_TLE, dtype=np.float32))
         served = np.empty(trace.ids_TLK.shape, dtype=np.int64)
-        totals: list[CacheStats | None] = [None] * trace.num_layers
+        num_layers = trace.num_layers
+        layer_ids = list(range(num_layers))
+        totals: list[CacheStats | None] = [None] * num_layers
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=trace.num_tokens * trace.num_layers, desc=f"simulate {routing.label()}", unit="tok")
+            bar = tqdm(total=trace.num_tokens, desc=f"simulate {routing.label()}", unit="tok")
         for a, b in segments:
-            # layers do not interact open loop: each layer's tokens are selected and served in time order
-            # against its own cache, in one kernel call (Router.keys + select_serve)
-            for layer in range(trace.num_layers):
-                cache = make_cache(eviction, n, cap, initial=initial, seed=seed + layer, gamma=gamma,
-                                   expert_bytes=expert_bytes)
-                z_PE = logits[a:b, layer]
-                keys = router.keys(layer, z_PE)
-                if keys is None:
-                    raise ValueError(f"trace logits at layer {layer} contain NaN")
-                served[a:b, layer] = cache.select_serve(keys.order_PE, keys.kres_PE, keys.knon_PE, z_PE.numpy(), k)
+            caches = [make_cache(eviction, n, cap, initial=initial, seed=seed + layer, gamma=gamma,
+                                 expert_bytes=expert_bytes) for layer in layer_ids]
+            for t in range(a, b):
+                # one call routes token t at every layer (rows = layers, each with its own residency)
+                mask_LE = torch.tensor([c.resident_mask() for c in caches])
+                ids_LK = router.route(layer_ids, logits[t], mask_LE).ids_TK.tolist()
+                for cache, ids in zip(caches, ids_LK):
+                    cache.access_step(ids)
+                served[t] = ids_LK
+                if bar is not None:
+                    bar.update(1)
+            for layer, cache in enumerate(caches):
                 stats = cache.finish()
                 totals[layer] = stats if totals[layer] is None else totals[layer].merge(stats)
-                if bar is not None:
-                    bar.update(b - a)
         if bar is not None:
             bar.close()
         per_layer = totals
