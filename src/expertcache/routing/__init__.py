@@ -1,7 +1,7 @@
 """Cache-aware routing: each policy once, as a kernel (``kernels``); batched torch entry points (``policies``);
-configuration (``config``) and per-layer state (``router``)."""
+configuration and per-layer state (``config``)."""
 
-from expertcache.routing.config import POLICIES, STRENGTH, RoutingConfig
+from expertcache.routing.config import POLICIES, STRENGTH, RankKeys, Router, RoutingConfig
 from expertcache.routing.policies import (
     DeltaAvg,
     Selection,
@@ -15,7 +15,6 @@ from expertcache.routing.policies import (
     topk_rank,
     weights_for,
 )
-from expertcache.routing.router import RankKeys, Router
 
 __all__ = [
     "RankKeys",

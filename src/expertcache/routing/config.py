@@ -1,13 +1,21 @@
 """Routing-policy configuration: the one place where policy names, hyper-parameters and defaults live.
 
-``RoutingConfig`` is plain data (JSON-serialisable with ``asdict``); :class:`expertcache.routing.Router`
-binds it to the per-layer state a policy needs and routes tokens.
+``RoutingConfig`` is plain data (JSON-serialisable with ``asdict``); ``Router`` binds it to the per-layer
+state a policy needs (Δavg running averages for Cache-Prior, frequency profiles for ERAS biasing) and
+routes tokens; every cache-aware decision is made by the policy kernel of :mod:`expertcache.routing.kernels`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+import numpy as np
+import torch
+
+from expertcache.routing import kernels as _rk
+from expertcache.routing.policies import (DeltaAvg, Selection, _check, eras_penalty, prune_rank, scores_from_logits,
+                                          topk_rank, weights_for)
 
 POLICIES = ("original", "prune", "max-rank", "cumsum", "cache-prior", "eras-threshold", "eras-bias")
 
@@ -86,3 +94,163 @@ class RoutingConfig:
         if self.policy == "cache-prior" and self.delta is not None:
             extra += f",delta={self.delta}"
         return f"{self.policy}({name}={getattr(self, name)}{extra})"
+
+
+class KernelParams:
+    """One layer's parameters of the policy kernel (:meth:`Router.kernel_params`): ``ip`` int64 and ``fp``
+    float64 arrays, the ERAS ``penalty`` [1, E] and the running Δavg (``delta``, None when fixed or unused)
+    that ``load()``/``store()`` move into and out of ``fp``."""
+
+    __slots__ = ("ip", "fp", "penalty", "delta", "profile")
+
+    def __init__(self, ip, fp, penalty, delta, profile) -> None:
+        self.ip, self.fp, self.penalty, self.delta, self.profile = ip, fp, penalty, delta, profile
+
+    def load(self) -> None:
+        d = self.delta
+        if d is not None:
+            self.fp[2] = d.total
+            self.fp[3] = d.count
+
+    def store(self) -> None:
+        d = self.delta
+        if d is not None:
+            d.total = float(self.fp[2])
+            d.count = int(self.fp[3])
+
+
+@dataclass(frozen=True)
+class RankKeys:
+    """A cache-aware policy for P tokens in residency-free form (see :meth:`Router.keys`), numpy.
+
+    order_PE int64 [P, E]: experts by descending logit; kres_PE / knon_PE float32 [P, E]: the key of the
+    expert at each rank position if resident / not resident (select the K highest; ties: lower rank)."""
+
+    order_PE: np.ndarray
+    kres_PE: np.ndarray
+    knon_PE: np.ndarray
+
+
+@dataclass
+class Router:
+    """Routes tokens of one model under one :class:`RoutingConfig`, keeping per-layer policy state.
+
+    num_experts: E; k: experts per token; renormalize: whether the model renormalises the top-K weights;
+    scoring: 'softmax' or 'sigmoid'. ``freq_LE`` (ERAS biasing) is a [L, E] activation-frequency profile.
+    """
+
+    config: RoutingConfig
+    num_experts: int
+    k: int
+    renormalize: bool
+    scoring: str = "softmax"
+    freq_LE: torch.Tensor | None = None
+    deltas: dict[int, DeltaAvg] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k <= self.num_experts:
+            raise ValueError(f"K must be in [1, E={self.num_experts}], got K={self.k}")
+        if self.config.top_j > self.k:
+            raise ValueError(f"top-J={self.config.top_j} exceeds K={self.k}")
+        if self.config.policy == "eras-bias" and self.freq_LE is None:
+            raise ValueError("eras-bias needs an activation-frequency profile (freq_LE); "
+                             "build one from a trace with expertcache.sim.activation_frequency")
+        self._params: dict[tuple, KernelParams] = {}
+
+    def delta_for(self, layer: int) -> DeltaAvg:
+        if layer not in self.deltas:
+            self.deltas[layer] = DeltaAvg(fixed=self.config.delta)
+        return self.deltas[layer]
+
+    def rank(self, layer: int | list[int], z_TE: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
+        """The selected ids [T, K] (-1 = dropped). ``resident`` is bool [E] or [T, E]; ``None`` means nothing
+        is resident. Cache-Prior with a running Δavg ranks token t with the average over tokens up to t.
+
+        ``layer`` is the layer of all T rows, or a list of T layer ids (one per row: e.g. one token at
+        every layer, for the simulator); per-layer state (Δavg, ERAS profiles) follows the rows.
+        """
+        c = self.config
+        if z_TE.shape[-1] != self.num_experts:
+            raise ValueError(f"layer {layer}: logits have {z_TE.shape[-1]} experts, expected {self.num_experts}")
+        if resident is None:
+            resident = torch.zeros(self.num_experts, dtype=torch.bool, device=z_TE.device)
+        rows = isinstance(layer, (list, tuple))
+        if rows and len(layer) != z_TE.shape[0]:
+            raise ValueError(f"{len(layer)} layer ids for {z_TE.shape[0]} rows")
+        if c.policy == "original":
+            return topk_rank(z_TE, self.k)
+        if c.policy == "prune":
+            return prune_rank(z_TE, self.k, self.k if c.h is None else c.h)
+        _check(z_TE, self.k, resident)
+        if not rows:
+            return self._rank(layer, z_TE, resident)
+        res_TE = resident.expand_as(z_TE)
+        return torch.cat([self._rank(l, z_TE[t:t + 1], res_TE[t:t + 1]) for t, l in enumerate(layer)])
+
+    def _rank(self, layer: int, z_TE: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+        params = self.kernel_params(layer)
+        z = z_TE.detach().to("cpu", torch.float32)
+        params.load()
+        _, _, _, _, ids_TK = _rk.rank(z.numpy(), params.ip, params.fp, self.k, resident_PE=resident.cpu().numpy(),
+                                      prob_PE=self.probs(z), penalty_PE=params.penalty)
+        params.store()
+        return torch.from_numpy(ids_TK).to(z_TE.device)
+
+    def probs(self, z_TE: torch.Tensor) -> np.ndarray | None:
+        """The router probabilities the policy's keys read (cumsum, ERAS thresholding), float32 numpy; else None."""
+        if self.config.policy not in _rk.NEEDS_PROBS:
+            return None
+        return scores_from_logits(z_TE, self.scoring).numpy()
+
+    def keys(self, layer: int, z_PE: torch.Tensor, allowed_PE: torch.Tensor | None = None) -> RankKeys | None:
+        """A cache-aware policy for P consecutive tokens of one layer in residency-free form, for selecting
+        against a cache that changes between the tokens (:meth:`expertcache.cache.ExpertCache.select_serve`).
+
+        Per token: ``order`` = the experts by descending logit (stable), and the key each expert would have
+        if resident (``kres``) or not (``knon``), in rank order; the policy selects the K highest keys (ties:
+        lower rank first). Top-J positions get ``kres`` either way. ``allowed_PE`` (bool [P, E]) marks experts
+        the model allows (DeepSeek group limits): a disallowed expert is treated as not resident. Cache-Prior
+        with a running Δavg sees token p's Δavg after tokens 0..p, and this call advances it by P tokens.
+        Returns None (nothing changed) for a residency-independent policy or a NaN logit.
+        """
+        if not self.config.cache_aware or z_PE.dim() != 2 or z_PE.shape[1] != self.num_experts:
+            return None
+        params = self.kernel_params(layer, allowed=allowed_PE is not None)
+        z = z_PE.detach().to("cpu", torch.float32)
+        params.load()
+        bad, order, kres, knon, _ = _rk.rank(z.numpy(), params.ip, params.fp, 0, prob_PE=self.probs(z),
+                                             penalty_PE=params.penalty,
+                                             allowed_PE=None if allowed_PE is None else allowed_PE.numpy())
+        if bad >= 0:
+            return None
+        params.store()
+        return RankKeys(order, kres, knon)
+
+    def kernel_params(self, layer: int, *, allowed: bool = False) -> KernelParams | None:
+        """The parameters of :func:`expertcache.routing.kernels.token_keys` at ``layer`` (built once per layer
+        and kept; call ``load()`` before and ``store()`` after each kernel call, which move the running Δavg in
+        and out), or None for a residency-independent policy. ``allowed``: an allowed-experts mask comes with
+        the logits."""
+        c = self.config
+        if not c.cache_aware:
+            return None
+        key = (layer, allowed)
+        params = self._params.get(key)
+        if params is None or params.profile is not self.freq_LE:  # a new ERAS profile rebuilds
+            d = self.delta_for(layer) if c.policy == "cache-prior" else None
+            strength = {"cache-prior": c.lam, "cumsum": c.p, "eras-threshold": c.alpha}.get(c.policy, 0.0)
+            ip, fp = _rk.pack(c.policy, min(c.top_j, self.k), m=min(c.m, self.num_experts), strength=strength,
+                              fixed=None if d is None else d.fixed, allowed=allowed)
+            penalty = None
+            if c.policy == "eras-bias":
+                penalty = eras_penalty(c.beta, self.freq_LE[layer]).numpy().reshape(1, -1)
+            params = self._params[key] = KernelParams(ip, fp, penalty, None if d is None or d.fixed is not None
+                                                      else d, self.freq_LE)
+        return params
+
+    def route(self, layer: int | list[int], z_TE: torch.Tensor, resident: torch.Tensor | None) -> Selection:
+        """Select and weight experts for T tokens of one layer (or one row per layer, see ``rank``);
+        weights come from the unmodified logits."""
+        ids_TK = self.rank(layer, z_TE, resident)
+        return weights_for(ids_TK, z_TE, renormalize=self.renormalize, scoring=self.scoring,
+                           dropped=self.config.policy == "prune" and (self.config.h or self.k) < self.k)
