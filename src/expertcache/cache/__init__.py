@@ -1,9 +1,9 @@
 """Per-layer expert caches (no torch): the step protocol (``base``), one module per eviction rule (``lru``,
 ``lfu``, ``gamma``, ``belady``), statistics (``stats``) and the registry (``caches.make_cache``)."""
 
-from expertcache.cache.base import ExpertCache, resolve_capacity
+from expertcache.cache.base import ExpertCache
 from expertcache.cache.belady import BeladyCache
-from expertcache.cache.caches import EVICTION_POLICIES, make_cache
+from expertcache.cache.caches import EVICTION_POLICIES, make_cache, resolve_capacity
 from expertcache.cache.gamma import GammaCache
 from expertcache.cache.lfu import LFUCache
 from expertcache.cache.lru import LRUCache

@@ -52,7 +52,7 @@ from expertcache.compiled import jit as _jit
 from expertcache.compiled import jit_inline as _jit_inline
 from expertcache.routing.kernels import select
 
-__all__ = ["ExpertCache", "resolve_capacity", "initial_set", "order_steps", "check_keyed", "serve_one"]
+__all__ = ["ExpertCache", "initial_set", "order_steps", "check_keyed", "serve_one"]
 
 RESIDENT, STAMP, LOADED_AT, LT_SUM, LT_CNT, LOADS, SERVING = range(7)
 CLOCK, STEP, N_RES, CAP, ACCESSES, HITS, MISSES, LIFETIME_SUM, LIFETIME_SUMSQ, LIFETIMES = range(10)
@@ -211,27 +211,6 @@ def _select_serve(order_PE, kres_PE, knon_PE, z_PE, k, out_PK, code, st_E, score
 
 
 _NO_NEXT = np.zeros((1, 1), np.int64)
-
-
-def resolve_capacity(spec: float | int | str, num_experts: int) -> int:
-    """Cache capacity C from an integer count (``16``) or a fraction of N (``0.5``; rounded, at least 1).
-
-    Raises ValueError for C < 1 or C > N.
-    """
-    text = str(spec).strip()
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"capacity must be an expert count or a fraction of N, got {spec!r}") from None
-    if "." in text or (0 < value < 1):
-        if not 0 < value <= 1:
-            raise ValueError(f"capacity fraction must be in (0, 1], got {spec!r}")
-        capacity = max(1, round(value * num_experts))
-    else:
-        capacity = int(value)
-    if not 1 <= capacity <= num_experts:
-        raise ValueError(f"cache capacity must be between 1 and N={num_experts} experts, got {capacity}")
-    return capacity
 
 
 class ExpertCache:

@@ -1,4 +1,4 @@
-"""The eviction-policy registry: :func:`make_cache` builds one layer's cache by name."""
+"""The eviction-policy registry: :func:`make_cache` builds one layer's cache by name; :func:`resolve_capacity`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,30 @@ from expertcache.cache.gamma import GammaCache
 from expertcache.cache.lfu import LFUCache
 from expertcache.cache.lru import LRUCache
 
-__all__ = ["EVICTION_POLICIES", "make_cache"]
+__all__ = ["EVICTION_POLICIES", "make_cache", "resolve_capacity"]
 
 EVICTION_POLICIES = ("lru", "lfu", "gamma", "belady")
+
+
+def resolve_capacity(spec: float | int | str, num_experts: int) -> int:
+    """Cache capacity C from an integer count (``16``) or a fraction of N (``0.5``; rounded, at least 1).
+
+    Raises ValueError for C < 1 or C > N.
+    """
+    text = str(spec).strip()
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"capacity must be an expert count or a fraction of N, got {spec!r}") from None
+    if "." in text or (0 < value < 1):
+        if not 0 < value <= 1:
+            raise ValueError(f"capacity fraction must be in (0, 1], got {spec!r}")
+        capacity = max(1, round(value * num_experts))
+    else:
+        capacity = int(value)
+    if not 1 <= capacity <= num_experts:
+        raise ValueError(f"cache capacity must be between 1 and N={num_experts} experts, got {capacity}")
+    return capacity
 
 
 def make_cache(
