@@ -46,10 +46,10 @@ VARIANTS = {
     "original": RoutingConfig("original"),
     "cache-prior": RoutingConfig("cache-prior", lam=0.5, top_j=1),
 }
-#: --python-loops adds this variant: Cache-Prior with the compiled (numba) loops switched off -- keyed selection in
-#: numpy and Python, serving in Python -- to measure what the compiled loops save in the same run.
+#: --python-loops adds this variant name; since the kernels have one source (compiled or not at import, see
+#: expertcache.compiled), it equals 'cache-prior' in-process: run the benchmark with EXPERTCACHE_NO_NUMBA=1 instead.
 TORCH_ROUTER = "cache-prior-python"
-_SWITCHES = ("expertcache.models.fused", "expertcache.cache.kernels", "expertcache.routing.kernels")
+_SWITCHES = ()
 
 
 class _variant:

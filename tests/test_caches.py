@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -471,3 +473,67 @@ def test_belady_with_fewer_slots_than_k_keeps_the_experts_needed_soonest():
     slow = slow.finish()
     assert fast.misses == slow.misses == 17 <= lru.misses
     assert fast.accesses == slow.accesses == 21 and fast.evictions == slow.evictions
+
+
+# ---------------------------------------------------------------------------------------------
+# each eviction kernel against its rule written out token by token (tests/oracles.py)
+
+
+@pytest.mark.parametrize("kind,gamma", [("lru", None), ("lfu", None), ("gamma-admit", 0.5), ("gamma-admit", 0.9),
+                                        ("gamma-admit", 0.0), ("belady", None)])
+def test_eviction_kernels_equal_the_oracles(kind, gamma):
+    import oracles
+
+    rng = np.random.default_rng(11)
+    for n, k, c in [(8, 2, 3), (16, 4, 4), (16, 4, 9), (32, 8, 12)]:
+        steps = [rng.choice(n, k, replace=False, p=np.arange(1, n + 1) / (n * (n + 1) / 2)).tolist()
+                 for _ in range(300)]
+        for s in steps[::7]:
+            s[-1] = -1  # dropped slots
+        cache = build(kind, n, c, steps, gamma)
+        hits = [cache.access_step(s) for s in steps]
+        if kind == "belady":
+            assert cache.stats.misses == oracles.belady_misses(steps, c)
+            continue
+        lru, resident, count, clock, want = [], {}, {}, [0], []
+        for s in steps:
+            if kind == "lru":
+                want.append(oracles.lru_step(lru, s, c))
+            else:
+                want.append(oracles.counting_step(resident, count, clock, s, c, 1.0 if gamma is None else gamma))
+        assert [[h for h, e in zip(hs, s) if e >= 0] for hs, s in zip(hits, steps)] == want
+
+
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 0.8, 0.95, 1.0])
+@pytest.mark.parametrize("initial", [None, "random"])
+def test_discounted_kernel_equals_the_oracle(gamma, initial):
+    """004 Def. C.1 through the one step kernel (code DISCOUNTED) vs Top-C(Count) of resident ∪ requested
+    written out step by step: hits, residency, transient loads, counts; also C < K, dropped slots and the
+    bulk entry point (serve_array) against access_step."""
+    import oracles
+
+    rng = np.random.default_rng(5)
+    for n, k, c in [(8, 2, 3), (16, 4, 4), (16, 4, 9), (32, 8, 12), (16, 6, 4)]:
+        steps = [rng.choice(n, k, replace=False, p=np.arange(1, n + 1) / (n * (n + 1) / 2)).tolist()
+                 for _ in range(200)]
+        for s in steps[::7]:
+            s[-1] = -1
+        cache = make_cache("gamma", n, c, gamma=gamma, initial=initial, seed=3)
+        bulk = make_cache("gamma", n, c, gamma=gamma, initial=initial, seed=3)
+        resident = set(cache.resident())
+        count = cache.counts()
+        assert sum(count) == pytest.approx(c)
+        last = {e: i + 1 for i, e in enumerate(sorted(resident))}
+        clock, transient = [len(resident)], 0
+        for s in steps:
+            got = cache.access_step(s)
+            want, tr = oracles.discounted_step(resident, count, last, clock, s, c, gamma)
+            transient += tr
+            assert [h for h, e in zip(got, s) if e >= 0] == want
+            assert cache.resident() == resident
+        assert cache.counts() == pytest.approx(count, rel=1e-9, abs=1e-12)
+        bulk.serve_array(np.asarray(steps))
+        a, b = cache.finish(), bulk.finish()
+        assert a.__dict__ == b.__dict__ and bulk.resident() == resident
+        if gamma > 0.5 and c >= k:  # above γ = 1/2 a low-count miss can stay out (below, C.1 admits always)
+            assert transient > 0

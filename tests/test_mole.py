@@ -40,7 +40,7 @@ def _ids(batch=3, t=12, seed=0, vocab=8192):
 
 @pytest.fixture(scope="module")
 def table_fp32(runs):
-    from expertcache.mole.table import export_table
+    from expertcache.mole.export import export_table
 
     return export_table(runs / "mole" / "model", runs / "table-fp32", quant="none", dtype="float32")
 
@@ -97,7 +97,7 @@ def test_table_logits_equal_training_form(runs, table_fp32, read_mode):
 
 def test_quantised_tables_are_close_and_smaller(runs, table_fp32):
     from expertcache.mole.modeling import load_table_model
-    from expertcache.mole.table import export_table
+    from expertcache.mole.export import export_table
 
     ref = load_table_model(table_fp32)
     x = _ids(batch=2, t=16, seed=1)
@@ -116,7 +116,7 @@ def test_quantised_tables_are_close_and_smaller(runs, table_fp32):
 
 
 def test_export_refuses_non_mole_and_replaces_atomically(runs, table_fp32, tmp_path):
-    from expertcache.mole.table import export_table
+    from expertcache.mole.export import export_table
 
     with pytest.raises(ValueError, match="not a training-form MoLE"):
         export_table(runs / "dense" / "model", tmp_path / "t")

@@ -359,6 +359,8 @@ def rss():
 path, io, c, p = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 with torch.device("meta"):  # import the modeling code first: importing it is not the run's memory
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+from expertcache.cache import make_cache  # nor is loading the compiled cache kernels (numba, LLVM)
+make_cache("lru", 8, 2).access_step([0, 1])
 r0 = rss()
 rt = OffloadedModel.from_pretrained(path, OffloadConfig(io=io, capacity=c, readers=3, prefetch=p, context=64),
                                     dtype=torch.float32)

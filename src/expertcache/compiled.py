@@ -1,4 +1,4 @@
-"""The optional numba backend of the compiled loops (:mod:`expertcache.cache.kernels`,
+"""The optional numba backend of the compiled loops (:mod:`expertcache.cache.lru`,
 :mod:`expertcache.routing.kernels`, :mod:`expertcache.models.fused`), in one place.
 
 ``AVAILABLE`` is False when numba is not installed or ``EXPERTCACHE_NO_NUMBA`` is set (to anything but

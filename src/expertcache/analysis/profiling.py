@@ -6,7 +6,7 @@ Letter legend: T tokens, L MoE layers, E experts (N in the papers), K experts se
 largest batch size studied, F = L·E (one feature per expert of every layer).
 
 - :func:`activation_rate` -- [L, E] share of tokens whose top-K at layer l contains expert e (rows sum to K).
-- :func:`activation_frequency` -- [L, E] share of a layer's selections that go to e (rows sum to 1; uniform
+- :func:`activation_frequency` (:mod:`expertcache.sim`) -- [L, E] share of a layer's selections that go to e (rows sum to 1; uniform
   routing gives 1/E). This is 003 Fig. 3's per-layer normalisation and the ERAS-biasing profile ``freq``.
 - :func:`router_signal` -- [T, L, E] per-token router probabilities (softmax over E, or sigmoid for
   sigmoid-scored models) or 0/1 selection indicators: the variables correlated below.
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from expertcache.sim.simulator import check_selections
+from expertcache.sim.simulator import activation_frequency, check_selections
 
 __all__ = ["activation_rate", "activation_frequency", "router_signal", "expert_correlation",
            "layer_correlation", "top_pairs", "distinct_experts", "uniform_distinct", "summarize"]
@@ -58,15 +58,6 @@ def activation_rate(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """
     t = np.asarray(ids_TLK).shape[0]
     return _counts_LE(ids_TLK, num_experts) / max(t, 1)
-
-
-def activation_frequency(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
-    """[L, E] float32: the normalised activation frequency of 003 Sec. III-A / Fig. 3 -- the share of the
-    selections at layer l that go to expert e. Rows sum to 1 (an all-dropped layer is all 0); uniform
-    routing gives 1/E. Equal to :func:`expertcache.sim.activation_frequency` (the ERAS-biasing profile)."""
-    counts = _counts_LE(ids_TLK, num_experts).astype(np.float64)
-    totals = counts.sum(axis=1, keepdims=True)
-    return (counts / np.where(totals == 0, 1, totals)).astype(np.float32)
 
 
 def router_signal(logits_TLE: np.ndarray, ids_TLK: np.ndarray | None = None, *, signal: str = "probs",

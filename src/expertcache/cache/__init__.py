@@ -1,18 +1,15 @@
-"""Per-layer expert caches (plain Python, no torch): LRU, LFU, γ-discounted (004's Definition C.1 ``gamma`` and
-the always-admitting ``gamma-admit``) and Belady, with statistics."""
+"""Per-layer expert caches (no torch): the step protocol (``base``), one module per eviction rule (``lru``,
+``lfu``, ``gamma`` -- the always-admitting ``gamma-admit`` --, ``discounted`` -- 004's Definition C.1 γ cache,
+registry name ``gamma`` --, ``belady``), statistics (``stats``) and the registry (``caches.make_cache``)."""
 
-from expertcache.cache.caches import (
-    EVICTION_POLICIES,
-    BeladyCache,
-    CacheStats,
-    ExpertCache,
-    GammaCache,
-    LFUCache,
-    LRUCache,
-    make_cache,
-    resolve_capacity,
-)
+from expertcache.cache.base import ExpertCache
+from expertcache.cache.belady import BeladyCache
+from expertcache.cache.caches import EVICTION_POLICIES, make_cache, resolve_capacity
 from expertcache.cache.discounted import DiscountedCache
+from expertcache.cache.gamma import GammaCache
+from expertcache.cache.lfu import LFUCache
+from expertcache.cache.lru import LRUCache
+from expertcache.cache.stats import CacheStats
 
 __all__ = [
     "EVICTION_POLICIES", "BeladyCache", "CacheStats", "DiscountedCache", "ExpertCache", "GammaCache", "LFUCache",

@@ -23,14 +23,17 @@ C/|S| and makes them resident; no initial set gives the uniform vector C/N and a
 phase": while fewer than C experts are resident every requested expert is admitted).
 
 Counts are stored scaled by γ^-t (one multiply per request instead of N per step), rescaled before they
-overflow; γ = 0 keeps only the current step's requests.
+overflow; γ = 0 keeps only the current step's requests. The rule is code ``DISCOUNTED`` of the one step kernel
+:func:`expertcache.cache.base.serve_one` (a missing expert is admitted iff it ranks above the resident set's
+smallest (count, was resident, stamp); the streaming Top-C equals Top-C of resident ∪ requested), so
+``access_step``, ``serve_array``, ``select_serve`` and the patch's fused loop all run it.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
-from expertcache.cache.caches import ExpertCache
+from expertcache.cache.base import DISCOUNTED, RESIDENT, ExpertCache
 
 __all__ = ["DiscountedCache"]
 
@@ -39,93 +42,21 @@ class DiscountedCache(ExpertCache):
     """004 Definition C.1 γ cache (see the module docstring). Registry name ``gamma``."""
 
     kind = "gamma"
+    code = DISCOUNTED
 
     def __init__(self, num_experts: int, capacity: int, *, gamma: float = 0.9,
                  initial: str | Iterable[int] | None = None, **kw) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"γ must be in [0, 1], got {gamma}")
         self.gamma = float(gamma)
-        self._scale = 1.0  # stored count = Count · _scale  (_scale = γ^-t, rescaled)
-        self._count: list[float] = [0.0] * num_experts
-        self._stamp: list[int] = [0] * num_experts  # recency of the last request (0: never requested)
-        self._clock = 0
-        super().__init__(num_experts, capacity, initial=initial, **kw)
-        resident = list(self._loaded_at)
-        if resident:
-            for e in resident:  # earlier ids of the initial set: less recent (LRU's order)
-                self._count[e] = capacity / len(resident)
-                self._clock += 1
-                self._stamp[e] = self._clock
-        else:
-            self._count = [capacity / num_experts] * num_experts
-
-    # -- public -----------------------------------------------------------------------------------
+        super().__init__(num_experts, capacity, initial=initial, gamma=self.gamma, **kw)
+        resident = self.st_E[RESIDENT].astype(bool)
+        n_res = int(resident.sum())
+        if n_res:  # ‖Count‖₁ = C over the initial set (its stamps: the given order, as LRU's)
+            self.score_E[resident] = capacity / n_res
+        else:  # the uniform vector C/N, empty cache (cache-fill phase)
+            self.score_E[:] = capacity / num_experts
 
     def counts(self) -> list[float]:
         """The discounted counts Count (unscaled), one per expert."""
-        s = self._scale
-        return [c / s for c in self._count]
-
-    def access_step(self, ids: Sequence[int]) -> list[bool]:
-        self._step += 1
-        st = self.stats
-        st.steps += 1
-        n = self.num_experts
-        valid = [e for e in ids if e >= 0]
-        if len(set(valid)) != len(valid):
-            raise ValueError(f"an expert is requested twice in one step: {list(ids)}")
-        for e in valid:
-            if e >= n:
-                raise ValueError(f"expert id {e} out of range [0, {n})")
-        loaded = self._loaded_at
-        hits = [e in loaded for e in ids]
-        # Count ← γ·Count + r  (stored scaled: add γ^-t instead of decaying everything)
-        g = self.gamma
-        count = self._count
-        if g == 0.0:
-            for e in range(n):
-                count[e] = 0.0
-            inc = 1.0
-        else:
-            if g < 1.0:
-                self._scale /= g
-                if self._scale > 1e200:  # rescale; relative order unchanged
-                    self._count = count = [c / self._scale for c in count]
-                    self._scale = 1.0
-            inc = self._scale
-        for e in valid:
-            count[e] += inc
-            self._clock += 1
-            self._stamp[e] = self._clock
-        st.accesses += len(valid)
-        st.hits += sum(1 for e, h in zip(ids, hits) if h and e >= 0)
-        misses = [e for e, h in zip(ids, hits) if e >= 0 and not h]
-        if not misses:
-            return hits
-        # resident ← Top-C(Count) over the candidates (resident ∪ requested: Remark C.2's lazy update)
-        cand = list(dict.fromkeys([*loaded, *valid]))
-        if len(cand) > self.capacity:
-            stamp = self._stamp
-            cand.sort(key=lambda e: (count[e], e in loaded, stamp[e]), reverse=True)
-            keep = set(cand[: self.capacity])
-        else:
-            keep = set(cand)
-        for e in [e for e in loaded if e not in keep]:
-            self._evict(e)
-        for e in misses:
-            st.misses += 1
-            self._charge(e)
-            if e in keep:
-                self._insert(e)
-            else:  # transient load: served, not admitted
-                st.evictions += 1
-                st._close(e, 0)
-        return hits
-
-    # -- ExpertCache hooks (unused by the overridden access_step, kept for the base protocol) ----
-
-    def _touch(self, e: int) -> None:
-        pass
-
-    def _victim(self) -> int:  # pragma: no cover - access_step never asks for a victim
-        raise NotImplementedError
+        return (self.score_E / self.pf[1]).tolist()

@@ -131,7 +131,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from expertcache.cli.common import check_output_path
-    from expertcache.mole.table import TableSpec, export_table
+    from expertcache.mole.export import export_table
+    from expertcache.mole.table import TableSpec
 
     check_output_path(args.out, "--out", directory=True)
     apply_threads(args, args.model_dir)

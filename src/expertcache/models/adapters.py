@@ -64,19 +64,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from expertcache.cache.base import order_steps
+
 __all__ = ["Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "family_for", "MoELayer", "find_moe_layers",
            "order_by_logits", "ranks_logits"]
 
 
 def order_by_logits(ids_TK: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
-    """``ids_TK`` sorted by descending logit ``z_TE`` (stable; -1 slots last). Every supported model's
-    combine weight is monotone in its own logit, so this is the descending-weight order the caches
-    need (001 Sec. 4.2: the higher-weight expert is evicted first)."""
-    valid_TK = ids_TK >= 0
-    key_TK = torch.where(valid_TK, z_TE.float().gather(1, ids_TK.clamp(min=0)),
-                         torch.full((), float("-inf")))
-    order_TK = torch.sort(key_TK, dim=1, descending=True, stable=True).indices
-    return ids_TK.gather(1, order_TK)
+    """``ids_TK`` sorted by descending logit ``z_TE`` (stable; -1 slots last; :func:`expertcache.cache.base.
+    order_steps`). Every supported model's combine weight is monotone in its own logit, so this is the
+    descending-weight order the caches need (001 Sec. 4.2: the higher-weight expert is evicted first)."""
+    ids = order_steps(ids_TK.detach().cpu().numpy(), z_TE.detach().float().cpu().numpy())
+    return torch.from_numpy(np.ascontiguousarray(ids)).to(ids_TK.device)
 
 
 def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
@@ -88,7 +87,7 @@ def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor
 def _restrict(zr_TE: torch.Tensor, allowed_TE: torch.Tensor) -> torch.Tensor:
     """Push experts outside the allowed set just below the lowest allowed value of their token, so every
     ranking puts them last while the per-token range (Cache-Prior's Δ) stays that of the allowed set.
-    float32 throughout; :func:`expertcache.routing.kernels.token_keys` repeats it bit for bit (tested)."""
+    float32 throughout."""
     zr_TE = zr_TE.float()
     big = torch.finfo(zr_TE.dtype).max
     lo_T = torch.where(allowed_TE, zr_TE, torch.full((), big)).amin(dim=1, keepdim=True)
@@ -122,14 +121,6 @@ class Family:
     expected_moe_layers: Callable[[object], list[int]]
     unsupported_policies: Callable[[nn.Module], dict[str, str]] = lambda router: {}
     note: str = ""
-    #: ``weights`` as arithmetic the compiled loop can do (:mod:`expertcache.models.fused`): ``(scoring, renorm,
-    #: scale, eps)`` meaning w = score(z)[ids], divided by (sum + eps) iff renorm, times scale (scoring
-    #: 'sparsemixer': PhiMoE's rule, eps = its float32 threshold); None = not expressible (the torch rule is
-    #: used). Must equal ``weights`` up to float rounding (tested).
-    weight_rule: Callable[[nn.Module], tuple[str, bool, float, float] | None] = lambda router: None
-    #: ``ranking`` before the restriction to the allowed experts: ``(values, allowed or None)``, for the
-    #: compiled loop, which restricts itself (None: ``ranking`` never restricts)
-    ranking_parts: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
 
 # -- rank inputs ---------------------------------------------------------------------------------
@@ -143,11 +134,6 @@ def _rank_logits(router: nn.Module, z_TE: torch.Tensor):
 def _rank_deepseek_v2(router: nn.Module, z_TE: torch.Tensor):
     """'greedy' (V2-Lite): top-K of softmax = top-K of logits. 'group_limited_greedy': only experts of the
     ``topk_group`` groups with the highest max-score are allowed (the model's own group choice)."""
-    return _restricted(*_rank_parts_deepseek_v2(router, z_TE))
-
-
-def _rank_parts_deepseek_v2(router: nn.Module, z_TE: torch.Tensor):
-    """:func:`_rank_deepseek_v2` before :func:`_restrict`: (values, allowed or None)."""
     if router.topk_method == "greedy" or not _group_limited(router):
         return z_TE, None
     if router.topk_method != "group_limited_greedy":
@@ -155,14 +141,7 @@ def _rank_parts_deepseek_v2(router: nn.Module, z_TE: torch.Tensor):
     scores_TE = z_TE.float().softmax(dim=-1)
     g = router.num_group
     group_scores_TG = scores_TE.view(-1, g, router.num_experts // g).max(dim=-1).values
-    return z_TE.float(), _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts)
-
-
-def _rank_deepseek_v3(router: nn.Module, z_TE: torch.Tensor):
-    """The model ranks ``sigmoid(z) + e_score_correction_bias`` within its top ``topk_group`` groups (group
-    score = sum of the two best biased scores). With a zero bias and no group limit this is the same
-    order as the logits, which are then ranked directly."""
-    return _restricted(*_rank_parts_deepseek_v3(router, z_TE))
+    return _restricted(z_TE.float(), _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts))
 
 
 _BIAS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -180,8 +159,10 @@ def _correction_bias(router: nn.Module, device: torch.device) -> tuple[torch.Ten
     return hit[1], hit[2]
 
 
-def _rank_parts_deepseek_v3(router: nn.Module, z_TE: torch.Tensor):
-    """:func:`_rank_deepseek_v3` before :func:`_restrict`: (values, allowed or None)."""
+def _rank_deepseek_v3(router: nn.Module, z_TE: torch.Tensor):
+    """The model ranks ``sigmoid(z) + e_score_correction_bias`` within its top ``topk_group`` groups (group
+    score = sum of the two best biased scores). With a zero bias and no group limit this is the same
+    order as the logits, which are then ranked directly."""
     bias_E, any_bias = _correction_bias(router, z_TE.device)
     if not _group_limited(router) and not any_bias:
         return z_TE, None
@@ -190,7 +171,7 @@ def _rank_parts_deepseek_v3(router: nn.Module, z_TE: torch.Tensor):
         return choice_TE, None
     g = router.num_group
     group_scores_TG = choice_TE.view(-1, g, router.num_experts // g).topk(2, dim=-1)[0].sum(dim=-1)
-    return choice_TE, _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts)
+    return _restricted(choice_TE, _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts))
 
 
 def _restricted(values_TE: torch.Tensor, allowed_TE: torch.Tensor | None):
@@ -320,39 +301,29 @@ FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in [
         Family("olmoe", "gate", "OlmoeTopKRouter", "OlmoeSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers,
-               weight_rule=lambda r: ("softmax", _renorm_softmax(r), 1.0, 0.0)),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers),
         Family("mixtral", "gate", "MixtralTopKRouter", "MixtralSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers,
-               weight_rule=lambda r: ("softmax", _renorm_softmax(r), 1.0, 0.0)),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers),
         Family("qwen2_moe", "gate", "Qwen2MoeTopKRouter", "Qwen2MoeSparseMoeBlock", "softmax",
                _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers,
-               note="the gated shared expert is outside the router seam: never cached or re-routed",
-               weight_rule=lambda r: ("softmax", _renorm_softmax(r), 1.0, 0.0)),
+               note="the gated shared expert is outside the router seam: never cached or re-routed"),
         Family("qwen3_moe", "gate", "Qwen3MoeTopKRouter", "Qwen3MoeSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers,
-               weight_rule=lambda r: ("softmax", _renorm_softmax(r), 1.0, 0.0)),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers),
         Family("deepseek_v2", "gate", "DeepseekV2TopkRouter", "DeepseekV2Moe", "softmax",
                lambda r: False, _weights_deepseek_v2, _rank_deepseek_v2, _deepseek_layers,
                _deepseek_v2_unsupported,
-               note="shared experts never cached; leading dense layers (first_k_dense_replace) skipped",
-               ranking_parts=_rank_parts_deepseek_v2,
-               weight_rule=lambda r: ("softmax", False, float(r.routed_scaling_factor), 0.0)),
+               note="shared experts never cached; leading dense layers (first_k_dense_replace) skipped"),
         Family("deepseek_v3", "gate", "DeepseekV3TopkRouter", "DeepseekV3MoE", "sigmoid",
                lambda r: bool(r.norm_topk_prob), _weights_deepseek_v3, _rank_deepseek_v3, _deepseek_layers,
                _deepseek_v3_unsupported,
-               ranking_parts=_rank_parts_deepseek_v3,
                note="policies rank sigmoid(z)+e_score_correction_bias within the model's top groups; "
-                    "weights from the unbiased sigmoid scores",
-               weight_rule=lambda r: ("sigmoid", bool(r.norm_topk_prob), float(r.routed_scaling_factor), 1e-20)),
+                    "weights from the unbiased sigmoid scores"),
         Family("phimoe", "router", "PhimoeTopKRouter", "PhimoeSparseMoeBlock", "softmax",
                lambda r: False, _weights_phimoe, _rank_logits, _all_layers,
-               note="weights: sparsemixer evaluated at the selected ids (see _weights_phimoe)",
-               weight_rule=lambda r: ("sparsemixer", False, 1.0, float(np.float32(2 * r.router_jitter_noise)))),
+               note="weights: sparsemixer evaluated at the selected ids (see _weights_phimoe)"),
         Family("gpt_oss", "router", "GptOssTopKRouter", "GptOssMLP", "softmax",
                lambda r: True, _weights_gpt_oss, _rank_logits, _all_layers,
-               note="weights: softmax over the selected logits (router bias included)",
-               weight_rule=lambda r: ("softmax", True, 1.0, 0.0)),
+               note="weights: softmax over the selected logits (router bias included)"),
     ]
 }
 

@@ -26,20 +26,17 @@ The combine weights of the selected ids come from the family's own weight rule
 (:mod:`expertcache.models.adapters`), and the expert compute stays batched (the model's experts module
 runs unchanged on the returned ``(ids, weights)``).
 
-What runs, and when (every path makes the same decisions; ``tests/test_keyed_select.py`` pins them against
-the token-by-token reference above):
+What runs, and when (each decision is made by one kernel: the policy's keys and selection in
+:mod:`expertcache.routing.kernels`, the eviction in the cache's module; ``tests/test_keyed_select.py``
+pins them against the token-by-token oracles of ``tests/oracles.py``):
 
 - **Residency-independent calls** (``policy='original'``, or a prefill outside ``scope='generation'``, with
   nothing recorded) return the stock outputs at once and only queue their selections; the queue is served
-  in bulk (one compiled loop per layer, :meth:`LRUCache.serve_array`) before anything reads or serves a
+  in bulk (one kernel call per layer, :meth:`ExpertCache.serve_array`) before anything reads or serves a
   cache: ``stats()``, ``caches``, ``row_caches``, ``new_sequence()``, ``reset_caches()`` and the next
   cache-aware call (or after 4096 queued tokens per row and layer).
-- **Cache-aware policies** run steps 1-3 for all P tokens of a row in one compiled call when numba is
-  installed and the cache is LRU (:mod:`expertcache.models.fused`: the policy's keys from
-  :func:`expertcache.routing.kernels.token_keys`, selection and serving from :mod:`expertcache.cache.kernels`,
-  and, for families with a ``weight_rule``, the combine weights); a token the compiled loop cannot take
-  (a tie at the top-J boundary, a non-finite logit) goes the per-token way and the loop resumes after it.
-  Otherwise ``Router.keys`` + ``ExpertCache.select_serve``, else ``Router.rank`` token by token.
+- **Cache-aware policies** run steps 1-3 for all P tokens of a row in one kernel call
+  (:mod:`expertcache.models.fused`); the weights of a changed selection come from the family's torch rule.
 - A decoding step whose policy kept the model's own choice (same ids as the stock router) returns the stock
   weights unchanged.
 
@@ -47,7 +44,7 @@ Contracts:
 
 - ``policy='original'`` returns exactly the stock router's outputs (bit-identical logits); any cache is
   only observed. A cache-aware policy with strength 0 selects the same ids, weighted by the family's
-  formula (equal to the stock weights up to float rounding; the compiled weight rule computes in float64).
+  formula (equal to the stock weights up to float rounding).
 - **Batch > 1**: every row of the batch has its own cache per layer (row b of every forward call is one
   sequence; B comes from the model's ``input_ids``/``inputs_embeds``); caches of rows ≥ 1 are created on
   first use. Padding tokens (``attention_mask == 0`` in the
@@ -75,7 +72,6 @@ Contracts:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -83,16 +79,16 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, ExpertCache, LRUCache, make_cache, resolve_capacity
+from expertcache.cache import CacheStats, ExpertCache, resolve_capacity
 from expertcache.models import fused
-from expertcache.models.adapters import (Family, MoELayer, _restrict, family_for, find_moe_layers,
-                                         order_by_logits, ranks_logits)
+from expertcache.models.recording import Recording
+from expertcache.models.streams import CacheStreams
+from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits, ranks_logits
 from expertcache.routing import Router, RoutingConfig
 
 __all__ = ["patch_model", "MoEPatch", "SCOPES", "BETWEEN_SEQUENCES"]
 
 SCOPES = ("all", "generation")
-_MAX_PENDING = 4096  # deferred tokens per (row, layer) before they are served anyway (bounds the memory)
 _SAME_SET_CHECK = 8  # calls of up to this many tokens (decoding) skip the weights when the policy kept every choice
 BETWEEN_SEQUENCES = ("reset", "carry")
 
@@ -133,15 +129,6 @@ def patch_model(
                     record=record, freq_LE=freq_LE, replace_rank=replace_rank)
 
 
-@dataclass
-class _Recorded:
-    """One row's selections at one layer for one forward call (real tokens only), numpy."""
-
-    logits_SE: np.ndarray
-    ids_SK: np.ndarray
-    weights_SK: np.ndarray
-
-
 def _same_sets(a_PK: torch.Tensor, b_PK: torch.Tensor) -> bool:
     """Whether every row of ``a_PK`` holds the same ids as that row of ``b_PK`` (in any order)."""
     a, b = a_PK.numpy(), b_PK.numpy()
@@ -152,7 +139,7 @@ def _same_sets(a_PK: torch.Tensor, b_PK: torch.Tensor) -> bool:
     return bool((a == b).all())
 
 
-class MoEPatch:
+class MoEPatch(CacheStreams, Recording):
     """A patched model's routing state: policy, per-row per-layer caches, recording. See the module
     docstring for the semantics; build it with :func:`patch_model`."""
 
@@ -204,7 +191,7 @@ class MoEPatch:
         # state
         self._streams: list[list[ExpertCache]] = []  # [row][layer]
         self._retired: list[CacheStats | None] = [None] * len(self.layers)
-        self._rec: list[list[list[_Recorded]]] = []  # [row][layer][call]
+        self._rec: list[list[list]] = []  # [row][layer][call]
         self._done: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # finished sequences (TLE, TLK, TLK)
         self._batch: int | None = None  # B of the model forward being run (from its input ids / embeddings)
         self._attention_mask: torch.Tensor | None = None
@@ -218,17 +205,8 @@ class MoEPatch:
         self._ensure_rows(1)  # row 0's caches now, not in the first forward
         # the lean per-call path (_route_lean) applies to this configuration
         self._lean_original = routing.policy == "original" and replace_rank is None
-        compiled_policy = fused.AVAILABLE and routing.policy in fused.COMPILED_POLICIES
-        self._weight_rules = [fused.weight_rule_array(self.family.weight_rule(m.router)) if compiled_policy else None
-                              for m in self.layers]
         self._lean = (self.capacity is not None and not record and replace_rank is None
-                      and (self._lean_original or (routing.cache_aware and eviction == "lru")))
-        if self._lean and fused.AVAILABLE and routing.cache_aware:  # set the compiled path up now, not per token
-            for li, cache in enumerate(self._streams[0]):
-                if isinstance(cache, LRUCache) and cache._compiled():
-                    cache._own_arrays()
-                for allowed, restrict in ((False, False), (True, False), (True, True)):
-                    self.router.kernel_params(li, allowed=allowed, restrict=restrict)
+                      and (self._lean_original or routing.cache_aware))
         self._install()
 
     # -- installation ---------------------------------------------------------------------------
@@ -294,92 +272,6 @@ class MoEPatch:
             return logits_TE, weights_TK, ids_TK
 
         return forward
-
-    # -- caches -----------------------------------------------------------------------------------
-
-    def _new_caches(self) -> list[ExpertCache]:
-        return [make_cache(self.eviction, self.num_experts, self.capacity, initial=self.initial,
-                           seed=self.seed + m.index, gamma=self.gamma) for m in self.layers]
-
-    def _ensure_rows(self, rows: int) -> None:
-        while self.capacity is not None and len(self._streams) < rows:
-            self._streams.append(self._new_caches())
-        while len(self._rec) < rows:
-            self._rec.append([[] for _ in self.layers])
-
-    @property
-    def caches(self) -> list[ExpertCache]:
-        """The live caches of batch row 0, one per MoE layer (empty list without a cache)."""
-        if self.capacity is None:
-            return []
-        self._ensure_rows(1)
-        self._flush()
-        return self._streams[0]
-
-    @property
-    def row_caches(self) -> list[list[ExpertCache]]:
-        """All live caches, ``[row][layer]``."""
-        self._flush()
-        return self._streams
-
-    def _queue(self, row: int, li: int, ids_PK: torch.Tensor, z_PE: torch.Tensor) -> None:
-        """Defer serving a residency-independent selection (served in call order by :meth:`_flush`)."""
-        key = (row, li)
-        self._pending.setdefault(key, []).append((ids_PK.numpy().copy(), z_PE.float().numpy().copy()))
-        n = self._pending_tokens.get(key, 0) + ids_PK.shape[0]
-        self._pending_tokens[key] = n
-        if n >= _MAX_PENDING:
-            self._flush(key)
-
-    def _flush(self, key: tuple[int, int] | None = None) -> None:
-        """Serve the deferred selections (of one (row, layer), or all) in bulk: ids ordered by descending
-        logit (stable, -1 last, as ``order_by_logits``), then ``cache.serve_array``."""
-        if not self._pending:
-            return
-        for k in ([key] if key is not None else list(self._pending)):
-            items = self._pending.pop(k, None)
-            self._pending_tokens.pop(k, None)
-            if not items:
-                continue
-            ids_PK = np.concatenate([i for i, _ in items]) if len(items) > 1 else items[0][0]
-            z_PE = np.concatenate([z for _, z in items]) if len(items) > 1 else items[0][1]
-            self._streams[k[0]][k[1]].serve_array(ids_PK, order_by=z_PE)
-
-    def reset_caches(self) -> None:
-        """Replace every cache by a fresh one (initial state); statistics so far are kept in ``stats()``."""
-        self._flush()
-        for row in self._streams:
-            for li, cache in enumerate(row):
-                self._retire(li, cache)
-        self._streams = []
-
-    def _retire(self, li: int, cache: ExpertCache) -> None:
-        s = cache.finish()
-        self._retired[li] = s if self._retired[li] is None else self._retired[li].merge(s)
-
-    def new_sequence(self) -> None:
-        """End the current sequence(s): close their recording; with ``between_sequences='reset'`` also
-        start fresh caches."""
-        self._finish_recording()
-        if self.between_sequences == "reset":
-            self.reset_caches()
-
-    def stats(self):
-        """Cache statistics so far as an :class:`expertcache.sim.SimResult` (``per_layer`` CacheStats,
-        ``overall``, ``miss_rate`` = misses / (tokens · L · K), ``to_row()``), over all rows and sequences."""
-        from expertcache.sim import SimResult
-
-        if self.capacity is None:
-            raise ValueError("this patch has no cache (capacity=None): there are no cache statistics")
-        self._flush()
-        per_layer = []
-        for li in range(len(self.layers)):
-            total = self._retired[li]
-            for row in self._streams:
-                s = row[li].finish()
-                total = s if total is None else total.merge(s)
-            per_layer.append(total if total is not None else CacheStats(self.num_experts))
-        return SimResult(per_layer, top_k=self.top_k, config=self.describe())
 
     def describe(self) -> dict[str, Any]:
         """The resolved configuration of this patch (JSON-serialisable), for result rows."""
@@ -485,24 +377,6 @@ class MoEPatch:
         cache = self._streams[0][m.index]
         if self._pending:
             self._flush((0, m.index))
-        rule = self._weight_rules[m.index]
-        if rule is not None:  # selection, serving and the family's weights in one compiled call
-            parts = self.family.ranking_parts
-            values_TE, allowed_TE = (parts or self.family.ranking)(m.router, z_TE)
-            fast = fused.keyed_serve(self.router, m.index, values_TE, z_TE, allowed_TE, cache, rule,
-                                     restrict=parts is not None, stock=(ids0_TK, w0_TK))
-            if fast is not None:
-                ids_np, done, w_np = fast
-                if done == t:
-                    if t == 1 and sorted(ids_np[0].tolist()) == sorted(ids0_TK.tolist()[0]):
-                        return w0_TK, ids0_TK  # the policy kept the model's own choice: its own weights
-                    return torch.from_numpy(w_np).to(w0_TK.dtype), torch.from_numpy(ids_np).to(ids0_TK.dtype)
-                zr_TE = values_TE if parts is None or allowed_TE is None else _restrict(values_TE, allowed_TE)
-                rest = self._select(m.index, zr_TE[done:], z_TE[done:],
-                                    None if allowed_TE is None else allowed_TE[done:], cache)
-                ids_TK = torch.cat([torch.from_numpy(ids_np[:done]), rest])
-                w_TK = self.family.weights(m.router, z_TE, ids_TK)
-                return w_TK.to(w0_TK.dtype), ids_TK.to(ids0_TK.dtype)
         zr_TE, allowed_TE = self.family.ranking(m.router, z_TE)
         ids_TK = self._select(m.index, zr_TE, z_TE, allowed_TE, cache)
         if t == 1:
@@ -532,10 +406,6 @@ class MoEPatch:
             if self.record:
                 self._record(row, m.index, z_PE, ids_PK, self.family.weights(m.router, z_PE, ids_PK))
 
-    def _record(self, row: int, li: int, z_PE, ids_PK, w_PK) -> None:
-        self._rec[row][li].append(_Recorded(z_PE.float().numpy().copy(), ids_PK.numpy().astype(np.int32),
-                                            w_PK.float().numpy().copy()))
-
     def _replaced(self, ids_PK: torch.Tensor, z_PE: torch.Tensor) -> torch.Tensor:
         """``ids_PK`` (the original top-K, descending logit) with the expert at rank ``replace_rank`` replaced by
         a uniformly drawn expert outside the top-K, re-ordered by descending logit."""
@@ -557,90 +427,18 @@ class MoEPatch:
             if cache is not None:
                 cache.serve_array(ids_PK.numpy())
             return ids_PK
-        p = zr_PE.shape[0]
-        fast = fused.keyed_serve(self.router, layer, zr_PE, z_PE, allowed_PE, cache)
-        if fast is not None and fast[1] == p:  # one compiled call (numba, LRU) took every token
-            return torch.from_numpy(fast[0])
-        parts, p0 = [], 0
-        while fast is not None:  # a token the compiled call cannot take goes the per-token way
-            ids_PK, done = fast
-            parts.append(torch.from_numpy(ids_PK[:done]))
-            p0 += done
-            fast = None
-            if p0 < p:
-                parts.append(self._select_each(layer, zr_PE[p0:p0 + 1], z_PE[p0:p0 + 1],
-                                               None if allowed_PE is None else allowed_PE[p0:p0 + 1], cache))
-                p0 += 1
-                if p0 < p:
-                    fast = fused.keyed_serve(self.router, layer, zr_PE[p0:], z_PE[p0:],
-                                             None if allowed_PE is None else allowed_PE[p0:], cache)
-        if p0 < p:
-            zr_PE, z_PE = zr_PE[p0:], z_PE[p0:]
-            allowed_PE = None if allowed_PE is None else allowed_PE[p0:]
-            keys = self.router.keys(layer, zr_PE, allowed_PE)
-            if keys is not None:  # all remaining tokens in one call (compiled for LRU when numba is installed)
-                z_np_PE = z_PE.float().numpy()
-                parts.append(torch.from_numpy(
-                    cache.select_serve(keys.order_PE, keys.kres_PE, keys.knon_PE, z_np_PE, self.top_k)))
-            else:
-                parts.append(self._select_each(layer, zr_PE, z_PE, allowed_PE, cache))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _select_each(self, layer: int, zr_PE, z_PE, allowed_PE, cache: ExpertCache) -> torch.Tensor:
-        """The reference path: ``Router.rank`` on one token at a time against the live residency."""
+        # keys, selection and serving in one kernel call
+        ids_PK = fused.keyed_serve(self.router, layer, zr_PE, z_PE, allowed_PE, cache)
+        if ids_PK is not None:
+            return torch.from_numpy(ids_PK)
+        # a router deciding token by token (routing.budget.BudgetRouter: its strength moves with each token's
+        # misses): its rank on one token at a time against the live residency, then served
         out: list[list[int]] = []
-        z_rows = z_PE.float().tolist()
         for p in range(zr_PE.shape[0]):
             resident_1E = torch.tensor(cache.resident_mask()).unsqueeze(0)
             if allowed_PE is not None:
                 resident_1E = resident_1E & allowed_PE[p:p + 1]
-            ids = self.router.rank(layer, zr_PE[p:p + 1], resident_1E)[0].tolist()
-            z_row = z_rows[p]
-            ids.sort(key=lambda e: -z_row[e] if e >= 0 else float("inf"))  # = order_by_logits (stable)
+            ids = order_by_logits(self.router.rank(layer, zr_PE[p:p + 1], resident_1E), z_PE[p:p + 1])[0].tolist()
             cache.access_step(ids)
             out.append(ids)
         return torch.tensor(out, dtype=torch.long).reshape(len(out), self.top_k)
-
-    # -- recording ----------------------------------------------------------------------------------
-
-    def _assemble_rows(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        seqs = []
-        for row in self._rec:
-            if not row[0]:
-                continue
-            per_layer = [(np.concatenate([r.logits_SE for r in calls]), np.concatenate([r.ids_SK for r in calls]),
-                          np.concatenate([r.weights_SK for r in calls])) for calls in row]
-            lengths = {p[0].shape[0] for p in per_layer}
-            if len(lengths) != 1:
-                raise RuntimeError(f"recorded layers saw different token counts {sorted(lengths)}")
-            seqs.append(tuple(np.stack([p[i] for p in per_layer], axis=1) for i in range(3)))
-        return seqs
-
-    def _finish_recording(self) -> None:
-        self._done.extend(self._assemble_rows())
-        self._rec = []
-
-    def trace(self):
-        """A :class:`expertcache.trace.RoutingTrace` of everything recorded so far (finished sequences, then
-        the rows of the current one; one sequence per row per ``new_sequence``), with the router logits,
-        the selected ids (descending weight, -1 = dropped) and their combine weights."""
-        from expertcache.trace import RoutingTrace, TraceMeta
-
-        if not self.record:
-            raise ValueError("nothing recorded: patch the model with record=True")
-        seqs = self._done + self._assemble_rows()
-        n_l, e, k = len(self.layers), self.num_experts, self.top_k
-        if seqs:
-            logits = np.concatenate([sq[0] for sq in seqs]).astype(np.float32)
-            ids = np.concatenate([sq[1] for sq in seqs])
-            weights = np.concatenate([sq[2] for sq in seqs]).astype(np.float32)
-        else:
-            logits, ids, weights = (np.zeros((0, n_l, e), np.float32), np.zeros((0, n_l, k), np.int32),
-                                    np.zeros((0, n_l, k), np.float32))
-        starts = list(np.cumsum([0] + [sq[0].shape[0] for sq in seqs[:-1]]).astype(int)) if seqs else [0]
-        d = self.describe()
-        meta = TraceMeta(model=d["model"] or self.family.model_type, num_experts=e, top_k=k,
-                         renormalize=self.renormalize, num_layers=n_l, scoring=self.family.scoring,
-                         source="live:" + self.family.model_type, layer_ids=[m.layer_id for m in self.layers],
-                         sequence_starts=[int(x) for x in starts], extra={"patch": d})
-        return RoutingTrace(logits_TLE=logits, ids_TLK=ids, meta=meta, weights_TLK=weights)

@@ -37,6 +37,8 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from expertcache.mole.table import LookupTable
+
 
 @strict
 class MoleConfig(LlamaConfig):
@@ -201,8 +203,6 @@ def load_table_model(table_dir: str | Path, read_mode: str = "mmap", dtype: torc
     """The table form saved by ``expertcache mole export``: trunk weights from ``table_dir`` (no routed expert
     weights exist there) plus its lookup table opened with ``read_mode`` (see :class:`~expertcache.mole.table.
     LookupTable`). Returns the model in eval mode."""
-    from expertcache.mole.table import LookupTable
-
     table_dir = Path(table_dir)
     model = MoleForCausalLM.from_pretrained(str(table_dir), dtype=dtype)
     if model.config.lookup_table is None:

@@ -1,4 +1,5 @@
-"""Pure, batched routing policies (``policies``) and their configuration and per-layer state (``config``)."""
+"""Cache-aware routing: each policy once, as a kernel (``kernels``); batched torch entry points (``policies``);
+configuration and per-layer state (``config``)."""
 
 from expertcache.routing.config import POLICIES, STRENGTH, RankKeys, Router, RoutingConfig
 from expertcache.routing.policies import (

@@ -2,7 +2,7 @@
 
 ``RoutingConfig`` is plain data (JSON-serialisable with ``asdict``); ``Router`` binds it to the per-layer
 state a policy needs (Δavg running averages for Cache-Prior, frequency profiles for ERAS biasing) and
-routes a batch of tokens with :meth:`Router.route`.
+routes tokens; every cache-aware decision is made by the policy kernel of :mod:`expertcache.routing.kernels`.
 """
 
 from __future__ import annotations
@@ -14,22 +14,8 @@ import numpy as np
 import torch
 
 from expertcache.routing import kernels as _rk
-from expertcache.routing.policies import (
-    DeltaAvg,
-    Selection,
-    cache_prior_rank,
-    cumsum_threshold_rank,
-    eras_bias_rank,
-    eras_threshold_rank,
-    max_rank_rank,
-    prune_rank,
-    scores_from_logits,
-    topk_rank,
-    weights_for,
-)
-
-#: Policies with a numpy one-row fast path in :meth:`Router.rank` (cache-prior has its own).
-_ONE_ROW_POLICIES = ("max-rank", "cumsum", "eras-threshold", "eras-bias")
+from expertcache.routing.policies import (DeltaAvg, Selection, _check, eras_penalty, prune_rank, scores_from_logits,
+                                          topk_rank, weights_for)
 
 POLICIES = ("original", "prune", "max-rank", "cumsum", "cache-prior", "eras-threshold", "eras-bias")
 
@@ -139,8 +125,8 @@ class RoutingConfig:
 
 
 class KernelParams:
-    """One layer's parameters for the compiled key loop (:meth:`Router.kernel_params`): ``ip`` int64 and
-    ``fp`` float64 arrays, the ERAS ``penalty`` and the running Δavg (``delta``, None when fixed or unused)
+    """One layer's parameters of the policy kernel (:meth:`Router.kernel_params`): ``ip`` int64 and ``fp``
+    float64 arrays, the ERAS ``penalty`` [1, E] and the running Δavg (``delta``, None when fixed or unused)
     that ``load()``/``store()`` move into and out of ``fp``."""
 
     __slots__ = ("ip", "fp", "penalty", "delta", "profile")
@@ -201,6 +187,7 @@ class Router:
         if self.config.policy == "eras-bias" and self.freq_LE is None:
             raise ValueError("eras-bias needs an activation-frequency profile (freq_LE); "
                              "build one from a trace with expertcache.sim.activation_frequency")
+        self._params: dict[tuple, KernelParams] = {}
 
     def delta_for(self, layer: int) -> DeltaAvg:
         if layer not in self.deltas:
@@ -208,8 +195,8 @@ class Router:
         return self.deltas[layer]
 
     def rank(self, layer: int | list[int], z_TE: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
-        """The selected ids [T, K] (unordered; -1 = dropped). ``resident`` is bool [E] or [T, E]; ``None``
-        means nothing is resident.
+        """The selected ids [T, K] (-1 = dropped). ``resident`` is bool [E] or [T, E]; ``None`` means nothing
+        is resident. Cache-Prior with a running Δavg ranks token t with the average over tokens up to t.
 
         ``layer`` is the layer of all T rows, or a list of T layer ids (one per row: e.g. one token at
         every layer, for the simulator); per-layer state (Δavg, ERAS profiles) follows the rows.
@@ -222,128 +209,30 @@ class Router:
         rows = isinstance(layer, (list, tuple))
         if rows and len(layer) != z_TE.shape[0]:
             raise ValueError(f"{len(layer)} layer ids for {z_TE.shape[0]} rows")
-        j = min(c.top_j, self.k)
         if c.policy == "original":
             return topk_rank(z_TE, self.k)
         if c.policy == "prune":
             return prune_rank(z_TE, self.k, self.k if c.h is None else c.h)
-        if c.policy in _ONE_ROW_POLICIES and not rows and z_TE.shape[0] == 1:
-            ids_1K = self._one_row(layer, z_TE, resident, j)
-            if ids_1K is not None:
-                return ids_1K
-        if c.policy == "max-rank":
-            return max_rank_rank(z_TE, resident, self.k, min(c.m, self.num_experts), j)
-        if c.policy == "cumsum":
-            return cumsum_threshold_rank(z_TE, resident, self.k, c.p, j, scoring=self.scoring)
-        if c.policy == "cache-prior":
-            if not rows and z_TE.shape[0] == 1:
-                ids_1K = self._cache_prior_one(layer, z_TE, resident, j)
-                if ids_1K is not None:
-                    return ids_1K
-            if rows:  # one row per layer: update each layer's running average with its own row
-                lo_R, hi_R = torch.aminmax(z_TE, dim=1)
-                values = []
-                for l, spread in zip(layer, (hi_R - lo_R).tolist()):
-                    d = self.delta_for(l)
-                    if d.fixed is None:
-                        d.total += spread
-                        d.count += 1
-                    values.append(d.value)
-                delta = torch.tensor(values)
-            else:
-                delta = self.delta_for(layer)
-            return cache_prior_rank(z_TE, resident, self.k, c.lam, j, delta=delta)
-        if c.policy == "eras-threshold":
-            return eras_threshold_rank(z_TE, resident, self.k, c.alpha, j, scoring=self.scoring)
-        if c.policy == "eras-bias":
-            freq = self.freq_LE[list(layer)] if rows else self.freq_LE[layer]
-            return eras_bias_rank(z_TE, resident, self.k, c.beta, freq, j)
-        raise AssertionError(c.policy)  # unreachable: validated in RoutingConfig
+        _check(z_TE, self.k, resident)
+        if not rows:
+            return self._rank(layer, z_TE, resident)
+        res_TE = resident.expand_as(z_TE)
+        return torch.cat([self._rank(l, z_TE[t:t + 1], res_TE[t:t + 1]) for t, l in enumerate(layer)])
 
-    def _one_row(self, layer: int, z_1E: torch.Tensor, resident: torch.Tensor, j: int) -> torch.Tensor | None:
-        """Max-Rank, cumsum and ERAS for one token (the per-token path of a live patched model) in numpy: the
-        same ids as the torch functions in :mod:`expertcache.routing.policies` (same float32 arithmetic --
-        probabilities still come from ``torch.softmax`` -- same stable tie-breaking), with a few numpy calls
-        instead of ~15 small torch ops. Returns None (use the general path) for anything else: not one
-        finite float32 CPU row, a mask of another shape or dtype, or a tie at the top-J boundary."""
-        c, e, k = self.config, self.num_experts, self.k
-        if (z_1E.dtype != torch.float32 or z_1E.device.type != "cpu" or z_1E.dim() != 2 or z_1E.requires_grad
-                or resident.dtype != torch.bool or resident.device.type != "cpu"
-                or tuple(resident.shape) not in ((e,), (1, e))):
-            return None
-        if c.policy == "eras-bias" and (self.freq_LE is None or tuple(self.freq_LE.shape[1:]) != (e,)):
-            return None
-        z = z_1E.numpy()[0]
-        if not np.isfinite(z).all():
-            return None
-        order = np.argsort(-z, kind="stable")  # = torch.sort(z, descending=True, stable=True)
-        if 0 < j < e and z[order[j - 1]] == z[order[j]]:
-            return None
-        res = resident.numpy().reshape(e)
-        if c.policy in ("max-rank", "cumsum"):
-            if c.policy == "max-rank":
-                m = min(c.m, e)
-            else:  # Algorithm 2: M = 1 + #{i : cum_i < p} for p > 0, else 0
-                # the cumulative sum stays in torch: its summation order must match cumsum_threshold_rank's
-                order_1E = torch.from_numpy(order).reshape(1, e)
-                cum = scores_from_logits(z_1E, self.scoring).gather(1, order_1E).cumsum(dim=1).numpy()[0]
-                m = min(int((cum < c.p).sum()) + (1 if c.p > 0 else 0), e)
-            ranks = np.arange(e)
-            group = np.where((ranks < m) & res[order], 1, 2)
-            group[:j] = 0
-            pos = np.argsort(group * e + ranks, kind="stable")[:k]  # keys are unique
-            return torch.from_numpy(order[pos].astype(np.int64)).reshape(1, k)
-        mask = res.copy()
-        mask[order[:j]] = True
-        if c.policy == "eras-threshold":
-            probs = scores_from_logits(z_1E, self.scoring).numpy()[0]
-            score = np.where(mask, probs + np.float32(c.alpha), probs)
-        else:  # eras-bias: z - β·(1 - freq) for non-resident experts, float32 as in eras_bias_rank
-            penalty = self._penalty(layer)
-            score = np.where(mask, z, z - penalty)
-        pos = np.argsort(-score[order], kind="stable")[:k]  # = _rerank_topk
-        return torch.from_numpy(order[pos].astype(np.int64)).reshape(1, k)
+    def _rank(self, layer: int, z_TE: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+        params = self.kernel_params(layer)
+        z = z_TE.detach().to("cpu", torch.float32)
+        params.load()
+        _, _, _, _, ids_TK = _rk.rank(z.numpy(), params.ip, params.fp, self.k, resident_PE=resident.cpu().numpy(),
+                                      prob_PE=self.probs(z), penalty_PE=params.penalty)
+        params.store()
+        return torch.from_numpy(ids_TK).to(z_TE.device)
 
-    def _penalty(self, layer: int) -> np.ndarray:
-        """β·(1 - freq) of ``layer`` in float32, computed once by torch (as eras_bias_rank does)."""
-        cache = self.__dict__.setdefault("_penalties", {})
-        if cache.get("profile") is not self.freq_LE:  # a replaced profile invalidates the cache
-            cache.clear()
-            cache["profile"] = self.freq_LE
-        if layer not in cache:
-            cache[layer] = (self.config.beta * (1.0 - self.freq_LE[layer].float().cpu())).numpy()
-        return cache[layer]
-
-    def _cache_prior_one(self, layer: int, z_1E: torch.Tensor, resident: torch.Tensor, j: int) -> torch.Tensor | None:
-        """Cache-Prior for one token (the per-token path of a live patched model), in numpy: the same ids as
-        :func:`cache_prior_rank` -- same float32 arithmetic, same stable tie-breaking -- at a fraction of
-        the cost of ~15 small torch ops. Returns None (use the general path) for anything else: not one
-        float32 CPU row, a mask of another shape or dtype, non-finite values, or a tie at the top-J
-        boundary (where ``torch.topk`` picks the boosted expert)."""
-        e = self.num_experts
-        if (z_1E.dtype != torch.float32 or z_1E.device.type != "cpu" or z_1E.dim() != 2 or z_1E.requires_grad
-                or resident.dtype != torch.bool or resident.device.type != "cpu"
-                or tuple(resident.shape) not in ((e,), (1, e))):
+    def probs(self, z_TE: torch.Tensor) -> np.ndarray | None:
+        """The router probabilities the policy's keys read (cumsum, ERAS thresholding), float32 numpy; else None."""
+        if self.config.policy not in _rk.NEEDS_PROBS:
             return None
-        z = z_1E.numpy()[0]
-        hi, lo = z.max(), z.min()  # NaN propagates into both
-        if not (np.isfinite(hi) and np.isfinite(lo)):
-            return None
-        order = (-z).argsort(kind="stable")  # = torch.sort(z, descending=True, stable=True)
-        if 0 < j < e and z[order[j - 1]] == z[order[j]]:
-            return None
-        d = self.delta_for(layer)
-        if d.fixed is not None and not np.isfinite(d.fixed * self.config.lam):
-            return None
-        if d.fixed is None:  # DeltaAvg.update: float32 max - min, accumulated as a Python float
-            d.total += float(hi - lo)
-            d.count += 1
-        boost = d.value * self.config.lam
-        mask = resident.numpy().reshape(e).copy()
-        mask[order[:j]] = True
-        boosted = np.where(mask, z + np.float32(boost), z)  # = torch.add(z, mask, alpha=boost) in float32
-        pos = (-boosted[order]).argsort(kind="stable")[:self.k]  # = _rerank_topk
-        return torch.from_numpy(order[pos].astype(np.int64)).reshape(1, self.k)
+        return scores_from_logits(z_TE, self.scoring).numpy()
 
     def keys(self, layer: int, z_PE: torch.Tensor, allowed_PE: torch.Tensor | None = None) -> RankKeys | None:
         """A cache-aware policy for P consecutive tokens of one layer in residency-free form, for selecting
@@ -354,106 +243,42 @@ class Router:
         lower rank first). Top-J positions get ``kres`` either way. ``allowed_PE`` (bool [P, E]) marks experts
         the model allows (DeepSeek group limits): a disallowed expert is treated as not resident. Cache-Prior
         with a running Δavg sees token p's Δavg after tokens 0..p, and this call advances it by P tokens.
-
-        The selection equals :meth:`rank` token by token (same float32 arithmetic and tie-breaking; pinned by
-        tests). Returns None (nothing changed; use :meth:`rank` per token) for a residency-independent policy,
-        logits that are not finite float32 CPU rows, or a tie at the top-J boundary.
+        Returns None (nothing changed) for a residency-independent policy or a NaN logit.
         """
-        c, e, k = self.config, self.num_experts, self.k
-        if not self.config.cache_aware or z_PE.dim() != 2 or z_PE.shape[1] != e:
+        if not self.config.cache_aware or z_PE.dim() != 2 or z_PE.shape[1] != self.num_experts:
             return None
-        if z_PE.dtype != torch.float32 or z_PE.device.type != "cpu" or z_PE.requires_grad:
+        params = self.kernel_params(layer, allowed=allowed_PE is not None)
+        z = z_PE.detach().to("cpu", torch.float32)
+        params.load()
+        bad, order, kres, knon, _ = _rk.rank(z.numpy(), params.ip, params.fp, 0, prob_PE=self.probs(z),
+                                             penalty_PE=params.penalty,
+                                             allowed_PE=None if allowed_PE is None else allowed_PE.numpy())
+        if bad >= 0:
             return None
-        if c.policy == "eras-bias" and (self.freq_LE is None or tuple(self.freq_LE.shape[1:]) != (e,)):
-            return None
-        z = z_PE.numpy()
-        j = min(c.top_j, k)
-        if _rk.AVAILABLE and c.policy in _rk.CODES:
-            return self._compiled_keys(layer, z, j, allowed_PE)
-        if not np.isfinite(z).all():
-            return None
-        order = np.argsort(-z, axis=1, kind="stable")  # = torch.sort(z, descending=True, stable=True)
-        zs = z[np.arange(z.shape[0])[:, None], order]  # logits in rank order
-        if 0 < j < e and bool((zs[:, j - 1] == zs[:, j]).any()):
-            return None
-        if c.policy == "cache-prior":
-            d = self.delta_for(layer)
-            if d.fixed is not None:
-                boost = d.fixed * c.lam
-                if not np.isfinite(boost):
-                    return None
-                boost_P1 = np.full((z.shape[0], 1), boost, np.float64)
-            else:  # DeltaAvg per token: float32 max - min, accumulated in float64 in token order
-                spread = (zs[:, 0] - zs[:, -1]).astype(np.float64)
-                total = np.cumsum(np.concatenate([[d.total], spread]))[1:]
-                count = d.count + np.arange(1, z.shape[0] + 1)
-                boost_P1 = ((total / count) * c.lam).reshape(-1, 1)
-                d.total, d.count = float(total[-1]), int(count[-1])
-            knon, kres = zs, zs + boost_P1.astype(np.float32)
-        elif c.policy in ("max-rank", "cumsum"):  # keys -group: 0 = top-J, -1 = resident and ranked < M, -2 = rest
-            if c.policy == "max-rank":
-                m_P1 = np.full((z.shape[0], 1), min(c.m, e))
-            else:  # Algorithm 2 as in cumsum_threshold_rank (torch cumsum: same summation order)
-                cum = scores_from_logits(z_PE, self.scoring).gather(1, torch.from_numpy(order)).cumsum(dim=1).numpy()
-                m_P1 = np.minimum((cum < c.p).sum(axis=1) + (1 if c.p > 0 else 0), e).reshape(-1, 1)
-            knon = np.full(z.shape, -2.0, np.float32)
-            kres = np.where(np.arange(e) < m_P1, np.float32(-1.0), knon)
-            kres[:, :j] = 0.0
-        elif c.policy == "eras-threshold":
-            knon = np.take_along_axis(scores_from_logits(z_PE, self.scoring).numpy(), order, axis=1)
-            kres = knon + np.float32(c.alpha)
-        else:  # eras-bias
-            kres = zs
-            knon = zs - self._penalty(layer)[order]
-        if j:
-            if knon is zs:
-                knon = knon.copy()
-            knon[:, :j] = kres[:, :j]
-        if allowed_PE is not None:
-            barred = ~np.take_along_axis(allowed_PE.numpy(), order, axis=1)
-            barred[:, :j] = False
-            kres = np.where(barred, knon, kres)
-        return RankKeys(order, np.ascontiguousarray(kres, np.float32), np.ascontiguousarray(knon, np.float32))
+        params.store()
+        return RankKeys(order, kres, knon)
 
-    def kernel_params(self, layer: int, *, allowed: bool = False, restrict: bool = False) -> "KernelParams | None":
-        """The parameters of :func:`expertcache.routing.kernels.token_keys` at ``layer`` as a
-        :class:`KernelParams` (built once per layer and kept; call its ``load()`` before and ``store()`` after
-        each compiled call, which move the running Δavg in and out), or None for a policy without compiled
-        keys or when numba is not installed. ``allowed``: an allowed-experts mask comes with the logits;
-        ``restrict``: the loop restricts the values to it first (see ``token_keys``)."""
+    def kernel_params(self, layer: int, *, allowed: bool = False) -> KernelParams | None:
+        """The parameters of :func:`expertcache.routing.kernels.token_keys` at ``layer`` (built once per layer
+        and kept; call ``load()`` before and ``store()`` after each kernel call, which move the running Δavg in
+        and out), or None for a residency-independent policy. ``allowed``: an allowed-experts mask comes with
+        the logits."""
         c = self.config
-        if not _rk.AVAILABLE or c.policy not in _rk.CODES:
+        if not c.cache_aware:
             return None
-        cache = self.__dict__.setdefault("_kernel_params", {})
-        key = (layer, allowed, restrict)
-        params = cache.get(key)
+        key = (layer, allowed)
+        params = self._params.get(key)
         if params is None or params.profile is not self.freq_LE:  # a new ERAS profile rebuilds
             d = self.delta_for(layer) if c.policy == "cache-prior" else None
-            if d is not None and d.fixed is not None and not np.isfinite(d.fixed * c.lam):
-                return None
-            ip, fp = _rk.pack(c.policy, min(c.top_j, self.k), m=min(c.m, self.num_experts), lam=c.lam,
-                              fixed=None if d is None else d.fixed, allowed=allowed, restrict=restrict)
-            penalty = self._penalty(layer) if c.policy == "eras-bias" else _rk._EMPTY_F
-            params = cache[key] = KernelParams(ip, fp, penalty, None if d is None or d.fixed is not None else d,
-                                               self.freq_LE)
+            strength = {"cache-prior": c.lam, "cumsum": c.p, "eras-threshold": c.alpha}.get(c.policy, 0.0)
+            ip, fp = _rk.pack(c.policy, min(c.top_j, self.k), m=min(c.m, self.num_experts), strength=strength,
+                              fixed=None if d is None else d.fixed, allowed=allowed)
+            penalty = None
+            if c.policy == "eras-bias":
+                penalty = eras_penalty(c.beta, self.freq_LE[layer]).numpy().reshape(1, -1)
+            params = self._params[key] = KernelParams(ip, fp, penalty, None if d is None or d.fixed is not None
+                                                      else d, self.freq_LE)
         return params
-
-    def _compiled_keys(self, layer: int, z: np.ndarray, j: int, allowed_PE: torch.Tensor | None) -> RankKeys | None:
-        """:meth:`keys` for Cache-Prior, Max-Rank and ERAS biasing in one compiled call (same arithmetic)."""
-        c = self.config
-        d = self.delta_for(layer) if c.policy == "cache-prior" else None
-        if d is not None and d.fixed is not None and not np.isfinite(d.fixed * c.lam):
-            return None
-        status, order, kres, knon, (total, count) = _rk.rank_keys(
-            z, c.policy, j, m=min(c.m, self.num_experts), lam=c.lam, fixed=None if d is None else d.fixed,
-            total=0.0 if d is None else d.total, count=0 if d is None else d.count,
-            penalty_E=self._penalty(layer) if c.policy == "eras-bias" else None,
-            allowed_PE=None if allowed_PE is None else allowed_PE.numpy())
-        if status != _rk.OK:
-            return None
-        if d is not None and d.fixed is None:
-            d.total, d.count = total, count
-        return RankKeys(order, kres, knon)
 
     def route(self, layer: int | list[int], z_TE: torch.Tensor, resident: torch.Tensor | None) -> Selection:
         """Select and weight experts for T tokens of one layer (or one row per layer, see ``rank``);

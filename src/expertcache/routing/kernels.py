@@ -1,9 +1,28 @@
-"""Compiled key computation for :meth:`expertcache.routing.Router.keys` (numba, when installed).
+"""The one implementation of every cache-aware routing policy: per-token keys and the keyed selection.
 
-Only the policies whose keys need no softmax are compiled -- Cache-Prior, Max-Rank and ERAS biasing -- so
-that every float operation is one IEEE float32 (or, for the running Δavg, float64) operation, the same as
-in the numpy/torch code: the compiled keys are bit-identical to the uncompiled ones (pinned by tests).
-Cumulative-threshold and ERAS thresholding take probabilities from ``torch.softmax`` and stay uncompiled.
+A cache-aware policy (001 Max-Rank, cumulative threshold, Cache-Prior; 003 ERAS thresholding and biasing)
+ranks the E experts of one token by a key that depends on whether each expert is resident. This module
+writes each policy once, as :func:`token_keys`: the experts in rank order (``order``, by descending
+ranking value, ties by lower id) and, at each rank position, the key the expert would have if resident
+(``kres``) or not (``knon``). :func:`select` then takes the K positions with the highest keys given a
+residency (ties: lower rank first) -- the policy's selection. Keys are residency-free, so a caller can
+compute them once and select against a cache that changes between tokens (the live patch, the compiled
+loop of :mod:`expertcache.models.fused`) or against a fixed mask (:func:`rank`, behind
+:meth:`expertcache.routing.Router.rank` and the batched functions of :mod:`expertcache.routing.policies`).
+
+Keys per policy (float32 arithmetic; the top-J positions always get ``kres``):
+
+- Cache-Prior (001 Eq. 9-10): ``kres = z + λ·Δavg``, ``knon = z``; Δavg is fixed or the running mean of
+  max(z) - min(z) over the tokens seen so far, this one included (accumulated in float64);
+- Max-Rank (001 Alg. 1) and cumulative threshold (001 Alg. 2): the negated group, ``kres = -1`` for rank
+  < M else -2, ``knon = -2``, top-J 0; for the threshold, M = 1 + #{r : cum_r < p} (0 for p = 0) over the
+  probabilities in rank order (float64 sum, compared in float32, as ``torch.cumsum`` on the CPU);
+- ERAS thresholding (003 III-B-1): ``kres = prob + α``, ``knon = prob``;
+- ERAS biasing (003 III-B-2): ``kres = z``, ``knon = z - β·(1 - freq)``.
+
+Probabilities (softmax or sigmoid of the logits) are computed by the caller with torch and passed in.
+The functions are compiled with numba when it is installed (:mod:`expertcache.compiled`) and run as
+plain Python from the same source otherwise.
 """
 
 from __future__ import annotations
@@ -14,106 +33,34 @@ from expertcache import compiled
 from expertcache.compiled import jit as _jit
 from expertcache.compiled import jit_inline as _jit_inline
 
-__all__ = ["AVAILABLE", "CODES", "rank_keys", "token_keys", "pack"]
+__all__ = ["AVAILABLE", "CODES", "NEEDS_PROBS", "OK", "NOT_FINITE", "token_keys", "select", "rank", "pack"]
 
 AVAILABLE = compiled.AVAILABLE
 
 #: policy -> kernel code
-CODES = {"cache-prior": 0, "max-rank": 1, "eras-bias": 2}
+CODES = {"cache-prior": 0, "max-rank": 1, "eras-bias": 2, "cumsum": 3, "eras-threshold": 4}
+#: policies whose keys read the router probabilities (``prob_E``)
+NEEDS_PROBS = ("cumsum", "eras-threshold")
 
-OK, NOT_FINITE, TOP_J_TIE = 0, 1, 2
+OK, NOT_FINITE = 0, 1
 
 
 @_jit_inline
-def _merge_sort_desc(z_E, order, tmp):
-    """Bottom-up stable merge sort of the indices by descending z (runs of 16 insertion-sorted first)."""
+def token_keys(z_E, prob_E, ip, fp, penalty_E, allowed_E, order, kres, knon):
+    """One token's keys into ``order``/``kres``/``knon`` (length E).
+
+    ``ip`` int64 ``[code, j, m, has_fixed, has_allowed]``; ``fp`` float64 ``[strength, fixed, total,
+    count]`` with strength = λ, p or α, and Cache-Prior's running Δavg (total, count; updated in place).
+    ``prob_E``: the probabilities by expert id (cumsum, ERAS thresholding). With ``has_allowed`` an expert
+    outside ``allowed_E`` (below the top-J) is keyed as not resident.
+    Returns OK, or NOT_FINITE for a NaN logit (nothing updated then)."""
     e = z_E.shape[0]
-    run = 16
-    for lo in range(0, e, run):
-        hi = min(lo + run, e)
-        for x in range(lo, hi):
-            v = z_E[x]
-            i = x
-            while i > lo and z_E[order[i - 1]] < v:
-                order[i] = order[i - 1]
-                i -= 1
-            order[i] = x
-    src, dst = order, tmp
-    width = run
-    while width < e:
-        for lo in range(0, e, 2 * width):
-            mid = min(lo + width, e)
-            hi = min(lo + 2 * width, e)
-            a, b, o = lo, mid, lo
-            while a < mid and b < hi:
-                if z_E[src[b]] > z_E[src[a]]:  # strictly greater: equal values keep the left (lower index) first
-                    dst[o] = src[b]
-                    b += 1
-                else:
-                    dst[o] = src[a]
-                    a += 1
-                o += 1
-            while a < mid:
-                dst[o] = src[a]
-                a += 1
-                o += 1
-            while b < hi:
-                dst[o] = src[b]
-                b += 1
-                o += 1
-        src, dst = dst, src
-        width *= 2
-    if src is not order:
-        order[:] = src
-
-
-@_jit_inline
-def _stable_desc_order(z_E, order, tmp):
-    """order[:] = the indices of z_E by descending value, ties by ascending index (= a stable sort of -z):
-    insertion sort for up to 64 experts (no allocation; fastest at these sizes), else merge sort."""
-    e = z_E.shape[0]
-    if e > 64:
-        _merge_sort_desc(z_E, order, tmp)
-        return
-    for x in range(e):
-        v = z_E[x]
-        i = x
-        while i > 0 and z_E[order[i - 1]] < v:
-            order[i] = order[i - 1]
-            i -= 1
-        order[i] = x
-
-
-@_jit_inline
-def token_keys(z_in_E, ip, fp, penalty_E, allowed_E, order, kres, knon, tmp, zbuf):
-    """One token's keys into ``order``/``kres``/``knon`` (length E; ``tmp``, ``zbuf`` are scratch). ``ip``
-    int64 ``[code, j, m, has_fixed, has_allowed, restrict]``, ``fp`` float64 ``[lam, fixed, total, count]``
-    (Cache-Prior's running Δavg: updated in place). With ``restrict`` the values of experts outside
-    ``allowed_E`` are first pushed below the allowed ones exactly as ``models.adapters._restrict`` does (float32).
-    Returns OK, NOT_FINITE or TOP_J_TIE (nothing updated then)."""
-    e = z_in_E.shape[0]
     code, j, m = ip[0], ip[1], ip[2]
     for x in range(e):
-        if not np.isfinite(z_in_E[x]):
+        if z_E[x] != z_E[x]:
             return NOT_FINITE
-    z_E = z_in_E
-    if ip[4] and ip[5]:  # lo - 1e-3·(hi - lo) - 1e-6·(1 + |lo|) over the allowed experts, in float32
-        lo = np.float32(np.inf)
-        hi = np.float32(-np.inf)
-        for x in range(e):
-            if allowed_E[x]:
-                v = z_in_E[x]
-                if v < lo:
-                    lo = v
-                if v > hi:
-                    hi = v
-        below = lo - np.float32(1e-3) * (hi - lo) - np.float32(1e-6) * (np.float32(1.0) + abs(lo))
-        for x in range(e):
-            zbuf[x] = z_in_E[x] if allowed_E[x] else below
-        z_E = zbuf
-    _stable_desc_order(z_E, order, tmp)  # = torch.sort(descending=True, stable=True)
-    if 0 < j < e and z_E[order[j - 1]] == z_E[order[j]]:
-        return TOP_J_TIE
+    z_E = z_E
+    order[:] = np.argsort(-z_E, kind="mergesort")  # stable: = torch.sort(descending=True, stable=True)
     if code == 0:  # Cache-Prior: z + λ·Δavg for resident experts
         if ip[3]:
             boost = fp[1] * fp[0]
@@ -127,17 +74,34 @@ def token_keys(z_in_E, ip, fp, penalty_E, allowed_E, order, kres, knon, tmp, zbu
             zr = z_E[order[r]]
             kres[r] = zr + b32
             knon[r] = zr
-    elif code == 1:  # Max-Rank: -group (0 top-J, -1 resident and ranked < M, -2 the rest)
+    elif code == 1 or code == 3:  # Max-Rank / cumsum: -group (0 top-J, -1 resident and ranked < M, -2 the rest)
+        if code == 3:  # Algorithm 2: M = 1 + #{r : cum_r < p} for p > 0, else 0
+            m = 0
+            if fp[0] > 0:
+                p32 = np.float32(fp[0])
+                cum = 0.0
+                m = 1
+                for r in range(e):
+                    cum += np.float64(prob_E[order[r]])
+                    if np.float32(cum) < p32:
+                        m += 1
+            m = min(m, e)
         for r in range(e):
             kres[r] = np.float32(-1.0) if r < m else np.float32(-2.0)
             knon[r] = np.float32(-2.0)
-    else:  # ERAS biasing: z for resident experts, z - β·(1 - freq) otherwise
+    elif code == 2:  # ERAS biasing: z for resident experts, z - β·(1 - freq) otherwise
         for r in range(e):
             zr = z_E[order[r]]
             kres[r] = zr
             knon[r] = zr - penalty_E[order[r]]
-    for r in range(j):
-        if code == 1:
+    else:  # ERAS thresholding: prob + α for resident experts
+        a32 = np.float32(fp[0])
+        for r in range(e):
+            pr = prob_E[order[r]]
+            kres[r] = pr + a32
+            knon[r] = pr
+    for r in range(min(j, e)):
+        if code == 1 or code == 3:
             kres[r] = np.float32(0.0)
         knon[r] = kres[r]
     if ip[4]:
@@ -147,43 +111,90 @@ def token_keys(z_in_E, ip, fp, penalty_E, allowed_E, order, kres, knon, tmp, zbu
     return OK
 
 
+@_jit_inline
+def select(order_E, kres_E, knon_E, z_E, k, resident_E, bk, bp, ids):
+    """The K rank positions with the highest keys given the residency (ties: lower rank first), as expert ids
+    in ``ids[:k]``, stably sorted by descending ``z_E`` (the serving order). ``bk``/``bp`` are scratch."""
+    e_count = order_E.shape[0]
+    n = 0
+    for r in range(e_count):
+        key = kres_E[r] if resident_E[order_E[r]] else knon_E[r]
+        if n == k and not key > bk[k - 1]:
+            continue
+        i = n if n < k else k - 1  # insertion point: after every key >= this one (ties: lower rank first)
+        while i > 0 and bk[i - 1] < key:
+            bk[i] = bk[i - 1]
+            bp[i] = bp[i - 1]
+            i -= 1
+        bk[i] = key
+        bp[i] = r
+        if n < k:
+            n += 1
+    for i in range(k):  # selection order, then a stable sort by descending logit
+        e = order_E[bp[i]]
+        zi = z_E[e]
+        j = i
+        while j > 0 and z_E[ids[j - 1]] < zi:
+            ids[j] = ids[j - 1]
+            j -= 1
+        ids[j] = e
+
+
 @_jit
-def _rank_keys(z_PE, ip, fp, penalty_E, allowed_PE, order_PE, kres_PE, knon_PE):
-    e = z_PE.shape[1]
-    tmp = np.empty(e, np.int64)
-    zbuf = np.empty(e, np.float32)
-    for p in range(z_PE.shape[0]):
-        status = token_keys(z_PE[p], ip, fp, penalty_E, allowed_PE[p if ip[4] else 0], order_PE[p], kres_PE[p],
-                            knon_PE[p], tmp, zbuf)
+def _rank(z_PE, prob_PE, ip, fp, penalty_PE, allowed_PE, resident_PE, k, order_PE, kres_PE, knon_PE, out_PK):
+    """Keys of P tokens (into order/kres/knon) and, when ``k > 0``, the selection against ``resident_PE``
+    (rows broadcast when there is one). Returns the index of the first NaN row, or -1."""
+    p_count, e = z_PE.shape
+    bk = np.empty(max(k, 1), np.float32)
+    bp = np.empty(max(k, 1), np.int64)
+    ids = np.empty(max(k, 1), np.int64)
+    for p in range(p_count):
+        status = token_keys(z_PE[p], prob_PE[min(p, prob_PE.shape[0] - 1)], ip, fp,
+                            penalty_PE[min(p, penalty_PE.shape[0] - 1)],
+                            allowed_PE[min(p, allowed_PE.shape[0] - 1)], order_PE[p], kres_PE[p], knon_PE[p])
         if status != OK:
-            return status
-    return OK
+            return p
+        if k > 0:
+            select(order_PE[p], kres_PE[p], knon_PE[p], z_PE[p], k, resident_PE[min(p, resident_PE.shape[0] - 1)],
+                   bk, bp, ids)
+            for i in range(k):
+                out_PK[p, i] = ids[i]
+    return -1
 
 
-_EMPTY_F = np.zeros(1, np.float32)
+_EMPTY_F = np.zeros((1, 1), np.float32)
 _EMPTY_B = np.zeros((1, 1), np.bool_)
+_NO_OUT = np.zeros((1, 1), np.int64)
 
 
-def pack(policy: str, j: int, *, m: int = 0, lam: float = 0.0, fixed: float | None = None, total: float = 0.0,
-         count: int = 0, allowed: bool = False, restrict: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def pack(policy: str, j: int, *, m: int = 0, strength: float = 0.0, fixed: float | None = None, total: float = 0.0,
+         count: int = 0, allowed: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The (int, float) parameter arrays of :func:`token_keys`."""
-    ip = np.array([CODES[policy], j, m, fixed is not None, allowed, restrict], np.int64)
-    fp = np.array([lam, 0.0 if fixed is None else fixed, total, count], np.float64)
+    ip = np.array([CODES[policy], j, m, fixed is not None, allowed], np.int64)
+    fp = np.array([strength, 0.0 if fixed is None else fixed, total, count], np.float64)
     return ip, fp
 
 
-def rank_keys(z_PE: np.ndarray, policy: str, j: int, *, m: int = 0, lam: float = 0.0, fixed: float | None = None,
-              total: float = 0.0, count: int = 0, penalty_E: np.ndarray | None = None,
-              allowed_PE: np.ndarray | None = None):
-    """(status, order_PE, kres_PE, knon_PE, (total, count)): the keys of :meth:`Router.keys` for
-    ``policy`` in ``CODES``; status is ``OK``, ``NOT_FINITE`` or ``TOP_J_TIE`` (then the arrays are
-    meaningless). ``(total, count)`` is the Cache-Prior running Δavg after the P tokens."""
+def _rows(a: np.ndarray | None, empty: np.ndarray, dtype) -> np.ndarray:
+    if a is None:
+        return empty
+    a = np.ascontiguousarray(a, dtype)
+    return a.reshape(1, -1) if a.ndim == 1 else a
+
+
+def rank(z_PE: np.ndarray, ip: np.ndarray, fp: np.ndarray, k: int, *, resident_PE: np.ndarray | None = None,
+         prob_PE: np.ndarray | None = None, penalty_PE: np.ndarray | None = None,
+         allowed_PE: np.ndarray | None = None):
+    """(bad, order_PE, kres_PE, knon_PE, ids_PK) for P tokens: the keys and, for ``k > 0``, the selection
+    against ``resident_PE`` (bool [P, E] or [E]) in descending-``z`` order. ``bad`` is -1, or the first row
+    with a NaN logit (rows from there on are not computed). ``fp`` carries the running Δavg in and out."""
+    z_PE = np.ascontiguousarray(z_PE, np.float32)
     p, e = z_PE.shape
     order_PE = np.empty((p, e), np.int64)
     kres_PE = np.empty((p, e), np.float32)
     knon_PE = np.empty((p, e), np.float32)
-    ip, fp = pack(policy, j, m=m, lam=lam, fixed=fixed, total=total, count=count, allowed=allowed_PE is not None)
-    status = _rank_keys(np.ascontiguousarray(z_PE, np.float32), ip, fp, _EMPTY_F if penalty_E is None else penalty_E,
-                        _EMPTY_B if allowed_PE is None else np.ascontiguousarray(allowed_PE, np.bool_),
-                        order_PE, kres_PE, knon_PE)
-    return int(status), order_PE, kres_PE, knon_PE, (float(fp[2]), int(fp[3]))
+    out_PK = np.empty((p, k), np.int64) if k > 0 else _NO_OUT
+    bad = _rank(z_PE, _rows(prob_PE, _EMPTY_F, np.float32), ip, fp, _rows(penalty_PE, _EMPTY_F, np.float32),
+                _rows(allowed_PE, _EMPTY_B, np.bool_), _rows(resident_PE, _EMPTY_B, np.bool_), int(k),
+                order_PE, kres_PE, knon_PE, out_PK)
+    return int(bad), order_PE, kres_PE, knon_PE, out_PK

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from expertcache.routing import kernels as _rk
+
 __all__ = [
     "Selection",
     "DeltaAvg",
@@ -152,49 +154,24 @@ def _rank_order(z_TE: torch.Tensor) -> torch.Tensor:
     return torch.sort(z_TE, dim=1, descending=True, stable=True).indices
 
 
-def _promote_select(order_TE: torch.Tensor, resident_TE: torch.Tensor, m_T: torch.Tensor, j: int, k: int) -> torch.Tensor:
-    """Select the first K experts of promote(r[:J]; promote(r[:M] ∩ C; r)) (001 Eq. 7), batched.
-
-    The promoted ranking sorts experts by (group, original rank) with group 0 = top-J, group 1 = resident
-    and ranked below M (excluding top-J), group 2 = the rest; within a group the original order is kept,
-    which is exactly what the two promote operations of Algorithm 1 produce.
-    """
-    t, e = order_TE.shape
-    rank_R = torch.arange(e, device=order_TE.device)  # rank positions 0..E-1
-    resident_sorted_TE = resident_TE.gather(1, order_TE)  # residency of the expert at each rank
-    in_top_m_TE = rank_R.unsqueeze(0) < m_T.unsqueeze(1)
-    group_TE = torch.full((t, e), 2, dtype=torch.long, device=order_TE.device)
-    group_TE = torch.where(in_top_m_TE & resident_sorted_TE, torch.ones_like(group_TE), group_TE)
-    group_TE[:, :j] = 0
-    key_TE = group_TE * e + rank_R.unsqueeze(0)
-    pos_TK = torch.topk(key_TE, k, dim=1, largest=False, sorted=True).indices
-    return order_TE.gather(1, pos_TK)
-
-
-def _with_top_j(resident_TE: torch.Tensor, z_TE: torch.Tensor, j: int) -> torch.Tensor:
-    """The residency mask with the top-J experts of each token added (001 Sec. 3.3, m̃_t)."""
-    if j == 0:
-        return resident_TE
-    return resident_TE.scatter(1, torch.topk(z_TE, j, dim=1).indices, True)
-
-
-def _rerank_topk(score_TE: torch.Tensor, z_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-K of modified scores with ties broken by the original ranking (then by id).
-
-    Re-ranking can create ties the logits do not have (float rounding of z + c, softmax underflow); they
-    must resolve in the original order, so that a uniform boost (every expert resident) or a zero
-    strength selects exactly the original top-K.
-    """
-    order_TE = _rank_order(z_TE)
-    pos_TK = torch.sort(score_TE.gather(1, order_TE), dim=1, descending=True, stable=True).indices[:, :k]
-    return order_TE.gather(1, pos_TK)
-
-
-def _per_row(value: float | torch.Tensor, z_TE: torch.Tensor) -> float | torch.Tensor:
-    """A scalar hyper-parameter, or a [T] tensor broadcast over experts (one value per row)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(z_TE.device, torch.float32).reshape(-1, 1)
-    return float(value)
+def _kernel_rank(policy: str, z_TE: torch.Tensor, resident: torch.Tensor, k: int, j: int, *, m: int = 0,
+                 strength: float = 0.0, fixed: float | None = None, delta: "DeltaAvg | None" = None,
+                 scoring: str = "softmax", penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the policy's kernel (:func:`expertcache.routing.kernels.rank`) on the T rows: ids [T, K] in
+    descending-logit order, on the device of ``z_TE``. ``delta``: a running Δavg, advanced token by token."""
+    _check(z_TE, k, resident)
+    _check_j(j, k)
+    ip, fp = _rk.pack(policy, j, m=m, strength=strength, fixed=fixed,
+                      total=0.0 if delta is None else delta.total, count=0 if delta is None else delta.count)
+    z = z_TE.detach().to("cpu", torch.float32)
+    probs = scores_from_logits(z, scoring).numpy() if policy in _rk.NEEDS_PROBS else None
+    bad, _, _, _, ids_TK = _rk.rank(z.numpy(), ip, fp, k, resident_PE=resident.detach().cpu().numpy(), prob_PE=probs,
+                                    penalty_PE=None if penalty is None else penalty.detach().cpu().numpy())
+    if bad >= 0:
+        raise ValueError("router logits contain NaN")
+    if delta is not None:
+        delta.total, delta.count = float(fp[2]), int(fp[3])
+    return torch.from_numpy(ids_TK).to(z_TE.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,14 +201,10 @@ def prune_rank(z_TE: torch.Tensor, k: int, h: int) -> torch.Tensor:
 
 def max_rank_rank(z_TE: torch.Tensor, resident: torch.Tensor, k: int, m: int, j: int = 1) -> torch.Tensor:
     """Max-Rank (001 Algorithm 1): promote resident experts ranked < M, then always keep the top-J."""
-    _check(z_TE, k, resident)
-    _check_j(j, k)
     e = z_TE.shape[1]
     if not 0 <= m <= e:
         raise ValueError(f"max-rank M must be in [0, E={e}], got M={m}")
-    order_TE = _rank_order(z_TE)
-    m_T = torch.full((z_TE.shape[0],), m, dtype=torch.long, device=z_TE.device)
-    return _promote_select(order_TE, _mask_TE(resident, z_TE), m_T, j, k)
+    return _kernel_rank("max-rank", z_TE, resident, k, j, m=m)
 
 
 def cumsum_threshold_rank(
@@ -245,24 +218,17 @@ def cumsum_threshold_rank(
 ) -> torch.Tensor:
     """Cumulative-probability threshold (001 Algorithm 2 / Eq. 8): per token, M is the smallest number of
     top-ranked experts whose probabilities sum to ≥ p (M = 0 for p = 0), then Max-Rank with that M."""
-    _check(z_TE, k, resident)
-    _check_j(j, k)
     _check_unit("cumsum threshold p", p)
-    order_TE = _rank_order(z_TE)
-    probs_sorted_TE = scores_from_logits(z_TE, scoring).gather(1, order_TE)
-    cum_TE = probs_sorted_TE.cumsum(dim=1)
-    # Algorithm 2: while p_cum < p: M += 1 -> M = 1 + #{i : cum_i < p} when p > 0, else 0.
-    m_T = (cum_TE < p).sum(dim=1) + (1 if p > 0 else 0)
-    m_T = m_T.clamp(max=z_TE.shape[1])
-    return _promote_select(order_TE, _mask_TE(resident, z_TE), m_T, j, k)
+    return _kernel_rank("cumsum", z_TE, resident, k, j, strength=p, scoring=scoring)
 
 
 @dataclass
 class DeltaAvg:
     """Per-layer estimate of Δavg = E_x E_t [max(z) - min(z)] (001 Eq. 10).
 
-    Either a fixed value (from a calibration pass) or a running average updated with every batch of
-    logits seen (``update``). ``value`` is the current estimate (0 before any update).
+    Either a fixed value (from a calibration pass) or a running average over every token seen (``update``,
+    or the policy kernel as it ranks: float32 spreads accumulated token by token in float64). ``value`` is
+    the current estimate (0 before any update).
     """
 
     fixed: float | None = None
@@ -271,9 +237,10 @@ class DeltaAvg:
 
     def update(self, z_TE: torch.Tensor) -> None:
         if self.fixed is None:
-            lo_T, hi_T = torch.aminmax(z_TE, dim=1)
-            self.total += float((hi_T - lo_T).sum())
-            self.count += int(lo_T.numel())
+            lo_T, hi_T = torch.aminmax(z_TE.float(), dim=1)
+            for spread in (hi_T - lo_T).tolist():
+                self.total += spread
+                self.count += 1
 
     @property
     def value(self) -> float:
@@ -295,22 +262,19 @@ def cache_prior_rank(
     select the top-K of z'.
 
     ``delta`` is Δavg as a number, a [T] tensor (one value per row, e.g. rows = layers of one token), or a
-    :class:`DeltaAvg` (which this call updates with ``z_TE`` first, so a running average includes the
-    current tokens).
+    :class:`DeltaAvg` with a running average, which this call advances token by token (token t is ranked
+    with the average over the tokens before it and itself).
     """
-    _check(z_TE, k, resident)
-    _check_j(j, k)
     _check_unit("cache-prior λ", lam)
     if isinstance(delta, DeltaAvg):
-        delta.update(z_TE)
-        delta = delta.value
-    mask_TE = _with_top_j(_mask_TE(resident, z_TE), z_TE, j)
-    boost = _per_row(delta, z_TE) * lam
-    if isinstance(boost, float):
-        boosted_TE = torch.add(z_TE.float(), mask_TE.float(), alpha=boost)
-    else:
-        boosted_TE = torch.addcmul(z_TE.float(), mask_TE.float(), boost)
-    return _rerank_topk(boosted_TE, z_TE, k)
+        if delta.fixed is None:
+            return _kernel_rank("cache-prior", z_TE, resident, k, j, strength=lam, delta=delta)
+        delta = delta.fixed
+    if isinstance(delta, torch.Tensor):
+        mask_TE = _mask_TE(resident, z_TE)
+        return torch.cat([_kernel_rank("cache-prior", z_TE[t:t + 1], mask_TE[t:t + 1], k, j, strength=lam,
+                                       fixed=float(d)) for t, d in enumerate(delta.reshape(-1).tolist())])
+    return _kernel_rank("cache-prior", z_TE, resident, k, j, strength=lam, fixed=float(delta))
 
 
 def eras_threshold_rank(
@@ -326,13 +290,9 @@ def eras_threshold_rank(
 
     Optional top-J guarantee (not in 003; J = 0 reproduces the paper).
     """
-    _check(z_TE, k, resident)
-    _check_j(j, k)
     if alpha < 0:
         raise ValueError(f"ERAS α must be ≥ 0, got {alpha}")
-    mask_TE = _with_top_j(_mask_TE(resident, z_TE), z_TE, j)
-    scores_TE = scores_from_logits(z_TE, scoring)
-    return _rerank_topk(torch.where(mask_TE, scores_TE + alpha, scores_TE), z_TE, k)
+    return _kernel_rank("eras-threshold", z_TE, resident, k, j, strength=alpha, scoring=scoring)
 
 
 def eras_bias_rank(
@@ -345,14 +305,14 @@ def eras_bias_rank(
 ) -> torch.Tensor:
     """ERAS biasing (003 III-B-2): subtract β·(1 - freq_i) from the logits of non-resident experts, take
     top-K. ``freq_E`` is the layer's normalised activation frequency profile (see ``expertcache.sim``)."""
-    _check(z_TE, k, resident)
-    _check_j(j, k)
     if beta < 0:
         raise ValueError(f"ERAS β must be ≥ 0, got {beta}")
     e = z_TE.shape[1]
     if freq_E.shape not in ((e,), tuple(z_TE.shape)):
         raise ValueError(f"ERAS frequency profile must be [E]={e} or [T, E], got {tuple(freq_E.shape)}")
-    mask_TE = _with_top_j(_mask_TE(resident, z_TE), z_TE, j)
-    penalty = beta * (1.0 - freq_E.float().to(z_TE.device))
-    z = z_TE.float()
-    return _rerank_topk(torch.where(mask_TE, z, z - penalty), z_TE, k)
+    return _kernel_rank("eras-bias", z_TE, resident, k, j, penalty=eras_penalty(beta, freq_E))
+
+
+def eras_penalty(beta: float, freq_E: torch.Tensor) -> torch.Tensor:
+    """β·(1 - freq) in float32 (ERAS biasing's penalty of a non-resident expert)."""
+    return beta * (1.0 - freq_E.float().cpu())

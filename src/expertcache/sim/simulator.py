@@ -134,17 +134,11 @@ def replay(
     for layer in range(ids_TLK.shape[1]):
         total = None
         for a, b in segments:
-            if eviction == "lru":  # array in, compiled loop when numba is installed (same decisions)
-                cache = make_cache(eviction, num_experts, cap, initial=initial, seed=seed + layer,
-                                   expert_bytes=expert_bytes)
-                cache.serve_array(ids_TLK[a:b, layer, :])
-                stats = cache.finish()
-                total = stats if total is None else total.merge(stats)
-                continue
-            steps = _steps(ids_TLK[a:b, layer, :])
+            steps = ids_TLK[a:b, layer, :]
             cache = make_cache(eviction, num_experts, cap, initial=initial, seed=seed + layer, gamma=gamma,
-                               future=steps if eviction == "belady" else None, expert_bytes=expert_bytes)
-            stats = cache.replay(steps)
+                               future=_steps(steps) if eviction == "belady" else None, expert_bytes=expert_bytes)
+            cache.serve_array(steps)
+            stats = cache.finish()
             total = stats if total is None else total.merge(stats)
         per_layer.append(total)
     config = dict(mode="replay", eviction=eviction, capacity=cap, num_experts=num_experts, gamma=gamma,
