@@ -12,6 +12,7 @@ total router weight.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -398,7 +399,7 @@ def test_sigterm_finishes_running_requests_and_says_so(tmp_path):
     try:
         line = proc.stderr.readline()
         assert "on http://127.0.0.1:" in line, line
-        url = line.rsplit(" on ", 1)[1].strip()
+        url = re.search(r" on (http://\S+/v1)", line).group(1)  # the API base (a live-view URL may follow)
         c = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
         stream = c.completions.create(model="granular", prompt="The kernel", max_tokens=60, temperature=0,
                                       stream=True)
@@ -535,7 +536,7 @@ def test_cli_serves_a_checkpoint_path_without_tokenizer(tmp_path):
     try:
         line = proc.stderr.readline()
         assert "on http://127.0.0.1:" in line, line
-        c = openai.OpenAI(base_url=line.rsplit(" on ", 1)[1].strip(), api_key="x", max_retries=0, timeout=60)
+        c = openai.OpenAI(base_url=re.search(r" on (http://\S+/v1)", line).group(1), api_key="x", max_retries=0, timeout=60)
         assert [m.id for m in c.models.list().data] == ["tiny-olmoe"]
         r = c.completions.create(model="tiny-olmoe", prompt=[1, 2, 3, 4], max_tokens=5, temperature=0,
                                  extra_body={"ignore_eos": True, "return_token_ids": True})
