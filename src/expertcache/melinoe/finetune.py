@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
+from expertcache.train.loop import publish_folder
 
 __all__ = ["FinetuneConfig", "finetune", "lr_factor", "plot_losses", "TOKENIZER_FILES"]
 
@@ -412,12 +413,4 @@ def export(pm, src: Path, out: Path, cfg: FinetuneConfig, rows: list[dict], capa
                    steps_done=len(rows), final=rows[-1] if rows else None, heldout=ev,
                    wall_s=rows[-1]["elapsed_s"] if rows else 0.0)
     (tmp / "melinoe_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    for f in tmp.iterdir():
-        f.chmod(0o644)
-    old = out / "model.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+    return publish_folder(tmp, final)

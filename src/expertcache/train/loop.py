@@ -236,9 +236,17 @@ def export_model(model, tok, cfg: TrainConfig, run_dir: Path, rows: list[dict], 
         fh.writelines(json.dumps(r) + "\n" for r in rows)
     plot_losses(rows, tmp / "loss_curve.png", f"expertcache {cfg.model}: {summary['command']}")
     (tmp / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return publish_folder(tmp, final)
+
+
+def publish_folder(tmp: Path, final: Path) -> Path:
+    """Put the finished folder ``tmp`` in place of ``final`` (a sibling): its files made world-readable
+    (safetensors writes 0600; shipped files must be readable), the previous ``final`` moved aside to
+    ``model.old`` beside it and removed only after the swap, so an interrupted run never leaves a half-written
+    ``final``. Returns ``final``."""
     for f in tmp.iterdir():
-        f.chmod(0o644)  # safetensors writes 0600; shipped files must be world-readable
-    old = run_dir / "model.old"
+        f.chmod(0o644)
+    old = final.parent / "model.old"
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         os.replace(final, old)
