@@ -16,3 +16,16 @@ def _private_expertcache_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EXPERTCACHE_CACHE", str(path))
         yield path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a test module (tiny tensors: fastest, and immune to oversubscription on a busy
+    machine); the previous count is restored afterwards. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

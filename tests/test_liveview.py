@@ -48,12 +48,7 @@ STEP_KEYS = {"type", "seq", "time", "phase", "rows", "tokens", "seconds", "hits"
              "totals", "dropped", "original"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

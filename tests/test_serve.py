@@ -41,12 +41,7 @@ PROMPTS = ["The kernel", "To configure the network, open the settings and", "apt
 C = 8  # slots per layer: N/4 of the granular model's 32 experts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
