@@ -181,7 +181,30 @@ def _out_cases(env):
         (["mole", "eval", env["tiny"], "--out", d], "--out"),
         (["mole", "export", env["tiny"], "--out", f], "--out"),
         (["train", "--out", f / "run"], "--out"),
+        (["melinoe", "finetune", "--out", f / "run"], "--out"),
+        (["melinoe", "predictor", "--out", f / "pred"], "--out"),
     ]
+
+
+def _new_command_flag_cases(env):
+    """Flags of serve, melinoe, the runtime's I/O, --predictor and the budget controller."""
+    return [
+        (["serve", "--port", "-1"], "--port"),
+        (["serve", "--max-batch", "0"], "--max-batch"),
+        (["serve", "--trace-dir", env["root"] / "missing"], "--trace-dir"),
+        (["generate", "--readers", "-1", "hello"], "--readers"),
+        (["generate", "--prefetch", "-3", "hello"], "--prefetch"),
+        (["generate", "--threads", "0", "hello"], "--threads"),
+        (["generate", "--predictor", env["root"] / "missing", "hello"], "--predictor"),
+        (["melinoe", "finetune", "--steps", "0"], "--steps"),
+        (["simulate", env["trace"], "--target-miss-rate", "-1"], "--target-miss-rate"),
+        (["eval", "--task", "wikitext", "--target-miss-rate", "2"], "--target-miss-rate"),
+    ]
+
+
+def test_new_command_flags(env, capsys):
+    for argv, culprit in _new_command_flag_cases(env):
+        _check(argv, culprit, capsys)
 
 
 def test_output_paths_are_checked_before_any_work(env, capsys):

@@ -8,6 +8,8 @@ import shlex
 import sys
 from dataclasses import fields
 
+from expertcache.cli.common import check_output_path
+
 DESCRIPTION = """\
 MELINOE (seed 004): change the model once so that each sequence leans on fewer experts, then predict those
 experts from the prompt and load them before decoding (generate/bench/eval --predictor PATH).
@@ -77,6 +79,7 @@ def run_finetune(args) -> int:
     from expertcache.melinoe.finetune import FinetuneConfig, finetune
 
     cfg = _config(FinetuneConfig, args)
+    check_output_path(cfg.out, "--out", directory=True)  # before the model loads
     cfg.check()
     path = finetune(cfg, command="expertcache " + shlex.join(sys.argv[1:]), progress=not args.no_progress)
     summary = json.loads((path / "melinoe_summary.json").read_text())
@@ -90,6 +93,7 @@ def run_predictor(args) -> int:
     from expertcache.melinoe.predictor import PredictorConfig, train_predictor
 
     cfg = _config(PredictorConfig, args)
+    check_output_path(cfg.out, "--out", directory=True)  # before the model loads
     cfg.check()
     report = train_predictor(cfg, command="expertcache " + shlex.join(sys.argv[1:]), progress=not args.no_progress)
     for c, r in sorted(report["topc"].items(), key=lambda kv: int(kv[0])):

@@ -101,6 +101,8 @@ def _check_out(out: str) -> None:
     if p.exists() and not p.is_dir():
         raise ValueError(f"--out {out}: exists and is not a folder")
     parent = next((q for q in [p, *p.parents] if q.exists()), Path("."))
+    if not parent.is_dir():
+        raise ValueError(f"--out {out}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"--out {out}: {parent} is not writable")
 
