@@ -78,10 +78,16 @@ def order_by_logits(ids_TK: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(ids)).to(ids_TK.device)
 
 
+def _no_dropped(ids_TK: torch.Tensor) -> bool:
+    """True when ``ids_TK`` (on the CPU: no device sync) has no dropped slot, so a plain gather will do."""
+    return ids_TK.device.type == "cpu" and ids_TK.numel() > 0 and int(ids_TK.min()) >= 0
+
+
 def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
     """scores at ids; 0 at dropped (-1) slots."""
-    w_TK = scores_TE.gather(1, ids_TK.clamp(min=0))
-    return torch.where(ids_TK >= 0, w_TK, torch.zeros((), dtype=w_TK.dtype))
+    if _no_dropped(ids_TK):  # the common case, with 3 fewer tensor ops (decoding pays them per token and layer)
+        return scores_TE.gather(1, ids_TK)
+    return scores_TE.gather(1, ids_TK.clamp(min=0)).masked_fill(ids_TK < 0, 0)
 
 
 def _restrict(zr_TE: torch.Tensor, allowed_TE: torch.Tensor) -> torch.Tensor:
@@ -226,8 +232,9 @@ def _weights_deepseek_v3(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Te
 def _weights_gpt_oss(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
     """softmax over the selected ids' logits (router bias included in the logits); equal to the full
     softmax renormalised over the selected ids. Dropped slots are excluded (-inf)."""
-    sel_TK = z_TE.gather(1, ids_TK.clamp(min=0))
-    sel_TK = torch.where(ids_TK >= 0, sel_TK, torch.full((), float("-inf"), dtype=sel_TK.dtype))
+    if _no_dropped(ids_TK):
+        return torch.softmax(z_TE.gather(1, ids_TK), dim=1, dtype=z_TE.dtype)
+    sel_TK = z_TE.gather(1, ids_TK.clamp(min=0)).masked_fill(ids_TK < 0, float("-inf"))
     return torch.softmax(sel_TK, dim=1, dtype=sel_TK.dtype)
 
 

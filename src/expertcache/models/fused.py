@@ -79,7 +79,7 @@ def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Ten
     probs = router.probs(zr)
     params.load()
     out_PK = np.empty((zr.shape[0], router.k), np.int64)
-    z = np.ascontiguousarray(z_PE.detach().to("cpu", torch.float32).numpy())
+    z = np.ascontiguousarray((zr if z_PE is zr_PE else z_PE.detach().to("cpu", torch.float32)).numpy())
     done = _KEYED_SERVE[cache.code](zr.numpy(), z, rk._EMPTY_F if probs is None else probs, params.ip, params.fp,
                                     rk._EMPTY_F if params.penalty is None else params.penalty,
                                     rk._EMPTY_B if allowed_PE is None else allowed_PE.numpy(), router.k, out_PK,
