@@ -90,16 +90,20 @@ def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor
     return scores_TE.gather(1, ids_TK.clamp(min=0)).masked_fill(ids_TK < 0, 0)
 
 
+_BIG = torch.finfo(torch.float32).max
+
+
 def _restrict(zr_TE: torch.Tensor, allowed_TE: torch.Tensor) -> torch.Tensor:
     """Push experts outside the allowed set just below the lowest allowed value of their token, so every
     ranking puts them last while the per-token range (Cache-Prior's Δ) stays that of the allowed set.
     float32 throughout."""
     zr_TE = zr_TE.float()
-    big = torch.finfo(zr_TE.dtype).max
-    lo_T = torch.where(allowed_TE, zr_TE, torch.full((), big)).amin(dim=1, keepdim=True)
-    hi_T = torch.where(allowed_TE, zr_TE, torch.full((), -big)).amax(dim=1, keepdim=True)
-    below_T = lo_T - 1e-3 * (hi_T - lo_T) - 1e-6 * (1.0 + lo_T.abs())
-    return torch.where(allowed_TE, zr_TE, below_T)
+    lo_T = torch.where(allowed_TE, zr_TE, _BIG).amin(dim=1, keepdim=True).cpu().numpy()
+    hi_T = torch.where(allowed_TE, zr_TE, -_BIG).amax(dim=1, keepdim=True).cpu().numpy()
+    # the [T, 1] arithmetic in numpy float32: the same IEEE single operations as torch's, without its
+    # per-op overhead (decoding pays this per token and layer)
+    below_T = lo_T - np.float32(1e-3) * (hi_T - lo_T) - np.float32(1e-6) * (np.float32(1.0) + np.abs(lo_T))
+    return torch.where(allowed_TE, zr_TE, torch.from_numpy(below_T).to(zr_TE.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,8 +219,13 @@ def _renorm_softmax(router: nn.Module) -> bool:
 def _weights_deepseek_v2(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
     """softmax over all E (fp32) gathered at the ids, times ``routed_scaling_factor``; no renormalisation
     (the transformers V2 router ignores ``norm_topk_prob``)."""
-    w_TK = _gather_valid(z_TE.float().softmax(dim=-1, dtype=torch.float32), ids_TK)
-    return w_TK * router.routed_scaling_factor
+    return _scaled(_gather_valid(z_TE.float().softmax(dim=-1, dtype=torch.float32), ids_TK), router)
+
+
+def _scaled(w_TK: torch.Tensor, router: nn.Module) -> torch.Tensor:
+    """``w_TK · routed_scaling_factor`` (no op for 1.0, which leaves every value as it is)."""
+    scale = router.routed_scaling_factor
+    return w_TK if scale == 1.0 else w_TK * scale
 
 
 def _weights_deepseek_v3(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
@@ -226,7 +235,7 @@ def _weights_deepseek_v3(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Te
     w_TK = _gather_valid(z_TE.float().sigmoid(), ids_TK)
     if router.norm_topk_prob:
         w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    return w_TK * router.routed_scaling_factor
+    return _scaled(w_TK, router)
 
 
 def _weights_gpt_oss(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
