@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 from expertcache.cache import EVICTION_POLICIES
 from expertcache.routing import POLICIES, RoutingConfig
@@ -54,6 +54,26 @@ def flag_message(msg: str, names) -> str:
         if msg.startswith(name + " "):
             return "--" + name.replace("_", "-") + msg[len(name):]
     return msg
+
+
+def add_dataclass_args(parser, cls, *, helps: dict | None = None, choices: dict | None = None, defaults=None) -> None:
+    """One flag per scalar field of the config dataclass ``cls`` (``--field-name``, dest = the field name), so the
+    defaults live only there (``defaults``: an instance whose values to show instead). Numbers are checked when
+    parsed (ints ≥ 0, finite floats); ranges are the config's own check. ``helps``/``choices``: by field name."""
+    for f in fields(cls):
+        default = getattr(defaults, f.name) if defaults is not None else f.default
+        if default is MISSING:  # a collection (default_factory): not a flag
+            continue
+        typ = {int: nonneg_int, float: finite_float}.get(type(default), str)
+        kw = dict(dest=f.name, type=typ, default=default, choices=(choices or {}).get(f.name))
+        if helps is not None:
+            kw["help"] = f"{helps.get(f.name, f.name)} (default: {default})"
+        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def config_from_args(cls, args: argparse.Namespace):
+    """The ``cls`` instance of the flags :func:`add_dataclass_args` added."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
 def print_resolved(command: str, routing: RoutingConfig, extra: str = "") -> None:

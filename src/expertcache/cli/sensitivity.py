@@ -38,8 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from expertcache.eval import evaluate, prepare
     from expertcache.eval.report import plot_sensitivity
     from expertcache.results import append_jsonl

@@ -122,8 +122,6 @@ def _run(args: argparse.Namespace) -> int:
                   top_j=args.top_j, beta_max=args.beta_max, strengths=strengths, delta=args.delta, gamma=args.gamma,
                   initial=args.initial, seed=args.seed, between_sequences=args.between_sequences)
     progress = not args.no_progress
-    import torch
-
     apply_threads(args, getattr(args, "model", None))  # tiny per-token ops: extra threads only spin
     if args.trace:
         from expertcache.sim import activation_frequency

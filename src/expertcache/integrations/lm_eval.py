@@ -45,7 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 import torch
 
-from expertcache.routing import STRENGTH, RoutingConfig
+from expertcache.routing import RoutingConfig
 
 __all__ = ["ExpertCacheLM", "write_local_tasks", "main"]
 

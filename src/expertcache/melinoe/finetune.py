@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
-from expertcache.train.loop import publish_folder
+from expertcache.train.loop import publish_folder, save_npy
 
 __all__ = ["FinetuneConfig", "finetune", "lr_factor", "plot_losses", "TOKENIZER_FILES"]
 
@@ -200,12 +200,7 @@ def _save_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer, me
             meta.setdefault("adam_steps", {})[n] = float(st["step"])
     save_file(tensors, str(tmp / "trainable.safetensors"))
     (tmp / "state.json").write_text(json.dumps(meta) + "\n")
-    old = state_dir.with_name(state_dir.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if state_dir.exists():
-        os.replace(state_dir, old)
-    os.replace(tmp, state_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    publish_folder(tmp, state_dir)
 
 
 def _load_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer) -> dict:
@@ -329,8 +324,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
             streams[split] = np.load(f, allow_pickle=False)
         else:
             streams[split] = token_stream(tok, split_texts(cfg.data_dir, split=split, seed=cfg.seed), budget)
-            np.save(data_cache / f"{split}.tmp.npy", streams[split])
-            os.replace(data_cache / f"{split}.tmp.npy", f)
+            save_npy(f, streams[split])
     train_N = streams["train"]
     opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rows: list[dict] = []

@@ -41,6 +41,13 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def save_npy(path: Path, arr: np.ndarray) -> None:
+    """``np.save`` to ``path`` through a temporary file beside it (a reader never sees a half-written array)."""
+    tmp = path.with_name(path.stem + ".tmp.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+
+
 def _load_tokens(path: Path) -> np.ndarray:
     """A token stream written by :func:`prepare_data` (plain .npy; object arrays are refused, never unpickled)."""
     try:
@@ -67,8 +74,7 @@ def prepare_data(cfg: TrainConfig, run_dir: Path):
     heldout_N = encode_stream(tok, [d["text"] for d in heldout_docs], tok.eos_token_id)
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, arr in (("train", train_N), ("heldout", heldout_N)):
-        np.save(data_dir / f"{name}.tmp.npy", arr)
-        os.replace(data_dir / f"{name}.tmp.npy", data_dir / f"{name}.npy")
+        save_npy(data_dir / f"{name}.npy", arr)
     meta = {"docs_train": len(train_docs), "docs_heldout": len(heldout_docs), "tokens_train": int(len(train_N)),
             "tokens_heldout": int(len(heldout_N))}
     (data_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -242,11 +248,12 @@ def export_model(model, tok, cfg: TrainConfig, run_dir: Path, rows: list[dict], 
 def publish_folder(tmp: Path, final: Path) -> Path:
     """Put the finished folder ``tmp`` in place of ``final`` (a sibling): its files made world-readable
     (safetensors writes 0600; shipped files must be readable), the previous ``final`` moved aside to
-    ``model.old`` beside it and removed only after the swap, so an interrupted run never leaves a half-written
-    ``final``. Returns ``final``."""
+    ``<final>.old`` beside it and removed only after the swap, so an interrupted run never leaves a
+    half-written ``final``. Returns ``final``."""
     for f in tmp.iterdir():
-        f.chmod(0o644)
-    old = final.parent / "model.old"
+        if f.is_file():
+            f.chmod(0o644)
+    old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         os.replace(final, old)
