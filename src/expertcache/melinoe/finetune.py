@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
+from expertcache.results import pyplot, save_figure
 from expertcache.train.loop import publish_folder, save_npy
 
 __all__ = ["FinetuneConfig", "finetune", "lr_factor", "plot_losses", "TOKENIZER_FILES"]
@@ -223,11 +224,7 @@ def _load_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer) ->
 
 def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
     """PNG with L_nll, L_cs and L_rm (one panel each) against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     steps = [r["step"] for r in rows]
     for ax, (key, label) in zip(axes, [("nll", "L_nll"), ("cs", "L_cs (soft misses / token / layer)"),
@@ -247,12 +244,7 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from expertcache import __version__
+from expertcache.results import pyplot, save_figure
 from expertcache.train.configs import MODEL_SPECS, TrainConfig, build_hf_config, build_model, count_params
 from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, sample_batch, split_documents
 from expertcache.train.tokenizer import load_tokenizer, train_tokenizer
@@ -201,11 +202,7 @@ def _set_rng_state(state: dict) -> None:
 
 def plot_losses(rows: list[dict], path: Path, title: str) -> None:
     """Loss-curve PNG (train CE per logged window; held-out CE at each eval) from log rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     train = [(r["tokens"] / 1e6, r["loss"]) for r in rows if "loss" in r]
     held = [(r["tokens"] / 1e6, r["heldout_loss"]) for r in rows if "heldout_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
@@ -218,11 +215,7 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def export_model(model, tok, cfg: TrainConfig, run_dir: Path, rows: list[dict], summary: dict) -> Path:
