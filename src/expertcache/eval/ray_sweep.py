@@ -143,15 +143,13 @@ def run_sweep_ray(runs: list[dict[str, Any]], out: str | os.PathLike, spec: dict
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ValueError(f"--ray {address or 'local'}: cannot start or reach Ray ({exc})") from None
             started = True
-        bar, pending = None, {}
+        from tqdm import tqdm
+
+        bar, pending = tqdm(total=len(todo), desc="sweep (ray)", unit="run", disable=not progress), {}
         try:
             task = ray.remote(num_cpus=1, max_retries=0)(_execute_remote)
             spec_ref = ray.put(spec)
             pending = {task.remote(spec_ref, r): r for r in todo}
-            if progress:
-                from tqdm import tqdm
-
-                bar = tqdm(total=len(todo), desc="sweep (ray)", unit="run")
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
@@ -159,15 +157,13 @@ def run_sweep_ray(runs: list[dict[str, Any]], out: str | os.PathLike, spec: dict
                     row = ray.get(ref)
                     row.update(sweep_key=config_key(run), sweep=run, version=__version__, seed=run["seed"])
                     append_jsonl(out, row)
-                    if bar is not None:
-                        bar.update(1)
+                    bar.update(1)
         except BaseException:
             for ref in pending:  # a failed run or Ctrl-C: stop the rest (finished rows are in the file)
                 ray.cancel(ref, force=True)
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
             if started:
                 ray.shutdown()
         return len(todo), len(runs) - len(todo)

@@ -172,19 +172,12 @@ def _run_sweep(runs, out, execute, *, progress, append) -> tuple[int, int]:
     drop_torn_tail(out)
     done = done_keys(out)
     todo = [r for r in runs if config_key(r) not in done]
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        bar = tqdm(total=len(todo), desc="sweep", unit="run")
-    for run in todo:
+    for run in tqdm(todo, desc="sweep", unit="run", disable=not progress):
         row = execute(run)
         row.update(sweep_key=config_key(run), sweep=run, version=__version__, seed=run["seed"])
         append(out, row)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
     return len(todo), len(runs) - len(todo)
 
 

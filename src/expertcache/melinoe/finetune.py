@@ -331,11 +331,9 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     tap = _RouterTap(layers)
     pm.train()
     t0 = time.time()
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc=f"melinoe finetune {cfg.model}", unit="step")
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"melinoe finetune {cfg.model}", unit="step", disable=not progress)
     stop = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
 
     def save(step: int) -> None:
@@ -361,13 +359,11 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
         if (step + 1) % cfg.log_every == 0 or step == 0:
             row["hard_misses"] = hard_misses(pf, k, capacity, cfg.gamma)
         rows.append(row)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(nll=f"{row['nll']:.3f}", cs=f"{row['cs']:.3f}", rm=f"{row['rm']:.2f}")
+        bar.update(1)
+        bar.set_postfix(nll=f"{row['nll']:.3f}", cs=f"{row['cs']:.3f}", rm=f"{row['rm']:.2f}")
         if (step + 1) % cfg.ckpt_every == 0 and step + 1 < stop:
             save(step + 1)
-    if bar is not None:
-        bar.close()
+    bar.close()
     tap.remove()
     save(stop)
     with open(out / "log.jsonl.tmp", "w") as fh:

@@ -240,11 +240,9 @@ def simulate(
         num_layers = trace.num_layers
         layer_ids = list(range(num_layers))
         totals: list[CacheStats | None] = [None] * num_layers
-        bar = None
-        if progress:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            bar = tqdm(total=trace.num_tokens, desc=f"simulate {routing.label()}", unit="tok")
+        bar = tqdm(total=trace.num_tokens, desc=f"simulate {routing.label()}", unit="tok", disable=not progress)
         for a, b in segments:
             caches = [make_cache(eviction, n, cap, initial=initial, seed=seed + layer, gamma=gamma,
                                  expert_bytes=expert_bytes) for layer in layer_ids]
@@ -255,13 +253,11 @@ def simulate(
                 for cache, ids in zip(caches, ids_LK):
                     cache.access_step(ids)
                 served[t] = ids_LK
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
             for layer, cache in enumerate(caches):
                 stats = cache.finish()
                 totals[layer] = stats if totals[layer] is None else totals[layer].merge(stats)
-        if bar is not None:
-            bar.close()
+        bar.close()
         per_layer = totals
     belady_per_layer = None
     if belady:
