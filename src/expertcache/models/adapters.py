@@ -90,20 +90,19 @@ def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor
     return scores_TE.gather(1, ids_TK.clamp(min=0)).masked_fill(ids_TK < 0, 0)
 
 
-_BIG = torch.finfo(torch.float32).max
+_BIG = np.finfo(np.float32).max
 
 
 def _restrict(zr_TE: torch.Tensor, allowed_TE: torch.Tensor) -> torch.Tensor:
     """Push experts outside the allowed set just below the lowest allowed value of their token, so every
     ranking puts them last while the per-token range (Cache-Prior's Δ) stays that of the allowed set.
-    float32 throughout."""
-    zr_TE = zr_TE.float()
-    lo_T = torch.where(allowed_TE, zr_TE, _BIG).amin(dim=1, keepdim=True).cpu().numpy()
-    hi_T = torch.where(allowed_TE, zr_TE, -_BIG).amax(dim=1, keepdim=True).cpu().numpy()
-    # the [T, 1] arithmetic in numpy float32: the same IEEE single operations as torch's, without its
-    # per-op overhead (decoding pays this per token and layer)
+    float32 throughout (computed in numpy: the same IEEE single operations as torch's, without its per-call
+    overhead, which decoding pays per token and layer)."""
+    z_TE, ok_TE = zr_TE.detach().float().cpu().numpy(), allowed_TE.cpu().numpy()
+    lo_T = np.where(ok_TE, z_TE, _BIG).min(axis=1, keepdims=True)
+    hi_T = np.where(ok_TE, z_TE, -_BIG).max(axis=1, keepdims=True)
     below_T = lo_T - np.float32(1e-3) * (hi_T - lo_T) - np.float32(1e-6) * (np.float32(1.0) + np.abs(lo_T))
-    return torch.where(allowed_TE, zr_TE, torch.from_numpy(below_T).to(zr_TE.device))
+    return torch.from_numpy(np.where(ok_TE, z_TE, below_T)).to(zr_TE.device)
 
 
 # ---------------------------------------------------------------------------------------------
