@@ -40,7 +40,9 @@ The state of a cache is a few numpy arrays, its only representation:
 - ``st_S`` int64 [10]: ``[clock, step, n_resident, capacity, accesses, hits, misses, lifetime_sum,
   lifetime_sumsq, lifetimes]``, the last six since the last fold into ``stats`` (after every kernel call).
 
-The kernel is compiled with numba when installed (:mod:`expertcache.compiled`), plain Python otherwise.
+The kernel is compiled with numba when installed (:mod:`expertcache.compiled`), plain Python otherwise; the
+loops that call it are compiled once per ``code`` (``_SERVE[code]``, ``_SELECT_SERVE[code]``), so each rule's
+loop carries only its own branches.
 """
 
 from __future__ import annotations
