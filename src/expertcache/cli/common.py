@@ -109,29 +109,28 @@ def add_cache_state_args(g) -> None:
 # (argparse prefixes "argument --flag: "); the parser prints it as one line and exits with code 2.
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1."""
+def _int_at_least(text: str, lo: int) -> int:
     try:
         value = int(str(text).strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a whole number ≥ {lo}, got {text!r}") from None
+    if value < lo:
+        raise argparse.ArgumentTypeError(f"must be ≥ {lo}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    return _int_at_least(text, 1)
 
 
 def nonneg_int(text: str) -> int:
     """argparse type: an integer ≥ 0."""
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {value}")
-    return value
+    return _int_at_least(text, 0)
 
 
-def _finite(text: str) -> float:
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (no nan / inf)."""
     try:
         value = float(str(text).strip())
     except ValueError:
@@ -141,14 +140,9 @@ def _finite(text: str) -> float:
     return value
 
 
-def finite_float(text: str) -> float:
-    """argparse type: a finite float (no nan / inf)."""
-    return _finite(text)
-
-
 def nonneg_float(text: str) -> float:
     """argparse type: a finite float ≥ 0."""
-    value = _finite(text)
+    value = finite_float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text!r}")
     return value
@@ -156,7 +150,7 @@ def nonneg_float(text: str) -> float:
 
 def unit_float(text: str) -> float:
     """argparse type: a float in [0, 1]."""
-    value = _finite(text)
+    value = finite_float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
     return value
