@@ -66,8 +66,6 @@ def make_executor(spec: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, 
     import numpy as np
     import torch
 
-    from expertcache.routing import RoutingConfig
-
     torch.set_num_threads(spec.get("threads", 1))
     if spec["mode"] == "open-loop":
         from expertcache.eval.sweep import open_loop_row
@@ -87,17 +85,15 @@ def make_executor(spec: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, 
         def execute(run):
             return open_loop_row(trace, run, freq_LE=freq)
     else:
-        from expertcache.eval import evaluate, prepare
+        from expertcache.eval import prepare
+        from expertcache.eval.sweep import closed_loop_row
 
         model, _, task = prepare(spec["model"], spec["task"], data_dir=spec["data_dir"], limit=spec["limit"],
                                  shots=spec["shots"], max_new_tokens=spec["max_new_tokens"])
         freq = None if spec["freq"] is None else np.asarray(spec["freq"], dtype=np.float32)
 
-        def execute(r):
-            return evaluate(model, task, RoutingConfig.from_dict(r["routing"]), eviction=r["eviction"],
-                            capacity=r["capacity"], gamma=r["gamma"] or 0.9, initial=r["initial"], seed=r["seed"],
-                            between_sequences=r["between_sequences"], scope=r["scope"], freq_LE=freq,
-                            model_name=spec["model"])
+        def execute(run):
+            return closed_loop_row(model, task, run, freq_LE=freq, model_name=spec["model"])
     _EXECUTORS[key] = execute
     return execute
 
