@@ -40,7 +40,8 @@ def record_figures():
     original = Figure.savefig
 
     def savefig(self, fname, *args, **kwargs):
-        seen[Path(str(fname)).name] = data_points(self)
+        name = Path(str(fname)).name  # expertcache.results.save_figure writes ".<stem>.tmp<suffix>", then renames
+        seen[name[1:].replace(".tmp.", ".", 1) if name.startswith(".") else name] = data_points(self)
         return original(self, fname, *args, **kwargs)
 
     Figure.savefig = savefig

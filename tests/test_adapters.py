@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from expertcache.models import SUPPORTED_MODEL_TYPES, family_for, find_moe_layers, load_model, patch_model
-from expertcache.models.adapters import order_by_logits
+from expertcache.models.adapters import FAMILIES, order_by_logits
 from expertcache.models.tiny import TINY_ARCHS, save_tiny, tiny_config
 from expertcache.routing import RoutingConfig
 from expertcache.sim import replay
@@ -409,3 +409,40 @@ def test_phimoe_prune_to_one_expert(load):
     assert torch.isfinite(out).all()
     assert (tr.ids_TLK[:, :, 1] == -1).all() and (tr.weights_TLK[:, :, 1] == 0).all()
     assert (tr.weights_TLK[:, :, 0] > 0).all()
+
+
+def _sparsemixer_slot_by_slot(eps: float, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """PhiMoE's eval-mode sparsemixer as transformers writes it, one slot after the other, at given ids."""
+    neg_inf = torch.full((), float("-inf"), dtype=z_TE.dtype)
+    a_T1 = ids_TK[:, :1]
+    thr_T1 = z_TE.gather(1, a_T1)
+    w1_T1 = torch.softmax(z_TE.masked_fill(((thr_T1 - z_TE) / z_TE.abs().clamp(min=thr_T1)) > 2 * eps, neg_inf),
+                          dim=-1).gather(1, a_T1)
+    b_T1 = ids_TK[:, 1:2].clamp(min=0)
+    thr2_T1 = z_TE.gather(1, b_T1)
+    rest_TE = torch.scatter(z_TE, -1, a_T1, float("-inf"))
+    w2_T1 = torch.softmax(rest_TE.masked_fill(((thr2_T1 - z_TE) / z_TE.abs().clamp(min=thr2_T1)) > 2 * eps, neg_inf),
+                          dim=-1).gather(1, b_T1)
+    return torch.cat([w1_T1, torch.where(ids_TK[:, 1:2] >= 0, w2_T1, torch.zeros((), dtype=w2_T1.dtype))], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_phimoe_weights_equal_the_slot_by_slot_sparsemixer(dtype):
+    """The both-slots-at-once weight rule equals the slot-by-slot formula bit for bit: any ids (a non-argmax slot 1,
+    a dropped slot 2), tied logits, several thresholds."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(0)
+    for eps in (0.0, 0.01, 0.2):
+        router = SimpleNamespace(router_jitter_noise=eps)
+        for t in (1, 2, 7):
+            for trial in range(40):
+                z_TE = (torch.randn(t, 16, generator=g) * 2).to(dtype)
+                if trial % 3 == 0:
+                    z_TE = z_TE.round()  # ties
+                ids_TK = torch.stack([torch.randperm(16, generator=g)[:2] for _ in range(t)])
+                if trial % 5 == 0:
+                    ids_TK[:, 1] = -1
+                got = FAMILIES["phimoe"].weights(router, z_TE, ids_TK)
+                assert got.dtype == dtype
+                assert torch.equal(got, _sparsemixer_slot_by_slot(eps, z_TE, ids_TK)), (eps, z_TE, ids_TK)

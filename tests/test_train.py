@@ -143,3 +143,14 @@ def test_card_for_a_tiny_model(tmp_path):
         assert rates[(size, "belady")] <= rates[(size, "lru")]
     text = card.read_text()
     assert "expertcache train --card-only X" in text and "| held-out split (model) |" in text
+
+
+@pytest.mark.parametrize("name", ["granular", "coarse"])
+def test_model_card_renders_from_its_card_json(name):
+    """The shipped MODEL_CARD.md is exactly what render_card makes of the shipped card.json (template + rows)."""
+    from expertcache.assets import shipped_model_dir
+    from expertcache.train.card import render_card
+
+    d = shipped_model_dir(name)
+    r = json.loads((d / "card.json").read_text())
+    assert render_card(r, r["command"]) == (d / "MODEL_CARD.md").read_text()

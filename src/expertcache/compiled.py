@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - exercised on installs without numba
 if os.environ.get("EXPERTCACHE_NO_NUMBA", "") not in ("", "0"):
     numba = None
 
-__all__ = ["AVAILABLE", "jit", "jit_inline"]
+__all__ = ["AVAILABLE", "jit", "jit_inline", "jit_each"]
 
 AVAILABLE = numba is not None
 
@@ -37,3 +37,10 @@ def jit(fn):
 def jit_inline(fn):
     """For helpers called from other compiled loops: inlined there (no per-call argument passing)."""
     return _njit(fn, inline="always") if numba is not None else fn
+
+
+def jit_each(make, keys) -> tuple:
+    """One compiled function per key from one source: ``make(key)`` returns a function that closes over
+    ``key``, which numba compiles as a constant, so branches on it are dropped (each specialisation runs
+    only its own rule). Indexed by key (keys 0, 1, ...)."""
+    return tuple(jit(make(key)) for key in keys)

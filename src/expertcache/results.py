@@ -1,4 +1,5 @@
-"""Results as data: JSONL rows written so that an interrupted run never leaves a torn row behind."""
+"""Results as data: JSONL rows written so that an interrupted run never leaves a torn row behind; figures
+written atomically."""
 
 from __future__ import annotations
 
@@ -39,3 +40,30 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
             if i == len(lines) - 1:  # torn last line of an interrupted write
                 return
             raise ValueError(f"{path}:{i + 1}: not a JSON row") from None
+
+
+def pyplot():
+    """``matplotlib.pyplot`` with the non-interactive Agg backend (matplotlib imported on first use)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | os.PathLike, *, tight: bool = True, **savefig) -> Path:
+    """Lay ``fig`` out (``tight``), write it to ``path`` through a temporary file beside it (creating the folder;
+    a reader never sees half a PNG), close it and return the path. ``savefig``: e.g. ``dpi``, ``bbox_inches``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        if tight:
+            fig.tight_layout()
+        fig.savefig(tmp, **savefig)
+        os.replace(tmp, path)
+    finally:
+        pyplot().close(fig)
+        tmp.unlink(missing_ok=True)
+    return path

@@ -8,30 +8,19 @@ from pathlib import Path
 
 import numpy as np
 
+from expertcache.results import pyplot, save_figure
+
 __all__ = ["plot_frequency", "plot_correlation", "plot_distinct"]
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(fig, path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130, bbox_inches="tight")
-    _plt().close(fig)
-    return path
+    return save_figure(fig, path, tight=False, dpi=130, bbox_inches="tight")
 
 
 def plot_frequency(freq_LE: np.ndarray, path: str | os.PathLike, title: str = "") -> Path:
     """Heatmap [L, E] of the per-layer normalised activation frequency (003 Fig. 3); the colour bar marks
     the uniform share 1/E."""
-    plt = _plt()
+    plt = pyplot()
     l, e = freq_LE.shape
     fig, ax = plt.subplots(figsize=(max(5.0, 0.22 * e + 2.0), max(2.2, 0.45 * l + 1.2)))
     im = ax.imshow(freq_LE, aspect="auto", cmap="viridis", interpolation="nearest")
@@ -49,7 +38,7 @@ def plot_correlation(corr_FF: np.ndarray | None, layer_corr_LL: np.ndarray, num_
                      path: str | os.PathLike, title: str = "") -> Path:
     """Left: the (layer, expert) × (layer, expert) Pearson correlation matrix with layer blocks outlined
     (003 Fig. 4; omitted when ``corr_FF`` is None); right: the [L, L] best-match summary."""
-    plt = _plt()
+    plt = pyplot()
     panels = 2 if corr_FF is not None else 1
     fig, axes = plt.subplots(1, panels, figsize=(6.0 * panels + 1.0, 5.4),
                              gridspec_kw={"width_ratios": [1.6, 1.0]} if panels == 2 else None)
@@ -92,7 +81,7 @@ def plot_distinct(distinct_BL: np.ndarray, num_experts: int, top_k: int, path: s
     independent-uniform-routing expectation."""
     from expertcache.analysis.profiling import uniform_distinct
 
-    plt = _plt()
+    plt = pyplot()
     bmax, l = distinct_BL.shape
     b = np.arange(1, bmax + 1)
     fig, ax = plt.subplots(figsize=(6.4, 4.4))

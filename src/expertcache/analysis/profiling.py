@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from expertcache.sim.simulator import activation_frequency, check_selections
+from expertcache.sim.simulator import activation_frequency, check_selections, selection_counts
 
 __all__ = ["activation_rate", "activation_frequency", "router_signal", "expert_correlation",
            "layer_correlation", "top_pairs", "distinct_experts", "uniform_distinct", "summarize"]
@@ -40,24 +40,13 @@ def _ids(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     return check_selections(ids_TLK, num_experts).astype(np.int64, copy=False)
 
 
-def _counts_LE(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
-    """[L, E] number of selections of each expert (dropped slots ignored)."""
-    ids_TLK = _ids(ids_TLK, num_experts)
-    t, l, k = ids_TLK.shape
-    counts = np.zeros((l, num_experts), dtype=np.int64)
-    for layer in range(l):
-        ids = ids_TLK[:, layer, :].ravel()
-        counts[layer] = np.bincount(ids[ids >= 0], minlength=num_experts)
-    return counts
-
-
 def activation_rate(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """[L, E] float64: the fraction of the T tokens whose selection at layer l includes expert e.
 
     Rows sum to K (less where slots were dropped); uniform routing gives K/E everywhere.
     """
     t = np.asarray(ids_TLK).shape[0]
-    return _counts_LE(ids_TLK, num_experts) / max(t, 1)
+    return selection_counts(ids_TLK, num_experts) / max(t, 1)
 
 
 def router_signal(logits_TLE: np.ndarray, ids_TLK: np.ndarray | None = None, *, signal: str = "probs",

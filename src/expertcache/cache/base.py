@@ -40,7 +40,9 @@ The state of a cache is a few numpy arrays, its only representation:
 - ``st_S`` int64 [10]: ``[clock, step, n_resident, capacity, accesses, hits, misses, lifetime_sum,
   lifetime_sumsq, lifetimes]``, the last six since the last fold into ``stats`` (after every kernel call).
 
-The kernel is compiled with numba when installed (:mod:`expertcache.compiled`), plain Python otherwise.
+The kernel is compiled with numba when installed (:mod:`expertcache.compiled`), plain Python otherwise; the
+loops that call it are compiled once per ``code`` (``_SERVE[code]``, ``_SELECT_SERVE[code]``), so each rule's
+loop carries only its own branches.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from expertcache.cache.stats import CacheStats
-from expertcache.compiled import jit as _jit
+from expertcache.compiled import jit_each as _jit_each
 from expertcache.compiled import jit_inline as _jit_inline
 from expertcache.routing.kernels import select
 
@@ -59,7 +61,7 @@ __all__ = ["ExpertCache", "initial_set", "order_steps", "check_keyed", "serve_on
 
 RESIDENT, STAMP, LOADED_AT, LT_SUM, LT_CNT, LOADS, SERVING = range(7)
 CLOCK, STEP, N_RES, CAP, ACCESSES, HITS, MISSES, LIFETIME_SUM, LIFETIME_SUMSQ, LIFETIMES = range(10)
-LRU, COUNTS, BELADY, DISCOUNTED = 0, 1, 2, 3
+LRU, COUNTS, BELADY, DISCOUNTED = CODES = 0, 1, 2, 3
 
 
 @_jit_inline
@@ -204,47 +206,54 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
     st_S[2] = n_res
 
 
-@_jit
-def _serve(ids_PK, nxt_PK, code, st_E, score_E, st_S, pf):
-    """Serve P steps, validated one by one: returns the first bad step (an id out of range or repeated), at
-    which nothing changed, or -1."""
-    n = st_E.shape[1]
-    k = ids_PK.shape[1]
-    miss_buf = np.empty(k, np.int64)
-    seen = np.zeros(n, np.bool_)
-    nxt = nxt_PK[0]
-    for p in range(ids_PK.shape[0]):
-        ids = ids_PK[p]
-        if code == 2:
-            nxt = nxt_PK[p]
-        bad = False
-        for i in range(k):
-            e = ids[i]
-            if e >= n or (e >= 0 and seen[e]):
-                bad = True
-            elif e >= 0:
-                seen[e] = True
-        for i in range(k):
-            if 0 <= ids[i] < n:
-                seen[ids[i]] = False
-        if bad:
-            return p
-        serve_one(ids, k, nxt, code, st_E, score_E, st_S, pf, miss_buf)
-    return -1
+def _serve_for(code):
+    def _serve(ids_PK, nxt_PK, st_E, score_E, st_S, pf):
+        """Serve P steps, validated one by one: returns the first bad step (an id out of range or repeated),
+        at which nothing changed, or -1."""
+        n = st_E.shape[1]
+        k = ids_PK.shape[1]
+        miss_buf = np.empty(k, np.int64)
+        seen = np.zeros(n, np.bool_)
+        nxt = nxt_PK[0]
+        for p in range(ids_PK.shape[0]):
+            ids = ids_PK[p]
+            if code == 2:
+                nxt = nxt_PK[p]
+            bad = False
+            for i in range(k):
+                e = ids[i]
+                if e >= n or (e >= 0 and seen[e]):
+                    bad = True
+                elif e >= 0:
+                    seen[e] = True
+            for i in range(k):
+                if 0 <= ids[i] < n:
+                    seen[ids[i]] = False
+            if bad:
+                return p
+            serve_one(ids, k, nxt, code, st_E, score_E, st_S, pf, miss_buf)
+        return -1
+    return _serve
 
 
-@_jit
-def _select_serve(order_PE, kres_PE, knon_PE, z_PE, k, out_PK, code, st_E, score_E, st_S, pf):
-    miss_buf = np.empty(k, np.int64)
-    bk = np.empty(k, np.float32)
-    bp = np.empty(k, np.int64)
-    ids = np.empty(k, np.int64)
-    nxt = np.zeros(k, np.int64)
-    for p in range(order_PE.shape[0]):
-        select(order_PE[p], kres_PE[p], knon_PE[p], z_PE[p], k, st_E[0], bk, bp, ids)
-        for i in range(k):
-            out_PK[p, i] = ids[i]
-        serve_one(ids, k, nxt, code, st_E, score_E, st_S, pf, miss_buf)
+def _select_serve_for(code):
+    def _select_serve(order_PE, kres_PE, knon_PE, z_PE, k, out_PK, st_E, score_E, st_S, pf):
+        miss_buf = np.empty(k, np.int64)
+        bk = np.empty(k, np.float32)
+        bp = np.empty(k, np.int64)
+        ids = np.empty(k, np.int64)
+        nxt = np.zeros(k, np.int64)
+        for p in range(order_PE.shape[0]):
+            select(order_PE[p], kres_PE[p], knon_PE[p], z_PE[p], k, st_E[0], bk, bp, ids)
+            for i in range(k):
+                out_PK[p, i] = ids[i]
+            serve_one(ids, k, nxt, code, st_E, score_E, st_S, pf, miss_buf)
+    return _select_serve
+
+
+# one compiled loop per eviction code, from the one source above (the code is a compile-time constant)
+_SERVE = _jit_each(_serve_for, CODES)
+_SELECT_SERVE = _jit_each(_select_serve_for, CODES)
 
 
 _NO_NEXT = np.zeros((1, 1), np.int64)
@@ -360,7 +369,7 @@ class ExpertCache:
             if order_by.ndim != 2 or order_by.shape[1] != n:
                 raise ValueError(f"order_by must be [P={ids_PK.shape[0]}, E={n}], got {order_by.shape}")
             ids_PK = np.ascontiguousarray(order_steps(ids_PK, order_by))
-        bad = _serve(ids_PK, self._next_steps(ids_PK), self.code, self.st_E, self.score_E, self.st_S, self.pf)
+        bad = _SERVE[self.code](ids_PK, self._next_steps(ids_PK), self.st_E, self.score_E, self.st_S, self.pf)
         self._unfolded = True
         if bad >= 0:
             raise ValueError(f"bad step {ids_PK[bad].tolist()}: ids must be distinct and in [0, {n}); "
@@ -382,7 +391,7 @@ class ExpertCache:
             raise ValueError("belady needs the future requests; a policy run live decides them as it goes")
         arrays = check_keyed(order_PE, kres_PE, knon_PE, z_PE, k, self.num_experts)
         out_PK = np.empty((arrays[0].shape[0], k), np.int64)
-        _select_serve(*arrays, int(k), out_PK, self.code, self.st_E, self.score_E, self.st_S, self.pf)
+        _SELECT_SERVE[self.code](*arrays, int(k), out_PK, self.st_E, self.score_E, self.st_S, self.pf)
         self._unfolded = True
         return out_PK
 

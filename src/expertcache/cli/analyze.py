@@ -48,8 +48,6 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.cli.main import UsageError
     from expertcache.trace import RoutingTrace
 
-    if args.max_batch < 1 or args.samples < 1:
-        raise UsageError("--max-batch and --samples must be ≥ 1")
     if args.profile_out and Path(args.profile_out).suffix not in (".npy", ".json"):
         raise UsageError(f"--profile-out must end in .npy or .json, got {args.profile_out!r}")
     check_output_path(args.profile_out, "--profile-out")

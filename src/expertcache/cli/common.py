@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 from expertcache.cache import EVICTION_POLICIES
 from expertcache.routing import POLICIES, RoutingConfig
@@ -56,6 +56,26 @@ def flag_message(msg: str, names) -> str:
     return msg
 
 
+def add_dataclass_args(parser, cls, *, helps: dict | None = None, choices: dict | None = None, defaults=None) -> None:
+    """One flag per scalar field of the config dataclass ``cls`` (``--field-name``, dest = the field name), so the
+    defaults live only there (``defaults``: an instance whose values to show instead). Numbers are checked when
+    parsed (ints ≥ 0, finite floats); ranges are the config's own check. ``helps``/``choices``: by field name."""
+    for f in fields(cls):
+        default = getattr(defaults, f.name) if defaults is not None else f.default
+        if default is MISSING:  # a collection (default_factory): not a flag
+            continue
+        typ = {int: nonneg_int, float: finite_float}.get(type(default), str)
+        kw = dict(dest=f.name, type=typ, default=default, choices=(choices or {}).get(f.name))
+        if helps is not None:
+            kw["help"] = f"{helps.get(f.name, f.name)} (default: {default})"
+        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
+
+
+def config_from_args(cls, args: argparse.Namespace):
+    """The ``cls`` instance of the flags :func:`add_dataclass_args` added."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
 def print_resolved(command: str, routing: RoutingConfig, extra: str = "") -> None:
     """One line on stderr with the resolved routing configuration (policy defaults filled in)."""
     import sys
@@ -89,29 +109,28 @@ def add_cache_state_args(g) -> None:
 # (argparse prefixes "argument --flag: "); the parser prints it as one line and exits with code 2.
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer ≥ 1."""
+def _int_at_least(text: str, lo: int) -> int:
     try:
         value = int(str(text).strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a whole number ≥ {lo}, got {text!r}") from None
+    if value < lo:
+        raise argparse.ArgumentTypeError(f"must be ≥ {lo}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
+    return _int_at_least(text, 1)
 
 
 def nonneg_int(text: str) -> int:
     """argparse type: an integer ≥ 0."""
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {value}")
-    return value
+    return _int_at_least(text, 0)
 
 
-def _finite(text: str) -> float:
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (no nan / inf)."""
     try:
         value = float(str(text).strip())
     except ValueError:
@@ -121,14 +140,9 @@ def _finite(text: str) -> float:
     return value
 
 
-def finite_float(text: str) -> float:
-    """argparse type: a finite float (no nan / inf)."""
-    return _finite(text)
-
-
 def nonneg_float(text: str) -> float:
     """argparse type: a finite float ≥ 0."""
-    value = _finite(text)
+    value = finite_float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text!r}")
     return value
@@ -136,7 +150,7 @@ def nonneg_float(text: str) -> float:
 
 def unit_float(text: str) -> float:
     """argparse type: a float in [0, 1]."""
-    value = _finite(text)
+    value = finite_float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
     return value

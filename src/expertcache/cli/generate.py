@@ -46,7 +46,7 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--io", choices=IO_MODES, default=default_io,
                    help=f"disk reads: direct (O_DIRECT), fadvise (drop page cache first), cached (default: {default_io})")
     d = OffloadConfig()
-    g.add_argument("--readers", type=int, default=d.readers,
+    g.add_argument("--readers", type=nonneg_int, default=d.readers,
                    help=f"reader threads issuing expert reads in parallel with compute (0 = serial reads on the "
                         f"compute thread; default: {d.readers})")
     g.add_argument("--prefetch", type=int, nargs="?", const=-1, default=d.prefetch, metavar="P",
@@ -77,8 +77,6 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     from expertcache.offload import OffloadConfig
 
     apply_threads(args, path)
-    if args.readers < 0:
-        raise ValueError(f"--readers must be >= 0, got {args.readers}")
     prefetch = args.prefetch
     if prefetch == -1:
         prefetch = _top_k(path) if path is not None else 8
@@ -90,12 +88,10 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
 
 
 def _top_k(path) -> int:
-    import json
+    from expertcache.models.loader import read_config_json
 
-    try:
-        return int(json.loads((path / "config.json").read_text())["num_experts_per_tok"])
-    except (OSError, KeyError, ValueError, TypeError):
-        return 8
+    k = read_config_json(path).get("num_experts_per_tok")
+    return k if isinstance(k, int) else 8
 
 
 def dtype_from_args(args):

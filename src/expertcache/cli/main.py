@@ -2,7 +2,7 @@
 
 Each sub-command is a module in this package exposing ``register(subparsers)``, which adds its parser and
 sets ``func`` (called with the parsed namespace; returns an exit code). Add a new command by listing its
-module in ``COMMANDS`` (and its one-line help in ``HELP``); modules that need optional dependencies import them
+name and one-line help in ``HELP``; modules that need optional dependencies import them
 inside ``func``.
 
 Start-up is kept light: ``--version`` and the top-level help import no command module (so no torch), and
@@ -19,25 +19,9 @@ import sys
 
 from expertcache import __version__
 
-COMMANDS = [
-    "expertcache.cli.simulate",
-    "expertcache.cli.train",
-    "expertcache.cli.analyze",
-    "expertcache.cli.eval",
-    "expertcache.cli.sweep",
-    "expertcache.cli.report",
-    "expertcache.cli.sensitivity",
-    "expertcache.cli.trace",
-    "expertcache.cli.mole",
-    "expertcache.cli.generate",
-    "expertcache.cli.bench",
-    "expertcache.cli.melinoe",
-    "expertcache.cli.serve",
-]
-
-
-# One-line help of each command for the top-level listing, so that ``expertcache --help`` needs no command module
-# (tests/test_cli.py checks that these match what each module registers). A module missing here is imported.
+# Each command (module ``expertcache.cli.<name>``, in listing order) with its one-line help for the top-level
+# listing, so that ``expertcache --help`` needs no command module (tests/test_cli.py checks that these match what
+# each module registers).
 HELP = {
     "simulate": "open-loop cache simulation of a routing trace",
     "train": "train a small MoE LM from scratch (or write its model card)",
@@ -53,6 +37,7 @@ HELP = {
     "melinoe": "004 MELINOE: locality fine-tuning and an expert-activation predictor",
     "serve": "OpenAI-compatible server with continuous batching over the offloaded runtime",
 }
+COMMANDS = [f"expertcache.cli.{name}" for name in HELP]
 
 # Optional packages -> the extra of pyproject.toml that installs them.
 OPTIONAL_EXTRAS = {
@@ -111,10 +96,9 @@ def build_parser(only: str | None = "*") -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"expertcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in COMMANDS:
-        name = module.rsplit(".", 1)[-1]
-        if only == "*" or name == only or name not in HELP:
-            importlib.import_module(module).register(sub)
+    for name in HELP:
+        if only == "*" or name == only:
+            importlib.import_module(f"expertcache.cli.{name}").register(sub)
         else:
             sub.add_parser(name, help=HELP[name], add_help=False)
     return parser

@@ -6,9 +6,8 @@ import argparse
 import json
 import shlex
 import sys
-from dataclasses import fields
 
-from expertcache.cli.common import check_output_path
+from expertcache.cli.common import add_dataclass_args, check_output_path, config_from_args
 
 DESCRIPTION = """\
 MELINOE (seed 004): change the model once so that each sequence leans on fewer experts, then predict those
@@ -48,37 +47,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     msub = p.add_subparsers(dest="melinoe_command", metavar="SUBCOMMAND")
     ft = msub.add_parser("finetune", help="fine-tune the routers for per-sequence locality (004 Eq. 4-6)")
-    _add_dataclass_args(ft, FinetuneConfig, _FT_HELP, skip=("extra",))
+    add_dataclass_args(ft, FinetuneConfig, helps=_FT_HELP)
     ft.add_argument("--no-progress", action="store_true", help="no progress bar")
     ft.set_defaults(func=run_finetune)
     pr = msub.add_parser("predictor", help="train the prompt -> expert-preference predictor (004 Sec. 3.1.2)")
-    _add_dataclass_args(pr, PredictorConfig, PredictorConfig.HELP, skip=())
+    add_dataclass_args(pr, PredictorConfig, helps=PredictorConfig.HELP)
     pr.add_argument("--no-progress", action="store_true", help="no progress bar")
     pr.set_defaults(func=run_predictor)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
-def _add_dataclass_args(parser, cls, helps: dict, skip=()) -> None:
-    for f in fields(cls):
-        if f.name in skip or f.name == "HELP":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default
-        typ = {int: int, float: float, str: str}.get(type(default), str)
-        if f.type in ("str | None",) or default is None:
-            typ = str
-        parser.add_argument(flag, dest=f.name, type=typ, default=default,
-                            help=f"{helps.get(f.name, f.name)} (default: {default})")
-
-
-def _config(cls, args):
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
-
 def run_finetune(args) -> int:
     from expertcache.melinoe.finetune import FinetuneConfig, finetune
 
-    cfg = _config(FinetuneConfig, args)
+    cfg = config_from_args(FinetuneConfig, args)
     check_output_path(cfg.out, "--out", directory=True)  # before the model loads
     cfg.check()
     path = finetune(cfg, command="expertcache " + shlex.join(sys.argv[1:]), progress=not args.no_progress)
@@ -92,7 +74,7 @@ def run_finetune(args) -> int:
 def run_predictor(args) -> int:
     from expertcache.melinoe.predictor import PredictorConfig, train_predictor
 
-    cfg = _config(PredictorConfig, args)
+    cfg = config_from_args(PredictorConfig, args)
     check_output_path(cfg.out, "--out", directory=True)  # before the model loads
     cfg.check()
     report = train_predictor(cfg, command="expertcache " + shlex.join(sys.argv[1:]), progress=not args.no_progress)

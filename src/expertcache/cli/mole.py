@@ -11,20 +11,15 @@ Training flags are generated from :class:`expertcache.mole.configs.MoleTrainConf
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 import sys
 
-from expertcache.cli.common import add_threads_arg, apply_threads
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+from expertcache.cli.common import add_threads_arg, apply_threads, config_from_args
 
 
 def register(subparsers) -> None:
-    from expertcache.cli.common import finite_float, nonneg_int, positive_int
+    from expertcache.cli.common import add_dataclass_args, nonneg_int, positive_int
     from expertcache.mole.configs import KINDS, MoleTrainConfig
 
     p = subparsers.add_parser("mole", help="Mixture of Lookup Experts: train, export tables, generate, evaluate",
@@ -35,15 +30,7 @@ def register(subparsers) -> None:
 
     t = sub.add_parser("train", help="train a dense, MoE or MoLE model (deterministic, resumable)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(MoleTrainConfig):  # raw field defaults: ``model=""`` is filled in from the kind
-        kw = {"type": type(f.default), "default": f.default}
-        if f.name == "kind":
-            kw["choices"] = KINDS
-        elif kw["type"] is float:
-            kw["type"] = finite_float
-        elif kw["type"] is int:
-            kw["type"] = nonneg_int
-        t.add_argument(_flag(f.name), dest=f.name, **kw)
+    add_dataclass_args(t, MoleTrainConfig, choices={"kind": KINDS})  # raw field defaults: ``model=""`` is from the kind
     t.add_argument("--tokenizer", default="", help="tokenizer folder (default: the shipped models' tokenizer)")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.set_defaults(func=run_train)
@@ -122,7 +109,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from expertcache.cli.common import check_output_path
 
-    cfg = MoleTrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(MoleTrainConfig)})
+    cfg = config_from_args(MoleTrainConfig, args)
     check_output_path(cfg.out or None, "--out", directory=True)
     s = train_mole(cfg, command=_command(), progress=not args.no_progress, tokenizer_dir=args.tokenizer or None)
     print(f"trained {cfg.model}: {s['tokens_seen']} tokens in {s['train_wall_s']:.0f} s; last eval {s['last_eval']}")

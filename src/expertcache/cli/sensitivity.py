@@ -38,8 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from expertcache.eval import evaluate, prepare
     from expertcache.eval.report import plot_sensitivity
     from expertcache.results import append_jsonl
@@ -66,12 +64,9 @@ def run(args: argparse.Namespace) -> int:
     if "replace" in modes:
         runs += [("replace", r, RoutingConfig(), r) for r in range(1, k + 1)]
     rows = []
-    runs_iter = runs
-    if not args.no_progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        runs_iter = tqdm(runs, desc="sensitivity", unit="run")
-    for kind, r, rc, replace in runs_iter:
+    for kind, r, rc, replace in tqdm(runs, desc="sensitivity", unit="run", disable=args.no_progress):
         row = evaluate(model, task, rc, capacity="0.5", seed=args.seed, replace_rank=replace, model_name=args.model)
         row.update(kind="sensitivity", sensitivity=kind, rank=r)
         rows.append(row)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from expertcache.cli.common import add_routing_args, routing_from_args
+from expertcache.cli.common import add_routing_args, nonneg_float, nonneg_int, positive_int, routing_from_args
 from expertcache.cli.generate import add_offload_args, add_routing_alias, dtype_from_args, offload_from_args
 
 DESCRIPTION = """\
@@ -28,13 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 = any free port)")
     s.add_argument("--served-model-name", default=None,
                    help="model id clients send (default: the shipped name or the checkpoint folder's name)")
-    s.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most (default: 8)")
-    s.add_argument("--max-queue", type=int, default=64,
+    s.add_argument("--max-batch", type=positive_int, default=8, help="rows decoded together at most (default: 8)")
+    s.add_argument("--max-queue", type=nonneg_int, default=64,
                    help="requests waiting beyond the free batch rows; more get 429 (default: 64)")
-    s.add_argument("--prefill-chunk", type=int, default=128,
+    s.add_argument("--prefill-chunk", type=positive_int, default=128,
                    help="prompt tokens prefilled between two decode steps at most: the stall a new request puts "
                         "on running rows (default: 128)")
-    s.add_argument("--shutdown-grace", type=float, default=30.0,
+    s.add_argument("--shutdown-grace", type=nonneg_float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are cancelled (default: 30)")
     s.add_argument("--trace-dir", action="append", default=[], metavar="DIR",
                    help="a folder of routing traces (*.trace.safetensors) the live view's replay may open, besides "
@@ -57,8 +57,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"serve needs the 'serve' extra: pip install 'expertcache[serve]' ({exc})") from None
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_batch < 1 or args.max_queue < 0 or args.prefill_chunk < 1 or args.shutdown_grace < 0:
-        raise UsageError("--max-batch and --prefill-chunk must be >= 1, --max-queue and --shutdown-grace >= 0")
     from pathlib import Path
 
     for d in args.trace_dir:

@@ -122,8 +122,6 @@ def _run(args: argparse.Namespace) -> int:
                   top_j=args.top_j, beta_max=args.beta_max, strengths=strengths, delta=args.delta, gamma=args.gamma,
                   initial=args.initial, seed=args.seed, between_sequences=args.between_sequences)
     progress = not args.no_progress
-    import torch
-
     apply_threads(args, getattr(args, "model", None))  # tiny per-token ops: extra threads only spin
     if args.trace:
         from expertcache.sim import activation_frequency
@@ -137,7 +135,8 @@ def _run(args: argparse.Namespace) -> int:
         execute = lambda r: open_loop_row(trace, r, freq_LE=freq)  # noqa: E731
     else:
         from expertcache.cli.eval import freq_profile
-        from expertcache.eval import evaluate, prepare
+        from expertcache.eval import prepare
+        from expertcache.eval.sweep import closed_loop_row
 
         freq = freq_profile(args, RoutingConfig("eras-bias")) if "eras-bias" in policies else None
         model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
@@ -149,12 +148,7 @@ def _run(args: argparse.Namespace) -> int:
                       max_new_tokens=args.max_new_tokens if args.task == "gsm8k" else None)
         runs = _plan(plan, mode="closed-loop", source=source, k=layer0.top_k, num_experts=layer0.num_experts,
                      scope=args.scope or task.default_scope, **common)
-
-        def execute(r):
-            return evaluate(model, task, RoutingConfig.from_dict(r["routing"]), eviction=r["eviction"],
-                            capacity=r["capacity"], gamma=r["gamma"] or 0.9, initial=r["initial"], seed=r["seed"],
-                            between_sequences=r["between_sequences"], scope=r["scope"], freq_LE=freq,
-                            model_name=str(args.model))
+        execute = lambda r: closed_loop_row(model, task, r, freq_LE=freq, model_name=str(args.model))  # noqa: E731
     if args.dry_run:
         done = done_keys(args.out)
         pending = sum(config_key(r) not in done for r in runs)

@@ -56,8 +56,6 @@ def _truncate(trace, n: int):
 
 
 def run_record(args: argparse.Namespace) -> int:
-    import torch
-
     from expertcache.eval.data import resolve_eval_data_dir, wikitext_text
     from expertcache.eval.runner import load_model_and_tokenizer
     from expertcache.eval.tasks import WikiTextTask, context_length

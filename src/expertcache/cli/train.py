@@ -9,17 +9,12 @@ Training flags are generated from :class:`expertcache.train.configs.TrainConfig`
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def register(subparsers) -> None:
-    from expertcache.cli.common import finite_float, nonneg_int
+    from expertcache.cli.common import add_dataclass_args, nonneg_int
     from expertcache.train.configs import MODEL_SPECS, TrainConfig
 
     p = subparsers.add_parser(
@@ -28,16 +23,7 @@ def register(subparsers) -> None:
         "optionally copy it into the package, or write MODEL_CARD.md for a trained model folder.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    defaults = TrainConfig()
-    for f in dataclasses.fields(TrainConfig):
-        kw = {"type": type(getattr(defaults, f.name)), "default": getattr(defaults, f.name)}
-        if f.name == "model":
-            kw["choices"] = sorted(MODEL_SPECS)
-        elif kw["type"] is float:
-            kw["type"] = finite_float
-        elif kw["type"] is int:
-            kw["type"] = nonneg_int
-        p.add_argument(_flag(f.name), dest=f.name, **kw)
+    add_dataclass_args(p, TrainConfig, choices={"model": sorted(MODEL_SPECS)}, defaults=TrainConfig())
     p.add_argument("--ship", action="store_true",
                    help="after training, copy <out>/model into src/expertcache/assets/models/<model>")
     p.add_argument("--card-only", metavar="MODEL_DIR", default=None,
@@ -52,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.train.configs import TrainConfig
 
     command = "expertcache " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "expertcache train"
-    from expertcache.cli.common import check_output_path
+    from expertcache.cli.common import check_output_path, config_from_args
 
     if args.card_only:
         from expertcache.train.card import write_card
@@ -65,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from expertcache.train.loop import train
 
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    cfg = config_from_args(TrainConfig, args)
     check_output_path(cfg.out or None, "--out", directory=True)
     summary = train(cfg, command=command, progress=not args.no_progress)
     print(f"trained {cfg.model}: {summary['tokens_seen']} tokens in {summary['train_wall_s']:.0f} s; "

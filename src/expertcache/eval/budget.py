@@ -65,12 +65,10 @@ def stream_eval(model, tokens: np.ndarray, routing: RoutingConfig, *, capacity, 
     nll, count = 0.0, 0
     with patch_model(model, routing, capacity=capacity, between_sequences="carry", freq_LE=freq_LE) as patch:
         ctl = attach(patch, target, record=True, **(controller_kw or {})) if target is not None else None
-        it = range(n_chunks)
-        if progress:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            it = tqdm(it, desc=f"stream {routing.label()}" + (f" target {target}" if target else ""), unit="chunk")
-        for c in it:
+        for c in tqdm(range(n_chunks), desc=f"stream {routing.label()}" + (f" target {target}" if target else ""),
+                      unit="chunk", disable=not progress):
             ids = torch.from_numpy(tokens[c * context:(c + 1) * context]).reshape(1, -1)
             logits = model(input_ids=ids).logits[0, :-1].float()
             logp = torch.log_softmax(logits, dim=-1)

@@ -66,8 +66,6 @@ def make_executor(spec: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, 
     import numpy as np
     import torch
 
-    from expertcache.routing import RoutingConfig
-
     torch.set_num_threads(spec.get("threads", 1))
     if spec["mode"] == "open-loop":
         from expertcache.eval.sweep import open_loop_row
@@ -87,17 +85,15 @@ def make_executor(spec: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, 
         def execute(run):
             return open_loop_row(trace, run, freq_LE=freq)
     else:
-        from expertcache.eval import evaluate, prepare
+        from expertcache.eval import prepare
+        from expertcache.eval.sweep import closed_loop_row
 
         model, _, task = prepare(spec["model"], spec["task"], data_dir=spec["data_dir"], limit=spec["limit"],
                                  shots=spec["shots"], max_new_tokens=spec["max_new_tokens"])
         freq = None if spec["freq"] is None else np.asarray(spec["freq"], dtype=np.float32)
 
-        def execute(r):
-            return evaluate(model, task, RoutingConfig.from_dict(r["routing"]), eviction=r["eviction"],
-                            capacity=r["capacity"], gamma=r["gamma"] or 0.9, initial=r["initial"], seed=r["seed"],
-                            between_sequences=r["between_sequences"], scope=r["scope"], freq_LE=freq,
-                            model_name=spec["model"])
+        def execute(run):
+            return closed_loop_row(model, task, run, freq_LE=freq, model_name=spec["model"])
     _EXECUTORS[key] = execute
     return execute
 
@@ -143,15 +139,13 @@ def run_sweep_ray(runs: list[dict[str, Any]], out: str | os.PathLike, spec: dict
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ValueError(f"--ray {address or 'local'}: cannot start or reach Ray ({exc})") from None
             started = True
-        bar, pending = None, {}
+        from tqdm import tqdm
+
+        bar, pending = tqdm(total=len(todo), desc="sweep (ray)", unit="run", disable=not progress), {}
         try:
             task = ray.remote(num_cpus=1, max_retries=0)(_execute_remote)
             spec_ref = ray.put(spec)
             pending = {task.remote(spec_ref, r): r for r in todo}
-            if progress:
-                from tqdm import tqdm
-
-                bar = tqdm(total=len(todo), desc="sweep (ray)", unit="run")
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
@@ -159,15 +153,13 @@ def run_sweep_ray(runs: list[dict[str, Any]], out: str | os.PathLike, spec: dict
                     row = ray.get(ref)
                     row.update(sweep_key=config_key(run), sweep=run, version=__version__, seed=run["seed"])
                     append_jsonl(out, row)
-                    if bar is not None:
-                        bar.update(1)
+                    bar.update(1)
         except BaseException:
             for ref in pending:  # a failed run or Ctrl-C: stop the rest (finished rows are in the file)
                 ray.cancel(ref, force=True)
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
             if started:
                 ray.shutdown()
         return len(todo), len(runs) - len(todo)

@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from expertcache.results import pyplot, save_figure
 from expertcache.routing import STRENGTH
 
 __all__ = ["group_rows", "pareto_front", "identical_points", "pareto_markdown", "plot_tradeoff", "plot_cache_sizes",
@@ -31,23 +32,7 @@ POLICY_COLORS = {"original": "black", "prune": "tab:gray", "max-rank": "tab:oran
 
 
 def _save(fig, path) -> Path:
-    """Lay out, write (creating the folder) and close ``fig``; returns the path."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
-
-def _mpl():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return save_figure(fig, path, dpi=130)
 
 
 def _routing(row) -> dict[str, Any]:
@@ -182,7 +167,7 @@ def _slug(*parts) -> str:
 def plot_tradeoff(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
     """Quality vs miss rate: every run as a faint dot, each policy's own Pareto front as a line, Original/LRU
     (star) and Belady on the original selections (cross, same quality) as references."""
-    plt = _mpl()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.2))
     by_policy: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
@@ -243,7 +228,7 @@ def cache_size_curves(rows: Sequence[dict], budgets=(0.01, 0.05, 0.10)) -> dict[
 
 def plot_cache_sizes(rows: Sequence[dict], path: str | Path, title: str = "", budgets=(0.01, 0.05, 0.10)) -> Path:
     """Miss rate vs cache size (001 Fig. 10) from rows of one source and eviction (LRU) at several capacities."""
-    plt = _mpl()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.2))
     purples = ["#c9b3e6", "#9467bd", "#4b1f7a"]
     pi = 0
@@ -278,7 +263,7 @@ def plot_raster(traces: Sequence[tuple[str, Any]], path: str | Path, *, layer: i
 
     from expertcache.eval.timeline import layer_raster
 
-    plt = _mpl()
+    plt = pyplot()
     fig, axes = plt.subplots(len(traces), 1, figsize=(9, 1.0 + 1.6 * len(traces)), squeeze=False)
     cmap = ListedColormap(["white", "#9ecae1", "#2ca02c", "#d62728"])
     for ax, (label, tr) in zip(axes[:, 0], traces):
@@ -305,7 +290,7 @@ def plot_raster(traces: Sequence[tuple[str, Any]], path: str | Path, *, layer: i
 def plot_sensitivity(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
     """Perplexity vs expert rank (001 Fig. 2): 'drop' (ranks ≥ r dropped = prune h=r-1) and 'replace' (the
     expert at rank r replaced by a random non-top-K expert); dashed line = original routing."""
-    plt = _mpl()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=False)
     base = [r for r in rows if r.get("sensitivity") == "baseline"]
     for ax, kind, label in ((axes[0], "drop", "drop experts ranked ≥ r"),

@@ -34,7 +34,7 @@ from expertcache import __version__
 from expertcache.cache import resolve_capacity
 from expertcache.routing import POLICIES, RoutingConfig
 
-__all__ = ["policy_grid", "plan", "config_key", "done_keys", "drop_torn_tail", "run_sweep", "open_loop_row",
+__all__ = ["policy_grid", "plan", "config_key", "done_keys", "drop_torn_tail", "run_sweep", "open_loop_row", "closed_loop_row",
            "router_mass", "sweep_lock", "SweepLockedError"]
 
 
@@ -172,19 +172,12 @@ def _run_sweep(runs, out, execute, *, progress, append) -> tuple[int, int]:
     drop_torn_tail(out)
     done = done_keys(out)
     todo = [r for r in runs if config_key(r) not in done]
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        bar = tqdm(total=len(todo), desc="sweep", unit="run")
-    for run in todo:
+    for run in tqdm(todo, desc="sweep", unit="run", disable=not progress):
         row = execute(run)
         row.update(sweep_key=config_key(run), sweep=run, version=__version__, seed=run["seed"])
         append(out, row)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
     return len(todo), len(runs) - len(todo)
 
 
@@ -202,6 +195,16 @@ def router_mass(logits_TLE: np.ndarray, served_TLK: np.ndarray, k: int, scoring:
     served = np.where(ids >= 0, np.take_along_axis(p, np.clip(ids, 0, None), axis=-1), 0.0).sum(-1)
     top = -np.partition(-p, k - 1, axis=-1)[..., :k]
     return float((served / top.sum(-1)).mean()) if served.size else float("nan")
+
+
+def closed_loop_row(model, task, run: dict[str, Any], *, freq_LE=None, model_name: str = "") -> dict[str, Any]:
+    """Evaluate one planned closed-loop run (:func:`expertcache.eval.evaluate`'s row)."""
+    from expertcache.eval import evaluate
+
+    return evaluate(model, task, RoutingConfig.from_dict(run["routing"]), eviction=run["eviction"],
+                    capacity=run["capacity"], gamma=run["gamma"] or 0.9, initial=run["initial"], seed=run["seed"],
+                    between_sequences=run["between_sequences"], scope=run["scope"], freq_LE=freq_LE,
+                    model_name=model_name)
 
 
 def open_loop_row(trace, run: dict[str, Any], *, freq_LE=None) -> dict[str, Any]:

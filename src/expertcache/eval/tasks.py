@@ -40,11 +40,9 @@ def context_length(model, cap: int = 1024) -> int:
 
 
 def _bar(it, progress: bool, desc: str, total: int | None = None):
-    if not progress:
-        return it
     from tqdm import tqdm
 
-    return tqdm(it, desc=desc, total=total, unit="item", leave=False)
+    return tqdm(it, desc=desc, total=total, unit="item", leave=False, disable=not progress)
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -33,6 +33,7 @@ for ``--include_path``.
 from __future__ import annotations
 
 import logging
+import string
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 import torch
 
-from expertcache.routing import STRENGTH, RoutingConfig
+from expertcache.routing import RoutingConfig
 
 __all__ = ["ExpertCacheLM", "write_local_tasks", "main"]
 
 log = logging.getLogger(__name__)
 
+_TASKS = Path(__file__).with_name("lm_eval_tasks")  # task YAML templates ($test, $dev, $subject)
 _INSTANCES: list = []  # every ExpertCacheLM built in this process: the launcher prints their miss rates
 
 _FLOATS = ("lam", "p", "alpha", "beta", "delta")
@@ -273,86 +275,23 @@ def write_local_tasks(data_dir: str | Path, out_dir: str | Path, *, mmlu_subject
     out_dir.mkdir(parents=True, exist_ok=True)
     names = []
 
-    def put(name: str, text: str) -> None:
+    def put(name: str, template: str, **fields) -> None:
+        text = string.Template((_TASKS / f"{template}.yaml").read_text(encoding="utf-8")).substitute(fields)
         tmp = out_dir / f".{name}.yaml.tmp"
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(out_dir / f"{name}.yaml")
         names.append(name)
 
     for subject in mmlu_subjects:
-        test = data_dir / "mmlu" / "test" / f"{subject}_test.csv"
-        dev = data_dir / "mmlu" / "dev" / f"{subject}_dev.csv"
-        if not test.is_file():
-            continue
-        put(f"ec_mmlu_{subject}", f"""task: ec_mmlu_{subject}
-dataset_path: csv
-dataset_kwargs:
-  data_files:
-    test: {test.resolve()}
-    dev: {dev.resolve()}
-test_split: test
-fewshot_split: dev
-output_type: multiple_choice
-doc_to_text: "{{{{question.strip()}}}}\\nA. {{{{choice0}}}}\\nB. {{{{choice1}}}}\\nC. {{{{choice2}}}}\\nD. {{{{choice3}}}}\\nAnswer:"
-doc_to_choice: ["A", "B", "C", "D"]
-doc_to_target: answer
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-""")
+        test, dev = (data_dir / "mmlu" / s / f"{subject}_{s}.csv" for s in ("test", "dev"))
+        if test.is_file():
+            put(f"ec_mmlu_{subject}", "ec_mmlu", subject=subject, test=test.resolve(), dev=dev.resolve())
     gsm = data_dir / "gsm8k" / "test.jsonl"
     if gsm.is_file():
-        put("ec_gsm8k", f"""task: ec_gsm8k
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {gsm.resolve()}
-test_split: test
-output_type: generate_until
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_target: "{{{{answer.split('####')[-1].strip()}}}}"
-generation_kwargs:
-  until: ["Question:", "\\n\\n"]
-  do_sample: false
-  max_gen_toks: 32
-filter_list:
-  - name: strict-match
-    filter:
-      - function: regex
-        regex_pattern: "(-?[0-9.,]+)"
-        group_select: -1
-      - function: take_first
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-    ignore_punctuation: true
-metadata:
-  version: 1.0
-""")
+        put("ec_gsm8k", "ec_gsm8k", test=gsm.resolve())
     wiki = data_dir / "wikitext-2-raw-v1" / "test.jsonl"
     if wiki.is_file():
-        put("ec_wikitext", f"""task: ec_wikitext
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {wiki.resolve()}
-test_split: test
-process_docs: !function ec_utils.nonempty
-output_type: loglikelihood_rolling
-doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
-should_decontaminate: false
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-metadata:
-  version: 1.0
-""")
+        put("ec_wikitext", "ec_wikitext", test=wiki.resolve())
         tmp = out_dir / ".ec_utils.py.tmp"
         tmp.write_text("def nonempty(dataset):\n"
                        "    return dataset.filter(lambda d: len(d['text'].strip()) > 0)\n", encoding="utf-8")

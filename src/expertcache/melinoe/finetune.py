@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
-from expertcache.train.loop import publish_folder
+from expertcache.results import pyplot, save_figure
+from expertcache.train.loop import publish_folder, save_npy
 
 __all__ = ["FinetuneConfig", "finetune", "lr_factor", "plot_losses", "TOKENIZER_FILES"]
 
@@ -200,12 +201,7 @@ def _save_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer, me
             meta.setdefault("adam_steps", {})[n] = float(st["step"])
     save_file(tensors, str(tmp / "trainable.safetensors"))
     (tmp / "state.json").write_text(json.dumps(meta) + "\n")
-    old = state_dir.with_name(state_dir.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if state_dir.exists():
-        os.replace(state_dir, old)
-    os.replace(tmp, state_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    publish_folder(tmp, state_dir)
 
 
 def _load_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer) -> dict:
@@ -228,11 +224,7 @@ def _load_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer) ->
 
 def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
     """PNG with L_nll, L_cs and L_rm (one panel each) against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     steps = [r["step"] for r in rows]
     for ax, (key, label) in zip(axes, [("nll", "L_nll"), ("cs", "L_cs (soft misses / token / layer)"),
@@ -252,12 +244,7 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 @torch.no_grad()
@@ -329,8 +316,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
             streams[split] = np.load(f, allow_pickle=False)
         else:
             streams[split] = token_stream(tok, split_texts(cfg.data_dir, split=split, seed=cfg.seed), budget)
-            np.save(data_cache / f"{split}.tmp.npy", streams[split])
-            os.replace(data_cache / f"{split}.tmp.npy", f)
+            save_npy(f, streams[split])
     train_N = streams["train"]
     opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rows: list[dict] = []
@@ -345,11 +331,9 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     tap = _RouterTap(layers)
     pm.train()
     t0 = time.time()
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc=f"melinoe finetune {cfg.model}", unit="step")
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"melinoe finetune {cfg.model}", unit="step", disable=not progress)
     stop = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
 
     def save(step: int) -> None:
@@ -375,13 +359,11 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
         if (step + 1) % cfg.log_every == 0 or step == 0:
             row["hard_misses"] = hard_misses(pf, k, capacity, cfg.gamma)
         rows.append(row)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(nll=f"{row['nll']:.3f}", cs=f"{row['cs']:.3f}", rm=f"{row['rm']:.2f}")
+        bar.update(1)
+        bar.set_postfix(nll=f"{row['nll']:.3f}", cs=f"{row['cs']:.3f}", rm=f"{row['rm']:.2f}")
         if (step + 1) % cfg.ckpt_every == 0 and step + 1 < stop:
             save(step + 1)
-    if bar is not None:
-        bar.close()
+    bar.close()
     tap.remove()
     save(stop)
     with open(out / "log.jsonl.tmp", "w") as fh:

@@ -198,13 +198,10 @@ def collect(model, prompts: list[list[int]], cont_len: int, *, batch: int = 32, 
             probs[i] = torch.softmax(logits.float(), dim=-1)
         hooks.append(m.router.register_forward_hook(hook))
     ys, cs = [], []
-    it = range(0, len(prompts), batch)
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        it = tqdm(it, desc="continuations", unit="batch")
     try:
-        for i in it:
+        for i in tqdm(range(0, len(prompts), batch), desc="continuations", unit="batch", disable=not progress):
             x = torch.tensor(prompts[i:i + batch], dtype=torch.long)
             b, p = x.shape
             gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=cont_len,
@@ -317,12 +314,9 @@ def fit_mlp(x: np.ndarray, y: np.ndarray, cfg: PredictorConfig, progress: bool =
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     g = torch.Generator().manual_seed(cfg.seed)
     losses = []
-    it = range(cfg.epochs)
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        it = tqdm(it, desc="predictor MLP", unit="epoch")
-    for _ in it:
+    for _ in tqdm(range(cfg.epochs), desc="predictor MLP", unit="epoch", disable=not progress):
         perm = torch.randperm(n, generator=g)
         tot = 0.0
         for i in range(0, n, cfg.batch_size):

@@ -78,22 +78,31 @@ def order_by_logits(ids_TK: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(ids)).to(ids_TK.device)
 
 
+def _no_dropped(ids_TK: torch.Tensor) -> bool:
+    """True when ``ids_TK`` (on the CPU: no device sync) has no dropped slot, so a plain gather will do."""
+    return ids_TK.device.type == "cpu" and ids_TK.numel() > 0 and int(ids_TK.min()) >= 0
+
+
 def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
     """scores at ids; 0 at dropped (-1) slots."""
-    w_TK = scores_TE.gather(1, ids_TK.clamp(min=0))
-    return torch.where(ids_TK >= 0, w_TK, torch.zeros((), dtype=w_TK.dtype))
+    if _no_dropped(ids_TK):  # the common case, with 3 fewer tensor ops (decoding pays them per token and layer)
+        return scores_TE.gather(1, ids_TK)
+    return scores_TE.gather(1, ids_TK.clamp(min=0)).masked_fill(ids_TK < 0, 0)
+
+
+_BIG = np.finfo(np.float32).max
 
 
 def _restrict(zr_TE: torch.Tensor, allowed_TE: torch.Tensor) -> torch.Tensor:
     """Push experts outside the allowed set just below the lowest allowed value of their token, so every
     ranking puts them last while the per-token range (Cache-Prior's Δ) stays that of the allowed set.
-    float32 throughout."""
-    zr_TE = zr_TE.float()
-    big = torch.finfo(zr_TE.dtype).max
-    lo_T = torch.where(allowed_TE, zr_TE, torch.full((), big)).amin(dim=1, keepdim=True)
-    hi_T = torch.where(allowed_TE, zr_TE, torch.full((), -big)).amax(dim=1, keepdim=True)
-    below_T = lo_T - 1e-3 * (hi_T - lo_T) - 1e-6 * (1.0 + lo_T.abs())
-    return torch.where(allowed_TE, zr_TE, below_T)
+    float32 throughout (computed in numpy: the same IEEE single operations as torch's, without its per-call
+    overhead, which decoding pays per token and layer)."""
+    z_TE, ok_TE = zr_TE.detach().float().cpu().numpy(), allowed_TE.cpu().numpy()
+    lo_T = np.where(ok_TE, z_TE, _BIG).min(axis=1, keepdims=True)
+    hi_T = np.where(ok_TE, z_TE, -_BIG).max(axis=1, keepdims=True)
+    below_T = lo_T - np.float32(1e-3) * (hi_T - lo_T) - np.float32(1e-6) * (np.float32(1.0) + np.abs(lo_T))
+    return torch.from_numpy(np.where(ok_TE, z_TE, below_T)).to(zr_TE.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,8 +218,13 @@ def _renorm_softmax(router: nn.Module) -> bool:
 def _weights_deepseek_v2(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
     """softmax over all E (fp32) gathered at the ids, times ``routed_scaling_factor``; no renormalisation
     (the transformers V2 router ignores ``norm_topk_prob``)."""
-    w_TK = _gather_valid(z_TE.float().softmax(dim=-1, dtype=torch.float32), ids_TK)
-    return w_TK * router.routed_scaling_factor
+    return _scaled(_gather_valid(z_TE.float().softmax(dim=-1, dtype=torch.float32), ids_TK), router)
+
+
+def _scaled(w_TK: torch.Tensor, router: nn.Module) -> torch.Tensor:
+    """``w_TK · routed_scaling_factor`` (no op for 1.0, which leaves every value as it is)."""
+    scale = router.routed_scaling_factor
+    return w_TK if scale == 1.0 else w_TK * scale
 
 
 def _weights_deepseek_v3(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
@@ -220,14 +234,15 @@ def _weights_deepseek_v3(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Te
     w_TK = _gather_valid(z_TE.float().sigmoid(), ids_TK)
     if router.norm_topk_prob:
         w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + 1e-20)
-    return w_TK * router.routed_scaling_factor
+    return _scaled(w_TK, router)
 
 
 def _weights_gpt_oss(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
     """softmax over the selected ids' logits (router bias included in the logits); equal to the full
     softmax renormalised over the selected ids. Dropped slots are excluded (-inf)."""
-    sel_TK = z_TE.gather(1, ids_TK.clamp(min=0))
-    sel_TK = torch.where(ids_TK >= 0, sel_TK, torch.full((), float("-inf"), dtype=sel_TK.dtype))
+    if _no_dropped(ids_TK):
+        return torch.softmax(z_TE.gather(1, ids_TK), dim=1, dtype=z_TE.dtype)
+    sel_TK = z_TE.gather(1, ids_TK.clamp(min=0)).masked_fill(ids_TK < 0, float("-inf"))
     return torch.softmax(sel_TK, dim=1, dtype=sel_TK.dtype)
 
 
@@ -245,22 +260,16 @@ def _weights_phimoe(router: nn.Module, z_TE: torch.Tensor, ids_TK: torch.Tensor)
     """
     if ids_TK.shape[1] != 2:
         raise ValueError(f"phimoe's sparsemixer routes exactly 2 experts per token, got K={ids_TK.shape[1]}")
-    eps = router.router_jitter_noise
-    scores_TE = z_TE
-    neg_inf = torch.full((), float("-inf"), dtype=scores_TE.dtype)
-    a_T1 = ids_TK[:, :1]
-    thr_T1 = scores_TE.gather(1, a_T1)
-    factor_TE = scores_TE.abs().clamp(min=thr_T1)
-    far_TE = ((thr_T1 - scores_TE) / factor_TE) > (2 * eps)
-    w1_T1 = torch.softmax(scores_TE.masked_fill(far_TE, neg_inf), dim=-1).gather(1, a_T1)
-    masked_TE = torch.scatter(scores_TE, -1, a_T1, float("-inf"))
-    b_T1 = ids_TK[:, 1:2].clamp(min=0)
-    thr2_T1 = scores_TE.gather(1, b_T1)
-    factor2_TE = scores_TE.abs().clamp(min=thr2_T1)
-    far2_TE = ((thr2_T1 - scores_TE) / factor2_TE) > (2 * eps)
-    w2_T1 = torch.softmax(masked_TE.masked_fill(far2_TE, neg_inf), dim=-1).gather(1, b_T1)
-    w2_T1 = torch.where(ids_TK[:, 1:2] >= 0, w2_T1, torch.zeros((), dtype=w2_T1.dtype))
-    return torch.cat([w1_T1, w2_T1], dim=-1)
+    # both slots at once, [T, 2, E] (the same element-wise operations as slot by slot, fewer calls)
+    dropped = not _no_dropped(ids_TK)
+    ids_T2 = ids_TK.clamp(min=0) if dropped else ids_TK
+    thr_T21 = z_TE.gather(1, ids_T2).unsqueeze(-1)  # each slot's own logit
+    z_T1E = z_TE.unsqueeze(1)
+    far_T2E = ((thr_T21 - z_T1E) / z_TE.abs().unsqueeze(1).clamp(min=thr_T21)) > (2 * router.router_jitter_noise)
+    s_T2E = z_T1E.masked_fill(far_T2E, float("-inf"))
+    s_T2E[:, 1].scatter_(-1, ids_T2[:, :1], float("-inf"))  # slot 2: the rest, slot 1's expert masked out
+    w_T2 = torch.softmax(s_T2E, dim=-1).gather(-1, ids_T2.unsqueeze(-1)).squeeze(-1)
+    return w_T2.masked_fill(ids_TK < 0, 0) if dropped else w_T2
 
 
 # -- which layers are MoE -------------------------------------------------------------------------

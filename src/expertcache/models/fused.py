@@ -15,7 +15,7 @@ import torch
 
 from expertcache.cache import ExpertCache
 from expertcache.cache import base as _cache
-from expertcache.compiled import jit
+from expertcache.compiled import jit_each
 from expertcache.routing import Router
 from expertcache.routing import kernels as rk
 
@@ -24,7 +24,7 @@ __all__ = ["keyed_serve"]
 #: sha256 (first 16 hex digits) of routing/kernels.py + cache/base.py, whose functions the loop below inlines.
 #: numba's on-disk cache only notices edits to *this* file, so an edit there must change this line (a test
 #: checks it); otherwise a stale compiled loop would be loaded.
-_DEPENDS_ON = "2ca96495110a6493"
+_DEPENDS_ON = "67c1c1f1f2e938c4"
 
 
 def kernel_sources_digest() -> str:
@@ -37,26 +37,31 @@ def kernel_sources_digest() -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-@jit
-def _keyed_serve(zr_PE, z_PE, prob_PE, ip, fp, penalty_PE, allowed_PE, k, out_PK, code, st_E, score_E, st_S, pf):
-    p_count, e = zr_PE.shape
-    order = np.empty(e, np.int64)
-    kres = np.empty(e, np.float32)
-    knon = np.empty(e, np.float32)
-    bk = np.empty(k, np.float32)
-    bp = np.empty(k, np.int64)
-    ids = np.empty(k, np.int64)
-    miss_buf = np.empty(k, np.int64)
-    nxt = np.zeros(k, np.int64)
-    for p in range(p_count):
-        if rk.token_keys(zr_PE[p], prob_PE[min(p, prob_PE.shape[0] - 1)], ip, fp, penalty_PE[0],
-                         allowed_PE[min(p, allowed_PE.shape[0] - 1)], order, kres, knon) != rk.OK:
-            return p
-        rk.select(order, kres, knon, z_PE[p], k, st_E[0], bk, bp, ids)
-        for i in range(k):
-            out_PK[p, i] = ids[i]
-        _cache.serve_one(ids, k, nxt, code, st_E, score_E, st_S, pf, miss_buf)
-    return p_count
+def _keyed_serve_for(code):
+    def _keyed_serve(zr_PE, z_PE, prob_PE, ip, fp, penalty_PE, allowed_PE, k, out_PK, st_E, score_E, st_S, pf):
+        p_count, e = zr_PE.shape
+        order = np.empty(e, np.int64)
+        kres = np.empty(e, np.float32)
+        knon = np.empty(e, np.float32)
+        bk = np.empty(k, np.float32)
+        bp = np.empty(k, np.int64)
+        ids = np.empty(k, np.int64)
+        miss_buf = np.empty(k, np.int64)
+        nxt = np.zeros(k, np.int64)
+        for p in range(p_count):
+            if rk.token_keys(zr_PE[p], prob_PE[min(p, prob_PE.shape[0] - 1)], ip, fp, penalty_PE[0],
+                             allowed_PE[min(p, allowed_PE.shape[0] - 1)], order, kres, knon) != rk.OK:
+                return p
+            rk.select(order, kres, knon, z_PE[p], k, st_E[0], bk, bp, ids)
+            for i in range(k):
+                out_PK[p, i] = ids[i]
+            _cache.serve_one(ids, k, nxt, code, st_E, score_E, st_S, pf, miss_buf)
+        return p_count
+    return _keyed_serve
+
+
+# one compiled loop per eviction code (a compile-time constant there), from the one source above
+_KEYED_SERVE = jit_each(_keyed_serve_for, _cache.CODES)
 
 
 def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Tensor, allowed_PE: torch.Tensor | None,
@@ -74,11 +79,11 @@ def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Ten
     probs = router.probs(zr)
     params.load()
     out_PK = np.empty((zr.shape[0], router.k), np.int64)
-    done = _keyed_serve(zr.numpy(), np.ascontiguousarray(z_PE.detach().to("cpu", torch.float32).numpy()),
-                        rk._EMPTY_F if probs is None else probs, params.ip, params.fp,
-                        rk._EMPTY_F if params.penalty is None else params.penalty,
-                        rk._EMPTY_B if allowed_PE is None else allowed_PE.numpy(), router.k, out_PK,
-                        cache.code, cache.st_E, cache.score_E, cache.st_S, cache.pf)
+    z = np.ascontiguousarray((zr if z_PE is zr_PE else z_PE.detach().to("cpu", torch.float32)).numpy())
+    done = _KEYED_SERVE[cache.code](zr.numpy(), z, rk._EMPTY_F if probs is None else probs, params.ip, params.fp,
+                                    rk._EMPTY_F if params.penalty is None else params.penalty,
+                                    rk._EMPTY_B if allowed_PE is None else allowed_PE.numpy(), router.k, out_PK,
+                                    cache.st_E, cache.score_E, cache.st_S, cache.pf)
     params.store()
     cache._unfolded = True
     if done < zr.shape[0]:

@@ -129,6 +129,11 @@ def patch_model(
                     record=record, freq_LE=freq_LE, replace_rank=replace_rank)
 
 
+def _as(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` in ``like``'s dtype (no call when it already is: the lean path pays every call per token and layer)."""
+    return x if x.dtype == like.dtype else x.to(like.dtype)
+
+
 def _same_sets(a_PK: torch.Tensor, b_PK: torch.Tensor) -> bool:
     """Whether every row of ``a_PK`` holds the same ids as that row of ``b_PK`` (in any order)."""
     a, b = a_PK.numpy(), b_PK.numpy()
@@ -385,7 +390,7 @@ class MoEPatch(CacheStreams, Recording):
         elif t <= _SAME_SET_CHECK and _same_sets(ids_TK, ids0_TK.detach()):
             return w0_TK, ids0_TK
         w_TK = self.family.weights(m.router, z_TE, ids_TK)
-        return w_TK.to(w0_TK.dtype), ids_TK.to(ids0_TK.dtype)
+        return _as(w_TK, w0_TK), _as(ids_TK, ids0_TK)
 
     def _observe(self, m: MoELayer, z_cpu_TE, ids_cpu_TK, rows, real_BS) -> None:
         """A call routed by the model itself (original policy, or outside the policy's scope): feed the

@@ -139,7 +139,6 @@ def moe_offload_loads(model, heldout_N: np.ndarray, batch: int, tokens: int, cap
 
 def count_params(model) -> dict:
     """Parameters: total (tied embedding once), routed experts, and per-token active at inference."""
-    cfg = model.config
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n or ".expert_norm." in n)
     return {"params_total": int(total), "params_routed_experts": int(experts)}

@@ -17,6 +17,7 @@ import torch
 from expertcache.mole import quant as Q
 from expertcache.mole.modeling import MoleForCausalLM
 from expertcache.mole.table import TableSpec
+from expertcache.train.loop import publish_folder
 
 __all__ = ["compute_lut", "export_table"]
 
@@ -76,10 +77,4 @@ def export_table(model_dir: str | Path, out: str | Path, quant: str = "none", dt
         "source": str(model_dir), "table": asdict(spec), "record_bytes": spec.record_bytes,
         "table_bytes": spec.table_bytes, "trunk_params": int(sum(v.numel() for v in trunk.values())),
     }, indent=2) + "\n")
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-    return out
+    return publish_folder(tmp, out)

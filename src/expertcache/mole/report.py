@@ -125,7 +125,7 @@ def evaluate(model_dir: str | Path, data_dir: str = "", tokenizer_dir: str | Pat
     if kind == "dense":
         row.update(params_offloaded=0, params_fast=row["params_total"], bytes_per_token={"b1": 0, "b8": 0})
     elif kind == "moe":
-        e, k, f = cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"]
+        k, f = cfg["num_experts_per_tok"], cfg["intermediate_size"]
         cap = moe_capacity or k  # equal fast memory with MoLE: the shared FFN's width = K experts of width ffn/K
         expert_params = 3 * d * f
         row.update(params_offloaded=row["params_routed_experts"],

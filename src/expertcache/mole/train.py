@@ -16,9 +16,8 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
-
 from expertcache.mole.configs import MoleTrainConfig, build_model
+from expertcache.train.loop import save_npy
 
 
 def shipped_tokenizer_dir() -> Path:
@@ -62,8 +61,7 @@ def prepare_run(cfg: MoleTrainConfig, tokenizer_dir: str | Path | None = None) -
                 "docs_heldout": len(heldout_docs)}
         for name, docs in (("train", train_docs), ("heldout", heldout_docs)):
             arr = encode_stream(tok, [d["text"] for d in docs], tok.eos_token_id)
-            np.save(cache / f"{name}.tmp.npy", arr)
-            os.replace(cache / f"{name}.tmp.npy", cache / f"{name}.npy")
+            save_npy(cache / f"{name}.npy", arr)
             meta[f"tokens_{name}"] = int(len(arr))
         (cache / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,6 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
-        import time
 
         self.thread.start()
         t0 = time.monotonic()

@@ -162,15 +162,19 @@ def _initial_label(initial) -> Any:
     return sorted(int(e) for e in initial)
 
 
+def selection_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
+    """[L, E] int64: how often each expert is selected at each layer (dropped slots ignored; ids checked)."""
+    ids_TLK = check_selections(ids_TLK, num_experts)
+    counts_LE = np.zeros((ids_TLK.shape[1], num_experts), dtype=np.int64)
+    for layer, ids in enumerate(ids_TLK.transpose(1, 0, 2).reshape(ids_TLK.shape[1], -1)):
+        counts_LE[layer] = np.bincount(ids[ids >= 0], minlength=num_experts)
+    return counts_LE
+
+
 def activation_frequency(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """Per-layer normalised activation frequency [L, E] (003 Sec. III-A): the share of selections that go
     to each expert (rows sum to 1; uniform routing gives 1/E). Used by ERAS biasing."""
-    ids_TLK = check_selections(ids_TLK, num_experts)
-    t, l, k = ids_TLK.shape
-    freq = np.zeros((l, num_experts), dtype=np.float64)
-    for layer in range(l):
-        ids = ids_TLK[:, layer, :].ravel()
-        freq[layer] = np.bincount(ids[ids >= 0], minlength=num_experts)
+    freq = selection_counts(ids_TLK, num_experts).astype(np.float64)
     totals = freq.sum(axis=1, keepdims=True)
     return (freq / np.where(totals == 0, 1, totals)).astype(np.float32)
 
@@ -240,11 +244,9 @@ def simulate(
         num_layers = trace.num_layers
         layer_ids = list(range(num_layers))
         totals: list[CacheStats | None] = [None] * num_layers
-        bar = None
-        if progress:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            bar = tqdm(total=trace.num_tokens, desc=f"simulate {routing.label()}", unit="tok")
+        bar = tqdm(total=trace.num_tokens, desc=f"simulate {routing.label()}", unit="tok", disable=not progress)
         for a, b in segments:
             caches = [make_cache(eviction, n, cap, initial=initial, seed=seed + layer, gamma=gamma,
                                  expert_bytes=expert_bytes) for layer in layer_ids]
@@ -255,13 +257,11 @@ def simulate(
                 for cache, ids in zip(caches, ids_LK):
                     cache.access_step(ids)
                 served[t] = ids_LK
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
             for layer, cache in enumerate(caches):
                 stats = cache.finish()
                 totals[layer] = stats if totals[layer] is None else totals[layer].merge(stats)
-        if bar is not None:
-            bar.close()
+        bar.close()
         per_layer = totals
     belady_per_layer = None
     if belady:

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import string
 from pathlib import Path
 
 import numpy as np
@@ -190,82 +191,37 @@ def _dir_bytes(path: Path) -> int:
 
 
 def render_card(r: dict, command: str) -> str:
-    """MODEL_CARD.md text from :func:`evaluate_model_dir`'s dict; ``command`` is the command that produced it."""
-    t = r["train"]
-    tc = t.get("config", {})
-    name = Path(r["model_dir"]).name
-    h = r["heldout"]
-    train_cmd = t.get("command") or f"expertcache train --model {name} --ship"
-    L = [f"# expertcache shipped model: `{name}`", ""]
-    L += [f"A small {r['arch']} Mixture-of-Experts LM trained from scratch by expertcache as the package's embedded "
-          f"default. {r['num_experts']} experts per layer, top-{r['top_k']}. Not a general-purpose model: it "
-          f"knows Linux-kernel / Python / Perl / Debian documentation and fortune-file prose.", ""]
-    L += ["## Architecture", "",
-          "| | |", "|---|---|",
-          f"| class | `{r['arch']}` (transformers {_tf_version()}) |",
-          f"| layers × hidden × heads | {r['layers']} × {r['hidden']} × {r['heads']} |",
-          f"| experts per layer / top-k / expert width | {r['num_experts']} / {r['top_k']} / {r['expert_ffn']} |",
-          f"| context length | {r['seq_len']} tokens |",
-          f"| vocabulary | {r['vocab']} (byte-level BPE trained on the training split) |",
-          f"| parameters (tied embeddings counted once) | {r['params_total']:,} |",
-          f"| expert parameters | {r['params_experts']:,} ({r['experts_share']:.1%}) |",
-          f"| weights on disk | {r['weights_dtype']} (trained in fp32, cast for shipping to stay under 16 MB) |",
-          f"| folder size | {r['dir_bytes'] / 1e6:.2f} MB ({r['dir_bytes']:,} bytes) |", ""]
-    L += ["## Training", "",
-          f"Command: `{train_cmd}` (resumable; flags default to `TrainConfig` in `expertcache/train/configs.py`).", "",
-          f"- data: `corpus-debian-docs` (see its PROVENANCE.md), every document whose sha256(source) starts with "
-          f"\"0\" held out ({h['docs']} documents); {t.get('train_tokens_available', 0):,} training tokens available",
-          f"- tokens seen: {t.get('tokens_seen', 0):,} ({t.get('steps_done', 0)} steps × {tc.get('batch_size')} × "
-          f"{tc.get('seq_len')}), AdamW lr {tc.get('lr')} (warmup {tc.get('warmup_steps')}, cosine to "
-          f"{tc.get('min_lr_ratio')}×), weight decay {tc.get('weight_decay')}, clip {tc.get('grad_clip')}, "
-          f"seed {tc.get('seed')}, fp32, load-balancing loss coef {t.get('spec', {}).get('router_aux_loss_coef')}, "
-          f"experts implementation `{tc.get('experts_implementation')}`",
-          f"- training time: {t.get('train_wall_s', 0) / 60:.1f} min on {tc.get('threads')} thread(s) of a "
-          f"{r['cpu_count']}-core CPU ({r['cpu']}), no accelerator; the two cores were shared with the other "
-          f"shipped model's training and other jobs, so wall time overstates the compute used",
-          "- loss curve: `loss_curve.png`; per-step losses: `train_log.jsonl`; full run summary: `train_summary.json`",
-          ""]
-    L += ["## Evaluation", "", f"All figures below: `{command}` (also in `card.json`).", "",
-          "| text | tokens scored | perplexity |", "|---|---|---|",
-          f"| held-out split (model) | {h['tokens_scored']:,} | **{h['ppl']:.2f}** |",
-          f"| held-out split, unigram with training-split frequencies | same | {h['unigram_ppl_train_freqs']:.1f} |",
-          f"| held-out split, unigram fitted on these tokens | same | {h['unigram_ppl_self_fit']:.1f} |"]
-    if r["wikitext2"]:
-        w = r["wikitext2"]
-        L.append(f"| WikiText-2 test (`wiki.test.raw`, {w['chars']:,} chars, out of domain) | {w['tokens_scored']:,} "
-                 f"| {w['ppl']:.1f} |")
-    L += ["", f"Model / best unigram perplexity = {h['ratio_to_best_unigram']:.3f} (bar: ≤ 0.1). Chunks of "
-          f"{r['seq_len']} tokens, non-overlapping, each scored from scratch.", ""]
-    L += ["### Expert load (held-out split)", "",
-          f"Share of top-{r['top_k']} selections per expert (uniform = {1 / r['num_experts']:.4f}); entropy "
-          "normalised by log N (1 = perfectly balanced).", "",
-          "| layer | min share | max share | entropy |", "|---|---|---|---|"]
-    L += [f"| {b['layer']} | {b['min_frac']:.4f} | {b['max_frac']:.4f} | {b['norm_entropy']:.3f} |"
-          for b in r["load_balance"]]
-    L += ["", "### Cache behaviour (original routing)", "",
-          f"Top-{r['top_k']} selections of {r['cache_tokens']:,} held-out tokens (the first "
-          f"{r['cache_tokens'] // len(r['cache_packages'])} tokens of the held-out text of each of "
-          f"{', '.join(r['cache_packages'])}; text order) replayed "
-          "through one cache per layer (`expertcache.sim.replay`, cache kept across chunks). Miss rate = misses / "
-          "(tokens × layers × K); lifetime = tokens an expert stays resident after being loaded.", "",
-          "| capacity C | eviction | miss rate | mean lifetime (tokens) | per-layer miss rates |",
-          "|---|---|---|---|---|"]
-    for c in r["cache"]:
-        life = "–" if c["mean_lifetime"] is None else f"{c['mean_lifetime']:.1f}"
-        L.append(f"| {c['capacity']} ({c['capacity_label']}) | {c['eviction']} | {c['miss_rate']:.3f} | {life} | "
-                 + ", ".join(f"{m:.3f}" for m in c["layer_miss_rates"]) + " |")
-    L += ["", "### Greedy continuations of held-out document openings", "",
-          f"First {OPENING_TOKENS} tokens of the first held-out document of each source package, then "
-          f"{OPENING_TOKENS} greedy tokens (no sampling, no repetition penalty).", ""]
-    for c in r["continuations"]:
-        L += [f"**{c['source']}**", "", "```text", c["prompt"] + "⟦" + c["continuation"] + "⟧", "```", ""]
-    L += ["(⟦…⟧ marks the model's continuation.)", "",
-          "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-          "from expertcache.assets import shipped_model_dir", "",
-          f"path = shipped_model_dir({name!r})",
-          "model = AutoModelForCausalLM.from_pretrained(path)  # bf16 weights; pass dtype=torch.float32 to upcast",
-          "tok = AutoTokenizer.from_pretrained(path)", "```", ""]
-    return "\n".join(L)
+    """MODEL_CARD.md text from :func:`evaluate_model_dir`'s dict; ``command`` is the command that produced it.
+    The prose is ``templates/MODEL_CARD.md`` (``string.Template``); the tables' rows are made here."""
+    t, h = r["train"], r["heldout"]
+    tc, name = t.get("config", {}), Path(r["model_dir"]).name
+    w = r["wikitext2"]
+    cache_rows = [f"| {c['capacity']} ({c['capacity_label']}) | {c['eviction']} | {c['miss_rate']:.3f} | "
+                  + ("–" if c["mean_lifetime"] is None else f"{c['mean_lifetime']:.1f}") + " | "
+                  + ", ".join(f"{m:.3f}" for m in c["layer_miss_rates"]) + " |" for c in r["cache"]]
+    fields = dict(
+        r, name=name, name_repr=repr(name), transformers=_tf_version(), params_total=f"{r['params_total']:,}",
+        params_experts=f"{r['params_experts']:,}", experts_share=f"{r['experts_share']:.1%}",
+        dir_mb=f"{r['dir_bytes'] / 1e6:.2f}", dir_bytes=f"{r['dir_bytes']:,}",
+        train_cmd=t.get("command") or f"expertcache train --model {name} --ship", heldout_docs=h["docs"],
+        train_tokens_available=f"{t.get('train_tokens_available', 0):,}", tokens_seen=f"{t.get('tokens_seen', 0):,}",
+        steps_done=t.get("steps_done", 0), train_seq_len=tc.get("seq_len"), train_min=f"{t.get('train_wall_s', 0) / 60:.1f}",
+        router_aux_loss_coef=t.get("spec", {}).get("router_aux_loss_coef"), threads=tc.get("threads"),
+        **{k: tc.get(k) for k in ("batch_size", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip",
+                                  "seed", "experts_implementation")},
+        command=command, tokens_scored=f"{h['tokens_scored']:,}", ppl=f"{h['ppl']:.2f}",
+        unigram_train=f"{h['unigram_ppl_train_freqs']:.1f}", unigram_self=f"{h['unigram_ppl_self_fit']:.1f}",
+        wikitext_row=f"\n| WikiText-2 test (`wiki.test.raw`, {w['chars']:,} chars, out of domain) | "
+                     f"{w['tokens_scored']:,} | {w['ppl']:.1f} |" if w else "",
+        ratio=f"{h['ratio_to_best_unigram']:.3f}", uniform=f"{1 / r['num_experts']:.4f}",
+        load_rows="\n".join(f"| {b['layer']} | {b['min_frac']:.4f} | {b['max_frac']:.4f} | {b['norm_entropy']:.3f} |"
+                            for b in r["load_balance"]),
+        cache_tokens=f"{r['cache_tokens']:,}", tokens_per_package=r["cache_tokens"] // len(r["cache_packages"]),
+        packages=", ".join(r["cache_packages"]), cache_rows="\n".join(cache_rows), opening=OPENING_TOKENS,
+        continuations="".join(f"**{c['source']}**\n\n```text\n{c['prompt']}⟦{c['continuation']}⟧\n```\n\n"
+                              for c in r["continuations"]))
+    template = (Path(__file__).with_name("templates") / "MODEL_CARD.md").read_text(encoding="utf-8")
+    return string.Template(template).substitute(fields)
 
 
 def _tf_version() -> str:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from expertcache import __version__
+from expertcache.results import pyplot, save_figure
 from expertcache.train.configs import MODEL_SPECS, TrainConfig, build_hf_config, build_model, count_params
 from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, sample_batch, split_documents
 from expertcache.train.tokenizer import load_tokenizer, train_tokenizer
@@ -39,6 +40,13 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def save_npy(path: Path, arr: np.ndarray) -> None:
+    """``np.save`` to ``path`` through a temporary file beside it (a reader never sees a half-written array)."""
+    tmp = path.with_name(path.stem + ".tmp.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, path)
 
 
 def _load_tokens(path: Path) -> np.ndarray:
@@ -67,8 +75,7 @@ def prepare_data(cfg: TrainConfig, run_dir: Path):
     heldout_N = encode_stream(tok, [d["text"] for d in heldout_docs], tok.eos_token_id)
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, arr in (("train", train_N), ("heldout", heldout_N)):
-        np.save(data_dir / f"{name}.tmp.npy", arr)
-        os.replace(data_dir / f"{name}.tmp.npy", data_dir / f"{name}.npy")
+        save_npy(data_dir / f"{name}.npy", arr)
     meta = {"docs_train": len(train_docs), "docs_heldout": len(heldout_docs), "tokens_train": int(len(train_N)),
             "tokens_heldout": int(len(heldout_N))}
     (data_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -195,11 +202,7 @@ def _set_rng_state(state: dict) -> None:
 
 def plot_losses(rows: list[dict], path: Path, title: str) -> None:
     """Loss-curve PNG (train CE per logged window; held-out CE at each eval) from log rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     train = [(r["tokens"] / 1e6, r["loss"]) for r in rows if "loss" in r]
     held = [(r["tokens"] / 1e6, r["heldout_loss"]) for r in rows if "heldout_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=80)
@@ -212,11 +215,7 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def export_model(model, tok, cfg: TrainConfig, run_dir: Path, rows: list[dict], summary: dict) -> Path:
@@ -242,11 +241,12 @@ def export_model(model, tok, cfg: TrainConfig, run_dir: Path, rows: list[dict], 
 def publish_folder(tmp: Path, final: Path) -> Path:
     """Put the finished folder ``tmp`` in place of ``final`` (a sibling): its files made world-readable
     (safetensors writes 0600; shipped files must be readable), the previous ``final`` moved aside to
-    ``model.old`` beside it and removed only after the swap, so an interrupted run never leaves a half-written
-    ``final``. Returns ``final``."""
+    ``<final>.old`` beside it and removed only after the swap, so an interrupted run never leaves a
+    half-written ``final``. Returns ``final``."""
     for f in tmp.iterdir():
-        f.chmod(0o644)
-    old = final.parent / "model.old"
+        if f.is_file():
+            f.chmod(0o644)
+    old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         os.replace(final, old)
