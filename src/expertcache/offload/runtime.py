@@ -70,7 +70,7 @@ from expertcache.offload.config import OffloadConfig
 from expertcache.offload.ioqueue import IOQueue, Ticket
 from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
-from expertcache.offload.prefetch import PrefetchStats, guess_next_layer
+from expertcache.offload.prefetch import PrefetchStats, first_layer_input, guess_next_layer
 from expertcache.offload.quant import QuantLayout, default_group
 from expertcache.offload.slots import SlotPool, slot_bytes_for
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, Placement, QuantSource, TierStats,
@@ -177,6 +177,8 @@ class OffloadedModel:
         self.record = False
         self.configure()
         self._install_routers()
+        first = self.model.model.layers[layers[0].layer_id]  # its MoE layer's guess starts before its attention
+        first.register_forward_pre_hook(self._guess_first, with_kwargs=True)
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -446,10 +448,7 @@ class OffloadedModel:
         flight, then each miss handed to ``on_ready`` as it lands."""
         pool = st.pool
         if st.guess is not None:  # score the guess made for this step
-            g, ps = set(st.guess), self.prefetch_stats
-            ps.guessed += len(g)
-            ps.requested += len(order)
-            ps.correct += len(g.intersection(order))
+            self.prefetch_stats.score(st.moe.index, st.guess, order)
             st.guess = None
         before = dict(pool.slot_of)
         hits = st.cache.access_step(list(order))
@@ -556,6 +555,18 @@ class OffloadedModel:
             self._submit(st, e, slot)
             ps.issued += 1
             ps.bytes += self.expert_bytes
+
+    def _guess_first(self, decoder_layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the first MoE layer's decoder layer: with prefetch on, guess that layer's experts
+        from the hidden state entering it (:func:`~expertcache.offload.prefetch.first_layer_input`) and start
+        their reads before its attention runs."""
+        if not self.offload.prefetch:
+            return
+        h = args[0] if args else kwargs.get("hidden_states")
+        if h is None:
+            return
+        with torch.inference_mode():
+            self._guess_next(0, first_layer_input(decoder_layer, h))
 
     def prefetch(self, index: int, experts: Iterable[int]) -> int:
         """Load ``experts`` of MoE layer ``index`` ahead of use (e.g. from a predictor). Each load is a cache
