@@ -159,6 +159,11 @@ class OffloadedModel:
         self.slot_bytes = slot_bytes_for(max(p.nbytes for p in self._placement.values()))
         bounce = [max(n for _, _, n, _, _ in p.spans) for p in self._placement.values() if p.bounce]
         self.readers = IOQueue(offload.readers)
+        # O_DIRECT reads of an expert split over the readers (≥ 1 MiB pieces): experts land in issue order,
+        # the first one after ~1/readers of the time (measured on this VM: 3 MiB pieces at depth 4 read at least
+        # as fast as whole 12 MiB experts at depth 4); 0 = one read per expert
+        self.piece_bytes = _piece_bytes(self.expert_bytes, offload.readers) \
+            if offload.tier == "disk" and offload.io == "direct" else 0
         self._io_bytes = (max(bounce) if bounce else 0) * max(1, offload.readers)
         self.tier = DiskTier(offload.io) if offload.tier == "disk" else \
             HostTier(self.source, [m.layer_id for m in layers], self.num_experts)
@@ -336,11 +341,19 @@ class OffloadedModel:
         placement = self._placement[key]
         pool.placement[slot] = (e, placement, None)
         t0 = time.perf_counter()
-        ticket = self.readers.submit(self._job(st, e, slot, placement), tag=(e, slot), done=done)
+        ticket = self.readers.submit_all(self._read_jobs(st, e, slot, placement), tag=(e, slot), done=done)
         if not self.readers.readers:  # serial: the read ran right here, on the compute thread
             self.io_wait_seconds += time.perf_counter() - t0
         pool.pending[slot] = ticket
         return ticket
+
+    def _read_jobs(self, st: LayerState, e: int, slot: int, placement: Placement) -> list[Callable[[], int]]:
+        """The jobs reading expert ``e`` into ``slot``: O_DIRECT disk reads in pieces of :attr:`piece_bytes`
+        shared by the reader threads (:meth:`DiskTier.read_pieces`), else one job (:meth:`_job`)."""
+        if self.piece_bytes and isinstance(self.tier, DiskTier) and not self._cuda and getattr(self, "host", None) is None:
+            return self.tier.read_pieces(self._parts[(st.moe.index, e)], placement, st.pool.buffer[slot],
+                                         self.piece_bytes)
+        return [self._job(st, e, slot, placement)]
 
     def _job(self, st: LayerState, e: int, slot: int, placement: Placement) -> Callable[[], int]:
         dest = st.pool.buffer[slot]
@@ -703,3 +716,11 @@ class OffloadedModel:
 
 
 _ZERO = torch.zeros(1, dtype=torch.long)
+
+
+def _piece_bytes(expert_bytes: int, readers: int, least: int = 1 << 20) -> int:
+    """Piece size of an expert read shared by ``readers`` threads (0 = whole reads: one reader, or experts
+    too small to split into pieces of at least ``least`` bytes)."""
+    if readers < 2 or expert_bytes < 2 * least:
+        return 0
+    return max(least, -(-expert_bytes // readers))
