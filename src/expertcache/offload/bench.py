@@ -170,7 +170,9 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
                        floor_s_per_token=floor, floor_ratio=per_tok / floor, serial_s_per_token=serial,
                        serial_ratio=per_tok / serial, bandwidth=bw, serial_bandwidth=bw_serial,
                        prefetch_precision=pf["precision"], prefetch_recall=pf["recall"],
-                       prefetch_unused_bytes=pf["unused_bytes"], threads=torch.get_num_threads(),
+                       prefetch_unused_bytes=pf["unused_bytes"],
+                       prefetch_per_layer={str(i): v for i, v in pf["per_layer"].items()},
+                       threads=torch.get_num_threads(),
                        config=rt.describe(), machine=machine_info(),
                        prefetched=prefetched)
             rows.append(row)
