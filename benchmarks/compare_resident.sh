@@ -20,13 +20,17 @@ done
 PYTHONPATH=$HERE/src python - "$OUT" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-med = {}
-for lab in ("base", "this", "llama.cpp"):
-    rs = [r["ms_per_token"] for r in rows if r["label"] == lab]
-    if rs:
-        med[lab] = statistics.median(rs)
-        print(f"{lab:>10}: {med[lab]:6.1f} ms/token (median of {len(rs)} runs: {' '.join(f'{x:.1f}' for x in rs)})")
-if "llama.cpp" in med:
-    for lab in ("base", "this"):
-        print(f"{lab} / llama.cpp: {med[lab] / med['llama.cpp']:.2f}")
+for key in ("ms_per_token", "cpu_ms_per_token"):
+    med = {}
+    for lab in ("base", "this", "llama.cpp"):
+        rs = [r[key] for r in rows if r["label"] == lab and key in r]
+        if rs:
+            med[lab] = statistics.median(rs)
+            print(f"{key:>17} {lab:>10}: {med[lab]:6.1f} (median of {len(rs)} runs: {' '.join(f'{x:.1f}' for x in rs)})")
+    # per pass ratios (rows are appended base, this, llama.cpp per pass)
+    by = {lab: [r[key] for r in rows if r["label"] == lab and key in r] for lab in ("base", "this", "llama.cpp")}
+    for a, b in (("this", "base"), ("base", "llama.cpp"), ("this", "llama.cpp")):
+        pr = [x / y for x, y in zip(by[a], by[b])]
+        if pr:
+            print(f"{key:>17} {a} / {b}: median of per-pass ratios {statistics.median(pr):.2f} ({' '.join(f'{x:.2f}' for x in pr)})")
 PY
