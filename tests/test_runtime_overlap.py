@@ -56,8 +56,11 @@ def test_matvec_linear_equals_linear(dtype):
         x = torch.randn(*shape, generator=g).to(dtype)
         for bias in (None, b):
             got, want = matvec_linear(x, w, bias), F.linear(x, w, bias)
-            assert got.shape == want.shape
-            assert torch.equal(got, want), (shape, bias is None)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            if x.numel() > x.shape[-1]:  # several rows: F.linear itself
+                assert torch.equal(got, want)
+            else:  # bit-equal on the development VM (oneDNN / MKL); other CPUs may differ in the last bit
+                torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

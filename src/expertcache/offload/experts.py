@@ -8,8 +8,8 @@ so that offloaded logits equal the in-memory model's bit for bit.
   ``@ down [F, D] + b``.
 
 One token (decoding) is a matrix-vector product: ``torch.mv(W, x)`` instead of ``F.linear(x[None], W)``.
-Same values bit for bit (both are oneDNN's bf16 kernel with fp32 accumulation; MKL for fp32), but for
-bf16 oneDNN treats a one-row ``linear`` as a [1, K] × [K, N] product against the transposed weight and
+The same values (bit for bit on this VM: oneDNN's bf16 kernel with fp32 accumulation either way, MKL for
+fp32; other CPUs may differ in the last bit), but for bf16 oneDNN treats a one-row ``linear`` as a [1, K] × [K, N] product against the transposed weight and
 streams it at ~10.6 GB/s on this VM's AMX Xeon, and ``mv`` (the weight as the source) at ~13.9 GB/s, the
 single-core memory bandwidth (1.3× per expert; fp32: equal). :func:`use_matvec` applies the same rule to
 the model's other ``nn.Linear`` modules (attention projections, ``lm_head``), which read as many bytes per
@@ -76,7 +76,7 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
 
 
 def matvec_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, as ``torch.mv``/``torch.addmv`` when ``x`` holds one row (same values)."""
+    """``F.linear(x, weight, bias)``, as ``torch.mv``/``torch.addmv`` when ``x`` holds one row."""
     if x.numel() != x.shape[-1] or x.dtype != weight.dtype or weight.dim() != 2:
         return F.linear(x, weight, bias)
     v = x.reshape(-1)
