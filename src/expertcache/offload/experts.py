@@ -9,7 +9,8 @@ so that offloaded logits equal the in-memory model's bit for bit.
 
 One token (decoding) is a matrix-vector product: ``torch.mv(W, x)`` instead of ``F.linear(x[None], W)``.
 The same values (bit for bit on this VM: oneDNN's bf16 kernel with fp32 accumulation either way, MKL for
-fp32; other CPUs may differ in the last bit), but for bf16 oneDNN treats a one-row ``linear`` as a [1, K] × [K, N] product against the transposed weight and
+fp32; other CPUs may differ in the last bit), but for bf16 oneDNN treats a one-row ``linear`` as a
+[1, K] × [K, N] product against the transposed weight and
 streams it at ~10.6 GB/s on this VM's AMX Xeon, and ``mv`` (the weight as the source) at ~13.9 GB/s, the
 single-core memory bandwidth (1.3× per expert; fp32: equal). :func:`use_matvec` applies the same rule to
 the model's other ``nn.Linear`` modules (attention projections, ``lm_head``), which read as many bytes per

@@ -350,7 +350,8 @@ class OffloadedModel:
     def _read_jobs(self, st: LayerState, e: int, slot: int, placement: Placement) -> list[Callable[[], int]]:
         """The jobs reading expert ``e`` into ``slot``: O_DIRECT disk reads in pieces of :attr:`piece_bytes`
         shared by the reader threads (:meth:`DiskTier.read_pieces`), else one job (:meth:`_job`)."""
-        if self.piece_bytes and isinstance(self.tier, DiskTier) and not self._cuda and getattr(self, "host", None) is None:
+        pieces = self.piece_bytes and not self._cuda and getattr(self, "host", None) is None
+        if pieces and isinstance(self.tier, DiskTier):
             return self.tier.read_pieces(self._parts[(st.moe.index, e)], placement, st.pool.buffer[slot],
                                          self.piece_bytes)
         return [self._job(st, e, slot, placement)]
