@@ -11,10 +11,12 @@ BASE=${BASE:-/tmp/rt-base}
 OUT=${OUT:-$HERE/benchmarks/results/offload_prefetch_compare.jsonl}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 for pass in $(seq 1 ${PASSES:-4}); do
-  for build in base this; do
+  for build in base this ${ARMS_EXTRA}; do
+    EXTRA=""
     if [ $build = base ]; then SRC=$BASE; else SRC=$HERE; fi
+    if [ $build = this-whole ]; then EXTRA=--whole-reads; fi   # ARMS_EXTRA=this-whole: A/B of the piece reads
     PYTHONPATH=$SRC/src nice -n 10 python "$SRC/benchmarks/bench_offload.py" --only olmoe --layers 4 --tokens 24 \
-      --repeats 1 --threads 1 --readers 4 --prefetch 8 --label $build --out "$OUT"
+      --repeats 1 --threads 1 --readers 4 --prefetch 8 --label $build --out "$OUT" $EXTRA
   done
 done
 PYTHONPATH=$HERE/src python - "$OUT" <<'PY'
@@ -22,7 +24,9 @@ import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 bw_all = statistics.median(r["bandwidth"] for r in rows)
 print(f"device bandwidth, median over both builds' measurements: {bw_all / 1e6:.0f} MB/s")
-for lab in ("base", "this"):
+for lab in ("base", "this", "this-whole"):
+    if not any(r["label"] == lab for r in rows):
+        continue
     print(f"{lab}: bandwidth (own measurement, median) {statistics.median(r['bandwidth'] for r in rows if r['label'] == lab) / 1e6:.0f} MB/s")
     for name in ("original+lru", "cache-prior"):
         rs = [r for r in rows if r["label"] == lab and r["name"] == name]
