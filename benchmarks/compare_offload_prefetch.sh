@@ -14,7 +14,7 @@ for pass in $(seq 1 ${PASSES:-4}); do
   for build in base this ${ARMS_EXTRA}; do
     EXTRA=""
     if [ $build = base ]; then SRC=$BASE; else SRC=$HERE; fi
-    if [ $build = this-whole ]; then EXTRA=--whole-reads; fi   # ARMS_EXTRA=this-whole: A/B of the piece reads
+    if [ $build = this-pieces ]; then EXTRA=--pieces; fi   # ARMS_EXTRA=this-pieces: A/B of the piece reads
     PYTHONPATH=$SRC/src nice -n 10 python "$SRC/benchmarks/bench_offload.py" --only olmoe --layers 4 --tokens 24 \
       --repeats 1 --threads 1 --readers 4 --prefetch 8 --label $build --out "$OUT" $EXTRA
   done
@@ -24,7 +24,7 @@ import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 bw_all = statistics.median(r["bandwidth"] for r in rows)
 print(f"device bandwidth, median over both builds' measurements: {bw_all / 1e6:.0f} MB/s")
-for lab in ("base", "this", "this-whole"):
+for lab in ("base", "this", "this-pieces"):
     if not any(r["label"] == lab for r in rows):
         continue
     print(f"{lab}: bandwidth (own measurement, median) {statistics.median(r['bandwidth'] for r in rows if r['label'] == lab) / 1e6:.0f} MB/s")

@@ -159,11 +159,11 @@ class OffloadedModel:
         self.slot_bytes = slot_bytes_for(max(p.nbytes for p in self._placement.values()))
         bounce = [max(n for _, _, n, _, _ in p.spans) for p in self._placement.values() if p.bounce]
         self.readers = IOQueue(offload.readers)
-        # O_DIRECT reads of an expert split over the readers (≥ 1 MiB pieces): experts land in issue order,
-        # the first one after ~1/readers of the time (measured on this VM: 3 MiB pieces at depth 4 read at least
-        # as fast as whole 12 MiB experts at depth 4); 0 = one read per expert
+        # O_DIRECT reads of an expert split over the readers (≥ 1 MiB pieces) land in issue order; off by
+        # default (PIECES): over 6 interleaved passes on this VM they gave 0.95× the tok/s of whole reads
+        # (0.74–1.52×), no robust gain; 0 = one read per expert
         self.piece_bytes = _piece_bytes(self.expert_bytes, offload.readers) \
-            if offload.tier == "disk" and offload.io == "direct" else 0
+            if PIECES and offload.tier == "disk" and offload.io == "direct" else 0
         self._io_bytes = (max(bounce) if bounce else 0) * max(1, offload.readers)
         self.tier = DiskTier(offload.io) if offload.tier == "disk" else \
             HostTier(self.source, [m.layer_id for m in layers], self.num_experts)
@@ -717,6 +717,9 @@ class OffloadedModel:
 
 
 _ZERO = torch.zeros(1, dtype=torch.long)
+
+
+PIECES = False  # split O_DIRECT expert reads over the readers (see OffloadedModel.__init__, DiskTier.read_pieces)
 
 
 def _piece_bytes(expert_bytes: int, readers: int, least: int = 1 << 20) -> int:
