@@ -71,8 +71,9 @@ def machine_info() -> dict:
 
 def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: bool = True) -> float:
     """Bytes per second (wall clock) of ``n`` reads of random experts through the runtime's tier and reader
-    threads, into the layers' scratch slots (no extra memory): up to ``min(readers, layers)`` reads in
-    flight when ``parallel``, one at a time otherwise. The runtime's statistics are left untouched."""
+    threads, into the layers' scratch slots (no extra memory): up to ``min(readers, layers)`` expert reads in
+    flight when ``parallel``, each as the runtime reads it (in pieces shared by the readers when it does),
+    whole experts one at a time otherwise. The runtime's statistics are left untouched."""
     import time
 
     rng = random.Random(seed)
@@ -87,7 +88,7 @@ def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: 
         if len(tickets) >= depth:
             tickets.pop(0).wait()
         st, slot = dests[i % depth]
-        tickets.append(rt.readers.submit(_read_job(rt, st, rng.randrange(rt.num_experts), slot)))
+        tickets.append(rt.readers.submit_all(_read_jobs(rt, st, rng.randrange(rt.num_experts), slot, parallel)))
     for t in tickets:
         t.wait()
     wall = time.perf_counter() - t0
@@ -99,9 +100,11 @@ def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: 
     return b / wall if wall > 0 else float("inf")
 
 
-def _read_job(rt: OffloadedModel, st, e: int, slot: int):
+def _read_jobs(rt: OffloadedModel, st, e: int, slot: int, parallel: bool):
+    """The runtime's read of expert ``e`` (in pieces when it uses them and ``parallel``; serial = whole reads)."""
     st.pool.placement.pop(slot, None)  # the slot no longer holds what its cached views describe
-    return rt._job(st, e, slot, rt._placement[(st.moe.index, e)])
+    placement = rt._placement[(st.moe.index, e)]
+    return rt._read_jobs(st, e, slot, placement) if parallel else [rt._job(st, e, slot, placement)]
 
 
 def _decode(rt: OffloadedModel, prompt_BS: torch.Tensor, tokens: int, forced_BN: torch.Tensor | None = None) -> dict:
@@ -167,7 +170,9 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
                        floor_s_per_token=floor, floor_ratio=per_tok / floor, serial_s_per_token=serial,
                        serial_ratio=per_tok / serial, bandwidth=bw, serial_bandwidth=bw_serial,
                        prefetch_precision=pf["precision"], prefetch_recall=pf["recall"],
-                       prefetch_unused_bytes=pf["unused_bytes"], threads=torch.get_num_threads(),
+                       prefetch_unused_bytes=pf["unused_bytes"],
+                       prefetch_per_layer={str(i): v for i, v in pf["per_layer"].items()},
+                       threads=torch.get_num_threads(),
                        config=rt.describe(), machine=machine_info(),
                        prefetched=prefetched)
             rows.append(row)

@@ -13,7 +13,9 @@ Contracts:
 - :meth:`Ticket.wait` re-raises the job's exception in the waiting thread (an ``OSError``/``CheckpointError``
   naming the file: a read error is never a silent wrong answer);
 - a ticket submitted with ``done=q`` is put on ``q`` when it completes (success or failure): the caller
-  can consume a step's misses in the order they land (``q.get()``), without polling.
+  can consume a step's misses in the order they land (``q.get()``), without polling;
+- :meth:`IOQueue.submit_all` gives several jobs one ticket (one expert read in pieces by several readers):
+  it completes when the last of them has, with the first error raised by any of them.
 """
 
 from __future__ import annotations
@@ -87,6 +89,20 @@ class IOQueue:
             self._jobs.put((ticket, job))
         return ticket
 
+    def submit_all(self, jobs: list[Callable[[], int]], tag=None, done: "queue.SimpleQueue | None" = None) -> Ticket:
+        """Queue ``jobs`` (in order) under one ticket: ``nbytes`` and ``seconds`` are their sums; it completes
+        (and goes on ``done``) when every job has finished; ``wait`` raises the first job's error."""
+        if len(jobs) == 1:
+            return self.submit(jobs[0], tag, done)
+        ticket = Ticket(tag, done)
+        share = _Share(ticket, len(jobs))
+        for job in jobs:
+            if not self._threads:
+                share._run(job)
+            else:
+                self._jobs.put((share, job))
+        return ticket
+
     def close(self) -> None:
         """Stop the threads after the queued jobs (idempotent)."""
         for _ in self._threads:
@@ -101,6 +117,35 @@ class IOQueue:
                 self._jobs.put(None)
         except Exception:
             pass
+
+
+class _Share:
+    """One of several jobs of a ticket (:meth:`IOQueue.submit_all`)."""
+
+    __slots__ = ("ticket", "left", "lock")
+
+    def __init__(self, ticket: Ticket, n: int) -> None:
+        self.ticket, self.left, self.lock = ticket, n, threading.Lock()
+
+    def _run(self, job: Callable[[], int]) -> None:
+        t0 = time.perf_counter()
+        n, err = 0, None
+        try:
+            n = job()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost
+            err = exc
+        t = self.ticket
+        with self.lock:
+            t.nbytes += n or 0
+            t.seconds += time.perf_counter() - t0
+            if err is not None and t.error is None:
+                t.error = err
+            self.left -= 1
+            last = self.left == 0
+        if last:
+            t._event.set()
+            if t._done is not None:
+                t._done.put(t)
 
 
 def _work(jobs: queue.SimpleQueue) -> None:

@@ -7,16 +7,21 @@ guess too, against layer ℓ+1's live residency, with its running state (Cache-P
 The runtime reads the non-resident guesses into spare slots (:meth:`OffloadedModel._guess_next`); a
 spare is used only when its expert turns out to be a miss, so a wrong guess costs bandwidth, never
 correctness.
+
+The first MoE layer has no earlier MoE layer to guess from: its guess is made before its decoder layer's
+attention runs, from the hidden state entering that decoder layer (the token's embedding when the first
+decoder layer is MoE) through that layer's own ``post_attention_layernorm`` and router
+(:func:`first_layer_input`), so its reads overlap its attention instead of starting after it.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PrefetchStats", "guess_next_layer"]
+__all__ = ["PrefetchStats", "guess_next_layer", "first_layer_input"]
 
 
 @dataclass
@@ -32,13 +37,36 @@ class PrefetchStats:
     used: int = 0
     bytes: int = 0
     used_bytes: int = 0
+    per_layer: dict = field(default_factory=dict)  # MoE layer index -> [guessed, correct, requested]
+
+    def score(self, index: int, guess: list[int], order: list[int]) -> None:
+        """Count the guess made for layer ``index`` against the ids its step requested (``order``)."""
+        g = set(guess)
+        c = len(g.intersection(order))
+        self.guessed += len(g)
+        self.correct += c
+        self.requested += len(order)
+        row = self.per_layer.setdefault(index, [0, 0, 0])
+        row[0] += len(g)
+        row[1] += c
+        row[2] += len(order)
 
     def to_dict(self) -> dict:
+        per = {i: dict(guessed=g, correct=c, requested=r, precision=c / g if g else None,
+                       recall=c / r if r else None) for i, (g, c, r) in sorted(self.per_layer.items())}
         return dict(guessed=self.guessed, correct=self.correct, requested=self.requested, issued=self.issued,
                     used=self.used, bytes=self.bytes, used_bytes=self.used_bytes,
                     precision=self.correct / self.guessed if self.guessed else None,
                     recall=self.correct / self.requested if self.requested else None,
-                    unused_bytes=self.bytes - self.used_bytes)
+                    unused_bytes=self.bytes - self.used_bytes, per_layer=per)
+
+
+def first_layer_input(decoder_layer: torch.nn.Module, hidden_BSD: torch.Tensor) -> torch.Tensor:
+    """[T, D]: the guess input of the first MoE layer -- the hidden state entering its decoder layer (before
+    attention), normalised by that layer's ``post_attention_layernorm`` as the MoE block's input is."""
+    x_TD = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
+    norm = getattr(decoder_layer, "post_attention_layernorm", None)
+    return norm(x_TD) if norm is not None else x_TD
 
 
 @torch.inference_mode()

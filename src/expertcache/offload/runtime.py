@@ -65,12 +65,12 @@ from expertcache.cache import CacheStats, ExpertCache, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
 from expertcache.offload.checkpoint import OFFLOAD_MODEL_TYPES, Checkpoint
-from expertcache.offload.experts import OffloadedExperts, expert_mlp, expert_views
+from expertcache.offload.experts import OffloadedExperts, expert_mlp, expert_views, use_matvec
 from expertcache.offload.config import OffloadConfig
 from expertcache.offload.ioqueue import IOQueue, Ticket
 from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
-from expertcache.offload.prefetch import PrefetchStats, guess_next_layer
+from expertcache.offload.prefetch import PrefetchStats, first_layer_input, guess_next_layer
 from expertcache.offload.quant import QuantLayout, default_group
 from expertcache.offload.slots import SlotPool, slot_bytes_for
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, Placement, QuantSource, TierStats,
@@ -159,6 +159,11 @@ class OffloadedModel:
         self.slot_bytes = slot_bytes_for(max(p.nbytes for p in self._placement.values()))
         bounce = [max(n for _, _, n, _, _ in p.spans) for p in self._placement.values() if p.bounce]
         self.readers = IOQueue(offload.readers)
+        # O_DIRECT reads of an expert split over the readers (≥ 1 MiB pieces) land in issue order; off by
+        # default (PIECES): over 6 interleaved passes on this VM they gave 0.95× the tok/s of whole reads
+        # (0.74–1.52×), no robust gain; 0 = one read per expert
+        self.piece_bytes = _piece_bytes(self.expert_bytes, offload.readers) \
+            if PIECES and offload.tier == "disk" and offload.io == "direct" else 0
         self._io_bytes = (max(bounce) if bounce else 0) * max(1, offload.readers)
         self.tier = DiskTier(offload.io) if offload.tier == "disk" else \
             HostTier(self.source, [m.layer_id for m in layers], self.num_experts)
@@ -177,6 +182,8 @@ class OffloadedModel:
         self.record = False
         self.configure()
         self._install_routers()
+        first = self.model.model.layers[layers[0].layer_id]  # its MoE layer's guess starts before its attention
+        first.register_forward_pre_hook(self._guess_first, with_kwargs=True)
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -215,6 +222,7 @@ class OffloadedModel:
         model.to_empty(device=device)
         load_non_expert(model, checkpoint, family.model_type, config)
         recompute_rotary(model, config, device)
+        use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
         runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps)
         for m in layers:
             m.block.experts._runtime = [runtime]
@@ -333,11 +341,20 @@ class OffloadedModel:
         placement = self._placement[key]
         pool.placement[slot] = (e, placement, None)
         t0 = time.perf_counter()
-        ticket = self.readers.submit(self._job(st, e, slot, placement), tag=(e, slot), done=done)
+        ticket = self.readers.submit_all(self._read_jobs(st, e, slot, placement), tag=(e, slot), done=done)
         if not self.readers.readers:  # serial: the read ran right here, on the compute thread
             self.io_wait_seconds += time.perf_counter() - t0
         pool.pending[slot] = ticket
         return ticket
+
+    def _read_jobs(self, st: LayerState, e: int, slot: int, placement: Placement) -> list[Callable[[], int]]:
+        """The jobs reading expert ``e`` into ``slot``: O_DIRECT disk reads in pieces of :attr:`piece_bytes`
+        shared by the reader threads (:meth:`DiskTier.read_pieces`), else one job (:meth:`_job`)."""
+        pieces = self.piece_bytes and not self._cuda and getattr(self, "host", None) is None
+        if pieces and isinstance(self.tier, DiskTier):
+            return self.tier.read_pieces(self._parts[(st.moe.index, e)], placement, st.pool.buffer[slot],
+                                         self.piece_bytes)
+        return [self._job(st, e, slot, placement)]
 
     def _job(self, st: LayerState, e: int, slot: int, placement: Placement) -> Callable[[], int]:
         dest = st.pool.buffer[slot]
@@ -445,10 +462,7 @@ class OffloadedModel:
         flight, then each miss handed to ``on_ready`` as it lands."""
         pool = st.pool
         if st.guess is not None:  # score the guess made for this step
-            g, ps = set(st.guess), self.prefetch_stats
-            ps.guessed += len(g)
-            ps.requested += len(order)
-            ps.correct += len(g.intersection(order))
+            self.prefetch_stats.score(st.moe.index, st.guess, order)
             st.guess = None
         before = dict(pool.slot_of)
         hits = st.cache.access_step(list(order))
@@ -555,6 +569,18 @@ class OffloadedModel:
             self._submit(st, e, slot)
             ps.issued += 1
             ps.bytes += self.expert_bytes
+
+    def _guess_first(self, decoder_layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the first MoE layer's decoder layer: with prefetch on, guess that layer's experts
+        from the hidden state entering it (:func:`~expertcache.offload.prefetch.first_layer_input`) and start
+        their reads before its attention runs."""
+        if not self.offload.prefetch:
+            return
+        h = args[0] if args else kwargs.get("hidden_states")
+        if h is None:
+            return
+        with torch.inference_mode():
+            self._guess_next(0, first_layer_input(decoder_layer, h))
 
     def prefetch(self, index: int, experts: Iterable[int]) -> int:
         """Load ``experts`` of MoE layer ``index`` ahead of use (e.g. from a predictor). Each load is a cache
@@ -691,3 +717,14 @@ class OffloadedModel:
 
 
 _ZERO = torch.zeros(1, dtype=torch.long)
+
+
+PIECES = False  # split O_DIRECT expert reads over the readers (see OffloadedModel.__init__, DiskTier.read_pieces)
+
+
+def _piece_bytes(expert_bytes: int, readers: int, least: int = 1 << 20) -> int:
+    """Piece size of an expert read shared by ``readers`` threads (0 = whole reads: one reader, or experts
+    too small to split into pieces of at least ``least`` bytes)."""
+    if readers < 2 or expert_bytes < 2 * least:
+        return 0
+    return max(least, -(-expert_bytes // readers))

@@ -1,0 +1,191 @@
+"""The overlapped runtime's compute and read paths (issue 10, second round): one-token linears as
+matrix-vector products (same values as ``F.linear``), the first MoE layer's guess made before its attention
+(every family; logits untouched; replay invariant; precision/recall per layer), and expert reads split into
+pieces shared by the reader threads (logits, counts, errors)."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from expertcache.offload import CheckpointError, OffloadConfig, OffloadedModel
+from expertcache.offload.experts import matvec_linear
+from expertcache.offload.ioqueue import IOQueue
+from expertcache.offload.store import direct_io_supported
+from expertcache.models.tiny import save_tiny
+from expertcache.routing import RoutingConfig
+from expertcache.sim import replay
+
+ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: save_tiny(a, root / a, seed=4) for a in ARCHS}
+
+
+def _rt(path, capacity, **kw):
+    cfg = dict(io=kw.pop("io", "cached"), capacity=capacity, readers=kw.pop("readers", 2),
+               prefetch=kw.pop("prefetch", 0))
+    return OffloadedModel.from_pretrained(path, OffloadConfig(**cfg), dtype=kw.pop("dtype", torch.float32), **kw)
+
+
+def _logits(rt, ids_BS, prefill):
+    out = rt.forward(ids_BS[:, :prefill])
+    logits, past = [out.logits], out.past_key_values
+    for t in range(prefill, ids_BS.shape[1]):
+        out = rt.forward(ids_BS[:, t:t + 1], past)
+        logits.append(out.logits)
+        past = out.past_key_values
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matvec_linear_equals_linear(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    for shape in ((64,), (1, 64), (1, 1, 64), (3, 64), (2, 1, 64)):
+        x = torch.randn(*shape, generator=g).to(dtype)
+        for bias in (None, b):
+            got, want = matvec_linear(x, w, bias), F.linear(x, w, bias)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            if x.numel() > x.shape[-1]:  # several rows: F.linear itself
+                assert torch.equal(got, want)
+            else:  # bit-equal on the development VM (oneDNN / MKL); other CPUs may differ in the last bit
+                torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_first_layer_guess_leaves_logits_and_counts(tiny_dir, arch):
+    """With prefetch on, the first MoE layer is guessed (scored per layer, precision and recall in [0, 1]);
+    logits stay bit-identical to the runtime without prefetch; live hits/misses equal the replay."""
+    path = tiny_dir[arch]
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(2))
+    off = _rt(path, 2, prefetch=0, readers=0)
+    want = _logits(off, ids, 1)
+    assert off.prefetch_stats.per_layer == {}
+    on = _rt(path, 2, prefetch=2, readers=3, record=True)
+    assert torch.equal(_logits(on, ids, 1), want)
+    pf = on.stats()["prefetch"]
+    first = pf["per_layer"][0]
+    assert first["guessed"] > 0
+    assert set(pf["per_layer"]) == set(range(len(on.layers)))
+    for row in pf["per_layer"].values():
+        assert 0 <= row["precision"] <= 1 and 0 <= row["recall"] <= 1
+    # decoding steps only: the layer-0 guess never changes the cache's own decisions
+    on.configure(record=True)
+    off.configure(record=True)
+    on.generate(ids[:, :1], 10)
+    off.generate(ids[:, :1], 10)
+    assert on.recorded_ids_TLK().tolist() == off.recorded_ids_TLK().tolist()
+    sim = replay(on.recorded_ids_TLK(), on.num_experts, 2, eviction="lru")
+    for a, b in zip(on.cache_stats(), sim.per_layer):
+        assert (a.hits, a.misses, a.evictions) == (b.hits, b.misses, b.evictions)
+    ps = on.prefetch_stats
+    assert ps.per_layer[0][0] > 0 and ps.used > 0
+    assert on.stats()["expert_loads"] == sum(s.misses for s in on.cache_stats()) - ps.used + ps.issued
+
+
+def test_first_layer_guess_counts_match_its_steps(tiny_dir):
+    """Layer 0's guess is scored once per step of layer 0 (T tokens of one forward: their union)."""
+    rt = _rt(tiny_dir["olmoe"], 3, prefetch=2, routing=RoutingConfig("cache-prior", lam=0.5))
+    rt.generate(torch.tensor([[5, 9, 11]]), 6)  # one prefill step + 5 decode steps
+    g, c, r = rt.prefetch_stats.per_layer[0]
+    assert r == rt.states[0].cache.stats.accesses  # every step of layer 0 was guessed and scored
+    assert 0 < g and c <= min(g, r)
+
+
+def _direct_copy(tiny_dir, tmp_path, arch="olmoe"):
+    path = tmp_path / arch
+    shutil.copytree(tiny_dir[arch], path)
+    if not direct_io_supported(path / "model.safetensors"):
+        pytest.skip("filesystem does not support O_DIRECT")
+    return path
+
+
+def test_piece_reads_equal_whole_reads(tiny_dir, tmp_path):
+    """Reads split into 4 KiB pieces over 3 readers: logits equal the serial runtime's; each expert is one
+    load; bytes read equal whole reads'; prefetch with pieces keeps the replay invariant."""
+    path = _direct_copy(tiny_dir, tmp_path)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    serial = _rt(path, 2, io="direct", readers=0)
+    assert serial.piece_bytes == 0
+    pieces = _rt(path, 2, io="direct", readers=3, prefetch=2)
+    pieces.piece_bytes = 4096
+    st = pieces.states[0]
+    assert len(pieces._read_jobs(st, 1, 0, pieces._placement[(0, 1)])) > 1  # really split
+    for c in (1, 2, pieces.num_experts):
+        serial.configure(capacity=c)
+        pieces.configure(capacity=c)
+        assert torch.equal(_logits(pieces, ids, 3), _logits(serial, ids, 3)), c
+        serial.configure()
+        pieces.configure(record=True)
+        assert torch.equal(_logits(pieces, ids[:1], 1), _logits(serial, ids[:1], 1)), c
+        s, ps = pieces.stats(), pieces.prefetch_stats
+        misses = sum(x.misses for x in pieces.cache_stats())
+        assert s["expert_loads"] == misses - ps.used + ps.issued
+        per_load = serial.stats()["bytes_read"] / max(1, serial.stats()["expert_loads"])
+        assert s["bytes_read"] == s["expert_loads"] * per_load
+        sim = replay(pieces.recorded_ids_TLK(), pieces.num_experts, c, eviction="lru")
+        for a, b in zip(pieces.cache_stats(), sim.per_layer):
+            assert (a.hits, a.misses) == (b.hits, b.misses)
+
+
+def test_piece_read_errors_surface(tiny_dir, tmp_path, monkeypatch):
+    """A piece that fails raises its OSError naming the file (no hang; the runtime restarts with empty
+    caches and keeps working); a file truncated after it was opened is a short read naming the file."""
+    import expertcache.offload.store as store
+
+    path = _direct_copy(tiny_dir, tmp_path)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    want = _logits(_rt(path, 2, io="direct", readers=0), ids, 1)
+    rt = _rt(path, 2, io="direct", readers=3, prefetch=2)
+    rt.piece_bytes = 4096
+    real, calls = store.os.preadv, {"n": 0}
+
+    def failing(fd, bufs, offset):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError(5, "Input/output error")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(store.os, "preadv", failing)
+    with pytest.raises(OSError, match="model.safetensors"):
+        _logits(rt, ids, 1)
+    monkeypatch.setattr(store.os, "preadv", real)
+    assert all(len(st.cache.resident()) == 0 and not st.pool.pending for st in rt.states)
+    rt.configure()
+    assert torch.equal(_logits(rt, ids, 1), want)
+    rt.configure()
+    with open(path / "model.safetensors", "r+b") as fh:
+        fh.truncate(rt.checkpoint.entries["model.embed_tokens.weight"].start + 16)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: short read"):
+        _logits(rt, ids, 1)
+
+
+@pytest.mark.parametrize("readers", [0, 3])
+def test_submit_all_one_ticket(readers):
+    """Several jobs, one ticket: it completes (once on ``done``) after the last job, sums the bytes, and
+    re-raises the first error."""
+    q = IOQueue(readers)
+    done = queue.SimpleQueue()
+    ok = q.submit_all([lambda: 3, lambda: 4, lambda: 5], tag="ok", done=done)
+
+    def bad():
+        raise OSError(5, "Input/output error", "/data/model.safetensors")
+
+    failed = q.submit_all([lambda: 1, bad, lambda: 2], tag="bad", done=done)
+    assert {done.get(timeout=5).tag, done.get(timeout=5).tag} == {"ok", "bad"}
+    assert done.empty()
+    assert ok.wait().nbytes == 12
+    with pytest.raises(OSError, match="model.safetensors"):
+        failed.wait()
+    q.close()
