@@ -9,8 +9,9 @@ all the same (a memcpy at ~10 GB/s against a device read at ~1 GB/s plus its lat
 The host cache holds ``H = SIZE // slot_bytes`` experts (at most every expert of every MoE layer), one slot
 each, in one page-aligned mapping; which (layer, expert) pairs it holds is decided by an LRU
 (:func:`expertcache.cache.make_cache`, the one eviction kernel ``cache/base.py: serve_one``) over global ids
-``index · N + e``. A request that the fast slots serve (a fast hit) also refreshes that expert's host entry
-(:meth:`HostCache.touch`), so the host level keeps the H most recently used experts of the whole model.
+``index · N + e``. In each step the fast hits first refresh their host entries, those that have one
+(:meth:`HostCache.touch`), then each miss is a host access in issue order (:meth:`HostCache.plan`); so the
+host level keeps the H most recently used experts of the whole model.
 
 Deciding and moving are apart, as everywhere in the runtime: :meth:`HostCache.plan` (compute thread, in issue
 order: so the host residency, and the routing that reads it, are deterministic whatever the reader threads
@@ -25,9 +26,11 @@ The bytes copied are the fast slot's bytes exactly (the disk placement, aligned 
 hit leaves the slot byte-for-byte as a disk read would: logits never depend on the level a miss came from.
 
 Costs for cost-aware routing (:meth:`HostCache.miss_costs`): the expected seconds of one load from each
-level, ``expert bytes ÷ bandwidth``, with the bandwidth measured by this run (bytes ÷ seconds of that
-level's completed loads) once it has :data:`MEASURED_AFTER` loads, and the priors :data:`PRIOR_HOST_BW`,
-:data:`PRIOR_DISK_BW` before.
+level, ``expert bytes ÷ bandwidth``, with the bandwidth measured by this run once a level has
+:data:`MEASURED_AFTER` loads, and the priors :data:`PRIOR_HOST_BW`, :data:`PRIOR_DISK_BW` before. The
+measured seconds of a load run from its issue (:meth:`HostCache.plan`) to its bytes being in the fast slot:
+the copy or the read plus the hand-off to and from the reader thread, which for small experts is most of a
+host hit's cost (``host_seconds``/``disk_seconds``; the copy or read alone is in ``*_busy_seconds``).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class TierCounts:
     disk_bytes: int = 0
     host_seconds: float = 0.0
     disk_seconds: float = 0.0
+    host_busy_seconds: float = 0.0
+    disk_busy_seconds: float = 0.0
     host_evictions: int = 0
 
     def to_dict(self) -> dict:
@@ -130,9 +135,9 @@ class HostCache:
         if gids:
             self.lru.access_step(gids)
 
-    def plan(self, index: int, e: int) -> tuple[bool, int, int]:
+    def plan(self, index: int, e: int) -> tuple[bool, int, int, float]:
         """Where the fast-slot miss of expert ``e`` at layer ``index`` comes from: ``(from_host, slot,
-        version)``. A host miss is admitted now (its slot reserved for the disk read's bytes; the LRU
+        version, issue time)``. A host miss is admitted now (its slot reserved for the disk read's bytes; the LRU
         victim, if any, leaves the host cache)."""
         g = index * self.num_experts + e
         with self._cv:
@@ -141,7 +146,7 @@ class HostCache:
                 self.lru.access_step([g])
                 v = self._ver[slot]
                 self._users[(slot, v)] = self._users.get((slot, v), 0) + 1
-                return True, slot, v
+                return True, slot, v, time.perf_counter()
             self.lru.access_step([g])
             if not self.free:  # the LRU evicted exactly one entry: the one of slot_of it no longer holds
                 victim = next(x for x in self.slot_of if x not in self.lru)
@@ -152,7 +157,7 @@ class HostCache:
             self.slot_of[g] = slot
             self.resident_LE[index, e] = True
             self._ver[slot] += 1
-            return False, slot, self._ver[slot]
+            return False, slot, self._ver[slot], time.perf_counter()
 
     def resident_mask(self, index: int) -> np.ndarray:
         """bool [N]: the experts of layer ``index`` whose bytes the host cache holds (or is receiving)."""
@@ -168,10 +173,10 @@ class HostCache:
 
     # -- moving (reader threads) -------------------------------------------------------------------
 
-    def job(self, planned: tuple[bool, int, int], parts, placement, dest_u8: torch.Tensor) -> Callable[[], int]:
+    def job(self, planned: tuple[bool, int, int, float], parts, placement, dest_u8: torch.Tensor) -> Callable[[], int]:
         """The callable a reader runs for a planned miss: copy the host slot into ``dest_u8`` (the fast
         slot), or read the disk into ``dest_u8`` and copy it into the host slot. Returns the bytes moved."""
-        from_host, slot, v = planned
+        from_host, slot, v, issued = planned
         n = placement.nbytes
 
         if from_host:
@@ -196,7 +201,8 @@ class HostCache:
                     c = self.counts
                     c.host_hits += 1
                     c.host_bytes += n
-                    c.host_seconds += dt
+                    c.host_busy_seconds += dt
+                    c.host_seconds += time.perf_counter() - issued
                 return n
             return copy_out
 
@@ -219,7 +225,8 @@ class HostCache:
                         c = self.counts
                         c.disk_reads += 1
                         c.disk_bytes += got
-                        c.disk_seconds += dt
+                        c.disk_busy_seconds += dt
+                        c.disk_seconds += time.perf_counter() - issued
                     self._cv.notify_all()
             return got
         return fill

@@ -1,0 +1,190 @@
+"""Cost-aware routing with a two-level cache (issue 14, item 2): tok/s of plain Cache-Prior against
+``cache-prior-cost`` at equal perplexity, same fast and host budgets.
+
+One offloaded runtime (``--tier disk --io direct``: every disk read goes to the device; ``--host-memory``: a
+host-RAM LRU of expert bytes between the fast slots and the disk) runs each policy **teacher-forced over
+held-out text** (the corpus's held-out split, 256-token chunks = the shipped models' context, caches carried
+across chunks, one forward call per token as in decoding). Each run gives both numbers from the *same*
+routing decisions: the perplexity of the runtime's own logits (the runtime is logits-equal to the patched
+model: the tier only changes where the bytes come from), and tok/s = forward calls ÷ their wall time.
+Runs are interleaved (every configuration once per repeat, in a shuffled order per repeat); the table gives
+medians over repeats. Matching at equal perplexity: for each repeat, plain Cache-Prior's tok/s is
+interpolated (piecewise linear in perplexity) at each cost-aware point's perplexity; the speed-up is the
+cost-aware tok/s over that, median over repeats. Pairs of λ whose perplexities are within ±0.3 % are also
+listed.
+
+    python benchmarks/bench_tiers.py --out docs/results/tiers            # granular, C = 12, 48 host slots
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="granular")
+    ap.add_argument("--tokens", type=int, default=1024, help="held-out tokens per run (256-token chunks)")
+    ap.add_argument("--capacity", type=int, default=12, help="fast slots per layer C")
+    ap.add_argument("--host-memory", default="6MiB", help="host-RAM cache budget (all layers)")
+    ap.add_argument("--lams", default="0,0.05,0.1,0.2,0.3,0.5,0.75,1.0")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--readers", type=int, default=4)
+    ap.add_argument("--io", default="direct")
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--out", default="docs/results/tiers")
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    from expertcache.eval.budget import heldout_tokens
+    from expertcache.offload import OffloadConfig, OffloadedModel
+    from expertcache.offload.runtime import resolve_model_path
+    from expertcache.routing import RoutingConfig
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = resolve_model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    toks = torch.from_numpy(np.asarray(heldout_tokens(tok, args.tokens), dtype=np.int64))
+    chunks = [toks[i:i + args.chunk].reshape(1, -1) for i in range(0, len(toks), args.chunk)]
+    chunks = [c for c in chunks if c.shape[1] > 1]
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(capacity=args.capacity, io=args.io, readers=args.readers,
+                                                            host_memory=args.host_memory, context=args.chunk))
+    lams = [float(x) for x in args.lams.split(",")]
+    configs = [(pol, lam) for pol in ("cache-prior", "cache-prior-cost") for lam in lams]
+
+    def run(pol: str, lam: float) -> dict:
+        rt.configure(routing=RoutingConfig(pol, lam=lam))
+        nll, n, calls, secs = 0.0, 0, 0, 0.0
+        for c in chunks:
+            past = None
+            for t in range(c.shape[1] - 1):
+                t0 = time.perf_counter()
+                if past is None:
+                    logits, past = rt.prefill(c[:, :1])
+                else:
+                    logits, past = rt.decode_one_token(c[:, t:t + 1], past)
+                secs += time.perf_counter() - t0
+                calls += 1
+                nll -= float(torch.log_softmax(logits.float()[0], -1)[c[0, t + 1]])
+                n += 1
+        s = rt.stats()
+        tiers = s["tiers"]
+        return dict(policy=pol, lam=lam, ppl=math.exp(nll / n), tokens=n, tok_s=calls / secs, seconds=secs,
+                    accesses=s["accesses"], fast_hits=tiers["fast_hits"], host_hits=tiers["host_hits"],
+                    disk_reads=tiers["disk_reads"], host_bytes=tiers["host_bytes"], disk_bytes=tiers["disk_bytes"],
+                    host_bandwidth=tiers["host_bandwidth"], disk_bandwidth=tiers["disk_bandwidth"],
+                    io_wait_s=s["io_wait_seconds"])
+
+    rows: list[dict] = []
+    rng = random.Random(0)
+    with open(out / "rows.jsonl", "w") as fh, tqdm(total=args.repeats * len(configs), desc="runs") as bar:
+        for rep in range(args.repeats):
+            order = configs[:]
+            rng.shuffle(order)
+            for pol, lam in order:
+                r = run(pol, lam)
+                r["repeat"] = rep
+                rows.append(r)
+                fh.write(json.dumps(r) + "\n")
+                fh.flush()
+                bar.update()
+    rt.close()
+
+    def med(pol, lam, key):
+        return statistics.median(r[key] for r in rows if r["policy"] == pol and r["lam"] == lam)
+
+    def plain_at(ppl: float, rep: int) -> float | None:
+        pts = sorted((r["ppl"], r["tok_s"]) for r in rows if r["policy"] == "cache-prior" and r["repeat"] == rep)
+        for (p0, s0), (p1, s1) in zip(pts, pts[1:]):
+            if p0 <= ppl <= p1:
+                return s0 if p1 == p0 else s0 + (s1 - s0) * (ppl - p0) / (p1 - p0)
+        return None
+
+    md = [f"Model `{args.model}`, {sum(c.shape[1] - 1 for c in chunks)} held-out tokens per run "
+          f"({args.chunk}-token chunks, teacher-forced, caches carried), C = {args.capacity} fast slots per layer, "
+          f"host cache {args.host_memory} ({rt.host.slots} experts over all layers), `--io {args.io}`, "
+          f"{args.readers} reader threads, 1 torch thread; medians of {args.repeats} interleaved repeats.", "",
+          "| policy | λ | perplexity | tok/s | fast hits | host hits / tok | disk reads / tok | disk MiB / tok |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for pol, lam in configs:
+        n = med(pol, lam, "tokens")
+        md.append(f"| {pol} | {lam:g} | {med(pol, lam, 'ppl'):.3f} | {med(pol, lam, 'tok_s'):.1f} | "
+                  f"{med(pol, lam, 'fast_hits') / med(pol, lam, 'accesses'):.3f} | {med(pol, lam, 'host_hits') / n:.2f} | "
+                  f"{med(pol, lam, 'disk_reads') / n:.2f} | {med(pol, lam, 'disk_bytes') / n / 2**20:.3f} |")
+    md += ["", "Cost-aware at equal perplexity (plain Cache-Prior's tok/s interpolated at the same perplexity, "
+           "per repeat; median over repeats):", "",
+           "| cost-aware λ | perplexity | tok/s | plain Cache-Prior tok/s at that perplexity | speed-up |",
+           "|---:|---:|---:|---:|---:|"]
+    summary = []
+    for lam in lams:
+        ups, plains = [], []
+        for rep in range(args.repeats):
+            r = next(x for x in rows if x["policy"] == "cache-prior-cost" and x["lam"] == lam and x["repeat"] == rep)
+            p = plain_at(r["ppl"], rep)
+            if p is not None:
+                ups.append(r["tok_s"] / p)
+                plains.append(p)
+        if ups:
+            up = statistics.median(ups)
+            summary.append(dict(lam=lam, ppl=med("cache-prior-cost", lam, "ppl"), speedup=up))
+            md.append(f"| {lam:g} | {med('cache-prior-cost', lam, 'ppl'):.3f} | {med('cache-prior-cost', lam, 'tok_s'):.1f} "
+                      f"| {statistics.median(plains):.1f} | {up:.3f}× |")
+        else:
+            md.append(f"| {lam:g} | {med('cache-prior-cost', lam, 'ppl'):.3f} | "
+                      f"{med('cache-prior-cost', lam, 'tok_s'):.1f} | outside plain's range | — |")
+    md += ["", "λ pairs within ±0.3 % perplexity (medians):", "",
+           "| plain λ | cost-aware λ | ppl plain | ppl cost-aware | tok/s plain | tok/s cost-aware | ratio |",
+           "|---:|---:|---:|---:|---:|---:|---:|"]
+    for la in lams:
+        for lb in lams:
+            pa, pb = med("cache-prior", la, "ppl"), med("cache-prior-cost", lb, "ppl")
+            if abs(pb / pa - 1) <= 0.003:
+                sa, sb = med("cache-prior", la, "tok_s"), med("cache-prior-cost", lb, "tok_s")
+                md.append(f"| {la:g} | {lb:g} | {pa:.3f} | {pb:.3f} | {sa:.1f} | {sb:.1f} | {sb / sa:.3f}× |")
+    text = "\n".join(md) + "\n"
+    (out / "tiers.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps(dict(args=vars(args), host_slots=rt.host.slots,
+                                                      equal_ppl=summary), indent=1))
+    print(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for pol, color in (("cache-prior", "tab:purple"), ("cache-prior-cost", "tab:orange")):
+            xs = [med(pol, lam, "ppl") for lam in lams]
+            ys = [med(pol, lam, "tok_s") for lam in lams]
+            ax.plot(xs, ys, "o-", color=color, label=pol)
+            for lam, x, y in zip(lams, xs, ys):
+                ax.annotate(f"{lam:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
+        ax.set_xlabel("perplexity (held-out)")
+        ax.set_ylabel("tok/s (median)")
+        ax.set_title(f"{args.model}: C = {args.capacity}, host {args.host_memory}, disk O_DIRECT")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "tiers.png", dpi=120)
+    except ImportError:  # pragma: no cover
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
