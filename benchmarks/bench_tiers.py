@@ -46,7 +46,10 @@ def main(argv=None) -> int:
                     help="fix a host hit's cost relative to a disk read (default: measured by the run, "
                          "expertcache.offload.tiers.HostCache.miss_costs)")
     ap.add_argument("--record", action="store_true",
-                    help="save each run's routed ids (repeat 0) to OUT/ids-POLICY-LAM.npy (for bench_tiers_replay.py)")
+                    help="save each run's routed ids (repeat 0) to OUT/ids-POLICY-LAM.npy")
+    ap.add_argument("--from-rows", default=None, metavar="ROWS.jsonl",
+                    help="no runs: rebuild the tables and the plot from a previous run's rows (its flags are "
+                         "read from the rows)")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -63,6 +66,14 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.from_rows:
+        rows = [json.loads(line) for line in open(args.from_rows) if line.strip()]
+        for k, v in rows[0]["args"].items():
+            if k not in ("out", "from_rows"):
+                setattr(args, k, v)
+        lams = [float(x) for x in args.lams.split(",")]
+        configs = [(pol, lam) for pol in ("cache-prior", "cache-prior-cost") for lam in lams]
+        return report(args, rows, lams, configs, out, rows[0]["host_slots"], rows[0]["tokens"])
     path = resolve_model_path(args.model)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     toks = torch.from_numpy(np.asarray(heldout_tokens(tok, args.tokens), dtype=np.int64))
@@ -108,12 +119,17 @@ def main(argv=None) -> int:
             rng.shuffle(order)
             for pol, lam in order:
                 r = run(pol, lam, args.record and rep == 0)
-                r["repeat"] = rep
+                r.update(repeat=rep, host_slots=rt.host.slots, args={k: v for k, v in vars(args).items()})
                 rows.append(r)
                 fh.write(json.dumps(r) + "\n")
                 fh.flush()
                 bar.update()
     rt.close()
+    return report(args, rows, lams, configs, out, rt.host.slots, sum(c.shape[1] - 1 for c in chunks))
+
+
+def report(args, rows, lams, configs, out: Path, host_slots: int, tokens: int) -> int:
+    import numpy as np
 
     def med(pol, lam, key):
         return statistics.median(r[key] for r in rows if r["policy"] == pol and r["lam"] == lam)
@@ -133,9 +149,9 @@ def main(argv=None) -> int:
                 return s0 if p1 == p0 else s0 + (s1 - s0) * (ppl - p0) / (p1 - p0)
         return front[-1][1]
 
-    md = [f"Model `{args.model}`, {sum(c.shape[1] - 1 for c in chunks)} held-out tokens per run "
+    md = [f"Model `{args.model}`, {tokens} held-out tokens per run "
           f"({args.chunk}-token chunks, teacher-forced, caches carried), C = {args.capacity} fast slots per layer, "
-          f"host cache {args.host_memory} ({rt.host.slots} experts over all layers), `--io {args.io}`, "
+          f"host cache {args.host_memory} ({host_slots} experts over all layers), `--io {args.io}`, "
           f"{args.readers} reader threads, 1 torch thread; medians of {args.repeats} interleaved repeats; "
           f"host-hit cost {'measured' if args.cost_ratio is None else f'fixed at {args.cost_ratio:g} × a disk read'}.",
           "",
@@ -213,7 +229,7 @@ def main(argv=None) -> int:
                 md.append(f"| {la:g} | {lb:g} | {pa:.3f} | {pb:.3f} | {sa:.1f} | {sb:.1f} | {sb / sa:.3f}× |")
     text = "\n".join(md) + "\n"
     (out / "tiers.md").write_text(text)
-    (out / "summary.json").write_text(json.dumps(dict(args=vars(args), host_slots=rt.host.slots, equal_ppl=summary,
+    (out / "summary.json").write_text(json.dumps(dict(args=vars(args), host_slots=host_slots, equal_ppl=summary,
                                                       fit_s_per_token=dict(zip(("base", "host_hit", "disk_read"),
                                                                                map(float, coef)))), indent=1))
     print(text)
@@ -223,18 +239,28 @@ def main(argv=None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
         for pol, color in (("cache-prior", "tab:purple"), ("cache-prior-cost", "tab:orange")):
             xs = [med(pol, lam, "ppl") for lam in lams]
-            ys = [med(pol, lam, "tok_s") for lam in lams]
-            ax.plot(xs, ys, "o-", color=color, label=pol)
-            for lam, x, y in zip(lams, xs, ys):
+            ax.plot(xs, [fit[(pol, lam)] for lam in lams], "o-", color=color, label=f"{pol} (fitted)")
+            ax.plot(xs, [med(pol, lam, "tok_s") for lam in lams], "x", color=color, alpha=0.5,
+                    label=f"{pol} (measured median)")
+            bx.plot(xs, [med(pol, lam, "disk_reads") / med(pol, lam, "tokens") for lam in lams], "o-", color=color,
+                    label=f"{pol}: disk reads")
+            bx.plot(xs, [med(pol, lam, "host_hits") / med(pol, lam, "tokens") for lam in lams], "s--", color=color,
+                    alpha=0.6, label=f"{pol}: host hits")
+            for lam, x, y in zip(lams, xs, [fit[(pol, lam)] for lam in lams]):
                 ax.annotate(f"{lam:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
         ax.set_xlabel("perplexity (held-out)")
-        ax.set_ylabel("tok/s (median)")
-        ax.set_title(f"{args.model}: C = {args.capacity}, host {args.host_memory}, disk O_DIRECT")
-        ax.legend()
+        ax.set_ylabel("tok/s")
+        ax.set_title(f"{args.model}: C = {args.capacity}, host {args.host_memory}, O_DIRECT")
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
+        bx.set_xlabel("perplexity (held-out)")
+        bx.set_ylabel("loads per token")
+        bx.set_title("where the fast-slot misses come from")
+        bx.legend(fontsize=7)
+        bx.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(out / "tiers.png", dpi=120)
     except ImportError:  # pragma: no cover

@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reads", type=int, default=24, help="expert reads / copies timed (median)")
     ap.add_argument("--tokens", type=int, default=6, help="decode tokens for the compute time")
     ap.add_argument("--out", default=None, help="markdown output (default: next to --rows)")
+    ap.add_argument("--assume", action="append", default=[], metavar="NAME=COMPUTE_MS,HOST_MS,DISK_MS",
+                    help="also project with these *assumed* (not measured) constants, e.g. a GPU: "
+                         "gpu=6,0.5,4.2 (repeatable)")
     args = ap.parse_args(argv)
 
     import torch
@@ -79,14 +82,19 @@ def main(argv=None) -> int:
         return statistics.median(x[key] for x in rows if x["policy"] == pol and x["lam"] == lam)
 
     lams = sorted({x["lam"] for x in rows})
-    proj = {}
-    for pol in ("cache-prior", "cache-prior-cost"):
-        for lam in lams:
-            tok = med(pol, lam, "tokens")
-            h, dk = med(pol, lam, "host_hits") / tok, med(pol, lam, "disk_reads") / tok
-            io = h * t_host + dk * t_disk
-            proj[(pol, lam)] = dict(ppl=med(pol, lam, "ppl"), host=h, disk=dk, serial=1 / (t_compute + io),
-                                    floor=1 / max(t_compute, io))
+
+    def project(t_compute, t_host, t_disk):
+        proj = {}
+        for pol in ("cache-prior", "cache-prior-cost"):
+            for lam in lams:
+                tok = med(pol, lam, "tokens")
+                h, dk = med(pol, lam, "host_hits") / tok, med(pol, lam, "disk_reads") / tok
+                io = h * t_host + dk * t_disk
+                proj[(pol, lam)] = dict(ppl=med(pol, lam, "ppl"), host=h, disk=dk, serial=1 / (t_compute + io),
+                                        floor=1 / max(t_compute, io))
+        return proj
+
+    proj = project(t_compute, t_host, t_disk)
     md = [f"Projection onto `{Path(args.model).name}` (expert {rt.expert_bytes / 2**20:.1f} MiB): measured "
           f"t_disk = {t_disk * 1e3:.2f} ms (O_DIRECT), t_host = {t_host * 1e3:.2f} ms (copy), t_compute = "
           f"{t_compute * 1e3:.1f} ms/token; decisions and perplexities of `{args.rows}`.", "",
@@ -96,7 +104,7 @@ def main(argv=None) -> int:
         md.append(f"| {pol} | {lam:g} | {p['ppl']:.3f} | {p['host']:.2f} | {p['disk']:.2f} | {p['serial']:.2f} | "
                   f"{p['floor']:.2f} |")
 
-    def plain_at(ppl, key):
+    def plain_at(ppl, key, proj):
         front = []
         for p in sorted((v["ppl"], v[key]) for (pol, _), v in proj.items() if pol == "cache-prior"):
             if not front or p[1] > front[-1][1]:
@@ -108,14 +116,23 @@ def main(argv=None) -> int:
                 return s0 if p1 == p0 else s0 + (s1 - s0) * (ppl - p0) / (p1 - p0)
         return front[-1][1]
 
-    md += ["", "Cost-aware at equal perplexity (plain Cache-Prior's Pareto frontier interpolated):", "",
-           "| cost-aware λ | perplexity | speed-up serial | speed-up floor |", "|---:|---:|---:|---:|"]
-    for lam in lams:
-        p = proj[("cache-prior-cost", lam)]
-        a, b = plain_at(p["ppl"], "serial"), plain_at(p["ppl"], "floor")
-        sa = "—" if a is None else f"{p['serial'] / a:.3f}×"
-        sb = "—" if b is None else f"{p['floor'] / b:.3f}×"
-        md.append(f"| {lam:g} | {p['ppl']:.3f} | {sa} | {sb} |")
+    def speedups(proj, title):
+        out = ["", title, "", "| cost-aware λ | perplexity | speed-up serial | speed-up floor |", "|---:|---:|---:|---:|"]
+        for lam in lams:
+            p = proj[("cache-prior-cost", lam)]
+            a, b = plain_at(p["ppl"], "serial", proj), plain_at(p["ppl"], "floor", proj)
+            sa = "—" if a is None else f"{p['serial'] / a:.3f}×"
+            sb = "—" if b is None else f"{p['floor'] / b:.3f}×"
+            out.append(f"| {lam:g} | {p['ppl']:.3f} | {sa} | {sb} |")
+        return out
+
+    md += speedups(proj, "Cost-aware at equal perplexity, measured constants (plain Cache-Prior's Pareto frontier "
+                         "interpolated):")
+    for spec in args.assume:
+        name, vals = spec.split("=")
+        c, h, d = (float(v) / 1e3 for v in vals.split(","))
+        md += speedups(project(c, h, d), f"**Assumed** constants `{name}` (not measured here): t_compute = "
+                                         f"{c * 1e3:g} ms/token, t_host = {h * 1e3:g} ms, t_disk = {d * 1e3:g} ms:")
     text = "\n".join(md) + "\n"
     out = Path(args.out) if args.out else Path(args.rows).with_name("projection.md")
     out.write_text(text)
