@@ -193,22 +193,31 @@ def test_tier_counts_add_up_and_follow_an_lru_replay(tiny):
         assert (t["host_hits"], t["disk_reads"]) == (host_hits, disk), host
 
 
-def test_cost_aware_runtime_routes_to_cheaper_levels(tiny):
-    """With a host level, cache-prior-cost reads the disk no more often than Cache-Prior at the same λ, and
-    without a host level it is Cache-Prior exactly (same logits)."""
+def test_cost_aware_runtime_routes_to_the_host_level(tiny):
+    """With a host level (costs fixed at host = 0.1 × disk, so the decisions do not depend on timing),
+    cache-prior-cost serves more misses from host RAM than Cache-Prior at the same λ, and its decisions do not
+    depend on the reader threads; without a host level it is Cache-Prior exactly (same logits)."""
     ids = _ids(48, seed=6)
     probe = _rt(tiny, 2)
-    plain = _rt(tiny, 2, _slots(probe, 6), routing=RoutingConfig("cache-prior", lam=0.5))
-    cost = _rt(tiny, 2, _slots(probe, 6), routing=RoutingConfig("cache-prior-cost", lam=0.5))
-    _logits(plain, ids)
-    _logits(cost, ids)
-    assert cost.stats()["tiers"]["disk_reads"] <= plain.stats()["tiers"]["disk_reads"]
+    counts = {}
+    for pol, readers in (("cache-prior", 2), ("cache-prior-cost", 0), ("cache-prior-cost", 3)):
+        rt = _rt(tiny, 2, _slots(probe, 8), readers=readers, routing=RoutingConfig(pol, lam=0.5))
+        rt.host.miss_costs = lambda nbytes: (0.1, 1.0)
+        logits = _logits(rt, ids)
+        t = rt.stats()["tiers"]
+        counts[(pol, readers)] = (logits, t["fast_hits"], t["host_hits"], t["disk_reads"])
+        if pol == "cache-prior-cost":
+            costs = rt.miss_costs(0)
+            fast = np.asarray(rt.states[0].cache.resident_mask())
+            host = rt.host.resident_mask(0)
+            assert np.all(costs[fast] == 0) and np.all(costs[~fast & host] == np.float32(0.1))
+            assert np.all(costs[~fast & ~host] == 1)
+    a, b = counts[("cache-prior-cost", 0)], counts[("cache-prior-cost", 3)]
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+    assert a[2] > counts[("cache-prior", 2)][2]  # more host hits
     a = _rt(tiny, 2, routing=RoutingConfig("cache-prior", lam=0.5))
     b = _rt(tiny, 2, routing=RoutingConfig("cache-prior-cost", lam=0.5))
     assert torch.equal(_logits(a, ids), _logits(b, ids))
-    costs = cost.miss_costs(0)
-    resident = np.asarray(cost.states[0].cache.resident_mask())
-    assert np.all(costs[resident] == 0) and np.all(costs[~resident] > 0) and np.all(costs <= 1)
 
 
 def test_host_budget_zero_is_todays_runtime(tiny):
