@@ -708,7 +708,7 @@ class OffloadedModel:
                     evictions=total.evictions,
                     bytes_read=self.tier.stats.bytes_read + (host.host_bytes if host else 0),
                     expert_loads=self.tier.stats.loads + (host.host_hits if host else 0),
-                    io_seconds=self.tier.stats.seconds + (host.host_seconds if host else 0.0), tiers=tiers,
+                    io_seconds=self.tier.stats.seconds + (host.host_busy_seconds if host else 0.0), tiers=tiers,
                     io_wait_seconds=self.io_wait_seconds, compute_seconds=self.compute_seconds,
                     prefetched=sum(st.prefetched for st in self.states), prefetch=self.prefetch_stats.to_dict(),
                     per_layer_misses=[s.misses for s in per],

@@ -72,8 +72,10 @@ def parse_host_memory(text: str | int | None) -> int:
 
 @dataclass
 class TierCounts:
-    """Where the fast-slot misses came from. ``host_hits`` + ``disk_reads`` = loads into fast slots;
-    ``fast_hits`` are counted by the runtime (the fast caches' hits). Seconds are per-load busy time."""
+    """Where the fast-slot misses came from. ``host_hits`` + ``disk_reads`` = loads into fast slots (demand
+    misses, and also prefetch loads: next-layer guesses, ``OffloadedModel.prefetch``; ``warm()`` zeroes them);
+    ``fast_hits`` are counted by the runtime (the fast caches' hits). ``*_seconds``: issue to landed, summed
+    per load (what cost-aware routing prices); ``*_busy_seconds``: the copy or the read alone."""
 
     host_hits: int = 0
     disk_reads: int = 0
