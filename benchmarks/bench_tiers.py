@@ -253,7 +253,7 @@ def report(args, rows, lams, configs, out: Path, host_slots: int, tokens: int) -
                 ax.annotate(f"{lam:g}", (x, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
         ax.set_xlabel("perplexity (held-out)")
         ax.set_ylabel("tok/s")
-        ax.set_title(f"{args.model}: C = {args.capacity}, host {args.host_memory}, O_DIRECT")
+        ax.set_title(f"{args.model}: C = {args.capacity}, host {args.host_memory}, O_DIRECT, {args.readers} readers")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         bx.set_xlabel("perplexity (held-out)")
