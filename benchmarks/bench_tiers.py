@@ -160,7 +160,8 @@ def report(args, rows, lams, configs, out: Path, host_slots: int, tokens: int) -
     for pol, lam in configs:
         n = med(pol, lam, "tokens")
         md.append(f"| {pol} | {lam:g} | {med(pol, lam, 'ppl'):.3f} | {med(pol, lam, 'tok_s'):.1f} | "
-                  f"{med(pol, lam, 'fast_hits') / med(pol, lam, 'accesses'):.3f} | {med(pol, lam, 'host_hits') / n:.2f} | "
+                  f"{med(pol, lam, 'fast_hits') / med(pol, lam, 'accesses'):.3f} | "
+                  f"{med(pol, lam, 'host_hits') / n:.2f} | "
                   f"{med(pol, lam, 'disk_reads') / n:.2f} | {med(pol, lam, 'disk_bytes') / n / 2**20:.3f} |")
     md += ["", "Cost-aware at equal perplexity (plain Cache-Prior's tok/s interpolated at the same perplexity, "
            "per repeat; median over repeats):", "",
@@ -178,7 +179,8 @@ def report(args, rows, lams, configs, out: Path, host_slots: int, tokens: int) -
         if ups:
             up = statistics.median(ups)
             summary.append(dict(lam=lam, ppl=med("cache-prior-cost", lam, "ppl"), speedup=up))
-            md.append(f"| {lam:g} | {med('cache-prior-cost', lam, 'ppl'):.3f} | {med('cache-prior-cost', lam, 'tok_s'):.1f} "
+            md.append(f"| {lam:g} | {med('cache-prior-cost', lam, 'ppl'):.3f} | "
+                      f"{med('cache-prior-cost', lam, 'tok_s'):.1f} "
                       f"| {statistics.median(plains):.1f} | {up:.3f}× |")
         else:
             md.append(f"| {lam:g} | {med('cache-prior-cost', lam, 'ppl'):.3f} | "

@@ -117,7 +117,8 @@ def main(argv=None) -> int:
         return front[-1][1]
 
     def speedups(proj, title):
-        out = ["", title, "", "| cost-aware λ | perplexity | speed-up serial | speed-up floor |", "|---:|---:|---:|---:|"]
+        out = ["", title, "", "| cost-aware λ | perplexity | speed-up serial | speed-up floor |",
+               "|---:|---:|---:|---:|"]
         for lam in lams:
             p = proj[("cache-prior-cost", lam)]
             a, b = plain_at(p["ppl"], "serial", proj), plain_at(p["ppl"], "floor", proj)

@@ -28,8 +28,8 @@ def tiny(tmp_path_factory):
 
 
 def _rt(path, capacity, host=None, *, readers=2, routing=None, io="cached", record=False):
-    rt = OffloadedModel.from_pretrained(path, OffloadConfig(io=io, capacity=capacity, readers=readers, host_memory=host),
-                                        dtype=torch.float32, routing=routing or RoutingConfig())
+    offload = OffloadConfig(io=io, capacity=capacity, readers=readers, host_memory=host)
+    rt = OffloadedModel.from_pretrained(path, offload, dtype=torch.float32, routing=routing or RoutingConfig())
     rt.configure(record=record)
     return rt
 

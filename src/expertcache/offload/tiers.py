@@ -169,8 +169,12 @@ class HostCache:
         """(seconds to load ``nbytes`` from host RAM, from disk): measured bandwidth of this run's loads of each
         level once there are :data:`MEASURED_AFTER` of them, the priors before."""
         c = self.counts
-        host_bw = c.host_bytes / c.host_seconds if c.host_hits >= MEASURED_AFTER and c.host_seconds > 0 else PRIOR_HOST_BW
-        disk_bw = c.disk_bytes / c.disk_seconds if c.disk_reads >= MEASURED_AFTER and c.disk_seconds > 0 else PRIOR_DISK_BW
+        host_bw = PRIOR_HOST_BW
+        if c.host_hits >= MEASURED_AFTER and c.host_seconds > 0:
+            host_bw = c.host_bytes / c.host_seconds
+        disk_bw = PRIOR_DISK_BW
+        if c.disk_reads >= MEASURED_AFTER and c.disk_seconds > 0:
+            disk_bw = c.disk_bytes / c.disk_seconds
         return nbytes / host_bw, nbytes / disk_bw
 
     # -- moving (reader threads) -------------------------------------------------------------------
@@ -187,7 +191,8 @@ class HostCache:
                     with self._cv:
                         self._cv.wait_for(lambda: self._filled[slot] >= v)
                         if (slot, v) in self._failed:
-                            raise OSError(f"the disk read that was to fill host slot {slot} failed (see the first error)")
+                            raise OSError(f"the disk read that was to fill host slot {slot} failed "
+                                          "(see the first error)")
                     t0 = time.perf_counter()
                     dest_u8[:n].copy_(self.buffer[slot, :n])
                     dt = time.perf_counter() - t0
