@@ -12,9 +12,12 @@ medians over repeats. Matching at equal perplexity: for each repeat, plain Cache
 cost-aware point's perplexity is read off plain's Pareto frontier (piecewise linear in perplexity; its
 fastest point of no higher perplexity beyond the frontier's end); the speed-up is the cost-aware tok/s over
 that, median over repeats. Pairs of λ whose perplexities are within ±0.3 % are also
-listed.
+listed. Because this VM's timing noise is larger than the effect, s/token is also fitted by least squares over
+all runs as base + b_host·(host hits/token) + b_disk·(disk reads/token) and the comparison repeated on the fitted
+times (the counts are deterministic; the fit averages the noise). ``--from-rows`` rebuilds tables and plot.
 
-    python benchmarks/bench_tiers.py --out docs/results/tiers            # granular, C = 12, 48 host slots
+    python benchmarks/bench_tiers.py --repeats 4 --out docs/results/tiers      # granular, C = 8, host 6 MiB (66 experts)
+    python benchmarks/bench_tiers.py --readers 0 --repeats 3 --out docs/results/tiers-serial   # reads not overlapped
 """
 
 from __future__ import annotations
