@@ -53,6 +53,15 @@ def cache_prior(z, resident, k: int, lam: float, j: int, delta: float) -> list[i
     return _top_k_of([np.float32(z[e]) + boost if mask[e] else np.float32(z[e]) for e in range(len(z))], z, k)
 
 
+def cache_prior_cost(z, resident, k: int, lam: float, j: int, delta: float, cost) -> list[int]:
+    """Cost-aware Cache-Prior (issue 14): z' = z + λ·Δavg for resident (and top-J) experts,
+    z + λ·Δavg·(1 - cost_i) for the others (cost_i: load cost relative to the slowest tier), top-K (float32)."""
+    mask, boost = _with_top_j(z, resident, j), np.float32(lam * delta)
+    return _top_k_of([np.float32(z[e]) + boost if mask[e]
+                      else np.float32(z[e]) + boost * (np.float32(1.0) - np.float32(cost[e]))
+                      for e in range(len(z))], z, k)
+
+
 class RunningDelta:
     """001 Eq. 10: Δavg = the mean of max(z) - min(z) over the tokens seen, this one included."""
 

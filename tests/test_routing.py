@@ -95,7 +95,8 @@ def rank_with(policy: str, z, mask, k, j, s, freq=None):
 
 
 def config_for(policy: str, s, j: int, **extra) -> RoutingConfig:
-    key = {"max-rank": "m", "cumsum": "p", "cache-prior": "lam", "eras-threshold": "alpha", "eras-bias": "beta"}
+    key = {"max-rank": "m", "cumsum": "p", "cache-prior": "lam", "cache-prior-cost": "lam", "eras-threshold": "alpha",
+           "eras-bias": "beta"}
     value = int(s) if policy == "max-rank" else float(s)
     return RoutingConfig(policy=policy, top_j=j, **{key[policy]: value}, **extra)
 
@@ -128,6 +129,7 @@ def strength(policy: str, e: int):
         "max-rank": st.integers(0, e),
         "cumsum": st.floats(0, 1),
         "cache-prior": st.floats(0, 1),
+        "cache-prior-cost": st.floats(0, 1),
         "eras-threshold": st.floats(0, 2),
         "eras-bias": st.floats(0, 30),
     }[policy]

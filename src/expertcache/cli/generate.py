@@ -43,6 +43,9 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     size.add_argument("--cache-experts", type=positive_int, default=None, metavar="C",
                       help="expert slots per MoE layer (default: all N if no --memory)")
     g.add_argument("--tier", choices=TIERS, default="disk", help="where the experts live (default: disk)")
+    g.add_argument("--host-memory", type=_host_memory_spec, default=None, metavar="SIZE",
+                   help="with --tier disk: a host-RAM cache of expert bytes (e.g. 64MiB, its own LRU) between the "
+                        "fast slots and the disk; a miss it holds is a memory copy (default: none)")
     g.add_argument("--io", choices=IO_MODES, default=default_io,
                    help=f"disk reads: direct (O_DIRECT), fadvise (drop page cache first), cached (default: {default_io})")
     d = OffloadConfig()
@@ -64,6 +67,16 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     add_threads_arg(g)
 
 
+def _host_memory_spec(text: str) -> str:
+    from expertcache.offload.tiers import parse_host_memory
+
+    try:
+        parse_host_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--host-memory: ")) from None
+    return str(text)
+
+
 def add_routing_alias(parser: argparse.ArgumentParser) -> None:
     from expertcache.routing import POLICIES
 
@@ -82,9 +95,12 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
         prefetch = _top_k(path) if path is not None else 8
     elif prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {prefetch}")
+    host_memory = getattr(args, "host_memory", None)
+    if host_memory is not None and args.tier != "disk":
+        raise ValueError(f"--host-memory needs --tier disk (with --tier {args.tier} every expert is in host RAM already)")
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
                          quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
-                         prefetch=prefetch)
+                         prefetch=prefetch, host_memory=host_memory)
 
 
 def _top_k(path) -> int:
@@ -192,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
     row = dict(kind="generate", prompt_tokens=int(ids.shape[1]), new_tokens=int(r["tokens"].shape[1]),
                prefill_s=r["prefill_s"], decode_s=r["decode_s"], decode_tok_s=tok_s, hit_rate=s["hit_rate"],
                decode_hit_rate=d["hit_rate"], bytes_read=s["bytes_read"], misses=s["misses"],
-               io_wait_s=s["io_wait_seconds"], prefetch=s["prefetch"], prefetched=s["prefetched"], threads=args.threads, config=rt.describe())
+               io_wait_s=s["io_wait_seconds"], prefetch=s["prefetch"], prefetched=s["prefetched"], tiers=s["tiers"],
+               threads=args.threads, config=rt.describe())
     if args.json:
         print(json.dumps(row), file=sys.stderr)
     else:
@@ -202,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
               f"(decode {d['hit_rate']:.3f}), {s['bytes_read'] / 2**20:.1f} MiB read in {s['expert_loads']} expert loads"
               + (f", prefetch precision {s['prefetch']['precision']:.2f} recall {s['prefetch']['recall']:.2f}"
                  if s["prefetch"]["precision"] is not None else "") + (f" ({s['prefetched']} of them prefetched by --predictor)" if s["prefetched"] else "")
-              + f", {args.threads} thread(s)",
+              + (f"; loads: {s['tiers']['host_hits']} from host RAM, {s['tiers']['disk_reads']} from disk"
+                 if s["tiers"] else "") + f", {args.threads} thread(s)",
               file=sys.stderr)
     return 0

@@ -72,6 +72,8 @@ class MemoryPlan:
     slot_bytes: int = 0  # 0: = expert_bytes
     extra_slots: int = 0
     io_bytes: int = 0
+    host_bytes: int = 0  # the host-RAM level of a two-level cache (--host-memory; its own budget, not in total)
+    host_slots: int = 0
 
     @property
     def total(self) -> int:
@@ -80,7 +82,7 @@ class MemoryPlan:
                 + self.num_layers * (self.slots + self.extra_slots) * sb)
 
     def to_dict(self) -> dict:
-        return dict(asdict(self), total=self.total)
+        return dict(asdict(self), total=self.total, total_with_host=self.total + self.host_bytes)
 
 
 def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int, kv_bytes: int, expert_bytes: int,

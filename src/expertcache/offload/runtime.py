@@ -73,6 +73,7 @@ from expertcache.offload.loader import load_non_expert, recompute_rotary
 from expertcache.offload.prefetch import PrefetchStats, first_layer_input, guess_next_layer
 from expertcache.offload.quant import QuantLayout, default_group
 from expertcache.offload.slots import SlotPool, slot_bytes_for
+from expertcache.offload.tiers import HostCache, parse_host_memory
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, Placement, QuantSource, TierStats,
                                        place_expert, quant_sidecar_path, quantize_checkpoint)
 from expertcache.models.loader import check_weights_match_config
@@ -170,6 +171,12 @@ class OffloadedModel:
         if isinstance(self.tier, DiskTier):  # open every file now: O_DIRECT support is checked before any run
             for f in sorted({r.file for p in self._parts.values() for r in p.reads}):
                 self.tier._fd(f)
+        host_budget = parse_host_memory(offload.host_memory)
+        if host_budget and offload.tier != "disk":
+            raise ValueError("--host-memory is the host-RAM level between the fast slots and the disk: it needs "
+                             f"--tier disk (with --tier {offload.tier} every expert is in host RAM already)")
+        self.host = HostCache(host_budget, self.slot_bytes, len(layers), self.num_experts, self.tier) \
+            if host_budget else None  # the two-level cache (offload/tiers.py); None = every miss reads the disk
         self.plan = self._plan()
         self.capacity = self.plan.slots
         self._mlps = mlps
@@ -241,10 +248,13 @@ class OffloadedModel:
         slots = o.capacity if budget is not None or o.capacity is not None else self.num_experts
         if budget is not None and o.capacity is not None:
             raise ValueError("give either --memory or --cache-experts, not both")
-        return plan_memory(budget=budget, slots=None if budget is not None else slots, non_expert_bytes=non_expert,
+        plan = plan_memory(budget=budget, slots=None if budget is not None else slots, non_expert_bytes=non_expert,
                            kv_bytes=kv, expert_bytes=self.expert_bytes, num_layers=len(self.layers),
                            num_experts=self.num_experts, top_k=self.top_k, slot_bytes=self.slot_bytes,
                            extra_slots=1 + o.prefetch, io_bytes=self._io_bytes)
+        if self.host is not None:  # the host level has its own budget (--host-memory), beside the fast tier's
+            plan = dataclasses.replace(plan, host_bytes=self.host.nbytes, host_slots=self.host.slots)
+        return plan
 
     def _make_pools(self, capacity: int) -> list[SlotPool]:
         return [SlotPool(capacity, self.slot_bytes, self.device, scratch=1, spare=self.offload.prefetch)
@@ -266,9 +276,23 @@ class OffloadedModel:
             resident_TE = torch.ones_like(zr_TE, dtype=torch.bool)
         if allowed_TE is not None:
             resident_TE = resident_TE & allowed_TE
+        if self.routing.policy == "cache-prior-cost":
+            self.router.set_miss_costs(m.index, self.miss_costs(m.index))
         ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE), z_cpu_TE)
         w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK)
         return w_TK.to(w0_TK.dtype).to(w0_TK.device), ids_TK.to(ids0_TK.device)
+
+    def miss_costs(self, index: int) -> np.ndarray:
+        """float32 [N]: the cost of loading each expert of layer ``index`` now, relative to the most expensive
+        level (``cache-prior-cost``): 0 for a fast-slot resident, host seconds ÷ disk seconds for an expert
+        the host cache holds (:meth:`HostCache.miss_costs`: measured bandwidths, priors before), 1 for a
+        disk read. Without a host cache every miss costs 1 (= plain Cache-Prior)."""
+        cost_E = np.ones(self.num_experts, np.float32)
+        if self.host is not None:
+            host_s, disk_s = self.host.miss_costs(self.expert_bytes)
+            cost_E[self.host.resident_mask(index)] = min(1.0, host_s / disk_s)
+        cost_E[np.asarray(self.states[index].cache.resident_mask(), dtype=bool)] = 0.0
+        return cost_E
 
     def _make_router_forward(self, m: MoELayer, stock):
         def forward(hidden_states, *args, **kwargs):
@@ -307,6 +331,8 @@ class OffloadedModel:
                                              expert_bytes=self.expert_bytes), self.pools[m.index])
                        for m in self.layers]
         self.tier.stats = TierStats()
+        if self.host is not None:
+            self.host.reset()
         self.compute_seconds = 0.0
         self.io_wait_seconds = 0.0
         self.prefetch_stats = PrefetchStats()
@@ -320,6 +346,8 @@ class OffloadedModel:
             st.cache.stats = CacheStats(self.num_experts)
             st.prefetched = 0
         self.tier.stats = TierStats()
+        if self.host is not None:  # keep the host entries the warm-up filled; zero its counters
+            self.host.counts = type(self.host.counts)()
         self.io_wait_seconds = 0.0
         self.prefetch_stats = PrefetchStats()
 
@@ -359,6 +387,18 @@ class OffloadedModel:
     def _job(self, st: LayerState, e: int, slot: int, placement: Placement) -> Callable[[], int]:
         dest = st.pool.buffer[slot]
         tier, layer_id, parts = self.tier, st.moe.layer_id, self._parts[(st.moe.index, e)]
+        if self.host is not None:  # two levels: decided here, in issue order (compute thread); moved by a reader
+            planned = self.host.plan(st.moe.index, e)
+            if self._cuda:  # pragma: no cover - GPU only
+                def cuda_host_job() -> int:
+                    staging = getattr(self._staging, "buf", None)
+                    if staging is None:
+                        staging = self._staging.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
+                    n = self.host.job(planned, parts, placement, staging)()
+                    dest.copy_(staging)
+                    return n
+                return cuda_host_job
+            return self.host.job(planned, parts, placement, dest)
         if self._cuda:  # pragma: no cover - GPU only: tier -> this reader's pinned staging buffer -> slot
             def cuda_job() -> int:
                 staging = getattr(self._staging, "buf", None)
@@ -450,6 +490,8 @@ class OffloadedModel:
     def _fail(self) -> None:
         """After a failed read: drain every read in flight and restart with empty caches (same policy)."""
         self._drain()
+        if self.host is not None:
+            self.host.reset()
         for st in self.states:
             st.pool.reset()
             st.cache = make_cache(self.eviction, self.num_experts, self.capacity, gamma=self.gamma,
@@ -466,6 +508,8 @@ class OffloadedModel:
             st.guess = None
         before = dict(pool.slot_of)
         hits = st.cache.access_step(list(order))
+        if self.host is not None:  # fast hits refresh their host entries (the host level's LRU sees every use)
+            self.host.touch(st.moe.index, [e for e, h in zip(order, hits) if h])
         after = st.cache.resident()
         for e in before:
             if e not in after:
@@ -681,9 +725,16 @@ class OffloadedModel:
         total = per[0]
         for s in per[1:]:
             total = total.merge(s)
+        host = self.host.counts if self.host is not None else None
+        tiers = None
+        if host is not None:  # where each access was served: fast slot, host-RAM cache, disk
+            tiers = dict(fast_hits=total.hits, **host.to_dict(), host_slots=self.host.slots,
+                         host_budget=self.host.budget)
         return dict(accesses=total.accesses, hits=total.hits, misses=total.misses, hit_rate=total.hit_rate,
-                    evictions=total.evictions, bytes_read=self.tier.stats.bytes_read,
-                    expert_loads=self.tier.stats.loads, io_seconds=self.tier.stats.seconds,
+                    evictions=total.evictions,
+                    bytes_read=self.tier.stats.bytes_read + (host.host_bytes if host else 0),
+                    expert_loads=self.tier.stats.loads + (host.host_hits if host else 0),
+                    io_seconds=self.tier.stats.seconds + (host.host_busy_seconds if host else 0.0), tiers=tiers,
                     io_wait_seconds=self.io_wait_seconds, compute_seconds=self.compute_seconds,
                     prefetched=sum(st.prefetched for st in self.states), prefetch=self.prefetch_stats.to_dict(),
                     per_layer_misses=[s.misses for s in per],
@@ -708,6 +759,7 @@ class OffloadedModel:
         return dict(version=__version__, model=str(self.path), model_type=self.family.model_type,
                     num_experts=self.num_experts, top_k=self.top_k, moe_layers=len(self.layers),
                     dtype=str(self.dtype).replace("torch.", ""), device=str(self.device), tier=self.offload.tier,
+                    host_slots=self.host.slots if self.host is not None else 0,
                     io=self.offload.io if self.offload.tier == "disk" else None, quant=self.offload.quant,
                     group=self.offload.group if self.offload.quant else None, capacity=self.capacity,
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),

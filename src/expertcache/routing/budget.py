@@ -23,10 +23,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
+from expertcache.routing import kernels as _rk
 from expertcache.routing.config import STRENGTH, Router, RoutingConfig
 from expertcache.routing.controller import ControllerConfig, MissRateController
+from expertcache.routing.policies import _check
 
 __all__ = ["BudgetRouter", "attach", "wrap", "expert_bytes"]
 
@@ -78,14 +81,25 @@ class BudgetRouter:
             resident = torch.zeros(e, dtype=torch.bool)
         res_TE = resident.reshape(-1, e).expand(z_TE.shape[0], e) if resident.dim() == 1 or resident.shape[0] == 1 \
             else resident
-        out = torch.empty(z_TE.shape[0], self.base.k, dtype=torch.long)
+        _check(z_TE, self.base.k, res_TE)  # once for all rows (as Router.rank would per row)
+        # rows go straight to the policy kernel (what Router.rank does for one row, without its per-call torch
+        # conversions): numpy in, numpy out, misses counted on the same arrays
+        z_TE_np = np.ascontiguousarray(z_TE.detach().to("cpu", torch.float32).numpy())
+        res_TE_np = np.ascontiguousarray(res_TE.detach().to("cpu").numpy())
+        probs_TE = self.base.probs(torch.from_numpy(z_TE_np))
+        out = np.empty((z_TE.shape[0], self.base.k), np.int64)
         for t, li in enumerate(layers):
-            ids = self.router_at(self.controller.level(li)).rank(li, z_TE[t:t + 1], res_TE[t:t + 1])
+            params = self.router_at(self.controller.level(li)).kernel_params(li)
+            params.load()
+            _, _, _, _, ids = _rk.rank(z_TE_np[t:t + 1], params.ip, params.fp, self.base.k,
+                                       resident_PE=res_TE_np[t:t + 1],
+                                       prob_PE=None if probs_TE is None else probs_TE[t:t + 1],
+                                       penalty_PE=params.penalty)
+            params.store()
             out[t] = ids[0]
             sel = ids[0][ids[0] >= 0]
-            misses = int((~res_TE[t].to("cpu")[sel.to("cpu")]).sum())
-            self.controller.update(li, misses)
-        return out
+            self.controller.update(li, int((~res_TE_np[t][sel]).sum()))
+        return torch.from_numpy(out).to(z_TE.device)
 
     def route(self, layer, z_TE: torch.Tensor, resident: torch.Tensor | None):
         from expertcache.routing.policies import weights_for

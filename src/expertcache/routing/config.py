@@ -17,7 +17,10 @@ from expertcache.routing import kernels as _rk
 from expertcache.routing.policies import (DeltaAvg, Selection, _check, eras_penalty, prune_rank, scores_from_logits,
                                           topk_rank, weights_for)
 
-POLICIES = ("original", "prune", "max-rank", "cumsum", "cache-prior", "eras-threshold", "eras-bias")
+POLICIES = ("original", "prune", "max-rank", "cumsum", "cache-prior", "eras-threshold", "eras-bias", "cache-prior-cost")
+
+#: Cache-Prior and its cost-aware variant (λ, Δavg, top-J 1)
+CACHE_PRIOR = ("cache-prior", "cache-prior-cost")
 
 #: Which hyper-parameter is a policy's "strength" (0 = original routing), for sweeps and reports.
 STRENGTH = {
@@ -28,6 +31,7 @@ STRENGTH = {
     "cache-prior": "lam",
     "eras-threshold": "alpha",
     "eras-bias": "beta",
+    "cache-prior-cost": "lam",
 }
 
 
@@ -42,6 +46,7 @@ DEFAULT_TOP_J = {
     "cache-prior": 1,
     "eras-threshold": 0,
     "eras-bias": 0,
+    "cache-prior-cost": 1,
 }
 
 
@@ -56,7 +61,9 @@ class RoutingConfig:
     h: pruning baseline keeps ranks < h (None = K).
     m: Max-Rank window M.
     p: cumulative-probability threshold in [0, 1].
-    lam: Cache-Prior strength λ in [0, 1].
+    lam: Cache-Prior strength λ in [0, 1] (also of ``cache-prior-cost``: Cache-Prior whose bias against a
+        non-resident expert scales with its load cost, :meth:`Router.set_miss_costs`; without costs set it
+        ranks exactly as Cache-Prior).
     delta: fixed Δavg for Cache-Prior (None = running average per layer, 001 Eq. 10).
     alpha: ERAS thresholding α (added to resident experts' probabilities).
     beta: ERAS biasing β (penalty scale for non-resident experts).
@@ -119,7 +126,7 @@ class RoutingConfig:
         if name is None:
             return self.policy
         extra = "" if self.policy == "prune" else f",J={self.top_j}"
-        if self.policy == "cache-prior" and self.delta is not None:
+        if self.policy in CACHE_PRIOR and self.delta is not None:
             extra += f",delta={self.delta}"
         return f"{self.policy}({name}={getattr(self, name)}{extra})"
 
@@ -269,16 +276,32 @@ class Router:
         key = (layer, allowed)
         params = self._params.get(key)
         if params is None or params.profile is not self.freq_LE:  # a new ERAS profile rebuilds
-            d = self.delta_for(layer) if c.policy == "cache-prior" else None
-            strength = {"cache-prior": c.lam, "cumsum": c.p, "eras-threshold": c.alpha}.get(c.policy, 0.0)
+            d = self.delta_for(layer) if c.policy in CACHE_PRIOR else None
+            strength = {"cache-prior": c.lam, "cache-prior-cost": c.lam, "cumsum": c.p,
+                        "eras-threshold": c.alpha}.get(c.policy, 0.0)
             ip, fp = _rk.pack(c.policy, min(c.top_j, self.k), m=min(c.m, self.num_experts), strength=strength,
                               fixed=None if d is None else d.fixed, allowed=allowed)
             penalty = None
             if c.policy == "eras-bias":
                 penalty = eras_penalty(c.beta, self.freq_LE[layer]).numpy().reshape(1, -1)
+            elif c.policy == "cache-prior-cost":  # every miss at the highest cost until set_miss_costs
+                penalty = np.ones((1, self.num_experts), np.float32)
             params = self._params[key] = KernelParams(ip, fp, penalty, None if d is None or d.fixed is not None
                                                       else d, self.freq_LE)
         return params
+
+    def set_miss_costs(self, layer: int, cost_E) -> None:
+        """``cache-prior-cost``: the load cost of each expert of ``layer`` if it were selected now, as a
+        fraction of the most expensive tier's (float [E] in [0, 1]; 0 = free, e.g. already in a fast slot;
+        1 = the slowest tier). The kernel keys a non-resident expert ``z + λ·Δavg·(1 - cost)``. Kept until
+        the next call; no-op for other policies."""
+        if self.config.policy != "cache-prior-cost":
+            return
+        cost = np.asarray(cost_E, np.float32).reshape(-1)
+        if cost.shape[0] != self.num_experts or not np.all((cost >= 0) & (cost <= 1)):
+            raise ValueError(f"miss costs must be {self.num_experts} values in [0, 1], got {cost!r}")
+        for allowed in (False, True):
+            self.kernel_params(layer, allowed=allowed).penalty[0] = cost
 
     def route(self, layer: int | list[int], z_TE: torch.Tensor, resident: torch.Tensor | None) -> Selection:
         """Select and weight experts for T tokens of one layer (or one row per layer, see ``rank``);

@@ -14,6 +14,10 @@ Keys per policy (float32 arithmetic; the top-J positions always get ``kres``):
 
 - Cache-Prior (001 Eq. 9-10): ``kres = z + λ·Δavg``, ``knon = z``; Δavg is fixed or the running mean of
   max(z) - min(z) over the tokens seen so far, this one included (accumulated in float64);
+- cost-aware Cache-Prior (``cache-prior-cost``, beyond the papers): ``kres = z + λ·Δavg``,
+  ``knon = z + λ·Δavg·(1 - cost)`` with ``cost`` (``penalty_E``, in [0, 1]) the expert's load cost as a
+  fraction of the most expensive tier's (0 = as cheap as a fast-slot hit, 1 = the slowest tier: plain
+  Cache-Prior's ``knon = z``), so a cheap miss (host RAM) is penalised less than an expensive one (disk);
 - Max-Rank (001 Alg. 1) and cumulative threshold (001 Alg. 2): the negated group, ``kres = -1`` for rank
   < M else -2, ``knon = -2``, top-J 0; for the threshold, M = 1 + #{r : cum_r < p} (0 for p = 0) over the
   probabilities in rank order (float64 sum, compared in float32, as ``torch.cumsum`` on the CPU);
@@ -38,7 +42,7 @@ __all__ = ["AVAILABLE", "CODES", "NEEDS_PROBS", "OK", "NOT_FINITE", "token_keys"
 AVAILABLE = compiled.AVAILABLE
 
 #: policy -> kernel code
-CODES = {"cache-prior": 0, "max-rank": 1, "eras-bias": 2, "cumsum": 3, "eras-threshold": 4}
+CODES = {"cache-prior": 0, "max-rank": 1, "eras-bias": 2, "cumsum": 3, "eras-threshold": 4, "cache-prior-cost": 5}
 #: policies whose keys read the router probabilities (``prob_E``)
 NEEDS_PROBS = ("cumsum", "eras-threshold")
 
@@ -51,7 +55,8 @@ def token_keys(z_E, prob_E, ip, fp, penalty_E, allowed_E, order, kres, knon):
 
     ``ip`` int64 ``[code, j, m, has_fixed, has_allowed]``; ``fp`` float64 ``[strength, fixed, total,
     count]`` with strength = λ, p or α, and Cache-Prior's running Δavg (total, count; updated in place).
-    ``prob_E``: the probabilities by expert id (cumsum, ERAS thresholding). With ``has_allowed`` an expert
+    ``prob_E``: the probabilities by expert id (cumsum, ERAS thresholding); ``penalty_E``: ERAS biasing's
+    β·(1 - freq), or cost-aware Cache-Prior's relative load cost in [0, 1], by expert id. With ``has_allowed`` an expert
     outside ``allowed_E`` (below the top-J) is keyed as not resident.
     Returns OK, or NOT_FINITE for a NaN logit (nothing updated then)."""
     e = z_E.shape[0]
@@ -61,7 +66,7 @@ def token_keys(z_E, prob_E, ip, fp, penalty_E, allowed_E, order, kres, knon):
             return NOT_FINITE
     z_E = z_E
     order[:] = np.argsort(-z_E, kind="mergesort")  # stable: = torch.sort(descending=True, stable=True)
-    if code == 0:  # Cache-Prior: z + λ·Δavg for resident experts
+    if code == 0 or code == 5:  # Cache-Prior: z + λ·Δavg for resident experts (5: and λ·Δavg·(1 - cost) otherwise)
         if ip[3]:
             boost = fp[1] * fp[0]
         else:
@@ -73,7 +78,10 @@ def token_keys(z_E, prob_E, ip, fp, penalty_E, allowed_E, order, kres, knon):
         for r in range(e):
             zr = z_E[order[r]]
             kres[r] = zr + b32
-            knon[r] = zr
+            if code == 5:
+                knon[r] = zr + b32 * (np.float32(1.0) - penalty_E[order[r]])
+            else:
+                knon[r] = zr
     elif code == 1 or code == 3:  # Max-Rank / cumsum: -group (0 top-J, -1 resident and ranked < M, -2 the rest)
         if code == 3:  # Algorithm 2: M = 1 + #{r : cum_r < p} for p > 0, else 0
             m = 0
