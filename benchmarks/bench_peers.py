@@ -3,7 +3,7 @@
 
 The same random-weight checkpoint (``expertcache bench --make-model olmoe-1b-7b --layers 16``) decoded by
 
-* **expertcache** (``original+lru`` and ``cache-prior`` λ = 0.5): ``--memory`` = cgroup limit − 0.5 GiB,
+* **expertcache** (``original+lru`` without and with prefetch, ``cache-prior`` λ = 0.5): ``--memory`` = limit − 0.5 GiB,
   O_DIRECT disk tier, 1 torch thread, 4 reader threads, next-layer prefetch (P = K spares) for original + LRU
   where the plan still gives C ≥ 2K, none for Cache-Prior (it misses too rarely to need it);
 * **llama.cpp** through ``llama-cpp-python`` on a bf16 GGUF conversion of the same weights (mmap, 1 thread), at
@@ -46,7 +46,7 @@ from pathlib import Path
 
 GiB = 2**30
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-SYSTEMS = ("ec-lru", "ec-cp", "llama", "accelerate", "ec-bench")
+SYSTEMS = ("ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate", "ec-bench")
 RESULT_TAG = "PEERS_RESULT "
 
 
@@ -147,7 +147,7 @@ def ratios(summary: list[dict]) -> dict:
         if s["system"] != "llama-best":
             continue
         for e in summary:
-            if e["budget"] == s["budget"] and e["system"] in ("ec-lru", "ec-cp") and "tok_s" in e:
+            if e["budget"] == s["budget"] and e["system"] in ("ec-lru", "ec-lru-pf", "ec-cp") and "tok_s" in e:
                 res[(s["budget"], e["system"])] = e["tok_s"] / s["tok_s"]
     return res
 
@@ -227,13 +227,18 @@ def child_expertcache(a) -> None:
 
     cfg = json.loads((Path(a.model) / "config.json").read_text())
     k, vocab = cfg["num_experts_per_tok"], cfg["vocab_size"]
-    name = "original+lru" if a.system == "ec-lru" else "cache-prior"
+    name = "cache-prior" if a.system == "ec-cp" else "original+lru"
     routing, eviction = policy_set(k)[name]
     memory = a.limit - GiB // 2
     ctx = a.prompt_tokens + a.tokens + 2
     prefetch = a.prefetch
     rt = None
-    if prefetch:
+    if a.resident:  # all-resident compute (C = N, every expert loaded before the prompt; no reads while decoding)
+        rt = OffloadedModel.from_pretrained(a.model, OffloadConfig(capacity=cfg["num_experts"], context=ctx,
+                                                                   readers=a.readers), routing=routing, eviction=eviction)
+        rt.warm()
+        prefetch = 0
+    if prefetch and rt is None:
         from expertcache.offload.budget import BudgetError
 
         try:
@@ -305,6 +310,27 @@ def _fused_experts(f, layer: int, experts: int):
     return gate_up, down
 
 
+def split_device_map(model, disk: set[str]) -> dict[str, str]:
+    """accelerate device map: the ``disk`` modules on 'disk', every other module on 'cpu', modules that contain
+    a disk module split into their children (what ``infer_auto_device_map`` produces; a '' → cpu entry would
+    make accelerate place the disk modules' meta weights on the CPU)."""
+    dm = {}
+
+    def visit(mod, name):
+        if name in disk:
+            dm[name] = "disk"
+        elif any(d.startswith(name + ".") for d in disk) or (name == "" and disk):
+            if any(True for _ in mod.named_parameters(recurse=False)):
+                raise ValueError(f"{name or 'the model'} has its own weights and contains offloaded modules")
+            for cn, c in mod.named_children():
+                visit(c, f"{name}.{cn}" if name else cn)
+        else:
+            dm[name] = "cpu"
+
+    visit(model, "")
+    return dm
+
+
 def _olmoe_sizes(model) -> tuple[int, int, int, int]:
     """(non-expert bytes, bytes of one layer's experts, layers, experts) of a bf16 OLMoE checkpoint."""
     cfg = json.loads((Path(model) / "config.json").read_text())
@@ -316,7 +342,6 @@ def _olmoe_sizes(model) -> tuple[int, int, int, int]:
 def prepare_accelerate(a) -> None:
     """Write accelerate's offload folder (index.json + one .dat per fused expert tensor) for every layer that
     is offloaded at the smallest budget (the larger budgets offload a suffix of those)."""
-    import torch
     from accelerate.utils import offload_weight, save_offload_index
     from safetensors import safe_open
 
@@ -362,7 +387,7 @@ def child_accelerate(a) -> None:
     expected = {f"model.layers.{i}.mlp.experts.{n}" for i in range(resident, L) for n in ("gate_up_proj", "down_proj")}
     if set(missing) != expected:
         raise RuntimeError(f"unexpected missing weights: {sorted(set(missing) ^ expected)[:6]}")
-    device_map = {"": "cpu", **{f"model.layers.{i}.mlp.experts": "disk" for i in range(resident, L)}}
+    device_map = split_device_map(model, {f"model.layers.{i}.mlp.experts" for i in range(resident, L)})
     model = dispatch_model(model, device_map=device_map, offload_dir=a.accel_dir)
     model.eval()
     from transformers import DynamicCache
@@ -372,8 +397,7 @@ def child_accelerate(a) -> None:
     forced = _ids(vocab, a.tokens + 1, 1)
     with torch.inference_mode():
         past = DynamicCache(config=config)
-        out = model(prompt, past_key_values=past, use_cache=True)
-        out = model(torch.tensor([[forced[0]]]), past_key_values=out.past_key_values, use_cache=True)  # warm-up
+        out = model(prompt, past_key_values=past, use_cache=True)  # the warm-up (a whole pass over the disk layers)
         io0 = proc_io()
         times = []
         for t in forced[1:]:
@@ -387,7 +411,7 @@ def child_accelerate(a) -> None:
 
 
 def child(a) -> None:
-    {"ec-lru": child_expertcache, "ec-cp": child_expertcache, "llama": child_llama,
+    {"ec-lru": child_expertcache, "ec-lru-pf": child_expertcache, "ec-cp": child_expertcache, "llama": child_llama,
      "accelerate": child_accelerate}[a.system](a)
 
 
@@ -403,8 +427,8 @@ def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | No
                "--prompt-tokens", str(a.prompt_tokens), "--repeats", "1", "--threads", "1", "--json"]
     else:
         cmd = [sys.executable, str(here), "child", "--system", system, "--model", a.model, "--limit", str(limit),
-               "--tokens", str(a.tokens), "--prompt-tokens", str(a.prompt_tokens), "--readers", str(a.readers),
-               "--prefetch", str(a.prefetch if system == "ec-lru" else 0)]
+               "--tokens", str(a.accel_tokens if system == "accelerate" else a.tokens), "--prompt-tokens", str(a.prompt_tokens), "--readers", str(a.readers),
+               "--prefetch", str(a.prefetch if system == "ec-lru-pf" else 0)]
         if system == "llama":
             cmd += ["--gguf", a.gguf]
         if system == "accelerate":
@@ -412,7 +436,7 @@ def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | No
     drop_page_cache([a.model, a.gguf, a.accel_dir])
     cg = MemoryCgroup(f"peers-{os.getpid()}-{system}", limit)
     row = dict(kind="peers", system=system, budget=budget, limit_bytes=limit, round=rnd, readahead_kb=ra_kb,
-               tokens=a.tokens, prompt_tokens=a.prompt_tokens, date=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+               tokens=a.accel_tokens if system == "accelerate" else a.tokens, prompt_tokens=a.prompt_tokens, date=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                loadavg=os.getloadavg()[0])
     t0 = time.perf_counter()
     try:
@@ -426,6 +450,10 @@ def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | No
                 p.kill()
                 out, err = p.communicate()
                 row.update(ok=False, error=f"timeout after {a.timeout} s")
+            except BaseException:
+                p.kill()
+                p.wait()
+                raise
         row.update(cg.stats(), wall_s=time.perf_counter() - t0, returncode=p.returncode)
     finally:
         cg.close()
@@ -459,6 +487,12 @@ def orchestrate(a) -> None:
         else:
             plan.append((s, None))
     print(f"checkpoint {size / 1e9:.2f} GB; read_ahead_kb default {default_ra}; load {os.getloadavg()[0]:.1f}", flush=True)
+    import signal
+
+    def stop(signum, frame):  # SIGTERM: unwind (kill the child, remove its cgroup, restore read_ahead_kb)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         for budget in a.budgets:
             limit = int(budget * size)
@@ -478,6 +512,38 @@ def orchestrate(a) -> None:
                           f"{row['wall_s']:.0f} s, load {row['loadavg']:.1f})", flush=True)
     finally:
         Path(ra_path).write_text(f"{default_ra}\n")
+
+
+def compute(a) -> None:
+    """All-resident compute, no cgroup, page cache warm: expertcache at C = N (every expert loaded, original
+    routing) against llama.cpp (mmap, the GGUF read once beforehand), interleaved, ``--rounds`` each."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    here = str(Path(__file__).resolve())
+    with open(a.gguf, "rb") as f:  # page cache warm for llama.cpp
+        while f.read(64 << 20):
+            pass
+    for rnd in range(a.rounds):
+        for system in (("ec-lru", "llama") if rnd % 2 == 0 else ("llama", "ec-lru")):
+            cmd = [sys.executable, here, "child", "--system", system, "--model", a.model, "--limit", "0", "--tokens",
+                   str(a.tokens), "--prompt-tokens", str(a.prompt_tokens), "--prefetch", "0", "--resident"]
+            if system == "llama":
+                cmd += ["--gguf", a.gguf]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            lines = [l for l in p.stdout.splitlines() if l.startswith(RESULT_TAG)]
+            row = dict(kind="peers-compute", system="ec-resident" if system == "ec-lru" else "llama-warm", round=rnd,
+                       tokens=a.tokens, prompt_tokens=a.prompt_tokens, loadavg=os.getloadavg()[0],
+                       date=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()))
+            if p.returncode == 0 and lines:
+                row.update(json.loads(lines[-1][len(RESULT_TAG):]))
+                row["ms_per_token"] = 1e3 * statistics.median(row["times"])
+            else:
+                row.update(ok=False, error=(p.stderr.strip().splitlines() or [""])[-1][:300])
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            print(f"[r{rnd}] {row['system']:<12} " + (f"{row['tok_s']:.2f} tok/s, median {row['ms_per_token']:.1f} ms/token, "
+                  f"{row['bytes_per_token'] / 2**20:.1f} MiB read/token" if row.get("ok") else row["error"])
+                  + f" (load {row['loadavg']:.1f})", flush=True)
 
 
 def convert(a) -> None:
@@ -527,18 +593,25 @@ def main(argv=None) -> None:
     common.add_argument("--tokens", type=int, default=8)
     common.add_argument("--prompt-tokens", type=int, default=4)
     common.add_argument("--readers", type=int, default=4)
-    common.add_argument("--prefetch", type=int, default=8, help="spares per layer for original+LRU (0 = off)")
+    common.add_argument("--prefetch", type=int, default=8, help="spares per layer of ec-lru-pf (original + LRU with prefetch)")
     r = sub.add_parser("run", parents=[common])
     r.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 1.0])
     r.add_argument("--rounds", type=int, default=2)
-    r.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["ec-lru", "ec-cp", "llama", "accelerate"])
+    r.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate"])
     r.add_argument("--low-readahead", type=int, default=128, help="llama.cpp's second read_ahead_kb")
+    r.add_argument("--accel-tokens", type=int, default=2,
+                   help="accelerate's timed tokens (after the prompt, no extra warm-up token: it reads every "
+                        "offloaded layer whole per token)")
     r.add_argument("--device", default="vda")
     r.add_argument("--timeout", type=int, default=420)
     r.add_argument("--out", default=None)
     c = sub.add_parser("child", parents=[common])
     c.add_argument("--system", choices=SYSTEMS, required=True)
     c.add_argument("--limit", type=int, required=True)
+    c.add_argument("--resident", action="store_true", help="expertcache: C = N, all experts loaded first")
+    m = sub.add_parser("compute", parents=[common])
+    m.add_argument("--rounds", type=int, default=3)
+    m.add_argument("--out", default=None)
     v = sub.add_parser("convert", parents=[common])
     v.add_argument("--vendor", required=True, help="vendor/llama.cpp folder of the llama-cpp-python sdist")
     pa = sub.add_parser("prepare-accelerate", parents=[common])
@@ -546,7 +619,7 @@ def main(argv=None) -> None:
     s = sub.add_parser("summary")
     s.add_argument("rows", nargs="+")
     a = p.parse_args(argv)
-    {"run": orchestrate, "child": child, "convert": convert, "prepare-accelerate": prepare_accelerate,
+    {"run": orchestrate, "child": child, "compute": compute, "convert": convert, "prepare-accelerate": prepare_accelerate,
      "summary": print_summary}[a.cmd](a)
 
 
