@@ -496,10 +496,10 @@ def orchestrate(a) -> None:
     try:
         for budget in a.budgets:
             limit = int(budget * size)
-            for rnd in range(a.rounds):
+            for rnd in range(a.first_round, a.first_round + a.rounds):
                 order = plan[rnd % len(plan):] + plan[:rnd % len(plan)]  # rotate: interleaved, no fixed position
                 for system, ra in order:
-                    if system == "ec-bench" and rnd > 0:
+                    if system == "ec-bench" and rnd > a.first_round:
                         continue
                     row = run_one(a, system, budget, limit, rnd, ra)
                     if a.out:
@@ -597,6 +597,7 @@ def main(argv=None) -> None:
     r = sub.add_parser("run", parents=[common])
     r.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 1.0])
     r.add_argument("--rounds", type=int, default=2)
+    r.add_argument("--first-round", type=int, default=0, help="number of the first round (more rounds appended later)")
     r.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate"])
     r.add_argument("--low-readahead", type=int, default=128, help="llama.cpp's second read_ahead_kb")
     r.add_argument("--accel-tokens", type=int, default=2,
