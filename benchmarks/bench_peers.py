@@ -140,15 +140,34 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+EC_SYSTEMS = ("ec-lru", "ec-lru-pf", "ec-cp")
+
+
 def ratios(summary: list[dict]) -> dict:
-    """Per budget: tok/s of each expertcache policy ÷ llama.cpp at its better readahead."""
+    """Per budget: median tok/s of each expertcache policy ÷ llama.cpp's at its better readahead."""
     res = {}
     for s in summary:
         if s["system"] != "llama-best":
             continue
         for e in summary:
-            if e["budget"] == s["budget"] and e["system"] in ("ec-lru", "ec-lru-pf", "ec-cp") and "tok_s" in e:
+            if e["budget"] == s["budget"] and e["system"] in EC_SYSTEMS and "tok_s" in e:
                 res[(s["budget"], e["system"])] = e["tok_s"] / s["tok_s"]
+    return res
+
+
+def round_ratios(rows: list[dict]) -> dict:
+    """Per budget and expertcache system: the ratios within each round (the system's tok/s ÷ the faster of
+    that round's llama.cpp runs), one per round where both ran -- the same-run ratios."""
+    res: dict[tuple, list[float]] = {}
+    ok = [r for r in rows if r.get("ok")]
+    for b, rnd in sorted({(r["budget"], r["round"]) for r in ok}):
+        same = [r for r in ok if r["budget"] == b and r["round"] == rnd]
+        llama = [r["tok_s"] for r in same if r["system"] == "llama"]
+        if not llama:
+            continue
+        for r in same:
+            if r["system"] in EC_SYSTEMS:
+                res.setdefault((b, r["system"]), []).append(r["tok_s"] / max(llama))
     return res
 
 
@@ -579,8 +598,11 @@ def print_summary(a) -> None:
         mib = f"{s['bytes_per_token'] / 2**20:.0f}" if "bytes_per_token" in s else "–"
         print(f"| {s['budget']:.0%} | {s['system']} | {s['readahead_kb'] or ''} | {tok} | "
               f"{' · '.join(map(str, s.get('tok_s_runs', [])))} | {mib} | {s['failed']} {'; '.join(s['errors'])[:120]} |")
+    per_round = round_ratios(rows)
     for (b, sys_), r in sorted(ratios(summ).items()):
-        print(f"{b:.0%} {sys_} ÷ llama.cpp (better readahead): {r:.2f}×")
+        rr = per_round.get((b, sys_), [])
+        print(f"{b:.0%} {sys_} ÷ llama.cpp (better readahead): {r:.2f}× of the medians; within each round "
+              f"{' · '.join(f'{x:.2f}' for x in rr)} (median {statistics.median(rr) if rr else float('nan'):.2f})")
 
 
 def main(argv=None) -> None:

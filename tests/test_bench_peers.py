@@ -64,6 +64,11 @@ def test_summarize_medians_failures_and_llama_at_its_better_readahead():
     assert r[(0.5, "ec-lru")] == pytest.approx(2.0 / 1.3)
     assert r[(0.25, "ec-cp")] == pytest.approx(9.0)
     assert (0.25, "ec-lru") not in r
+    for i, x in enumerate(rows):
+        x["round"] = i % 2
+    rr = bp.round_ratios(rows)  # round 0: llama 0.3, 1.2 -> 1.2; round 1: 0.2, 1.4 -> 1.4
+    assert rr[(0.5, "ec-cp")] == pytest.approx([4.0 / 1.2, 3.0 / 1.4])
+    assert rr[(0.5, "ec-lru")] == pytest.approx([2.0 / 1.2])
 
 
 def test_proc_io_and_drop_page_cache(tmp_path):
