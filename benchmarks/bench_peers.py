@@ -4,8 +4,9 @@
 The same random-weight checkpoint (``expertcache bench --make-model olmoe-1b-7b --layers 16``) decoded by
 
 * **expertcache** (``original+lru`` without and with prefetch, ``cache-prior`` λ = 0.5): ``--memory`` = limit − 0.5 GiB,
-  O_DIRECT disk tier, 1 torch thread, 4 reader threads, next-layer prefetch (P = K spares) for original + LRU
-  where the plan still gives C ≥ 2K, none for Cache-Prior (it misses too rarely to need it);
+  O_DIRECT disk tier, 1 torch thread, 4 reader threads; ``ec-lru-pf`` adds next-layer prefetch (P = K spares,
+  out of C) where the plan still gives C ≥ 2K (else it runs without); none for Cache-Prior (it misses too
+  rarely to need it); ``ec-bench`` runs ``expertcache bench`` itself inside the cgroup;
 * **llama.cpp** through ``llama-cpp-python`` on a bf16 GGUF conversion of the same weights (mmap, 1 thread), at
   the block device's default ``read_ahead_kb`` and at 128 KiB (restored afterwards, always);
 * **HF accelerate** disk offload (``dispatch_model`` with an offload folder): accelerate offloads whole
@@ -30,6 +31,7 @@ Needs root (cgroups, read_ahead_kb) and the ``peers`` extra (llama-cpp-python, g
     python benchmarks/bench_peers.py prepare-accelerate --model M --accel-dir D --budgets 0.25 0.5 1.0
     python benchmarks/bench_peers.py run --model M --gguf M-bf16.gguf --accel-dir D --out rows.jsonl
     python benchmarks/bench_peers.py summary rows.jsonl
+    python benchmarks/bench_peers.py compute --model M4 --gguf M4-bf16.gguf    # all-resident, no cgroup, warm
 """
 
 from __future__ import annotations
