@@ -363,18 +363,8 @@ class DiskTier:
         if placement.bounce:
             bounce = self._thread_bounce(max(n for _, _, n, _, _ in placement.spans))
         for i, (file, offset, length, at, needed) in enumerate(placement.spans):
-            fd = self._fd(file)
-            if self.io == "fadvise":
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
             target = memoryview(bounce)[:length] if placement.bounce else view[at:at + length]
-            try:
-                got = os.preadv(fd, [target], offset)
-            except OSError as exc:
-                raise OSError(exc.errno, f"reading expert bytes [{offset}, {offset + length}) failed "
-                                         f"({exc.strerror})", str(file)) from None
-            if got < needed:
-                raise CheckpointError(f"{file}: short read at byte {offset} ({got} of {needed} bytes; truncated "
-                                      "file?)")
+            got = self._pread(file, offset, target, needed)
             if placement.bounce:
                 r = parts.reads[i]
                 skip = r.offset - offset
@@ -383,6 +373,21 @@ class DiskTier:
             moved += got
         self.stats.add(moved, time.perf_counter() - t0)
         return moved
+
+    def _pread(self, file: Path, offset: int, target: memoryview, needed: int) -> int:
+        """One ``preadv`` of ``target.nbytes`` bytes at ``offset`` of ``file`` (page cache dropped first with
+        ``io='fadvise'``); fewer than ``needed`` bytes → CheckpointError, an OS error → OSError naming the file."""
+        fd, length = self._fd(file), target.nbytes
+        if self.io == "fadvise":
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        try:
+            got = os.preadv(fd, [target], offset)
+        except OSError as exc:
+            raise OSError(exc.errno, f"reading expert bytes [{offset}, {offset + length}) failed "
+                                     f"({exc.strerror})", str(file)) from None
+        if got < needed:
+            raise CheckpointError(f"{file}: short read at byte {offset} ({got} of {needed} bytes; truncated file?)")
+        return got
 
     def read_pieces(self, parts: ExpertParts, placement: Placement, dest_u8: torch.Tensor,
                     piece: int) -> list[Callable[[], int]]:
@@ -401,17 +406,7 @@ class DiskTier:
 
         def job(file: Path, offset: int, length: int, at: int, needed: int) -> int:
             t0 = time.perf_counter()
-            fd = self._fd(file)
-            if self.io == "fadvise":
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-            try:
-                got = os.preadv(fd, [view[at:at + length]], offset)
-            except OSError as exc:
-                raise OSError(exc.errno, f"reading expert bytes [{offset}, {offset + length}) failed "
-                                         f"({exc.strerror})", str(file)) from None
-            if got < needed:
-                raise CheckpointError(f"{file}: short read at byte {offset} ({got} of {needed} bytes; truncated "
-                                      "file?)")
+            got = self._pread(file, offset, view[at:at + length], needed)
             with lock:
                 left[0] -= 1
                 last = left[0] == 0
