@@ -4,8 +4,8 @@
 The same random-weight checkpoint (``expertcache bench --make-model olmoe-1b-7b --layers 16``) decoded by
 
 * **expertcache** (``original+lru`` without and with prefetch, ``cache-prior`` λ = 0.5): ``--memory`` = limit − 0.5 GiB,
-  O_DIRECT disk tier, 1 torch thread, 4 reader threads; ``ec-lru-pf`` adds next-layer prefetch (P = K spares,
-  out of C) where the plan still gives C ≥ 2K (else it runs without); none for Cache-Prior (it misses too
+  O_DIRECT disk tier, 1 torch thread, 4 reader threads; ``ec-lru-pf`` adds next-layer prefetch (P = K spare slots
+  shared by all layers, out of the budget; it runs without where they do not fit next to C = K); none for Cache-Prior (it misses too
   rarely to need it); ``ec-bench`` runs ``expertcache bench`` itself inside the cgroup;
 * **llama.cpp** through ``llama-cpp-python`` on a bf16 GGUF conversion of the same weights (mmap, 1 thread), at
   the block device's default ``read_ahead_kb`` and at 128 KiB (restored afterwards, always);
@@ -268,9 +268,6 @@ def child_expertcache(a) -> None:
                                                 eviction=eviction)
         except BudgetError:  # the spares do not fit next to C = K: prefetch off at this budget
             pass
-        if rt is not None and rt.capacity < 2 * k:  # the spares would eat the cache: prefetch off at this budget
-            del rt
-            rt = None
         if rt is None:
             prefetch = 0
     if rt is None:
@@ -617,7 +614,7 @@ def main(argv=None) -> None:
     common.add_argument("--tokens", type=int, default=8)
     common.add_argument("--prompt-tokens", type=int, default=4)
     common.add_argument("--readers", type=int, default=4)
-    common.add_argument("--prefetch", type=int, default=8, help="spares per layer of ec-lru-pf (original + LRU with prefetch)")
+    common.add_argument("--prefetch", type=int, default=8, help="spare slots of ec-lru-pf (original + LRU with prefetch), shared by all layers")
     r = sub.add_parser("run", parents=[common])
     r.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 1.0])
     r.add_argument("--rounds", type=int, default=2)

@@ -103,6 +103,34 @@ def test_first_layer_guess_counts_match_its_steps(tiny_dir):
     assert 0 < g and c <= min(g, r)
 
 
+def test_spares_and_scratch_are_shared_by_all_layers(tiny_dir):
+    """One arena holds L·C cache slots plus one scratch and P spare slots for the whole model (not per
+    layer): the plan counts exactly what is allocated, and under one memory budget prefetch costs P slots,
+    not L·P. A spare a step computes from (a guessed expert the cache does not keep, or a hit's slot freed
+    in the same step) is never taken by the next layer's guess: logits equal the runtime without prefetch
+    at C < K, where that happens."""
+    path = tiny_dir["qwen2_moe"]
+    rt = _rt(path, 5, prefetch=2)
+    L = len(rt.layers)
+    assert L > 1 and rt.top_k < 5 < rt.num_experts and rt.plan.extra_slots == 1 + 2
+    assert rt.arena.buffer.shape[0] == L * 5 + 1 + 2 and len(rt.arena.spares) == 2 and len(rt.arena.scratch) == 1
+    assert rt.arena.nbytes == (rt.plan.num_layers * rt.plan.slots + rt.plan.extra_slots) * rt.slot_bytes
+    budget = rt.plan.total - rt.plan.extra_slots * rt.slot_bytes + 3 * rt.slot_bytes  # room for 1 + 2 extra
+    with_pf = OffloadedModel.from_pretrained(path, OffloadConfig(io="cached", memory=budget, prefetch=2),
+                                             dtype=torch.float32)
+    without = OffloadedModel.from_pretrained(path, OffloadConfig(io="cached", memory=budget, prefetch=0),
+                                             dtype=torch.float32)
+    assert with_pf.capacity == 5 and without.capacity == 5 + 2 // L
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    want = _logits(_rt(path, 1, prefetch=0, readers=0), ids, 3)
+    on = _rt(path, 1, prefetch=2, readers=3)
+    assert torch.equal(_logits(on, ids, 3), want)
+    assert on.prefetch_stats.issued > 0 and not on.arena.busy
+    held = on.arena.guesses
+    assert all(on.states[i].pool.prefetched[e] == s for s, (i, e) in held.items())
+    assert sum(len(st.pool.prefetched) for st in on.states) == len(held) <= 2
+
+
 def _direct_copy(tiny_dir, tmp_path, arch="olmoe"):
     path = tmp_path / arch
     shutil.copytree(tiny_dir[arch], path)

@@ -71,16 +71,17 @@ def machine_info() -> dict:
 
 def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: bool = True) -> float:
     """Bytes per second (wall clock) of ``n`` reads of random experts through the runtime's tier and reader
-    threads, into the layers' scratch slots (no extra memory): up to ``min(readers, layers)`` expert reads in
+    threads, into the layers' cache slots (no extra memory; the caches are emptied first, as
+    :meth:`OffloadedModel.configure` does, and left empty): up to ``min(readers, layers)`` expert reads in
     flight when ``parallel``, each as the runtime reads it (in pieces shared by the readers when it does),
-    whole experts one at a time otherwise. The runtime's statistics are left untouched."""
+    whole experts one at a time otherwise. The tier's statistics are left untouched."""
     import time
 
     rng = random.Random(seed)
+    rt.configure()  # empty caches: every cache slot is free
     stats0 = (rt.tier.stats.bytes_read, rt.tier.stats.seconds, rt.tier.stats.loads)
     wait0 = rt.io_wait_seconds
-    rt._drain()
-    dests = [(st, st.pool.scratch[0]) for st in rt.states if st.pool.scratch]
+    dests = [(st, st.pool.free[-1]) for st in rt.states]
     depth = max(1, min(rt.readers.readers, len(dests))) if parallel else 1
     tickets = []
     t0 = time.perf_counter()

@@ -1,10 +1,11 @@
 """Memory budget → expert-cache slots per layer.
 
-``fast-tier bytes = non-expert weights + KV cache + I/O buffers + L · (C + X) · slot_bytes`` (L MoE layers,
-C cache slots each, X extra slots per layer: one scratch slot plus the prefetch spares; ``slot_bytes`` is
+``fast-tier bytes = non-expert weights + KV cache + I/O buffers + (L · C + X) · slot_bytes`` (L MoE layers,
+C cache slots each, X extra slots shared by all layers: one scratch slot plus the prefetch spares,
+:mod:`~expertcache.offload.slots`; ``slot_bytes`` is
 one expert rounded up to whole pages plus the O_DIRECT alignment head/tail; I/O buffers are the reader
 threads' bounce buffers when a layout needs them). Given a budget, C is the largest count that fits (at
-most N). A budget below ``non-expert + KV + I/O + L · (K + X) · slot_bytes`` (K experts per token, every
+most N). A budget below ``non-expert + KV + I/O + (L · K + X) · slot_bytes`` (K experts per token, every
 layer) is refused with a :class:`BudgetError` that states that minimum. Sizes are those of the fast tier
 (compute dtype for non-expert weights and KV, storage dtype -- bf16 or quantised -- for expert slots).
 Everything the runtime allocates per run is in the plan; what is not (the Python interpreter, torch's
@@ -70,7 +71,7 @@ class MemoryPlan:
     slots: int
     minimum: int
     slot_bytes: int = 0  # 0: = expert_bytes
-    extra_slots: int = 0
+    extra_slots: int = 0  # scratch + prefetch spares, shared by all layers
     io_bytes: int = 0
     host_bytes: int = 0  # the host-RAM level of a two-level cache (--host-memory; its own budget, not in total)
     host_slots: int = 0
@@ -79,7 +80,7 @@ class MemoryPlan:
     def total(self) -> int:
         sb = self.slot_bytes or self.expert_bytes
         return (self.non_expert_bytes + self.kv_bytes + self.io_bytes
-                + self.num_layers * (self.slots + self.extra_slots) * sb)
+                + (self.num_layers * self.slots + self.extra_slots) * sb)
 
     def to_dict(self) -> dict:
         return dict(asdict(self), total=self.total, total_with_host=self.total + self.host_bytes)
@@ -91,11 +92,11 @@ def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int,
     """Resolve ``budget`` (bytes) or an explicit ``slots`` count into a :class:`MemoryPlan`.
 
     Exactly one of ``budget`` / ``slots`` is given; ``budget=MINIMUM`` means the minimum itself (C = K). ``slot_bytes`` (default ``expert_bytes``): the bytes of one
-    slot; ``extra_slots``: scratch + prefetch slots per layer; ``io_bytes``: reader buffers. Raises BudgetError
+    slot; ``extra_slots``: scratch + prefetch slots shared by all layers; ``io_bytes``: reader buffers. Raises BudgetError
     (with the minimum) when the budget is too small for K experts per layer, ValueError for slots outside
     [1, N]."""
     sb = slot_bytes or expert_bytes
-    fixed = non_expert_bytes + kv_bytes + io_bytes + num_layers * extra_slots * sb
+    fixed = non_expert_bytes + kv_bytes + io_bytes + extra_slots * sb
     minimum = fixed + num_layers * top_k * sb
     if budget == MINIMUM:
         budget = minimum
@@ -106,7 +107,7 @@ def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int,
             raise BudgetError(
                 f"memory budget {format_bytes(budget)} is too small: non-expert weights "
                 f"{format_bytes(non_expert_bytes)} + KV cache {format_bytes(kv_bytes)} + K={top_k} experts "
-                f"(+ {extra_slots} scratch/prefetch) × {num_layers} layers × {format_bytes(sb)}"
+                f"× {num_layers} layers (+ {extra_slots} shared scratch/prefetch) × {format_bytes(sb)}"
                 f"{f' + I/O buffers {format_bytes(io_bytes)}' if io_bytes else ''} need at least "
                 f"{format_bytes(minimum)} ({minimum} bytes)")
         slots = min(num_experts, (budget - fixed) // (num_layers * sb))

@@ -72,7 +72,7 @@ from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
 from expertcache.offload.prefetch import PrefetchStats, first_layer_input, guess_next_layer
 from expertcache.offload.quant import QuantLayout, default_group
-from expertcache.offload.slots import SlotPool, slot_bytes_for
+from expertcache.offload.slots import SlotArena, SlotPool, slot_bytes_for
 from expertcache.offload.tiers import HostCache, parse_host_memory
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, Placement, QuantSource, TierStats,
                                        place_expert, quant_sidecar_path, quantize_checkpoint)
@@ -257,8 +257,10 @@ class OffloadedModel:
         return plan
 
     def _make_pools(self, capacity: int) -> list[SlotPool]:
-        return [SlotPool(capacity, self.slot_bytes, self.device, scratch=1, spare=self.offload.prefetch)
-                for _ in self.layers]
+        """One arena of C cache slots per layer plus one scratch slot and P spares shared by all layers."""
+        self.arena = SlotArena(len(self.layers), capacity, self.slot_bytes, self.device, scratch=1,
+                               spare=self.offload.prefetch)
+        return self.arena.pools
 
     def _install_routers(self) -> None:
         for m in self.layers:
@@ -324,8 +326,7 @@ class OffloadedModel:
         self.router = Router(self.routing, num_experts=self.num_experts, k=self.top_k, renormalize=self.renormalize,
                              scoring=self.family.scoring, freq_LE=freq)
         self.gamma = gamma
-        for pool in self.pools:
-            pool.reset()
+        self.arena.reset()
         self.states = [LayerState(m, self._mlps[m.index],
                                   make_cache(self.eviction, self.num_experts, self.capacity, gamma=gamma,
                                              expert_bytes=self.expert_bytes), self.pools[m.index])
@@ -367,7 +368,7 @@ class OffloadedModel:
             self._wait(old, swallow=True)
         key = (st.moe.index, e)
         placement = self._placement[key]
-        pool.placement[slot] = (e, placement, None)
+        pool.placement[slot] = (key, placement, None)
         t0 = time.perf_counter()
         ticket = self.readers.submit_all(self._read_jobs(st, e, slot, placement), tag=(e, slot), done=done)
         if not self.readers.readers:  # serial: the read ran right here, on the compute thread
@@ -424,21 +425,22 @@ class OffloadedModel:
 
     def _drain(self) -> None:
         """Wait for every read in flight (errors ignored: the slots are about to be reset)."""
-        for pool in getattr(self, "pools", []):
-            for t in pool.tickets():
+        arena = getattr(self, "arena", None)
+        if arena is not None:
+            for t in arena.tickets():
                 self._wait(t, swallow=True)
-            pool.pending.clear()
+            arena.pending.clear()
 
     def _weights(self, st: LayerState, e: int, slot: int) -> tuple[torch.Tensor, ...]:
         """The expert's tensors as views of its slot (cached per slot while it holds ``e``)."""
         pool = st.pool
-        held = pool.placement.get(slot)
-        if held is not None and held[0] == e and held[2] is not None:
-            return held[2]
         key = (st.moe.index, e)
+        held = pool.placement.get(slot)
+        if held is not None and held[0] == key and held[2] is not None:
+            return held[2]
         w = expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype, self.source.quant)
         if self.source.quant is None:
-            pool.placement[slot] = (e, self._placement[key], w)
+            pool.placement[slot] = (key, self._placement[key], w)
         return w
 
     # -- the MoE step ----------------------------------------------------------------------------
@@ -492,8 +494,8 @@ class OffloadedModel:
         self._drain()
         if self.host is not None:
             self.host.reset()
+        self.arena.reset()
         for st in self.states:
-            st.pool.reset()
             st.cache = make_cache(self.eviction, self.num_experts, self.capacity, gamma=self.gamma,
                                   expert_bytes=self.expert_bytes)
 
@@ -515,6 +517,7 @@ class OffloadedModel:
             if e not in after:
                 pool.free.append(pool.slot_of.pop(e))
         hit_slots = {before[e] for e, h in zip(order, hits) if h}
+        self.arena.busy |= hit_slots  # one may turn into a spare below: no guess takes it before it is computed
         done: queue.SimpleQueue = queue.SimpleQueue()
         inflight: dict[int, int] = {}  # expert -> slot of misses whose read is (or will be) in flight
         deferred: list[tuple[int, int]] = []  # misses whose slot holds a hit of this step
@@ -524,15 +527,14 @@ class OffloadedModel:
         for e, hit in zip(order, hits):
             if hit:
                 continue
-            spare = pool.prefetched.pop(e, None)
+            spare = pool.prefetched.get(e)
             if spare is not None:  # a prefetched copy: no read; it becomes the cache slot, a free slot a spare
                 self._note_prefetch_used(e)
                 if e in after:
-                    slot = pool.free.pop()
-                    pool.spares[pool.spares.index(spare)] = slot
+                    self.arena.to_cache(spare, pool.free.pop())
                     pool.slot_of[e] = spare
-                else:
-                    pool.prefetched[e] = spare  # not kept: computed from the spare, which keeps it
+                else:  # not kept: computed from the spare, which keeps it (no guess may take it this step)
+                    self.arena.busy.add(spare)
                 landed.append((e, spare))  # (its read, if still in flight, is waited for when computed)
                 continue
             if e in after:
@@ -577,6 +579,7 @@ class OffloadedModel:
                 else:
                     pool.scratch.append(slot)
         assert not waiting_scratch
+        self.arena.busy.clear()
         assert set(pool.slot_of) == set(after), (sorted(pool.slot_of), sorted(after))
 
     def _ready(self, st: LayerState, slot: int, on_ready, e: int) -> None:
@@ -595,7 +598,8 @@ class OffloadedModel:
 
     def _guess_next(self, index: int, x_TD: torch.Tensor) -> None:
         """Guess layer ``index``'s experts (:func:`~expertcache.offload.prefetch.guess_next_layer`) and read the
-        non-resident guesses into its spare slots (the one that has waited longest is reused first). Never
+        non-resident guesses into the shared spare slots (:meth:`SlotArena.claim_spares`: empty ones first, then
+        the oldest guess; never one whose read is in flight or that this step computes from). Never
         changes what is computed: a spare holds an expert's true bytes, used only if that expert is a miss."""
         st = self.states[index]
         st.guess = ids = guess_next_layer(self, index, x_TD)
@@ -603,13 +607,9 @@ class OffloadedModel:
         want = [e for e in ids if e not in st.cache and e not in pool.prefetched]
         if not want:
             return
-        held = {s: e for e, s in pool.prefetched.items()}
-        free = [s for s in pool.spares if s not in held] + [s for s in pool.spares if s in held]
         ps = self.prefetch_stats
-        for e, slot in zip(want, free):
-            if slot in held:
-                pool.prefetched.pop(held[slot], None)
-            pool.prefetched[e] = slot
+        for e, slot in zip(want, self.arena.claim_spares(len(want))):
+            self.arena.hold(slot, index, e)
             self._submit(st, e, slot)
             ps.issued += 1
             ps.bytes += self.expert_bytes
@@ -718,9 +718,8 @@ class OffloadedModel:
         """Hits, misses, hit rate, bytes read from the tier (demand misses and prefetches), reads, read
         seconds (summed over reader threads), seconds the compute thread waited for reads, compute seconds,
         prefetch counters (:class:`PrefetchStats`). Waits for reads in flight first, so counts are final."""
-        for pool in self.pools:
-            for t in pool.tickets():
-                t._event.wait()
+        for t in self.arena.tickets():
+            t._event.wait()
         per = self.cache_stats()
         total = per[0]
         for s in per[1:]:

@@ -1,14 +1,19 @@
-"""Fast-tier memory of one MoE layer: page-aligned expert slots and which expert each one holds.
+"""Fast-tier memory of the experts: page-aligned expert slots and which expert each one holds.
 
-A :class:`SlotPool` owns ``C + S + P`` slots of ``slot_bytes`` each in one anonymous mapping (page-aligned,
-so ``O_DIRECT`` reads land in place): C **cache** slots (the residents of the layer's expert cache), S
-**scratch** slots (a requested expert the cache does not keep, only when a step requests more than C) and
-P **spare** slots (next-layer prefetch buffers). Slot numbers are physical; roles move: when a prefetched
-expert becomes resident its spare slot becomes a cache slot and a freed cache slot becomes a spare (no
-copy). Pending reads are tracked per slot (:attr:`pending`), so nothing computes from, or reads into, a
-slot whose read is still in flight.
+A :class:`SlotArena` owns every slot of the model, ``L·C + S + P`` of ``slot_bytes`` each, in one anonymous
+mapping (page-aligned, so ``O_DIRECT`` reads land in place): C **cache** slots per MoE layer (the
+residents of that layer's expert cache, held by its :class:`SlotPool`), and S **scratch** and P **spare**
+slots **shared by all layers**. Layers run one after another, so one layer's scratch (a requested expert
+the cache does not keep, only when a step requests more than C) is free again before the next layer runs,
+and the P spares (next-layer prefetch buffers) only ever hold guesses for the next layer or two: L per-layer
+copies of either would spend ``L·(S + P)`` slots of the budget where ``S + P`` do.
 
-The pool holds no policy: the runtime tells it which expert goes where.
+Slot numbers are physical; roles move: when a prefetched expert becomes resident its spare slot becomes a
+cache slot of that layer and the cache slot it gave up becomes a spare (no copy). Reads in flight are tracked
+per slot (:attr:`SlotArena.pending`), so nothing computes from, or reads into, a slot whose read is still in
+flight; which expert of which layer a slot's cached views describe is :attr:`SlotArena.placement`.
+
+The arena holds no policy: the runtime tells it which expert goes where.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from expertcache.offload.ioqueue import Ticket
 from expertcache.offload.store import ALIGN
 
-__all__ = ["SlotPool", "slot_bytes_for"]
+__all__ = ["SlotArena", "SlotPool", "slot_bytes_for"]
 
 
 def slot_bytes_for(nbytes: int) -> int:
@@ -28,32 +33,92 @@ def slot_bytes_for(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-class SlotPool:
-    """Slots of one layer (see the module docstring). ``buffer`` is [C + S + P, slot_bytes] uint8."""
+class SlotArena:
+    """All slots of the model (see the module docstring). ``buffer`` is [L·C + S + P, slot_bytes] uint8;
+    ``pools[i]`` is MoE layer i's :class:`SlotPool`."""
 
-    def __init__(self, capacity: int, slot_bytes: int, device: torch.device, *, scratch: int = 1,
+    def __init__(self, layers: int, capacity: int, slot_bytes: int, device: torch.device, *, scratch: int = 1,
                  spare: int = 0) -> None:
-        self.capacity, self.slot_bytes = capacity, slot_bytes
-        n = capacity + scratch + spare
+        self.layers, self.capacity, self.slot_bytes = layers, capacity, slot_bytes
+        n = layers * capacity + scratch + spare
         if device.type == "cpu":
             self._map = mmap.mmap(-1, n * slot_bytes)  # page-aligned, committed on first touch
             self.buffer = torch.frombuffer(self._map, dtype=torch.uint8).view(n, slot_bytes)
         else:  # pragma: no cover - GPU only
             self.buffer = torch.empty(n, slot_bytes, dtype=torch.uint8, device=device)
         self.nbytes = n * slot_bytes
-        self._scratch0, self._nscratch, self._nspare = capacity, scratch, spare
+        self._nscratch, self._nspare = scratch, spare
+        self.pools = [SlotPool(self, i) for i in range(layers)]
         self.reset()
 
     def reset(self) -> None:
         """Forget every expert (pending reads must have been drained by the caller)."""
-        c = self.capacity
-        self.slot_of: dict[int, int] = {}  # resident expert -> cache slot
-        self.free: list[int] = list(range(c - 1, -1, -1))  # cache slots holding no resident
-        self.scratch: list[int] = list(range(c, c + self._nscratch))
-        self.spares: list[int] = list(range(c + self._nscratch, c + self._nscratch + self._nspare))
-        self.prefetched: dict[int, int] = {}  # non-resident expert -> spare slot holding (or receiving) it
+        c0 = self.layers * self.capacity
+        self.scratch: list[int] = list(range(c0, c0 + self._nscratch))
+        self.spares: list[int] = list(range(c0 + self._nscratch, c0 + self._nscratch + self._nspare))
+        self.guesses: dict[int, tuple[int, int]] = {}  # spare slot -> (layer, expert) it holds, oldest first
         self.pending: dict[int, Ticket] = {}  # slot -> read in flight (or not yet waited for)
-        self.placement: dict[int, object] = {}  # slot -> Placement of the expert it holds
+        self.placement: dict[int, object] = {}  # slot -> ((layer, expert), Placement, views or None)
+        self.busy: set[int] = set()  # spares the step under way computes from (never claimed meanwhile)
+        for pool in self.pools:
+            pool.reset()
 
     def tickets(self) -> list[Ticket]:
         return list(self.pending.values())
+
+    def claim_spares(self, n: int) -> list[int]:
+        """Up to ``n`` spare slots for new guesses, none with a read still in flight (a guess never waits
+        for another one): empty spares first, then those whose guess is oldest; each is taken from the
+        guess it held."""
+        ready = [s for s in self.spares if s not in self.busy and (s not in self.pending or self.pending[s].ready)]
+        out = [s for s in ready if s not in self.guesses][:n]
+        if len(out) < n:
+            ready_set = set(ready)
+            out += [s for s in self.guesses if s in ready_set][:n - len(out)]
+        for s in out:
+            self.release(s)
+        return out
+
+    def hold(self, slot: int, layer: int, e: int) -> None:
+        """Spare ``slot`` now holds (or receives) expert ``e`` of ``layer``, guessed for it."""
+        self.guesses[slot] = (layer, e)
+        self.pools[layer].prefetched[e] = slot
+
+    def release(self, slot: int) -> None:
+        """Spare ``slot`` no longer holds a guess (if it did)."""
+        held = self.guesses.pop(slot, None)
+        if held is not None:
+            self.pools[held[0]].prefetched.pop(held[1], None)
+
+    def to_cache(self, spare: int, slot: int) -> None:
+        """The guessed expert in ``spare`` becomes resident there; the free cache ``slot`` becomes a spare."""
+        self.release(spare)
+        self.spares[self.spares.index(spare)] = slot
+
+
+class SlotPool:
+    """The cache slots of one MoE layer: ``slot_of`` (resident expert → slot), ``free`` (cache slots holding
+    no resident) and ``prefetched`` (non-resident expert → the shared spare slot holding its guessed copy).
+    The buffer, scratch, spares, reads in flight and placements are the arena's (shared)."""
+
+    def __init__(self, arena: SlotArena, index: int) -> None:
+        self.arena, self.index = arena, index
+        self.buffer = arena.buffer
+
+    def reset(self) -> None:
+        c = self.arena.capacity
+        self.slot_of: dict[int, int] = {}  # resident expert -> cache slot
+        self.free: list[int] = list(range((self.index + 1) * c - 1, self.index * c - 1, -1))
+        self.prefetched: dict[int, int] = {}
+
+    @property
+    def scratch(self) -> list[int]:
+        return self.arena.scratch
+
+    @property
+    def pending(self) -> dict[int, Ticket]:
+        return self.arena.pending
+
+    @property
+    def placement(self) -> dict[int, object]:
+        return self.arena.placement
