@@ -501,7 +501,7 @@ def orchestrate(a) -> None:
     plan = []
     for s in a.systems:
         if s == "llama":
-            plan += [("llama", None), ("llama", a.low_readahead)]
+            plan += ([] if a.low_readahead_only else [("llama", None)]) + [("llama", a.low_readahead)]
         else:
             plan.append((s, None))
     print(f"checkpoint {size / 1e9:.2f} GB; read_ahead_kb default {default_ra}; load {os.getloadavg()[0]:.1f}", flush=True)
@@ -621,6 +621,8 @@ def main(argv=None) -> None:
     r.add_argument("--first-round", type=int, default=0, help="number of the first round (more rounds appended later)")
     r.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate"])
     r.add_argument("--low-readahead", type=int, default=128, help="llama.cpp's second read_ahead_kb")
+    r.add_argument("--low-readahead-only", action="store_true",
+                   help="run llama.cpp only at --low-readahead (its better setting on this VM), not at the default")
     r.add_argument("--accel-tokens", type=int, default=2,
                    help="accelerate's timed tokens (after the prompt, no extra warm-up token: it reads every "
                         "offloaded layer whole per token)")
