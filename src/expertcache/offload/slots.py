@@ -33,6 +33,22 @@ def slot_bytes_for(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux ≥ 5.14; Python 3.11 lacks the name
+
+
+def _populate(m: mmap.mmap) -> None:
+    """Back the slots with transparent huge pages where the kernel allows it (``madvise`` mode: fewer TLB
+    misses when an expert's weights are streamed, fewer faults) and commit them now: the plan's memory is
+    taken (or refused, in a memory cgroup) before the first token, and no miss pays the first touch of its
+    slot's pages on the critical path. Silently skipped where the kernel lacks either advice."""
+    for advice in (getattr(mmap, "MADV_HUGEPAGE", None), _MADV_POPULATE_WRITE):
+        if advice is not None:
+            try:
+                m.madvise(advice)
+            except (OSError, ValueError):
+                pass
+
+
 class SlotArena:
     """All slots of the model (see the module docstring). ``buffer`` is [L·C + S + P, slot_bytes] uint8;
     ``pools[i]`` is MoE layer i's :class:`SlotPool`."""
@@ -42,7 +58,8 @@ class SlotArena:
         self.layers, self.capacity, self.slot_bytes = layers, capacity, slot_bytes
         n = layers * capacity + scratch + spare
         if device.type == "cpu":
-            self._map = mmap.mmap(-1, n * slot_bytes)  # page-aligned, committed on first touch
+            self._map = mmap.mmap(-1, n * slot_bytes)  # page-aligned
+            _populate(self._map)
             self.buffer = torch.frombuffer(self._map, dtype=torch.uint8).view(n, slot_bytes)
         else:  # pragma: no cover - GPU only
             self.buffer = torch.empty(n, slot_bytes, dtype=torch.uint8, device=device)
