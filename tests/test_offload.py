@@ -473,7 +473,7 @@ def test_cli_generate_and_bench(tiny_dir, tmp_path, capsys):
     assert main(["generate", "--model", path, "--cache-experts", "2", "--io", "cached", "--readers", "0", "--prefetch",
                  "--max-new-tokens", "3", "--dtype", "float32", "--json", "5 6 7"]) == 0
     row = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
-    assert row["config"]["memory"]["extra_slots"] == 1 + 4 and row["prefetch"]["guessed"] > 0  # K = 4 spares
+    assert row["config"]["memory"]["extra_slots"] == 1 + 2 * 4 and row["prefetch"]["guessed"] > 0  # P = 2K shared spares
     assert main(["generate", "--model", path, "--memory", "1KiB", "--io", "cached", "5"]) == 2
     assert "at least" in capsys.readouterr().err
 

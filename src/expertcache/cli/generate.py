@@ -53,8 +53,8 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                    help=f"reader threads issuing expert reads in parallel with compute (0 = serial reads on the "
                         f"compute thread; default: {d.readers})")
     g.add_argument("--prefetch", type=int, nargs="?", const=-1, default=d.prefetch, metavar="P",
-                   help="next-layer speculative prefetch into P spare slots per layer (counted in the memory plan; "
-                        "--prefetch alone: P = K); default: off")
+                   help="next-layer speculative prefetch into P spare slots shared by all layers (counted in the "
+                        "memory plan; --prefetch alone: P = 2K); default: off")
     g.add_argument("--quant", choices=QUANT_MODES, default=None, help="quantised experts (group-wise)")
     g.add_argument("--group", type=positive_int, default=None,
                    help="quantisation group size, dividing D and F (default: the largest such divisor ≤ 64)")
@@ -92,7 +92,7 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     apply_threads(args, path)
     prefetch = args.prefetch
     if prefetch == -1:
-        prefetch = _top_k(path) if path is not None else 8
+        prefetch = 2 * (_top_k(path) if path is not None else 8)
     elif prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {prefetch}")
     host_memory = getattr(args, "host_memory", None)
