@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from expertcache.cache.base import order_steps
+from expertcache.routing import kernels as _rk
 
 __all__ = ["Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "family_for", "MoELayer", "find_moe_layers",
            "order_by_logits", "ranks_logits"]
@@ -88,21 +89,6 @@ def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor
     if _no_dropped(ids_TK):  # the common case, with 3 fewer tensor ops (decoding pays them per token and layer)
         return scores_TE.gather(1, ids_TK)
     return scores_TE.gather(1, ids_TK.clamp(min=0)).masked_fill(ids_TK < 0, 0)
-
-
-_BIG = np.finfo(np.float32).max
-
-
-def _restrict(zr_TE: torch.Tensor, allowed_TE: torch.Tensor) -> torch.Tensor:
-    """Push experts outside the allowed set just below the lowest allowed value of their token, so every
-    ranking puts them last while the per-token range (Cache-Prior's Δ) stays that of the allowed set.
-    float32 throughout (computed in numpy: the same IEEE single operations as torch's, without its per-call
-    overhead, which decoding pays per token and layer)."""
-    z_TE, ok_TE = zr_TE.detach().float().cpu().numpy(), allowed_TE.cpu().numpy()
-    lo_T = np.where(ok_TE, z_TE, _BIG).min(axis=1, keepdims=True)
-    hi_T = np.where(ok_TE, z_TE, -_BIG).max(axis=1, keepdims=True)
-    below_T = lo_T - np.float32(1e-3) * (hi_T - lo_T) - np.float32(1e-6) * (np.float32(1.0) + np.abs(lo_T))
-    return torch.from_numpy(np.where(ok_TE, z_TE, below_T)).to(zr_TE.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +136,7 @@ def _rank_deepseek_v2(router: nn.Module, z_TE: torch.Tensor):
     scores_TE = z_TE.float().softmax(dim=-1)
     g = router.num_group
     group_scores_TG = scores_TE.view(-1, g, router.num_experts // g).max(dim=-1).values
-    return _restricted(z_TE.float(), _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts))
+    return _group_restricted(z_TE.float(), group_scores_TG, router)
 
 
 _BIAS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -180,23 +166,23 @@ def _rank_deepseek_v3(router: nn.Module, z_TE: torch.Tensor):
         return choice_TE, None
     g = router.num_group
     group_scores_TG = choice_TE.view(-1, g, router.num_experts // g).topk(2, dim=-1)[0].sum(dim=-1)
-    return _restricted(choice_TE, _allowed_from_groups(group_scores_TG, router.topk_group, router.num_experts))
+    return _group_restricted(choice_TE, group_scores_TG, router)
 
 
-def _restricted(values_TE: torch.Tensor, allowed_TE: torch.Tensor | None):
-    return (values_TE, None) if allowed_TE is None else (_restrict(values_TE, allowed_TE), allowed_TE)
+def _group_restricted(values_TE: torch.Tensor, group_scores_TG: torch.Tensor, router: nn.Module):
+    """(ranking values, allowed mask) of a group-limited router: the model's own choice of its
+    ``topk_group`` best groups (``torch.topk``, as transformers picks them), the rest pushed below
+    (:func:`expertcache.routing.kernels.restrict_to_groups`, one kernel call instead of a dozen tensor ops,
+    which decoding pays per token and layer)."""
+    groups_TJ = torch.topk(group_scores_TG, k=router.topk_group, dim=-1, sorted=False)[1]
+    v_TE, ok_TE = _rk.restrict_to_groups(values_TE.detach().float().cpu().numpy(), groups_TJ.cpu().numpy(),
+                                         router.num_experts // router.num_group)
+    return torch.from_numpy(v_TE).to(values_TE.device), torch.from_numpy(ok_TE).to(values_TE.device)
 
 
 def _group_limited(router: nn.Module) -> bool:
     g, tg = getattr(router, "num_group", None), getattr(router, "topk_group", None)
     return bool(g) and g > 1 and tg is not None and tg < g
-
-
-def _allowed_from_groups(group_scores_TG: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
-    t, g = group_scores_TG.shape
-    group_idx_TG = torch.topk(group_scores_TG, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, group_idx_TG, True)
-    return group_mask_TG.unsqueeze(-1).expand(t, g, num_experts // g).reshape(t, num_experts)
 
 
 # -- weight rules (the model's formula for any ids) ---------------------------------------------

@@ -37,7 +37,8 @@ from expertcache import compiled
 from expertcache.compiled import jit as _jit
 from expertcache.compiled import jit_inline as _jit_inline
 
-__all__ = ["AVAILABLE", "CODES", "NEEDS_PROBS", "OK", "NOT_FINITE", "token_keys", "select", "rank", "pack"]
+__all__ = ["AVAILABLE", "CODES", "NEEDS_PROBS", "OK", "NOT_FINITE", "token_keys", "select", "rank", "pack",
+           "restrict_to_groups"]
 
 AVAILABLE = compiled.AVAILABLE
 
@@ -206,3 +207,36 @@ def rank(z_PE: np.ndarray, ip: np.ndarray, fp: np.ndarray, k: int, *, resident_P
                 _rows(allowed_PE, _EMPTY_B, np.bool_), _rows(resident_PE, _EMPTY_B, np.bool_), int(k),
                 order_PE, kres_PE, knon_PE, out_PK)
     return int(bad), order_PE, kres_PE, knon_PE, out_PK
+
+
+@_jit
+def _restrict_groups(v_TE, groups_TJ, size, out_TE, ok_TE):
+    for t in range(v_TE.shape[0]):
+        for i in range(v_TE.shape[1]):
+            ok_TE[t, i] = False
+        for j in range(groups_TJ.shape[1]):
+            g0 = groups_TJ[t, j] * size
+            for i in range(g0, g0 + size):
+                ok_TE[t, i] = True
+        lo = hi = v_TE[t, groups_TJ[t, 0] * size]
+        for i in range(v_TE.shape[1]):
+            if ok_TE[t, i]:
+                lo = min(lo, v_TE[t, i])
+                hi = max(hi, v_TE[t, i])
+        below = lo - np.float32(1e-3) * (hi - lo) - np.float32(1e-6) * (np.float32(1.0) + abs(lo))
+        for i in range(v_TE.shape[1]):
+            out_TE[t, i] = v_TE[t, i] if ok_TE[t, i] else below
+
+
+def restrict_to_groups(values_TE: np.ndarray, groups_TJ: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A group-limited router (DeepSeek): (restricted values float32 [T, E], allowed bool [T, E]).
+
+    ``groups_TJ`` (int [T, J]): the groups each token's router chose (experts ``g·size .. (g+1)·size - 1``).
+    Experts outside them are pushed just below the lowest allowed value of their token,
+    ``lo - 1e-3·(hi - lo) - 1e-6·(1 + |lo|)`` over the allowed values (float32 operations), so every ranking
+    puts them last while the per-token range (Cache-Prior's Δ) stays that of the allowed set."""
+    v_TE = np.ascontiguousarray(values_TE, np.float32)
+    out_TE = np.empty_like(v_TE)
+    ok_TE = np.empty(v_TE.shape, np.bool_)
+    _restrict_groups(v_TE, np.ascontiguousarray(groups_TJ, np.int64), int(group_size), out_TE, ok_TE)
+    return out_TE, ok_TE
