@@ -33,11 +33,10 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable
-from pathlib import Path
-
 import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -260,10 +259,10 @@ def _in_one_range(parts: ExpertParts, start: int, nbytes: int) -> bool:
     return any(r.dest <= start and start + nbytes <= r.dest + r.nbytes for r in parts.reads)
 
 
-def place_expert(parts: ExpertParts, io: str) -> Placement:
+def place_expert(parts: ExpertParts, io: str, *, packed: bool = False) -> Placement:
     """The :class:`Placement` of ``parts`` for disk reads in mode ``io`` (see the module docstring). Buffered
     modes read each range to its packed position; ``direct`` reads aligned spans in place when every tensor
-    lies in one range and stays element-aligned, through a bounce buffer otherwise."""
+    lies in one range and stays element-aligned (and not ``packed``), through a bounce buffer otherwise."""
     if io != "direct":
         spans = tuple((r.file, r.offset, r.nbytes, r.dest, r.nbytes) for r in parts.reads)
         return Placement(spans, tuple(r.dest for r in parts.reads), False, parts.nbytes)
@@ -278,7 +277,7 @@ def place_expert(parts: ExpertParts, io: str) -> Placement:
     inplace = Placement(tuple(spans), tuple(at), False, pos)
     ok = all(_in_one_range(parts, off * esize, math.prod(shape) * esize)
              and inplace.slot_offset(parts, off * esize) % esize == 0 for off, shape in parts.tensors().values())
-    if ok:
+    if ok and not packed:
         return inplace
     bounce = tuple((f, o, n, -1, need) for f, o, n, _, need in spans)
     return Placement(bounce, tuple(r.dest for r in parts.reads), True, parts.nbytes)
@@ -295,7 +294,6 @@ class DiskTier:
         if self.io not in IO_MODES:
             raise ValueError(f"io must be one of {IO_MODES}, got {self.io!r}")
         self._fds: dict[Path, int] = {}
-        self._bounce: mmap.mmap | None = None
         self._open_lock = threading.Lock()
         self._local = threading.local()  # per reader thread: its bounce buffer
 
@@ -332,26 +330,9 @@ class DiskTier:
             pass
 
     def fetch(self, parts: ExpertParts, dest_u8: torch.Tensor) -> int:
-        """Copy the expert's bytes into ``dest_u8`` (CPU uint8, at least ``parts.nbytes``). Returns the bytes
-        read from the device."""
-        t0 = time.perf_counter()
-        moved = 0
-        view = dest_u8.numpy()
-        for r in parts.reads:
-            fd = self._fd(r.file)
-            if self.io == "direct":
-                moved += self._read_direct(fd, r, dest_u8)
-                continue
-            if self.io == "fadvise":
-                os.posix_fadvise(fd, r.offset, r.nbytes, os.POSIX_FADV_DONTNEED)
-            got = os.preadv(fd, [memoryview(view[r.dest:r.dest + r.nbytes])], r.offset)
-            if got != r.nbytes:
-                raise CheckpointError(f"{r.file}: short read at byte {r.offset} ({got} of {r.nbytes}; truncated file)")
-            moved += got
-        self.stats.loads += 1
-        self.stats.bytes_read += moved
-        self.stats.seconds += time.perf_counter() - t0
-        return moved
+        """Copy the expert's bytes into ``dest_u8`` (CPU uint8, at least ``parts.nbytes``) in the packed layout
+        (through a bounce buffer with ``direct``). Returns the bytes read from the device."""
+        return self.read(parts, place_expert(parts, self.io, packed=True), dest_u8)
 
     def read(self, parts: ExpertParts, placement: Placement, dest_u8: torch.Tensor) -> int:
         """Read one expert into its slot ``dest_u8`` (CPU uint8, page-aligned for ``direct``) following
@@ -421,21 +402,6 @@ class DiskTier:
             buf = self._local.bounce = mmap.mmap(-1, -(-nbytes // _ALIGN) * _ALIGN)
         return buf
 
-    def _read_direct(self, fd: int, r: ByteRange, dest_u8: torch.Tensor) -> int:
-        start = r.offset - r.offset % _ALIGN
-        end = -(-(r.offset + r.nbytes) // _ALIGN) * _ALIGN
-        span = end - start
-        if self._bounce is None or len(self._bounce) < span:
-            if self._bounce is not None:
-                self._bounce.close()
-            self._bounce = mmap.mmap(-1, span)  # page-aligned anonymous memory
-        got = os.preadv(fd, [memoryview(self._bounce)[:span]], start)  # short at end of file is fine
-        if got < r.offset + r.nbytes - start:
-            raise CheckpointError(f"short O_DIRECT read at byte {start} ({got} of {span}; truncated file)")
-        src = torch.frombuffer(self._bounce, dtype=torch.uint8, count=span)
-        dest_u8[r.dest:r.dest + r.nbytes].copy_(src[r.offset - start:r.offset - start + r.nbytes])
-        return got
-
 
 class HostTier:
     """Every expert of ``layer_ids`` in host RAM: one [E, nbytes] uint8 tensor per layer (pinned when CUDA
@@ -455,22 +421,10 @@ class HostTier:
         disk.close()
         self.nbytes = sum(r.numel() for r in self.rows.values())
 
-    def fetch_row(self, layer_id: int, e: int) -> torch.Tensor:
-        return self.rows[layer_id][e]
-
     def read(self, layer_id: int, e: int, dest_u8: torch.Tensor) -> int:
         """Copy expert ``e`` of ``layer_id`` into its slot (packed layout); thread-safe."""
         t0 = time.perf_counter()
         row = self.rows[layer_id][e]
         dest_u8[:row.numel()].copy_(row)
         self.stats.add(row.numel(), time.perf_counter() - t0)
-        return row.numel()
-
-    def fetch(self, layer_id: int, e: int, dest_u8: torch.Tensor) -> int:
-        t0 = time.perf_counter()
-        row = self.rows[layer_id][e]
-        dest_u8[:row.numel()].copy_(row)
-        self.stats.loads += 1
-        self.stats.bytes_read += row.numel()
-        self.stats.seconds += time.perf_counter() - t0
         return row.numel()
