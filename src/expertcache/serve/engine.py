@@ -151,7 +151,6 @@ class Engine:
         self._rows: list[Request] = []
         self._kv = BatchKV()
         self._accepting = True
-        self._stop = False
         self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
         self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, steps=0, packed_prefills=0,
@@ -257,15 +256,17 @@ class Engine:
             self.metrics.on_queue(len(self._waiting), len(self._rows))
 
     def _forward(self, ids_BS, past, mask_BL=None, pos_BS=None):
+        """One model forward: (logits [B, S, V], the KV cache, seconds, the runtime's stats delta)."""
         s0 = self.rt.stats()
         t0 = time.perf_counter()
+        dev = self.rt.device
         with torch.inference_mode():
-            out = self.rt.model(input_ids=ids_BS.to(self.rt.device), past_key_values=past, use_cache=True,
-                                attention_mask=mask_BL, position_ids=pos_BS)
+            out = self.rt.model(input_ids=ids_BS.to(dev), past_key_values=past, use_cache=True, attention_mask=mask_BL,
+                                position_ids=None if pos_BS is None else pos_BS.to(dev))
         dt = time.perf_counter() - t0
         s1 = self.rt.stats()
         delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "bytes_read")}
-        return out.logits[:, -1], out.past_key_values, dt, delta
+        return out.logits, out.past_key_values, dt, delta
 
     def _prefill_some(self) -> None:
         """Prefill at most ``prefill_chunk`` prompt tokens in this iteration. A long prompt (more than the
@@ -307,32 +308,19 @@ class Engine:
         ids_1T = torch.tensor([[t for r in group for t in r.prompt_ids]])
         pos_1T = torch.cat([torch.arange(n) for n in lens])[None]
         with packed_segments(lens):
-            s0 = self.rt.stats()
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = self.rt.model(input_ids=ids_1T.to(self.rt.device), use_cache=True,
-                                    past_key_values=DynamicCache(config=self.rt.config),
-                                    position_ids=pos_1T.to(self.rt.device))
-            dt = time.perf_counter() - t0
-            s1 = self.rt.stats()
-        delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "bytes_read")}
+            logits_1TV, kv, dt, delta = self._forward(ids_1T, DynamicCache(config=self.rt.config), pos_BS=pos_1T)
         self._charge(group, delta, shared=False, weights=lens)
         self.totals["packed_prefills"] += 1
         self.totals["packed_prompts"] += len(group)
         if self.metrics is not None:
             self.metrics.on_step(0, len(group), dt, delta)
-        packed = [layer for layer in out.past_key_values.layers]
         a = 0
         for r, n in zip(group, lens):
             past = DynamicCache(config=self.rt.config)
-            for li, layer in enumerate(packed):
+            for li, layer in enumerate(kv.layers):
                 past.update(layer.keys[:, :, a:a + n].contiguous(), layer.values[:, :, a:a + n].contiguous(), li)
             r.prefilled = n
-            tok = sample_next(out.logits[0, a + n - 1], r.params, r.gen)
-            if not self._accept_token(r, tok):
-                self._kv.add(past)
-                r.next_token = tok
-                self._rows.append(r)
+            self._join(r, logits_1TV[0, a + n - 1], past)
             a += n
         for r in group:  # after joining the rows: in_flight() never misses them
             self._prefilling.remove(r)
@@ -343,20 +331,24 @@ class Engine:
         if r.past is None:
             r.past = DynamicCache(config=self.rt.config)
         chunk = r.prompt_ids[r.prefilled:r.prefilled + n]
-        logits_1V, r.past, dt, delta = self._forward(torch.tensor([chunk]), r.past)
+        logits_1SV, r.past, dt, delta = self._forward(torch.tensor([chunk]), r.past)
         r.prefilled += len(chunk)
         self._charge([r], delta, shared=False)
         if self.metrics is not None:  # the last chunk yields the request's first token
             self.metrics.on_step(0, int(r.prefilled >= len(r.prompt_ids)), dt, delta)
         if r.prefilled < len(r.prompt_ids):
             return
-        tok = sample_next(logits_1V[0], r.params, r.gen)
-        if not self._accept_token(r, tok):
-            self._kv.add(r.past)
-            r.next_token = tok
-            self._rows.append(r)
+        self._join(r, logits_1SV[0, -1], r.past)
         r.past = None
         self._prefilling.pop(0)  # after joining the rows: in_flight() never misses it
+
+    def _join(self, r: Request, logits_V: torch.Tensor, past) -> None:
+        """A prefilled request: sample its first token; unless that finishes it, its row joins the batch."""
+        tok = sample_next(logits_V, r.params, r.gen)
+        if not self._accept_token(r, tok):
+            self._kv.add(past)
+            r.next_token = tok
+            self._rows.append(r)
 
     def _decode_step(self) -> None:
         rows = [r for r in self._rows if not r.cancelled.is_set() and r.finish_reason is None]
@@ -372,10 +364,10 @@ class Engine:
         else:  # no padding: exactly OffloadedModel.generate's call (positions from the cache length)
             pos_B1, mask = None, None
             self._kv.step_mask()
-        logits_BV, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask, pos_B1)
+        logits_B1V, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask, pos_B1)
         self._charge(rows, delta, shared=True)
         for i, r in enumerate(rows):
-            tok = sample_next(logits_BV[i], r.params, r.gen)
+            tok = sample_next(logits_B1V[i, -1], r.params, r.gen)
             r.next_token = tok
             self._accept_token(r, tok)
         self.totals["steps"] += 1
