@@ -48,7 +48,7 @@ class BudgetRouter:
         self._name = STRENGTH[policy]
         self._routers: dict[int, Router] = {}
 
-    def __getattr__(self, name: str) -> Any:  # k, num_experts, renormalize, scoring, freq_LE, deltas
+    def __getattr__(self, name: str) -> Any:  # k, num_experts, renormalize, scoring, freq_LE, deltas, delta_for
         if name == "base":
             raise AttributeError(name)
         return getattr(self.base, name)
@@ -61,9 +61,6 @@ class BudgetRouter:
             r = self._routers[level] = Router(cfg, num_experts=b.num_experts, k=b.k, renormalize=b.renormalize,
                                               scoring=b.scoring, freq_LE=b.freq_LE, deltas=b.deltas)
         return r
-
-    def delta_for(self, layer: int):
-        return self.base.delta_for(layer)
 
     def keys(self, *args, **kwargs):
         return None  # token by token: the controller must see each token before the next is ranked
@@ -115,11 +112,8 @@ def attach(patch, target: float | ControllerConfig, *, record: bool = False, **k
     ControllerConfig fields (gains, range, s0). ``record``: keep every layer's strength after each token."""
     if getattr(patch, "capacity", None) is None:
         raise ValueError("a miss-rate target needs a cache (patch_model(..., capacity=...))")
-    cfg = target if isinstance(target, ControllerConfig) else \
-        ControllerConfig.for_policy(patch.routing.policy, float(target), **kw)
-    ctl = MissRateController(cfg, num_layers=len(patch.layers), k=patch.top_k, record=record)
-    patch.router = BudgetRouter(patch.router, ctl)
-    return ctl
+    patch.router = wrap(patch.router, target, len(patch.layers), record=record, **kw)
+    return patch.router.controller
 
 
 def wrap(router: Router, target: float | ControllerConfig, num_layers: int, *, record: bool = False,

@@ -38,16 +38,7 @@ STRENGTH = {
 #: top-J each policy uses when none is given: 001 keeps the original top-1 (max-rank, cumsum, cache-prior);
 #: 003's ERAS policies have no such guarantee (J = 0). Unused by original and prune (kept at 1 so that their
 #: result rows keep their config keys).
-DEFAULT_TOP_J = {
-    "original": 1,
-    "prune": 1,
-    "max-rank": 1,
-    "cumsum": 1,
-    "cache-prior": 1,
-    "eras-threshold": 0,
-    "eras-bias": 0,
-    "cache-prior-cost": 1,
-}
+DEFAULT_TOP_J = {p: 0 if p.startswith("eras-") else 1 for p in POLICIES}
 
 
 @dataclass(frozen=True)
