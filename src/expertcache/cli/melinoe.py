@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 
-from expertcache.cli.common import add_dataclass_args, check_output_path, config_from_args
+from expertcache.cli.common import add_dataclass_args, config_from_args
 
 DESCRIPTION = """\
 MELINOE (seed 004): change the model once so that each sequence leans on fewer experts, then predict those
@@ -61,8 +61,7 @@ def run_finetune(args) -> int:
     from expertcache.melinoe.finetune import FinetuneConfig, finetune
 
     cfg = config_from_args(FinetuneConfig, args)
-    check_output_path(cfg.out, "--out", directory=True)  # before the model loads
-    cfg.check()
+    cfg.check()  # --out included, before the model loads
     path = finetune(cfg, command="expertcache " + shlex.join(sys.argv[1:]), progress=not args.no_progress)
     summary = json.loads((path / "melinoe_summary.json").read_text())
     ev = summary["heldout"]
@@ -75,8 +74,7 @@ def run_predictor(args) -> int:
     from expertcache.melinoe.predictor import PredictorConfig, train_predictor
 
     cfg = config_from_args(PredictorConfig, args)
-    check_output_path(cfg.out, "--out", directory=True)  # before the model loads
-    cfg.check()
+    cfg.check()  # --out included, before the model loads
     report = train_predictor(cfg, command="expertcache " + shlex.join(sys.argv[1:]), progress=not args.no_progress)
     for c, r in sorted(report["topc"].items(), key=lambda kv: int(kv[0])):
         print(f"C={c}: predictor precision {r['predictor']['precision']:.3f} recall {r['predictor']['recall']:.3f}"

@@ -37,6 +37,7 @@ import torch
 
 from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
 from expertcache.results import pyplot, save_figure
+from expertcache.train.configs import check_positive, check_save_dtype
 from expertcache.train.loop import publish_folder, save_npy
 
 __all__ = ["FinetuneConfig", "finetune", "lr_factor", "plot_losses", "TOKENIZER_FILES"]
@@ -77,9 +78,8 @@ class FinetuneConfig:
     extra: dict = field(default_factory=dict)
 
     def check(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "lora_r", "log_every", "ckpt_every", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+        check_positive(self, ("steps", "batch_size", "seq_len", "lora_r", "log_every", "ckpt_every", "threads"),
+                       flags=True)
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if not 0 <= self.warmup_ratio < 1:
@@ -92,8 +92,7 @@ class FinetuneConfig:
             raise ValueError(f"--request must be 'st' or 'masked', got {self.request!r}")
         if self.start not in ("fill", "uniform"):
             raise ValueError(f"--start must be 'fill' or 'uniform', got {self.start!r}")
-        if self.save_dtype not in ("bfloat16", "float32", "float16"):
-            raise ValueError(f"--save-dtype must be bfloat16, float16 or float32, got {self.save_dtype!r}")
+        check_save_dtype(self.save_dtype, "--save-dtype")
         _check_out(self.out)
 
 

@@ -274,17 +274,16 @@ class PredictorConfig:
     }
 
     def check(self) -> None:
-        for name in ("train_prompts", "heldout_prompts", "prompt_len", "cont_len", "hidden", "epochs",
-                     "batch_size", "threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be ≥ 1, got {getattr(self, name)}")
+        from expertcache.melinoe.finetune import _check_out
+        from expertcache.train.configs import check_positive
+
+        check_positive(self, ("train_prompts", "heldout_prompts", "prompt_len", "cont_len", "hidden", "epochs",
+                              "batch_size", "threads"), flags=True)
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.embedder not in ("minilm", "model"):
             raise ValueError(f"--embedder must be minilm or model, got {self.embedder!r}")
         self.capacity_list(1 << 30)
-        from expertcache.melinoe.finetune import _check_out
-
         _check_out(self.out)
 
     def capacity_list(self, num_experts: int) -> list[int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from expertcache.train.configs import TrainConfig
+from expertcache.train.configs import TrainConfig, check_positive
 
 KINDS = ("dense", "moe", "mole")
 
@@ -60,9 +60,7 @@ class MoleTrainConfig(TrainConfig):
                 raise ValueError(f"ffn={self.ffn} must be divisible by top_k={self.top_k} (matched active params)")
         if not self.model:
             self.model = self.kind if self.kind == "dense" else f"{self.kind}-{self.experts}"
-        for name in ("hidden", "layers", "heads", "ffn"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        check_positive(self, ("hidden", "layers", "heads", "ffn"))
         self.check_training_fields()
 
     def spec(self) -> dict:

@@ -79,14 +79,25 @@ class TrainConfig:
 
     def check_training_fields(self) -> None:
         """Validate the fields every training run shares (dtype, sizes, intervals); ValueError otherwise."""
-        if self.save_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"save_dtype must be float32, bfloat16 or float16, not {self.save_dtype!r}")
-        for name in ("seq_len", "batch_size", "steps", "vocab_size", "ckpt_every", "log_every", "eval_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        check_save_dtype(self.save_dtype)
+        check_positive(self, ("seq_len", "batch_size", "steps", "vocab_size", "ckpt_every", "log_every", "eval_every"))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def check_positive(cfg, names, *, flags: bool = False) -> None:
+    """ValueError naming the first field of ``names`` whose value on ``cfg`` is below 1 (named as its
+    ``--flag`` with ``flags``: for configs whose fields are command-line flags)."""
+    for name in names:
+        if getattr(cfg, name) < 1:
+            label = "--" + name.replace("_", "-") if flags else name
+            raise ValueError(f"{label} must be ≥ 1, got {getattr(cfg, name)}")
+
+
+def check_save_dtype(value: str, label: str = "save_dtype") -> None:
+    if value not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{label} must be float32, bfloat16 or float16, got {value!r}")
 
 
 def build_hf_config(spec: ModelSpec, vocab_size: int, seq_len: int, bos_id: int, eos_id: int, pad_id: int,
