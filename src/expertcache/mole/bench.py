@@ -8,7 +8,7 @@ MoE offloading at equal fast memory (:func:`moe_offload_loads`): the MoLE model 
 expert, width ``ffn``) in fast memory, so the MoE gets the same fast memory for experts, i.e. ``C = ffn / expert
 width = K`` experts per layer. Routing is replayed from the MoE's own selections on held-out text through one LRU
 cache per layer; a step at batch B needs the union of the B tokens' experts (a miss is an expert not resident at
-the start of the step). Bytes loaded per token = misses x expert bytes / tokens.
+the start of the step; ``expertcache.cache`` step rule). Bytes loaded per token = misses x expert bytes / tokens.
 """
 
 from __future__ import annotations
@@ -104,21 +104,18 @@ def moe_selections(model, chunks_CT: torch.Tensor, batch_size: int = 8) -> np.nd
 
 
 def lru_batched_misses(ids_BTLK: np.ndarray, num_experts: int, capacity: int) -> np.ndarray:
-    """Misses per layer ``[L]`` when the B sequences are decoded together, one step per position: a step needs the
-    union of its B tokens' experts; those not resident are loaded; the cache then keeps the ``capacity`` most
-    recently used experts (this step's needs count as most recent; among them, like ``expertcache.sim``, a
-    higher-ranked expert is the less recent).
-    With B = 1 and capacity >= K this is the simulator's LRU (``expertcache.sim.replay``)."""
+    """Misses per layer ``[L]`` when the B sequences are decoded together, one step per position: a step requests
+    the union of its B tokens' experts (in row order) from one LRU cache per layer
+    (:func:`expertcache.cache.make_cache`: the step rule of the simulator and of the offloaded runtime's shared
+    cache). With B = 1 this is ``expertcache.sim.replay`` with ``eviction='lru'``."""
+    from expertcache.cache import make_cache
+
     b, t, L, k = ids_BTLK.shape
     misses = np.zeros(L, dtype=np.int64)
     for layer in range(L):
-        recency: list[int] = []  # least recent first
-        for step in range(t):
-            need = list(dict.fromkeys(ids_BTLK[:, step, layer, :].reshape(-1).tolist()))
-            resident = set(recency)
-            misses[layer] += sum(1 for e in need if e not in resident)
-            recency = [e for e in recency if e not in set(need)] + need
-            recency = recency[-capacity:]
+        cache = make_cache("lru", num_experts, capacity)
+        cache.serve(list(dict.fromkeys(ids_BTLK[:, step, layer, :].reshape(-1).tolist())) for step in range(t))
+        misses[layer] = cache.stats.misses
     return misses
 
 
