@@ -76,6 +76,32 @@ def config_from_args(cls, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
+def check_target(routing: RoutingConfig, target: float, flags: str = "--target-miss-rate") -> None:
+    """Refuse a miss-rate target outside (0, 1), or for a policy the controller cannot steer."""
+    if not (math.isfinite(target) and 0.0 < target < 1.0):
+        raise ValueError(f"--target-miss-rate must be in (0, 1), got {target}")
+    if routing.policy not in ("cache-prior", "eras-bias"):
+        raise ValueError(f"{flags} control cache-prior (lambda) or eras-bias (beta), not --policy {routing.policy}")
+
+
+def target_label(routing: RoutingConfig, target: float) -> str:
+    """The policy label of budget-targeted routing, e.g. ``cache-prior(target miss rate 0.1,J=1)``."""
+    return f"{routing.policy}(target miss rate {target:.4g},J={routing.top_j})"
+
+
+def pct(x) -> str:
+    """``x`` as a percentage with one decimal; '-' for None or NaN."""
+    return "-" if x is None or x != x else f"{100 * x:.1f}%"
+
+
+def print_controller(ctl: dict, file) -> None:
+    """The miss-rate controller's line under the eval / simulate tables (``ctl``: its ``state()``)."""
+    sat = [x for x in ctl["saturated"] if x]
+    print(f"controller target {pct(ctl['target'])}   achieved {pct(ctl['miss_rate'])}   final strength "
+          f"{ctl['strengths'][0]:.4g}" + (f"   SATURATED at the {sat[0]} strength: target out of reach" if sat
+                                         else ""), file=file)
+
+
 def print_resolved(command: str, routing: RoutingConfig, extra: str = "") -> None:
     """One line on stderr with the resolved routing configuration (policy defaults filled in)."""
     import sys

@@ -8,8 +8,9 @@ import math
 import sys
 
 from expertcache.cli.common import (add_cache_args, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads,
-                                    check_input_file, check_output_path, nonneg_int, positive_int, predictor_from_args,
-                                    print_resolved, routing_from_args)
+                                    check_input_file, check_output_path, check_target, nonneg_int, pct, positive_int,
+                                    predictor_from_args, print_controller, print_resolved, routing_from_args,
+                                    target_label)
 
 DESCRIPTION = """\
 Run a task on the model with the routing policy and one live expert cache per MoE layer installed, and
@@ -85,8 +86,6 @@ def freq_profile(args, routing):
 def budget_hook(args, routing, freq):
     """``router_hook`` for :func:`evaluate` from ``--target-miss-rate`` / ``--calibrate-from`` (None without a
     target); flags are checked here, before the model loads."""
-    import math as _m
-
     target = getattr(args, "target_miss_rate", None)
     per_token = getattr(args, "target_bytes_per_token", None)
     if target is None and per_token is None:
@@ -96,14 +95,11 @@ def budget_hook(args, routing, freq):
     if target is not None and per_token is not None:
         raise ValueError("give --target-miss-rate or --target-bytes-per-token, not both")
     if per_token is not None:
-        if not (_m.isfinite(per_token) and per_token > 0):
+        if not (math.isfinite(per_token) and per_token > 0):
             raise ValueError(f"--target-bytes-per-token must be > 0, got {per_token}")
         if args.calibrate_from:
             raise ValueError("--calibrate-from works with --target-miss-rate (convert the bytes first)")
-    elif not (_m.isfinite(target) and 0.0 < target < 1.0):
-        raise ValueError(f"--target-miss-rate must be in (0, 1), got {target}")
-    if routing.policy not in ("cache-prior", "eras-bias"):
-        raise ValueError(f"--target-miss-rate / --target-bytes-per-token control cache-prior (lambda) or eras-bias (beta), not --policy {routing.policy}")
+    check_target(routing, 0.5 if target is None else target, "--target-miss-rate / --target-bytes-per-token")
     if args.capacity in (None, "none"):
         raise ValueError("--target-miss-rate needs a cache (--capacity)")
     s0 = None
@@ -160,14 +156,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(row, sort_keys=True))
     else:
-        label = routing.label() if hook is None else \
-            f"{routing.policy}(target miss rate {row['controller']['target']:.4g},J={routing.top_j})"
+        label = routing.label() if hook is None else target_label(routing, row["controller"]["target"])
         print_table(row, label, file=sys.stdout)
     return 0
-
-
-def _pct(x):
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
 
 
 def print_table(row: dict, label: str, file=sys.stdout) -> None:
@@ -181,17 +172,13 @@ def print_table(row: dict, label: str, file=sys.stdout) -> None:
           + (f", {t['mean_shots']:.1f} shots on average" if "mean_shots" in t else ""), file=file)
     print(f"routing   {label}   scope {c['scope']}   cache: {c['eviction']} C={c['capacity']}/{c['num_experts']} "
           f"({c['between_sequences']} between sequences)   [closed loop]", file=file)
-    line = (f"{row['quality_name']} {qs}   miss rate {_pct(row['miss_rate'])}   Belady {_pct(row['belady_miss_rate'])}"
+    line = (f"{row['quality_name']} {qs}   miss rate {pct(row['miss_rate'])}   Belady {pct(row['belady_miss_rate'])}"
             f"   mean lifetime {row['mean_lifetime'] or float('nan'):.1f} tokens")
     if row.get("generation_miss_rate") is not None:
-        line += f"   generation-only miss rate {_pct(row['generation_miss_rate'])}"
+        line += f"   generation-only miss rate {pct(row['generation_miss_rate'])}"
     print(line, file=file)
     if row.get("controller"):
-        ctl = row["controller"]
-        sat = [x for x in ctl["saturated"] if x]
-        print(f"controller target {_pct(ctl['target'])}   achieved {_pct(ctl['miss_rate'])}   final strength "
-              f"{ctl['strengths'][0]:.4g}" + (f"   SATURATED at the {sat[0]} strength: target out of reach" if sat
-                                             else ""), file=file)
+        print_controller(row["controller"], file)
 
 
 def _prefetcher(predictor, model, tok):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
-from expertcache.cli.common import (add_cache_args, add_routing_args, check_input_file, check_output_path,
-                                    print_resolved, routing_from_args)
+from expertcache.cli.common import (add_cache_args, add_routing_args, check_input_file, check_output_path, check_target,
+                                    pct, print_controller, print_resolved, routing_from_args, target_label)
 
 DESCRIPTION = """\
 Replay a routing trace through one expert cache per layer and report the miss rate, the mean expert
@@ -56,11 +55,7 @@ def run(args: argparse.Namespace) -> int:
     check_input_file(args.freq_from, "--freq-from")
     target = args.target_miss_rate
     if target is not None:
-        if not (math.isfinite(target) and 0.0 < target < 1.0):
-            raise ValueError(f"--target-miss-rate must be in (0, 1), got {target}")
-        if routing.policy not in ("cache-prior", "eras-bias"):
-            raise ValueError(f"--target-miss-rate controls cache-prior (lambda) or eras-bias (beta), not --policy "
-                             f"{routing.policy}")
+        check_target(routing, target)
     print_resolved("simulate", routing, f", cache {args.eviction} C={args.capacity}"
                    + ("" if target is None else f", target miss rate {target}"))
     trace = RoutingTrace.load(args.trace or default_trace_path())
@@ -90,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     label = routing.label()
     if hooked:
         row["controller"] = hooked[0].controller.state()
-        label = f"{routing.policy}(target miss rate {target:g},J={routing.top_j})"
+        label = target_label(routing, target)
     row["config"]["trace"] = str(args.trace or "demo")
     if args.out:
         append_jsonl(args.out, row)
@@ -99,17 +94,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_table(row, label, trace.meta, file=sys.stdout)
     if hooked:
-        ctl = row["controller"]
-        print(f"controller target {_fmt(ctl['target'], True)}   achieved {_fmt(ctl['miss_rate'], True)}   final "
-              f"strength {ctl['strengths'][0]:.4g}" + ("   SATURATED: target out of reach" if any(ctl["saturated"])
-                                                        else ""), file=sys.stdout)
+        print_controller(row["controller"], sys.stdout)
     return 0
 
 
-def _fmt(x, pct=False):
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return f"{100 * x:.1f}%" if pct else f"{x:.1f}"
+def _fmt(x):
+    return "-" if x is None or x != x else f"{x:.1f}"
 
 
 def print_table(row: dict, label: str, meta, file=sys.stdout) -> None:
@@ -118,9 +108,9 @@ def print_table(row: dict, label: str, meta, file=sys.stdout) -> None:
           f"N={meta.num_experts}, K={meta.top_k})", file=file)
     print(f"routing   {label}   cache: {c['eviction']} C={c['capacity']}/{meta.num_experts} "
           f"({c['initial']} start, {c['between_sequences']} between sequences)   [open loop]", file=file)
-    line = f"miss rate {_fmt(row['miss_rate'], True)}   mean lifetime {_fmt(row['mean_lifetime'])} tokens"
+    line = f"miss rate {pct(row['miss_rate'])}   mean lifetime {_fmt(row['mean_lifetime'])} tokens"
     if "belady_miss_rate" in row:
-        line += f"   Belady bound {_fmt(row['belady_miss_rate'], True)}"
+        line += f"   Belady bound {pct(row['belady_miss_rate'])}"
     print(line, file=file)
     print(file=file)
     head = f"{'layer':>5} {'miss rate':>10} {'lifetime':>9}"
@@ -128,7 +118,7 @@ def print_table(row: dict, label: str, meta, file=sys.stdout) -> None:
         head += f" {'Belady':>8}"
     print(head, file=file)
     for i, (mr, lt) in enumerate(zip(row["layer_miss_rates"], row["layer_mean_lifetimes"])):
-        line = f"{i:>5} {_fmt(mr, True):>10} {_fmt(lt):>9}"
+        line = f"{i:>5} {pct(mr):>10} {_fmt(lt):>9}"
         if "belady_layer_miss_rates" in row:
-            line += f" {_fmt(row['belady_layer_miss_rates'][i], True):>8}"
+            line += f" {pct(row['belady_layer_miss_rates'][i]):>8}"
         print(line, file=file)

@@ -27,27 +27,16 @@ __all__ = ["heldout_tokens", "stream_eval", "fixed_at"]
 
 def heldout_tokens(tokenizer, n: int, data_dir=None) -> np.ndarray:
     """First ``n`` tokens of the corpus's held-out split (documents joined with EOS), int64."""
-    import json
-
-    from expertcache.train.data import is_heldout, resolve_data_dir
+    from expertcache.train.data import is_heldout, load_documents, resolve_data_dir
 
     folder = resolve_data_dir(data_dir)
-    eos = tokenizer.eos_token_id
     out: list[int] = []
-    for file in sorted(folder.glob("*.jsonl")):
-        with open(file, encoding="utf-8") as fh:
-            for line in fh:
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                if not is_heldout(str(row["source"])):
-                    continue
-                out += tokenizer.encode(row["text"], add_special_tokens=False) + [eos]
-                if len(out) >= n:
-                    return np.asarray(out[:n], dtype=np.int64)
-    if len(out) < n:
-        raise ValueError(f"{folder}: held-out split has only {len(out)} tokens, {n} asked")
-    return np.asarray(out, dtype=np.int64)
+    for doc in load_documents(folder):
+        if is_heldout(doc["source"]):
+            out += tokenizer.encode(doc["text"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            if len(out) >= n:
+                return np.asarray(out[:n], dtype=np.int64)
+    raise ValueError(f"{folder}: held-out split has only {len(out)} tokens, {n} asked")
 
 
 @torch.no_grad()
