@@ -33,6 +33,16 @@ def test_round_trip_preserves_everything(tmp_path):
     assert back.sequences() == [(0, 100), (100, 250), (250, 400)]
 
 
+def test_head_keeps_the_first_tokens_and_their_sequences():
+    tr = make_trace(starts=[0, 100, 250])
+    tr.weights_TLK = np.random.default_rng(1).random(tr.ids_TLK.shape).astype(np.float32)
+    h = tr.head(120)
+    assert h.num_tokens == h.meta.num_tokens == 120 and h.sequences() == [(0, 100), (100, 120)]
+    np.testing.assert_array_equal(h.ids_TLK, tr.ids_TLK[:120])
+    np.testing.assert_array_equal(h.weights_TLK, tr.weights_TLK[:120])
+    assert tr.meta.sequence_starts == [0, 100, 250] and tr.head(400) is tr
+
+
 def test_default_save_is_float16_and_no_temp_files_left(tmp_path):
     tr = make_trace()
     tr.save(tmp_path / "a.trace")

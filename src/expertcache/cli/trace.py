@@ -44,17 +44,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
-def _truncate(trace, n: int):
-    from expertcache.trace import RoutingTrace, TraceMeta
-
-    if trace.num_tokens <= n:
-        return trace
-    m = trace.meta
-    meta = TraceMeta(**{**m.__dict__, "sequence_starts": [s for s in m.sequence_starts if s < n]})
-    w = None if trace.weights_TLK is None else trace.weights_TLK[:n]
-    return RoutingTrace(trace.logits_TLE[:n], trace.ids_TLK[:n], meta, w)
-
-
 def run_record(args: argparse.Namespace) -> int:
     from expertcache.eval.data import resolve_eval_data_dir, wikitext_text
     from expertcache.eval.runner import load_model_and_tokenizer
@@ -81,7 +70,7 @@ def run_record(args: argparse.Namespace) -> int:
     with patch_model(model, RoutingConfig(), capacity=None, record=True) as patch:
         out = task.run(model, patch, progress=True)
         trace = patch.trace()
-    trace = _truncate(trace, args.tokens)
+    trace = trace.head(args.tokens)
     trace.meta.model = str(args.model)
     trace.meta.extra.update(text=label, context=ctx, chunk_tokens=ctx, ppl=out["quality"])
     if args.no_weights:

@@ -106,14 +106,8 @@ def calibrate_strength(trace, policy: str, capacity, target: float, *, freq_LE=N
     from expertcache.routing.controller import DEFAULT_RANGE
     from expertcache.sim import simulate
 
-    if tokens is not None and tokens < trace.num_tokens:
-        from dataclasses import replace
-
-        from expertcache.trace import RoutingTrace
-
-        m = trace.meta
-        meta = replace(m, sequence_starts=[s for s in m.sequence_starts if s < tokens] or [0])
-        trace = RoutingTrace(logits_TLE=trace.logits_TLE[:tokens], ids_TLK=trace.ids_TLK[:tokens], meta=meta)
+    if tokens is not None:
+        trace = trace.head(tokens)
     lo, hi, _ = DEFAULT_RANGE[policy]
     a, b = math.log(lo), math.log(hi)
 

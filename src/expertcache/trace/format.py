@@ -20,7 +20,7 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -155,6 +155,14 @@ class RoutingTrace:
             srt = np.sort(np.where(valid, ids, -np.arange(1, ids.shape[-1] + 1)), axis=-1)
             if (srt[..., 1:] == srt[..., :-1]).any():
                 raise TraceError("an expert id appears twice among one token's selections")
+
+    def head(self, n: int) -> "RoutingTrace":
+        """The first ``n`` tokens (with the sequences that start among them); the trace itself if it is shorter."""
+        if n >= self.num_tokens:
+            return self
+        meta = replace(self.meta, sequence_starts=[s for s in self.meta.sequence_starts if s < n] or [0])
+        w = None if self.weights_TLK is None else self.weights_TLK[:n]
+        return RoutingTrace(self.logits_TLE[:n], self.ids_TLK[:n], meta, w)
 
     def sequences(self) -> list[tuple[int, int]]:
         """[start, end) token ranges of the sequences in the trace."""
