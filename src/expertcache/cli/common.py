@@ -292,15 +292,7 @@ def add_threads_arg(parser) -> None:
 
 
 def _threads_type(text: str):
-    if text == "auto":
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--threads must be a positive number or 'auto', got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--threads must be >= 1, got {n}")
-    return n
+    return text if text == "auto" else positive_int(text)
 
 
 def apply_threads(args: argparse.Namespace, model=None) -> int:

@@ -23,12 +23,10 @@ from expertcache.results import pyplot, save_figure
 from expertcache.routing import STRENGTH
 
 __all__ = ["group_rows", "pareto_front", "identical_points", "pareto_markdown", "plot_tradeoff", "plot_cache_sizes",
-           "plot_raster",
-           "plot_sensitivity", "strength_of", "policy_of"]
+           "plot_raster", "plot_sensitivity", "strength_of", "policy_of", "slug"]
 
 POLICY_COLORS = {"original": "black", "prune": "tab:gray", "max-rank": "tab:orange", "cumsum": "tab:green",
                  "cache-prior": "tab:purple", "eras-threshold": "tab:blue", "eras-bias": "tab:cyan"}
-
 
 
 def _save(fig, path) -> Path:
@@ -88,21 +86,14 @@ def pareto_front(rows: Sequence[dict], *, dedupe: bool = True) -> list[dict]:
     seen = set()
     for r in rows:
         higher = r.get("higher_is_better", True)
-        dominated = False
-        for s in rows:
-            if s is r:
-                continue
-            no_worse = s["miss_rate"] <= r["miss_rate"] and not _better(r["quality"], s["quality"], higher)
-            strictly = s["miss_rate"] < r["miss_rate"] or _better(s["quality"], r["quality"], higher)
-            if no_worse and strictly:
-                dominated = True
-                break
-        if not dominated:
-            point = (r["miss_rate"], r["quality"])
-            if dedupe and point in seen:
-                continue
-            seen.add(point)
-            front.append(r)
+        if any(s is not r and s["miss_rate"] <= r["miss_rate"] and not _better(r["quality"], s["quality"], higher)
+               and (s["miss_rate"] < r["miss_rate"] or _better(s["quality"], r["quality"], higher)) for s in rows):
+            continue  # dominated
+        point = (r["miss_rate"], r["quality"])
+        if dedupe and point in seen:
+            continue
+        seen.add(point)
+        front.append(r)
     return sorted(front, key=lambda r: (r["miss_rate"], -r["quality"] if r.get("higher_is_better", True)
                                         else r["quality"]))
 
@@ -158,7 +149,8 @@ def pareto_markdown(groups: dict[tuple, list[dict]]) -> str:
     return "\n".join(out)
 
 
-def _slug(*parts) -> str:
+def slug(*parts) -> str:
+    """A file-name-safe slug of ``parts``."""
     import re
 
     return re.sub(r"[^A-Za-z0-9]+", "-", "-".join(str(p) for p in parts)).strip("-").lower()
@@ -309,7 +301,3 @@ def plot_sensitivity(rows: Sequence[dict], path: str | Path, title: str = "") ->
     fig.suptitle(title, fontsize=9)
     return _save(fig, path)
 
-
-def slug(*parts) -> str:
-    """A file-name-safe slug of ``parts``."""
-    return _slug(*parts)
