@@ -72,7 +72,9 @@ BENCH_MODELS: dict[str, dict] = {
 
 
 def bench_models_dir() -> Path:
-    return Path(os.environ.get("EXPERTCACHE_CACHE", Path.home() / ".cache" / "expertcache")) / "bench-models"
+    from expertcache.offload.loader import cache_dir
+
+    return cache_dir() / "bench-models"
 
 
 def _disk_entries(model_type: str, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
@@ -80,21 +82,14 @@ def _disk_entries(model_type: str, name: str, shape: tuple[int, ...]) -> list[tu
     its fused tensors)."""
     if model_type == "gpt_oss":
         return [(name, shape)]
-    if name.endswith("mlp.experts.gate_up_proj"):
-        prefix = name[: -len("gate_up_proj")]
-        if model_type == "mixtral":
-            prefix = prefix.replace(".mlp.", ".block_sparse_moe.")
-        e, f2, d = shape
-        names = ("w1", "w3") if model_type == "mixtral" else ("gate_proj", "up_proj")
-        return [(f"{prefix}{i}.{n}.weight", (f2 // 2, d)) for i in range(e) for n in names]
-    if name.endswith("mlp.experts.down_proj"):
-        prefix = name[: -len("down_proj")]
-        if model_type == "mixtral":
-            prefix = prefix.replace(".mlp.", ".block_sparse_moe.")
-        e, d, f = shape
-        n = "w2" if model_type == "mixtral" else "down_proj"
-        return [(f"{prefix}{i}.{n}.weight", (d, f)) for i in range(e)]
-    if model_type == "mixtral":
+    mixtral = model_type == "mixtral"
+    for fused, parts in (("gate_up_proj", ("w1", "w3") if mixtral else ("gate_proj", "up_proj")),  # [E, 2F, D]
+                         ("down_proj", ("w2",) if mixtral else ("down_proj",))):  # [E, D, F]
+        if name.endswith("mlp.experts." + fused):
+            prefix = name[: -len(fused)].replace(".mlp.", ".block_sparse_moe." if mixtral else ".mlp.")
+            e, rows, cols = shape
+            return [(f"{prefix}{i}.{n}.weight", (rows // len(parts), cols)) for i in range(e) for n in parts]
+    if mixtral:
         name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
     return [(name, shape)]
 
@@ -176,15 +171,10 @@ def make_bench_model(name: str, *, layers: int | None = None, out: str | os.Path
             "for bytes and tokens per second only, never for quality.\n")
         (folder / "expertcache.json").write_text(json.dumps(dict(name=name, layers=n_layers, dtype=str(dtype))))
     if quant:
-        from expertcache.models.adapters import family_for
+        from expertcache.models.adapters import family_for, find_moe_layers
         from expertcache.offload.checkpoint import Checkpoint
         from expertcache.offload.store import quantize_checkpoint
 
-        family = family_for(config)
-        from expertcache.models.adapters import find_moe_layers
-
-        moe = find_moe_layers(meta, family)
-        ckpt = Checkpoint(folder, model_type, moe[0].num_experts)
-        moe_ids = [m.layer_id for m in moe]
-        quantize_checkpoint(ckpt, moe_ids, quant, group)
+        moe = find_moe_layers(meta, family_for(config))
+        quantize_checkpoint(Checkpoint(folder, model_type, moe[0].num_experts), [m.layer_id for m in moe], quant, group)
     return folder
