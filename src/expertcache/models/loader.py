@@ -4,8 +4,10 @@ a damaged or inconsistent folder into one clear error naming the file (before tr
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -72,21 +74,9 @@ def check_weights_match_config(folder: str | os.PathLike, config, model: nn.Modu
             shape, name = disk[key]
             raise ValueError(f"{folder / 'config.json'} ({fields}) does not match {folder / name}: {key} is "
                              f"{list(shape)} in the file, the config implies {list(t.shape)}")
-    seen, want = set(), 0
-    for key, t in expected.items():
-        if ".experts." in key and id(t) not in seen:
-            seen.add(id(t))
-            want += t.numel()
-    have = 0
-    per_layer: dict[str, int] = {}
-    for key, (shape, _) in disk.items():
-        if ".experts." in key:
-            n = 1
-            for d in shape:
-                n *= d
-            have += n
-            layer = key.split(".experts.")[0]
-            per_layer[layer] = per_layer.get(layer, 0) + 1
+    want = sum(t.numel() for t in {id(t): t for key, t in expected.items() if ".experts." in key}.values())
+    have = sum(math.prod(shape) for key, (shape, _) in disk.items() if ".experts." in key)
+    per_layer = Counter(key.split(".experts.")[0] for key in disk if ".experts." in key)
     uniform = len(set(per_layer.values())) <= 1  # else a tensor is missing: the loaders name it
     if want and have and want != have and uniform:
         raise ValueError(f"{folder / 'config.json'} ({fields}) does not match the expert tensors of "
