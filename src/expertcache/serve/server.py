@@ -42,61 +42,44 @@ def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
-def _server_class():
+def _server(app, *, log_level: str, grace_s: float):
+    """A uvicorn server for ``app`` that shuts down gracefully: on the first SIGTERM/SIGINT new requests get
+    503, waiting ones are cancelled, running ones get ``grace_s`` to finish (then are cancelled), uvicorn waits
+    for their connections, then returns normally (the signal is handled, not re-raised)."""
     import uvicorn
 
     class Server(uvicorn.Server):
-        """On the first SIGTERM/SIGINT: new requests get 503, waiting ones are cancelled, running ones get
-        ``grace_s`` to finish (then are cancelled), uvicorn waits for their connections, then returns
-        normally (the signal is handled, not re-raised)."""
-
-        grace_s = 30.0
-
         def handle_exit(self, sig, frame) -> None:
             from expertcache.serve.app import begin_shutdown
 
-            app = self.config.app
             if not app.state.shutting_down:
-                n = begin_shutdown(app, self.grace_s)
-                eng = app.state.engine
-                print(f"expertcache serve: shutting down: {eng.in_flight()} running request(s) get up to "
-                      f"{self.grace_s:g} s to finish, {n} waiting request(s) cancelled (503)", file=sys.stderr,
+                n = begin_shutdown(app, grace_s)
+                print(f"expertcache serve: shutting down: {app.state.engine.in_flight()} running request(s) get up "
+                      f"to {grace_s:g} s to finish, {n} waiting request(s) cancelled (503)", file=sys.stderr,
                       flush=True)
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
-    return Server
-
-
-def _config(app, *, log_level: str, grace_s: float):
-    import uvicorn
-
-    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 5, lifespan="off",
-                          access_log=False, timeout_keep_alive=5)
+    return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 5, lifespan="off",
+                                 access_log=False, timeout_keep_alive=5))
 
 
 def serve_forever(app, sock: socket.socket, *, grace_s: float = 30.0, log_level: str = "warning") -> None:
-    Server = _server_class()
-    server = Server(_config(app, log_level=log_level, grace_s=grace_s))
-    server.grace_s = grace_s
-    server.run(sockets=[sock])
+    _server(app, log_level=log_level, grace_s=grace_s).run(sockets=[sock])
 
 
 class ServerThread:
     """uvicorn in a daemon thread on ``127.0.0.1:<ephemeral>``; :meth:`stop` shuts it down like SIGTERM."""
 
     def __init__(self, app, *, grace_s: float = 5.0, host: str = "127.0.0.1") -> None:
-        Server = _server_class()
         self.app = app
         self.sock = bind(host, 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self.server = Server(_config(app, log_level="error", grace_s=grace_s))
-        self.server.grace_s = grace_s
+        self.server = _server(app, log_level="error", grace_s=grace_s)
         self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
-
         self.thread.start()
         t0 = time.monotonic()
         while not self.server.started:
