@@ -20,13 +20,6 @@ def _layers(cache):
     return [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
 
 
-def _pad_left(x_BHLd: torch.Tensor, n: int) -> torch.Tensor:
-    if n == 0:
-        return x_BHLd
-    pad = x_BHLd.new_zeros(*x_BHLd.shape[:2], n, x_BHLd.shape[3])
-    return torch.cat([pad, x_BHLd], dim=2)
-
-
 def merge_row(cache, mask_BL: torch.Tensor | None, row_cache) -> tuple[object, torch.Tensor]:
     """Append the single-row ``row_cache`` ([1, H, P, d] per layer, no padding) to the batch ``cache`` (rows
     [B, H, L, d], mask ``mask_BL``; ``None``/``None`` for an empty batch). The shorter side is left-padded to
@@ -46,10 +39,10 @@ def merge_row(cache, mask_BL: torch.Tensor | None, row_cache) -> tuple[object, t
         raise ValueError(f"batch cache has {len(layers)} layers, the new row {len(rows)}")
     L = layers[0].keys.shape[2]
     n = max(L, P)
+    pad = torch.nn.functional.pad  # (0, 0, k, 0): k zero columns on the left of [B, H, L, d]
     for a, b in zip(layers, rows):
-        a.keys = torch.cat([_pad_left(a.keys, n - L), _pad_left(b.keys, n - P)], dim=0)
-        a.values = torch.cat([_pad_left(a.values, n - L), _pad_left(b.values, n - P)], dim=0)
-    pad = torch.nn.functional.pad
+        a.keys = torch.cat([pad(a.keys, (0, 0, n - L, 0)), pad(b.keys, (0, 0, n - P, 0))], dim=0)
+        a.values = torch.cat([pad(a.values, (0, 0, n - L, 0)), pad(b.values, (0, 0, n - P, 0))], dim=0)
     mask_BL = torch.cat([pad(mask_BL, (n - L, 0)), pad(row_mask_1P, (n - P, 0))])
     return cache, mask_BL
 
