@@ -39,16 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def default_trace_path():
-    from expertcache.trace.demo import demo_trace_path
-
-    return demo_trace_path()
-
-
 def run(args: argparse.Namespace) -> int:
     from expertcache.results import append_jsonl
     from expertcache.sim import activation_frequency, simulate
     from expertcache.trace import RoutingTrace
+    from expertcache.trace.demo import demo_trace_path
 
     routing = routing_from_args(args)
     check_output_path(args.out, "--out")
@@ -58,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         check_target(routing, target)
     print_resolved("simulate", routing, f", cache {args.eviction} C={args.capacity}"
                    + ("" if target is None else f", target miss rate {target}"))
-    trace = RoutingTrace.load(args.trace or default_trace_path())
+    trace = RoutingTrace.load(args.trace or demo_trace_path())
     freq = None
     if routing.policy == "eras-bias":
         if args.freq_from:

@@ -150,10 +150,6 @@ def final_number(text: str) -> str | None:
     return n
 
 
-def _strip_calculator(answer: str) -> str:
-    return re.sub(r"<<[^>]*>>", "", answer)
-
-
 def load_gsm8k(folder: Path, split: str) -> list[GSMProblem]:
     """Rows of ``gsm8k/<split>.jsonl`` with calculator annotations (``<<a*b=c>>``) removed."""
     path = Path(folder) / f"{split}.jsonl"
@@ -165,7 +161,7 @@ def load_gsm8k(folder: Path, split: str) -> list[GSMProblem]:
             continue
         try:
             row = json.loads(line)
-            answer = _strip_calculator(str(row["answer"]))
+            answer = re.sub(r"<<[^>]*>>", "", str(row["answer"]))  # calculator annotations
             target = final_number(answer)
             if target is None:
                 raise ValueError("no final number")

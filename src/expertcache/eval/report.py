@@ -60,15 +60,11 @@ def _source(row) -> str:
     return str(c.get("trace_model") or "trace")
 
 
-def _usable(row) -> bool:
-    return row.get("quality") is not None and row.get("miss_rate") is not None and row.get("kind") != "sensitivity"
-
-
 def group_rows(rows: Iterable[dict]) -> dict[tuple, list[dict]]:
     """Rows with a quality and a miss rate grouped by (mode, source, capacity, eviction)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        if _usable(r):
+        if r.get("quality") is not None and r.get("miss_rate") is not None and r.get("kind") != "sensitivity":
             c = r.get("config", {})
             groups[(r.get("mode", "?"), _source(r), c.get("capacity"), c.get("eviction"))].append(r)
     return dict(groups)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from expertcache.routing import kernels as _rk
-from expertcache.routing.config import STRENGTH, Router, RoutingConfig
+from expertcache.routing.config import STRENGTH, Router
 from expertcache.routing.controller import ControllerConfig, MissRateController
 from expertcache.routing.policies import _check
 

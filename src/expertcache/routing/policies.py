@@ -82,10 +82,6 @@ def _check(z_TE: torch.Tensor, k: int, resident: torch.Tensor | None = None) -> 
             )
 
 
-def _mask_TE(resident: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
-    return resident.to(z_TE.device).expand_as(z_TE)
-
-
 def _check_unit(name: str, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value}")
@@ -271,7 +267,7 @@ def cache_prior_rank(
             return _kernel_rank("cache-prior", z_TE, resident, k, j, strength=lam, delta=delta)
         delta = delta.fixed
     if isinstance(delta, torch.Tensor):
-        mask_TE = _mask_TE(resident, z_TE)
+        mask_TE = resident.to(z_TE.device).expand_as(z_TE)
         return torch.cat([_kernel_rank("cache-prior", z_TE[t:t + 1], mask_TE[t:t + 1], k, j, strength=lam,
                                        fixed=float(d)) for t, d in enumerate(delta.reshape(-1).tolist())])
     return _kernel_rank("cache-prior", z_TE, resident, k, j, strength=lam, fixed=float(delta))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from expertcache.routing import POLICIES, Router, RoutingConfig
+from expertcache.routing import POLICIES, STRENGTH, Router, RoutingConfig
 
 __all__ = ["install_liveview", "Broker", "Tap", "LiveControl", "replay_frames", "SCHEMA_VERSION", "shipped_traces"]
 
@@ -314,7 +314,7 @@ class LiveControl:
     def resolved(self) -> dict:
         rt = self.rt
         return dict(routing=rt.routing.to_dict(), label=rt.routing.label(), cache_aware=rt.routing.cache_aware,
-                    strength=_strength(rt.routing.policy),
+                    strength=STRENGTH[rt.routing.policy],
                     eviction=rt.eviction, gamma=getattr(rt, "gamma", 0.9), capacity=rt.capacity,
                     num_experts=rt.num_experts, top_k=rt.top_k, moe_layers=len(rt.layers),
                     expert_bytes=rt.expert_bytes, version=self.version, pending=self._pending is not None,
@@ -416,12 +416,6 @@ def _routing_from(body: dict, base: dict) -> RoutingConfig:
         return RoutingConfig(**routing)
     except (ValueError, TypeError) as exc:
         raise ConfigError(_culprit(str(exc), body), str(exc)) from None
-
-
-def _strength(policy: str) -> str | None:
-    from expertcache.routing.config import STRENGTH
-
-    return STRENGTH[policy]
 
 
 def _culprit(message: str, body: dict) -> str:

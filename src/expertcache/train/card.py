@@ -186,13 +186,11 @@ def _safetensors_dtypes(model_dir: Path) -> set[str]:
         return {str(f.get_slice(k).get_dtype()) for k in f.keys()}
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
-
-
 def render_card(r: dict, command: str) -> str:
     """MODEL_CARD.md text from :func:`evaluate_model_dir`'s dict; ``command`` is the command that produced it.
     The prose is ``templates/MODEL_CARD.md`` (``string.Template``); the tables' rows are made here."""
+    import transformers
+
     t, h = r["train"], r["heldout"]
     tc, name = t.get("config", {}), Path(r["model_dir"]).name
     w = r["wikitext2"]
@@ -200,7 +198,7 @@ def render_card(r: dict, command: str) -> str:
                   + ("–" if c["mean_lifetime"] is None else f"{c['mean_lifetime']:.1f}") + " | "
                   + ", ".join(f"{m:.3f}" for m in c["layer_miss_rates"]) + " |" for c in r["cache"]]
     fields = dict(
-        r, name=name, name_repr=repr(name), transformers=_tf_version(), params_total=f"{r['params_total']:,}",
+        r, name=name, name_repr=repr(name), transformers=transformers.__version__, params_total=f"{r['params_total']:,}",
         params_experts=f"{r['params_experts']:,}", experts_share=f"{r['experts_share']:.1%}",
         dir_mb=f"{r['dir_bytes'] / 1e6:.2f}", dir_bytes=f"{r['dir_bytes']:,}",
         train_cmd=t.get("command") or f"expertcache train --model {name} --ship", heldout_docs=h["docs"],
@@ -224,12 +222,6 @@ def render_card(r: dict, command: str) -> str:
     return string.Template(template).substitute(fields)
 
 
-def _tf_version() -> str:
-    import transformers
-
-    return transformers.__version__
-
-
 def write_card(model_dir: str | Path, data_dir: str | None = None, max_tokens: int = 0, threads: int = 1,
                command: str = "") -> Path:
     """Evaluate ``model_dir`` and write ``card.json`` and ``MODEL_CARD.md`` into it. Returns the card path."""
@@ -241,7 +233,7 @@ def write_card(model_dir: str | Path, data_dir: str | None = None, max_tokens: i
     r["command"] = command
     card = model_dir / "MODEL_CARD.md"
     for _ in range(2):  # the folder size includes the card itself
-        r["dir_bytes"] = _dir_bytes(model_dir)
+        r["dir_bytes"] = sum(f.stat().st_size for f in model_dir.iterdir() if f.is_file())
         (model_dir / "card.json").write_text(json.dumps(r, indent=2) + "\n")
         card.write_text(render_card(r, command))
     return card
