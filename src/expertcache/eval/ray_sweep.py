@@ -112,18 +112,11 @@ def run_sweep_ray(runs: list[dict[str, Any]], out: str | os.PathLike, spec: dict
         import ray
     except ImportError:
         raise ValueError("--ray needs Ray: pip install 'expertcache[ray]'") from None
-    from expertcache.eval.sweep import config_key, done_keys, drop_torn_tail, sweep_lock
+    from expertcache.eval.sweep import pending_runs, sweep_lock, sweep_row
     from expertcache.results import append_jsonl
 
     with sweep_lock(out):
-        drop_torn_tail(out)
-        done = done_keys(out)
-        todo, seen = [], set()
-        for r in runs:
-            k = config_key(r)
-            if k not in done and k not in seen:
-                seen.add(k)
-                todo.append(r)
+        todo = pending_runs(runs, out)
         if not todo:
             return 0, len(runs)
         started = False
@@ -149,10 +142,7 @@ def run_sweep_ray(runs: list[dict[str, Any]], out: str | os.PathLike, spec: dict
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
-                    run = pending.pop(ref)
-                    row = ray.get(ref)
-                    row.update(sweep_key=config_key(run), sweep=run, version=__version__, seed=run["seed"])
-                    append_jsonl(out, row)
+                    append_jsonl(out, sweep_row(ray.get(ref), pending.pop(ref)))
                     bar.update(1)
         except BaseException:
             for ref in pending:  # a failed run or Ctrl-C: stop the rest (finished rows are in the file)

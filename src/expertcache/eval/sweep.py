@@ -34,8 +34,8 @@ from expertcache import __version__
 from expertcache.cache import resolve_capacity
 from expertcache.routing import POLICIES, RoutingConfig
 
-__all__ = ["policy_grid", "plan", "config_key", "done_keys", "drop_torn_tail", "run_sweep", "open_loop_row", "closed_loop_row",
-           "router_mass", "sweep_lock", "SweepLockedError"]
+__all__ = ["policy_grid", "plan", "config_key", "done_keys", "drop_torn_tail", "pending_runs", "sweep_row", "run_sweep",
+           "open_loop_row", "closed_loop_row", "router_mass", "sweep_lock", "SweepLockedError"]
 
 
 class SweepLockedError(RuntimeError):
@@ -158,26 +158,34 @@ def drop_torn_tail(path: str | Path) -> bool:
     return True
 
 
+def pending_runs(runs: list[dict[str, Any]], out: str | Path) -> list[dict[str, Any]]:
+    """The runs whose config key is not yet in ``out`` (each key once), after cutting a torn last line off it
+    (:func:`drop_torn_tail`). Call it holding :func:`sweep_lock`."""
+    drop_torn_tail(out)
+    done = done_keys(out)
+    todo = {k: r for r in runs if (k := config_key(r)) not in done}
+    return list(todo.values())
+
+
+def sweep_row(row: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """``row`` (what executing ``run`` returned) with the sweep's identity: ``sweep_key``, ``sweep``, ``version``,
+    ``seed``."""
+    row.update(sweep_key=config_key(run), sweep=run, version=__version__, seed=run["seed"])
+    return row
+
+
 def run_sweep(runs: list[dict[str, Any]], out: str | Path, execute: Callable[[dict[str, Any]], dict[str, Any]],
               *, progress: bool = False) -> tuple[int, int]:
-    """Execute the runs whose key is not yet in ``out``, appending one row each (with ``sweep_key`` and
-    ``sweep``); returns (executed, skipped)."""
+    """Execute the runs whose key is not yet in ``out``, appending one row each (:func:`sweep_row`); returns
+    (executed, skipped)."""
+    from tqdm import tqdm
+
     from expertcache.results import append_jsonl
 
     with sweep_lock(out):
-        return _run_sweep(runs, out, execute, progress=progress, append=append_jsonl)
-
-
-def _run_sweep(runs, out, execute, *, progress, append) -> tuple[int, int]:
-    drop_torn_tail(out)
-    done = done_keys(out)
-    todo = [r for r in runs if config_key(r) not in done]
-    from tqdm import tqdm
-
-    for run in tqdm(todo, desc="sweep", unit="run", disable=not progress):
-        row = execute(run)
-        row.update(sweep_key=config_key(run), sweep=run, version=__version__, seed=run["seed"])
-        append(out, row)
+        todo = pending_runs(runs, out)
+        for run in tqdm(todo, desc="sweep", unit="run", disable=not progress):
+            append_jsonl(out, sweep_row(execute(run), run))
     return len(todo), len(runs) - len(todo)
 
 
