@@ -195,14 +195,29 @@ def capacity_spec(text: str) -> str:
     return str(text).strip()
 
 
-def capacity_list(text: str) -> str:
-    """argparse type of sweep's ``--capacity``: comma-separated :func:`capacity_spec` values."""
-    items = [x.strip() for x in str(text).split(",") if x.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("give at least one cache size")
-    for x in items:
-        capacity_spec(x)
-    return ",".join(items)
+def csv_of(parse, what: str):
+    """argparse type: comma-separated values (at least one), each checked by the argparse type ``parse``;
+    the value is the cleaned text (``"a,b"``)."""
+    def parse_list(text: str) -> str:
+        items = [x.strip() for x in str(text).split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"give at least one {what}")
+        for x in items:
+            parse(x)
+        return ",".join(items)
+    return parse_list
+
+
+def one_of(options, what: str):
+    """argparse type: one of ``options``."""
+    def parse(text: str) -> str:
+        if text not in options:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; choose among {', '.join(options)}")
+        return text
+    return parse
+
+
+capacity_list = csv_of(capacity_spec, "cache size")  # sweep's --capacity
 
 
 def memory_spec(text: str) -> str:

@@ -19,7 +19,7 @@ from expertcache.cli.common import add_threads_arg, apply_threads, config_from_a
 
 
 def register(subparsers) -> None:
-    from expertcache.cli.common import add_dataclass_args, nonneg_int, positive_int
+    from expertcache.cli.common import add_dataclass_args, csv_of, nonneg_int, positive_int
     from expertcache.mole.configs import KINDS, MoleTrainConfig
 
     p = subparsers.add_parser("mole", help="Mixture of Lookup Experts: train, export tables, generate, evaluate",
@@ -60,7 +60,7 @@ def register(subparsers) -> None:
     v.add_argument("--ppl-tokens", type=nonneg_int, default=131072, help="held-out tokens scored (0 = all)")
     v.add_argument("--read-mode", choices=("mmap", "pread", "flash", "direct"), default="flash",
                    help="table reads during the latency runs (perplexity always uses mmap)")
-    v.add_argument("--batches", type=_batches, default="1,8", help="decode batch sizes timed")
+    v.add_argument("--batches", type=csv_of(positive_int, "batch size"), default="1,8", help="decode batch sizes timed")
     v.add_argument("--prompt-tokens", type=positive_int, default=64)
     v.add_argument("--new-tokens", type=positive_int, default=32)
     v.add_argument("--moe-tokens", type=positive_int, default=512, help="MoE: positions per sequence replayed through LRU")
@@ -70,18 +70,6 @@ def register(subparsers) -> None:
     v.add_argument("--label", default="", help="row label (default: the folder name)")
     v.add_argument("--out", default="", help="append the row to this JSONL file")
     v.set_defaults(func=run_eval)
-
-
-def _batches(text: str) -> str:
-    """argparse type of ``--batches``: comma-separated positive batch sizes."""
-    from expertcache.cli.common import positive_int
-
-    items = [x for x in str(text).split(",") if x.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("give at least one batch size")
-    for x in items:
-        positive_int(x)
-    return ",".join(x.strip() for x in items)
 
 
 def _check_model_dir(path) -> None:

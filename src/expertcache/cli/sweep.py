@@ -8,7 +8,8 @@ import sys
 
 from expertcache.cache import EVICTION_POLICIES
 from expertcache.cli.common import (add_cache_state_args, apply_threads, capacity_list, check_input_file,
-                                    check_output_path, flag_message, nonneg_float, nonneg_int, positive_int)
+                                    check_output_path, csv_of, flag_message, nonneg_float, nonneg_int, one_of,
+                                    positive_int)
 from expertcache.routing import POLICIES, RoutingConfig
 
 DESCRIPTION = """\
@@ -27,10 +28,6 @@ points in [0, 1]; eras-bias beta in [0, --beta-max]. --strengths replaces the co
 _DEFAULT_POLICIES = "original,prune,max-rank,cumsum,cache-prior"
 
 
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in str(text).split(",") if x.strip()]
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     from expertcache.cli.eval import add_model_task_args
 
@@ -39,10 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", default=None, help="open loop: routing trace to simulate")
     add_model_task_args(p, task_required=False)
     g = p.add_argument_group("grid")
-    g.add_argument("--policies", default=_DEFAULT_POLICIES,
+    g.add_argument("--policies", type=csv_of(one_of(POLICIES, "policy"), "policy"), default=_DEFAULT_POLICIES,
                    help=f"comma-separated policies among {', '.join(POLICIES)} (default: {_DEFAULT_POLICIES})")
     g.add_argument("--grid", type=positive_int, default=50, help="points of the continuous grids in [0, 1] (001: 50)")
-    g.add_argument("--strengths", default=None, help="explicit comma-separated values for p / lambda / alpha / beta")
+    g.add_argument("--strengths", type=csv_of(nonneg_float, "value"), default=None,
+                   help="explicit comma-separated values for p / lambda / alpha / beta")
     g.add_argument("--beta-max", type=nonneg_float, default=4.0, help="eras-bias: largest beta (default 4)")
     g.add_argument("--top-j", type=nonneg_int, default=None,
                    help="always keep the original top-J (default: each policy's paper: 1 for max-rank, cumsum, "
@@ -50,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--delta", type=nonneg_float, default=None, help="cache-prior: fixed delta (default: running average)")
     g.add_argument("--capacity", type=capacity_list, default="0.5", help="comma-separated cache sizes: counts or fractions of N "
                    "(default 0.5)")
-    g.add_argument("--eviction", default="lru", help=f"comma-separated evictions among "
-                   f"{', '.join(EVICTION_POLICIES)} (default lru)")
+    g.add_argument("--eviction", type=csv_of(one_of(EVICTION_POLICIES, "eviction"), "eviction"), default="lru",
+                   help=f"comma-separated evictions among {', '.join(EVICTION_POLICIES)} (default lru)")
     add_cache_state_args(g)
     p.add_argument("--out", required=True, help="JSONL file to append rows to (resumes if it exists; a second sweep "
                    "on the same file is refused while the first runs: lock <out>.lock)")
@@ -64,23 +62,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print how many runs are planned and pending, run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
-
-
-def _strengths(text: str) -> list[float]:
-    import math
-
-    out = []
-    for x in _csv(text):
-        try:
-            v = float(x)
-        except ValueError:
-            raise ValueError(f"--strengths: {x!r} is not a number") from None
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"--strengths: values must be finite and ≥ 0, got {x!r}")
-        out.append(v)
-    if not out:
-        raise ValueError("--strengths: give at least one value")
-    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,16 +90,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from expertcache.eval.sweep import config_key, done_keys, open_loop_row, plan, run_sweep
 
-    policies = _csv(args.policies)
-    for pol in policies:
-        if pol not in POLICIES:
-            raise ValueError(f"--policies: unknown policy {pol!r}; choose among {', '.join(POLICIES)}")
-    evictions = _csv(args.eviction)
-    for e in evictions:
-        if e not in EVICTION_POLICIES:
-            raise ValueError(f"--eviction: unknown eviction {e!r}; choose among {', '.join(EVICTION_POLICIES)}")
-    strengths = _strengths(args.strengths) if args.strengths else None
-    common = dict(policies=policies, capacities=_csv(args.capacity), evictions=evictions, points=args.grid,
+    policies = args.policies.split(",")
+    strengths = [float(x) for x in args.strengths.split(",")] if args.strengths else None
+    common = dict(policies=policies, capacities=args.capacity.split(","), evictions=args.eviction.split(","),
+                  points=args.grid,
                   top_j=args.top_j, beta_max=args.beta_max, strengths=strengths, delta=args.delta, gamma=args.gamma,
                   initial=args.initial, seed=args.seed, between_sequences=args.between_sequences)
     progress = not args.no_progress
