@@ -53,18 +53,6 @@ class Ticket:
             raise self.error
         return self
 
-    def _run(self, job: Callable[[], int]) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.nbytes = job()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost
-            self.error = exc
-        finally:
-            self.seconds = time.perf_counter() - t0
-            self._event.set()
-            if self._done is not None:
-                self._done.put(self)
-
 
 class IOQueue:
     """``readers`` daemon threads serving a FIFO of jobs (0 = run jobs inline)."""
@@ -82,18 +70,11 @@ class IOQueue:
 
     def submit(self, job: Callable[[], int], tag=None, done: "queue.SimpleQueue | None" = None) -> Ticket:
         """Queue ``job``; returns its ticket (already complete when ``readers == 0``)."""
-        ticket = Ticket(tag, done)
-        if not self._threads:
-            ticket._run(job)
-        else:
-            self._jobs.put((ticket, job))
-        return ticket
+        return self.submit_all([job], tag, done)
 
     def submit_all(self, jobs: list[Callable[[], int]], tag=None, done: "queue.SimpleQueue | None" = None) -> Ticket:
         """Queue ``jobs`` (in order) under one ticket: ``nbytes`` and ``seconds`` are their sums; it completes
         (and goes on ``done``) when every job has finished; ``wait`` raises the first job's error."""
-        if len(jobs) == 1:
-            return self.submit(jobs[0], tag, done)
         ticket = Ticket(tag, done)
         share = _Share(ticket, len(jobs))
         for job in jobs:
@@ -120,7 +101,8 @@ class IOQueue:
 
 
 class _Share:
-    """One of several jobs of a ticket (:meth:`IOQueue.submit_all`)."""
+    """The jobs of one ticket (:meth:`IOQueue.submit_all`): each run adds its bytes and time, the last one
+    completes the ticket."""
 
     __slots__ = ("ticket", "left", "lock")
 
@@ -153,5 +135,5 @@ def _work(jobs: queue.SimpleQueue) -> None:
         item = jobs.get()
         if item is None:
             return
-        ticket, job = item
-        ticket._run(job)
+        share, job = item
+        share._run(job)
