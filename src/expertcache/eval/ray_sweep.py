@@ -70,15 +70,13 @@ def make_executor(spec: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, 
     if spec["mode"] == "open-loop":
         from expertcache.eval.sweep import open_loop_row
         from expertcache.sim import activation_frequency
-        from expertcache.trace import RoutingTrace
+        from expertcache.trace import RoutingTrace, atomic_write_bytes
 
         folder = Path(tempfile.gettempdir()) / "expertcache-ray"
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{spec['trace_sha1']}.trace.safetensors"
         if not path.exists():
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(spec["trace_bytes"])
-            tmp.replace(path)
+            atomic_write_bytes(path, spec["trace_bytes"])
         trace = RoutingTrace.load(path)
         freq = activation_frequency(trace.ids_TLK, trace.meta.num_experts) if spec["need_freq"] else None
 

@@ -47,6 +47,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 import torch
 
 from expertcache.routing import RoutingConfig
+from expertcache.trace import atomic_write_bytes
 
 __all__ = ["ExpertCacheLM", "write_local_tasks", "main"]
 
@@ -277,9 +278,7 @@ def write_local_tasks(data_dir: str | Path, out_dir: str | Path, *, mmlu_subject
 
     def put(name: str, template: str, **fields) -> None:
         text = string.Template((_TASKS / f"{template}.yaml").read_text(encoding="utf-8")).substitute(fields)
-        tmp = out_dir / f".{name}.yaml.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(out_dir / f"{name}.yaml")
+        atomic_write_bytes(out_dir / f"{name}.yaml", text.encode())
         names.append(name)
 
     for subject in mmlu_subjects:
@@ -292,10 +291,8 @@ def write_local_tasks(data_dir: str | Path, out_dir: str | Path, *, mmlu_subject
     wiki = data_dir / "wikitext-2-raw-v1" / "test.jsonl"
     if wiki.is_file():
         put("ec_wikitext", "ec_wikitext", test=wiki.resolve())
-        tmp = out_dir / ".ec_utils.py.tmp"
-        tmp.write_text("def nonempty(dataset):\n"
-                       "    return dataset.filter(lambda d: len(d['text'].strip()) > 0)\n", encoding="utf-8")
-        tmp.replace(out_dir / "ec_utils.py")
+        atomic_write_bytes(out_dir / "ec_utils.py", b"def nonempty(dataset):\n"
+                                                    b"    return dataset.filter(lambda d: len(d['text'].strip()) > 0)\n")
     return names
 
 

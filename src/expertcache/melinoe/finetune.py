@@ -37,6 +37,7 @@ import torch
 
 from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
 from expertcache.results import pyplot, save_figure
+from expertcache.trace import atomic_write_bytes
 from expertcache.train.configs import check_positive, check_save_dtype
 from expertcache.train.loop import publish_folder, save_npy
 
@@ -365,9 +366,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     bar.close()
     tap.remove()
     save(stop)
-    with open(out / "log.jsonl.tmp", "w") as fh:
-        fh.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(out / "log.jsonl.tmp", out / "log.jsonl")
+    atomic_write_bytes(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
     if rows:
         plot_losses(rows, out / "losses.png", f"melinoe finetune {cfg.model}: λ_cs={cfg.lambda_cs} "
                     f"λ_rm={cfg.lambda_rm} γ={cfg.gamma} ρ={cfg.rho} C={capacity}")

@@ -146,15 +146,14 @@ class Predictor:
         return [np.argsort(-row, kind="stable")[:capacity].tolist() for row in pred]
 
     def save(self, out: str | os.PathLike) -> Path:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
+
+        from expertcache.trace import atomic_write_bytes
 
         out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "predictor.tmp.safetensors"
-        save_file({k: v.contiguous() for k, v in self.mlp.state_dict().items()}, str(tmp))
-        os.replace(tmp, out / "predictor.safetensors")
-        (out / "predictor.json.tmp").write_text(json.dumps(self.meta, indent=2) + "\n")
-        os.replace(out / "predictor.json.tmp", out / "predictor.json")
+        weights = {k: v.contiguous() for k, v in self.mlp.state_dict().items()}
+        atomic_write_bytes(out / "predictor.safetensors", save(weights))
+        atomic_write_bytes(out / "predictor.json", (json.dumps(self.meta, indent=2) + "\n").encode())
         return out
 
     @classmethod
