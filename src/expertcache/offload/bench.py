@@ -25,6 +25,7 @@ Every (policy, round) is one JSONL row with the full resolved configuration; ``t
 
 from __future__ import annotations
 
+import os
 import platform
 import random
 import statistics
@@ -57,16 +58,12 @@ BENCH_POLICIES = tuple(policy_set(2))
 
 
 def machine_info() -> dict:
-    info = dict(python=platform.python_version(), torch=torch.__version__, machine=platform.machine(),
+    from expertcache.train.card import cpu_name
+
+    return dict(python=platform.python_version(), torch=torch.__version__, machine=platform.machine(),
                 processor=platform.processor(), threads=torch.get_num_threads(),
-                cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
-        info.update(cpu=names[0] if names else None, cores=len(names))
-    except OSError:
-        pass
-    return info
+                cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, cpu=cpu_name(),
+                cores=os.cpu_count())
 
 
 def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: bool = True) -> float:

@@ -33,7 +33,8 @@ OPENING_SOURCES = ("linux-doc-6.1", "python3.11-doc", "perl-doc")  # first held-
 OPENING_TOKENS = 64  # prompt length and greedy continuation length
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``, else ``platform.processor()``)."""
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
@@ -166,7 +167,7 @@ def evaluate_model_dir(model_dir: str | Path, data_dir: str | None = None, max_t
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return {
         "model_dir": str(model_dir), "arch": type(model).__name__, "expertcache": __version__,
-        "torch": torch.__version__, "threads": threads, "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "threads": threads, "cpu": cpu_name(), "cpu_count": os.cpu_count(),
         "num_experts": num_experts, "top_k": top_k, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
         "expert_ffn": cfg.intermediate_size, "heads": cfg.num_attention_heads, "seq_len": seq_len, "vocab": V,
         "params_total": total, "params_experts": experts, "experts_share": experts / total,
