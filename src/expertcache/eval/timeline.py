@@ -12,17 +12,11 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from expertcache.cache import make_cache, resolve_capacity
+from expertcache.sim.simulator import sequence_segments
 
 __all__ = ["step_misses", "layer_raster", "RASTER_IDLE", "RASTER_RESIDENT", "RASTER_HIT", "RASTER_MISS"]
 
 RASTER_IDLE, RASTER_RESIDENT, RASTER_HIT, RASTER_MISS = 0, 1, 2, 3
-
-
-def _segments(t: int, starts: Sequence[int] | None, between_sequences: str) -> list[tuple[int, int]]:
-    if between_sequences == "carry" or not starts:
-        return [(0, t)]
-    s = list(starts)
-    return [(a, b) for a, b in zip(s, s[1:] + [t]) if b > a]
 
 
 def step_misses(ids_TLK: np.ndarray, num_experts: int, capacity, *, eviction: str = "lru", gamma: float = 0.9,
@@ -36,7 +30,7 @@ def step_misses(ids_TLK: np.ndarray, num_experts: int, capacity, *, eviction: st
     cap = resolve_capacity(capacity, num_experts)
     out = np.zeros((t, n_l), dtype=np.int32)
     for layer in range(n_l):
-        for a, b in _segments(t, sequence_starts, between_sequences):
+        for a, b in sequence_segments(t, sequence_starts, between_sequences):
             cache = make_cache(eviction, num_experts, cap, initial=initial, seed=seed + layer, gamma=gamma)
             for i, ids in enumerate(ids_TLK[a:b, layer].tolist(), start=a):
                 hits = cache.access_step(ids)

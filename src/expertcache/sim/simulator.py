@@ -129,7 +129,7 @@ def replay(
     t0 = time.perf_counter()
     ids_TLK = check_selections(ids_TLK, num_experts)
     cap = resolve_capacity(capacity, num_experts)
-    segments = _segments(ids_TLK.shape[0], sequence_starts, between_sequences)
+    segments = sequence_segments(ids_TLK.shape[0], sequence_starts, between_sequences)
     per_layer = []
     for layer in range(ids_TLK.shape[1]):
         total = None
@@ -147,7 +147,9 @@ def replay(
                      seconds=time.perf_counter() - t0)
 
 
-def _segments(t: int, starts: Sequence[int] | None, mode: str) -> list[tuple[int, int]]:
+def sequence_segments(t: int, starts: Sequence[int] | None, mode: str) -> list[tuple[int, int]]:
+    """The [a, b) token ranges that each get fresh caches: the whole run with ``mode='carry'``, one per
+    sequence with ``'reset'``."""
     if mode not in ("carry", "reset"):
         raise ValueError(f"between_sequences must be 'carry' or 'reset', got {mode!r}")
     if mode == "carry" or not starts:
@@ -213,23 +215,18 @@ def simulate(
     meta = trace.meta
     n, k = meta.num_experts, meta.top_k
     cap = resolve_capacity(capacity, n)
-    segments = _segments(trace.num_tokens, meta.sequence_starts, between_sequences)
-    if routing.policy == "original":
+    segments = sequence_segments(trace.num_tokens, meta.sequence_starts, between_sequences)
+    if routing.policy in ("original", "prune"):  # fixed selections (prune: ranks ≥ h dropped)
         served = np.asarray(trace.ids_TLK)
-        result = replay(served, n, cap, eviction=eviction, gamma=gamma, initial=initial, seed=seed,
-                        expert_bytes=expert_bytes, sequence_starts=meta.sequence_starts,
-                        between_sequences=between_sequences)
-        per_layer = result.per_layer
-    elif routing.policy == "prune":
-        h = k if routing.h is None else routing.h
-        if not 1 <= h <= k:
-            raise ValueError(f"prune h must be in [1, K={k}], got h={h}")
-        served = np.array(trace.ids_TLK, dtype=np.int64)
-        served[:, :, h:] = -1
-        result = replay(served, n, cap, eviction=eviction, gamma=gamma, initial=initial, seed=seed,
-                        expert_bytes=expert_bytes, sequence_starts=meta.sequence_starts,
-                        between_sequences=between_sequences)
-        per_layer = result.per_layer
+        if routing.policy == "prune":
+            h = k if routing.h is None else routing.h
+            if not 1 <= h <= k:
+                raise ValueError(f"prune h must be in [1, K={k}], got h={h}")
+            served = served.astype(np.int64)
+            served[:, :, h:] = -1
+        per_layer = replay(served, n, cap, eviction=eviction, gamma=gamma, initial=initial, seed=seed,
+                           expert_bytes=expert_bytes, sequence_starts=meta.sequence_starts,
+                           between_sequences=between_sequences).per_layer
     else:
         if eviction == "belady":
             raise ValueError("Belady needs the future selections, which a cache-aware policy only decides "
