@@ -384,11 +384,8 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
             finally:
                 if req.finish_reason is None:
                     req.cancel()
-            if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": info["text"]},
-                          "finish_reason": info["finish_reason"], "logprobs": None}
-            else:
-                choice = {"index": 0, "text": info["text"], "finish_reason": info["finish_reason"], "logprobs": None}
+            out = {"message": {"role": "assistant", "content": info["text"]}} if chat else {"text": info["text"]}
+            choice = {"index": 0, **out, "finish_reason": info["finish_reason"], "logprobs": None}
             metrics.requests.labels(route, "200").inc()
             if info["ttft_s"] is not None:
                 metrics.ttft.observe(info["ttft_s"])

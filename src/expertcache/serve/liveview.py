@@ -288,6 +288,15 @@ _ROUTING_FIELDS = {f.name: f for f in fields(RoutingConfig)}
 _INT_FIELDS = {"top_j", "h", "m", "capacity"}
 
 
+def _check_fields(body, extra: set, what: str) -> None:
+    """``body`` is a JSON object whose fields are routing fields or ``extra`` ones (ConfigError naming it)."""
+    if not isinstance(body, dict):
+        raise ConfigError("body", "must be a JSON object")
+    unknown = sorted(set(body) - set(_ROUTING_FIELDS) - extra)
+    if unknown:
+        raise ConfigError(unknown[0], f"unknown field; {what} {sorted(set(_ROUTING_FIELDS) | extra)}")
+
+
 def _check_number(key: str, v, integer: bool) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise ConfigError(key, f"must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}")
@@ -323,12 +332,7 @@ class LiveControl:
     def validate(self, body) -> dict:
         """The change as a plan ``{routing, router, eviction, gamma, capacity}`` or :class:`ConfigError`."""
         rt = self.rt
-        if not isinstance(body, dict):
-            raise ConfigError("body", "must be a JSON object")
-        allowed = set(_ROUTING_FIELDS) | {"eviction", "gamma", "capacity"}
-        unknown = sorted(set(body) - allowed)
-        if unknown:
-            raise ConfigError(unknown[0], f"unknown field; the live configuration has {sorted(allowed)}")
+        _check_fields(body, {"eviction", "gamma", "capacity"}, "the live configuration has")
         routing = rt.routing.to_dict()
         if "policy" in body and body["policy"] != routing["policy"]:
             # a new policy starts from its defaults (and the current top-J) unless fields are given
@@ -498,12 +502,7 @@ def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str
 
 
 def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
-    if not isinstance(body, dict):
-        raise ConfigError("body", "must be a JSON object")
-    allowed = set(_ROUTING_FIELDS) | {"trace", "capacity", "eviction", "gamma", "start", "steps"}
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise ConfigError(unknown[0], f"unknown field; a replay takes {sorted(allowed)}")
+    _check_fields(body, {"trace", "capacity", "eviction", "gamma", "start", "steps"}, "a replay takes")
     traces = list_traces(trace_dirs)
     name = body.get("trace")
     if name not in traces:
