@@ -60,10 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _prompt(path, n: int, batch: int, seed: int):
     import torch
 
-    g = torch.Generator().manual_seed(seed)
-    if (path / "tokenizer.json").is_file() and not (path / "expertcache.json").is_file():
-        from expertcache.models.loader import load_tokenizer_checked
+    from expertcache.models.loader import load_tokenizer_checked, read_config_json
 
+    if (path / "tokenizer.json").is_file() and not (path / "expertcache.json").is_file():
         tok = load_tokenizer_checked(path)
         text = ("The Debian package manager installs, upgrades and removes software; the configuration files "
                 "of a package are kept in /etc and its documentation in /usr/share/doc. ")
@@ -71,11 +70,8 @@ def _prompt(path, n: int, batch: int, seed: int):
         if batch > 1:
             ids = torch.cat([ids] + [ids.roll(i, dims=1) for i in range(1, batch)])
         return ids
-
-    from expertcache.models.loader import read_config_json
-
-    vocab = read_config_json(path)["vocab_size"]
-    return torch.randint(3, vocab, (batch, n), generator=g)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, read_config_json(path)["vocab_size"], (batch, n), generator=g)
 
 
 def _print_resolved(path, names) -> None:

@@ -6,9 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from expertcache.cli.common import check_output_path, nonneg_int
-
-from expertcache.cli.common import apply_threads
+from expertcache.cli.common import apply_threads, check_output_path, nonneg_int
 
 DESCRIPTION = """\
 Closed-loop WikiText perplexity of the model when its expert selection is perturbed by rank

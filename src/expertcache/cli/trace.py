@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_record(args: argparse.Namespace) -> int:
-    from expertcache.eval.data import resolve_eval_data_dir, wikitext_text
+    from expertcache.eval.data import read_text_lines, resolve_eval_data_dir, wikitext_text
     from expertcache.eval.runner import load_model_and_tokenizer
     from expertcache.eval.tasks import WikiTextTask, context_length
     from expertcache.models import patch_model
@@ -54,8 +54,6 @@ def run_record(args: argparse.Namespace) -> int:
     check_output_path(args.out, "--out")
     apply_threads(args, getattr(args, "model", None))
     if args.task == "text-file":
-        from expertcache.eval.data import read_text_lines
-
         if not args.file:
             raise ValueError("--task text-file needs --file FILE")
         check_input_file(args.file, "--file")

@@ -44,12 +44,11 @@ def run(args: argparse.Namespace) -> int:
         from expertcache.train.card import write_card
 
         check_output_path(args.card_only, "--card-only", directory=True)
-
         path = write_card(args.card_only, data_dir=args.data_dir, max_tokens=args.card_tokens, threads=args.threads,
                           command=command)
         print(f"wrote {path}")
         return 0
-    from expertcache.train.loop import train
+    from expertcache.train.loop import ship, train
 
     cfg = config_from_args(TrainConfig, args)
     check_output_path(cfg.out or None, "--out", directory=True)
@@ -57,7 +56,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"trained {cfg.model}: {summary['tokens_seen']} tokens in {summary['train_wall_s']:.0f} s; "
           f"last eval {summary['last_eval']}")
     if args.ship:
-        from expertcache.train.loop import ship
-
         print(f"shipped to {ship(cfg)}")
     return 0

@@ -145,10 +145,6 @@ class _RouterTap:
             h.remove()
 
 
-def _find_param(model, suffix: str) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if n.endswith(suffix) and "lora_" not in n]
-
-
 def build_trainable(model, cfg: FinetuneConfig):
     """Wrap ``model`` with peft LoRA on the expert projections and mark the full-rank trainables; returns
     (peft model, MoE layers, {name: param} of everything trained)."""
@@ -168,7 +164,7 @@ def build_trainable(model, cfg: FinetuneConfig):
     pm = get_peft_model(model, lcfg)
     for m in layers:
         m.router.weight.requires_grad_(True)
-    gate_up = _find_param(pm, "gate_up_proj")
+    gate_up = [(n, p) for n, p in pm.named_parameters() if n.endswith("gate_up_proj") and "lora_" not in n]
     if len(gate_up) != len(layers):
         raise RuntimeError(f"found {len(gate_up)} gate_up_proj base parameters for {len(layers)} MoE layers")
     for _, p in gate_up:
@@ -285,9 +281,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     from expertcache.eval.runner import resolve_model_path
     from expertcache.melinoe.data import split_texts, token_stream
     from expertcache.models import load_model
-    from expertcache.train.data import sample_batch
-
-    from expertcache.train.data import resolve_data_dir
+    from expertcache.train.data import resolve_data_dir, sample_batch
 
     cfg.check()
     resolve_data_dir(cfg.data_dir)  # a missing corpus fails before the model is loaded
