@@ -88,14 +88,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from expertcache.eval.sweep import config_key, done_keys, open_loop_row, plan, run_sweep
+    from expertcache.eval.sweep import closed_loop_row, config_key, done_keys, open_loop_row, plan, run_sweep
 
     policies = args.policies.split(",")
     strengths = [float(x) for x in args.strengths.split(",")] if args.strengths else None
     common = dict(policies=policies, capacities=args.capacity.split(","), evictions=args.eviction.split(","),
-                  points=args.grid,
-                  top_j=args.top_j, beta_max=args.beta_max, strengths=strengths, delta=args.delta, gamma=args.gamma,
-                  initial=args.initial, seed=args.seed, between_sequences=args.between_sequences)
+                  points=args.grid, top_j=args.top_j, beta_max=args.beta_max, strengths=strengths, delta=args.delta,
+                  gamma=args.gamma, initial=args.initial, seed=args.seed, between_sequences=args.between_sequences)
     progress = not args.no_progress
     apply_threads(args, getattr(args, "model", None))  # tiny per-token ops: extra threads only spin
     if args.trace:
@@ -111,13 +110,11 @@ def _run(args: argparse.Namespace) -> int:
     else:
         from expertcache.cli.eval import freq_profile
         from expertcache.eval import prepare
-        from expertcache.eval.sweep import closed_loop_row
+        from expertcache.models import family_for, find_moe_layers
 
         freq = freq_profile(args, RoutingConfig("eras-bias")) if "eras-bias" in policies else None
         model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
                                  max_new_tokens=args.max_new_tokens)
-        from expertcache.models import family_for, find_moe_layers
-
         layer0 = find_moe_layers(model, family_for(model))[0]
         source = dict(model=str(args.model), task=args.task, limit=args.limit, shots=args.shots,
                       max_new_tokens=args.max_new_tokens if args.task == "gsm8k" else None)

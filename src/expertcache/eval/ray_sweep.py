@@ -66,15 +66,14 @@ def make_executor(spec: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, 
     import numpy as np
     import torch
 
+    from expertcache.eval.sweep import closed_loop_row, open_loop_row
+
     torch.set_num_threads(spec.get("threads", 1))
     if spec["mode"] == "open-loop":
-        from expertcache.eval.sweep import open_loop_row
         from expertcache.sim import activation_frequency
         from expertcache.trace import RoutingTrace, atomic_write_bytes
 
-        folder = Path(tempfile.gettempdir()) / "expertcache-ray"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{spec['trace_sha1']}.trace.safetensors"
+        path = Path(tempfile.gettempdir()) / "expertcache-ray" / f"{spec['trace_sha1']}.trace.safetensors"
         if not path.exists():
             atomic_write_bytes(path, spec["trace_bytes"])
         trace = RoutingTrace.load(path)
@@ -84,7 +83,6 @@ def make_executor(spec: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, 
             return open_loop_row(trace, run, freq_LE=freq)
     else:
         from expertcache.eval import prepare
-        from expertcache.eval.sweep import closed_loop_row
 
         model, _, task = prepare(spec["model"], spec["task"], data_dir=spec["data_dir"], limit=spec["limit"],
                                  shots=spec["shots"], max_new_tokens=spec["max_new_tokens"])
