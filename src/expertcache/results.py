@@ -1,12 +1,43 @@
-"""Results as data: JSONL rows written so that an interrupted run never leaves a torn row behind; figures
-written atomically."""
+"""Results as data: JSONL rows written so that an interrupted run never leaves a torn row behind; files, arrays
+and figures written atomically."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file normal permissions
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_npy(path: str | os.PathLike, arr) -> None:
+    """``numpy.save`` of ``arr`` to ``path``, atomically (:func:`atomic_write_bytes`)."""
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:

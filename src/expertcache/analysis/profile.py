@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from expertcache.analysis.profiling import activation_frequency
-from expertcache.trace.format import atomic_write_bytes
+from expertcache.results import atomic_write_bytes, save_npy
 
 __all__ = ["PROFILE_SUFFIXES", "profile_of", "save_profile", "load_profile", "load_freq"]
 
@@ -40,11 +40,7 @@ def save_profile(path: str | os.PathLike, freq_LE: np.ndarray, *, meta: dict[str
     if freq_LE.ndim != 2:
         raise ValueError(f"a profile is [L, E], got shape {freq_LE.shape}")
     if path.suffix == ".npy":
-        import io
-
-        buf = io.BytesIO()
-        np.save(buf, freq_LE)
-        atomic_write_bytes(path, buf.getvalue())
+        save_npy(path, freq_LE)
     elif path.suffix == ".json":
         doc = {**(meta or {}), "freq": freq_LE.tolist(), "num_layers": int(freq_LE.shape[0]),
                "num_experts": int(freq_LE.shape[1]),

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         written.append(save_profile(args.profile_out, result.freq_LE, meta=meta))
     if args.out_dir:
         from expertcache.analysis.plots import plot_correlation, plot_distinct, plot_frequency
-        from expertcache.trace.format import atomic_write_bytes
+        from expertcache.results import atomic_write_bytes
 
         out = Path(args.out_dir)
         m = trace.meta

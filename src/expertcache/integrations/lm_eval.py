@@ -46,8 +46,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 import torch
 
+from expertcache.results import atomic_write_bytes
 from expertcache.routing import RoutingConfig
-from expertcache.trace import atomic_write_bytes
 
 __all__ = ["ExpertCacheLM", "write_local_tasks", "main"]
 

@@ -36,10 +36,9 @@ import numpy as np
 import torch
 
 from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
-from expertcache.results import pyplot, save_figure
-from expertcache.trace import atomic_write_bytes
+from expertcache.results import atomic_write_bytes, pyplot, save_figure, save_npy
 from expertcache.train.configs import check_positive, check_save_dtype
-from expertcache.train.loop import publish_folder, save_npy
+from expertcache.train.loop import publish_folder
 
 __all__ = ["FinetuneConfig", "finetune", "lr_factor", "plot_losses", "TOKENIZER_FILES"]
 

@@ -148,7 +148,7 @@ class Predictor:
     def save(self, out: str | os.PathLike) -> Path:
         from safetensors.torch import save
 
-        from expertcache.trace import atomic_write_bytes
+        from expertcache.results import atomic_write_bytes
 
         out = Path(out)
         weights = {k: v.contiguous() for k, v in self.mlp.state_dict().items()}

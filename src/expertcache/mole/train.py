@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from expertcache.mole.configs import MoleTrainConfig, build_model
-from expertcache.train.loop import save_npy
+from expertcache.results import save_npy
 
 
 def shipped_tokenizer_dir() -> Path:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import numpy as np
+
+from expertcache.results import atomic_write_bytes
 
 __all__ = ["TraceError", "TraceMeta", "RoutingTrace", "FORMAT_VERSION", "atomic_write_bytes"]
 
@@ -76,26 +77,6 @@ def portable_metadata(obj: Any) -> Any:
     if isinstance(obj, str) and _ABS_PATH.fullmatch(obj):
         return PureWindowsPath(obj).name if "\\" in obj else PurePosixPath(obj).name
     return obj
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file normal permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 @dataclass

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from expertcache import __version__
-from expertcache.results import pyplot, save_figure
+from expertcache.results import pyplot, save_figure, save_npy
 from expertcache.train.configs import MODEL_SPECS, TrainConfig, build_hf_config, build_model, count_params
 from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, sample_batch, split_documents
 from expertcache.train.tokenizer import load_tokenizer, train_tokenizer
@@ -40,13 +40,6 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
-def save_npy(path: Path, arr: np.ndarray) -> None:
-    """``np.save`` to ``path`` through a temporary file beside it (a reader never sees a half-written array)."""
-    tmp = path.with_name(path.stem + ".tmp.npy")
-    np.save(tmp, arr)
-    os.replace(tmp, path)
 
 
 def _load_tokens(path: Path) -> np.ndarray:
