@@ -358,7 +358,6 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
         obj = "chat.completion" if chat else "text_completion"
 
         if not p.stream:
-            text_parts = []
             checked = time.monotonic()
             try:
                 while True:
@@ -372,13 +371,9 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
                             req.cancel()
                             metrics.requests.labels(route, "499").inc()
                             return JSONResponse(ServeError(499, "client disconnected").body(), status_code=499)
-                    if kind is None:
-                        continue
-                    if kind == "text":
-                        text_parts.append(payload)
-                    elif kind == "error":
+                    if kind == "error":
                         return err(ServeError(payload[0], payload[1]), route)
-                    else:
+                    if kind == "done":  # the text pieces are in info["text"] too
                         info = payload
                         break
             finally:
@@ -396,9 +391,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
 
         def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> dict:
             if chat:
-                delta = {}
-                if role:
-                    delta["role"] = "assistant"
+                delta = {"role": "assistant"} if role else {}
                 if delta_text is not None:
                     delta["content"] = delta_text
                 c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
@@ -429,8 +422,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
                         last["expertcache"] = ec_object(info, p.return_token_ids)
                         yield sse(last)
                         if p.include_usage:
-                            yield sse({"id": rid, "object": chunk_obj, "created": int(time.time()), "model": model_id,
-                                       "choices": [], "usage": usage(info)})
+                            yield sse({**chunk(None, None), "choices": [], "usage": usage(info)})
                         if info["ttft_s"] is not None:
                             metrics.ttft.observe(info["ttft_s"])
                         break
