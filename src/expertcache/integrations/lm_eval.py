@@ -83,19 +83,14 @@ class ExpertCacheLM(TemplateLM):
     """
 
     def __init__(self, pretrained: str = "granular", policy: str = "original", capacity: Any = 0.5,
-                 eviction: str = "lru", scope: str = "all", between_sequences: str = "carry",
-                 freq_from: str | None = None, target_miss_rate: Any = None, seed: Any = 0, max_length: Any = None, max_gen_toks: Any = 256,
+                 eviction: str = "lru", scope: str = "all", between_sequences: str = "carry", freq_from: str | None = None,
+                 target_miss_rate: Any = None, seed: Any = 0, max_length: Any = None, max_gen_toks: Any = 256,
                  threads: Any = 1, batch_size: Any = 1, device: str | None = None, **kwargs: Any) -> None:
         super().__init__()
         from expertcache.eval import context_length, load_model_and_tokenizer
         from expertcache.models import patch_model
 
-        routing = {}
-        for name in list(kwargs):
-            if name in _FLOATS:
-                routing[name] = _num(name, kwargs.pop(name), float)
-            elif name in _INTS:
-                routing[name] = _num(name, kwargs.pop(name), int)
+        routing = {n: _num(n, kwargs.pop(n), float if n in _FLOATS else int) for n in _FLOATS + _INTS if n in kwargs}
         for name in ("max_batch_size", "dtype", "trust_remote_code"):  # lm-eval's generic extras: ignored
             kwargs.pop(name, None)
         if kwargs:
@@ -116,11 +111,9 @@ class ExpertCacheLM(TemplateLM):
         if self.routing.policy == "eras-bias":
             if not freq_from:
                 raise ValueError("--model_args policy=eras-bias needs freq_from=TRACE (activation profile)")
-            from expertcache.sim import activation_frequency
-            from expertcache.trace import RoutingTrace
+            from expertcache.analysis import load_freq
 
-            t = RoutingTrace.load(freq_from)
-            freq = activation_frequency(t.ids_TLK, t.meta.num_experts)
+            freq = load_freq(freq_from)  # a trace, or a .npy / .json profile
         try:
             self.model, self.tokenizer = load_model_and_tokenizer(str(pretrained))
         except FileNotFoundError as exc:
