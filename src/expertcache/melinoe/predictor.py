@@ -182,20 +182,15 @@ def collect(model, prompts: list[list[int]], cont_len: int, *, batch: int = 32, 
             ) -> tuple[np.ndarray, np.ndarray]:
     """Greedy continuations of equal-length ``prompts`` and, per prompt, (Y [L, E]: mean router probabilities
     over the continuation's tokens, counts [L, E]: how often each expert is in the Top-K there)."""
+    from tqdm import tqdm
+
+    from expertcache.melinoe.finetune import _RouterTap
     from expertcache.models.adapters import family_for, find_moe_layers
 
     layers = find_moe_layers(model, family_for(model))
     k = layers[0].top_k
-    probs: list[torch.Tensor | None] = [None] * len(layers)
-    hooks = []
-    for i, m in enumerate(layers):
-        def hook(module, args, output, i=i):
-            logits = output[0] if isinstance(output, tuple) else output
-            probs[i] = torch.softmax(logits.float(), dim=-1)
-        hooks.append(m.router.register_forward_hook(hook))
+    tap = _RouterTap(layers)  # the router probabilities of every layer's last call
     ys, cs = [], []
-    from tqdm import tqdm
-
     try:
         for i in tqdm(range(0, len(prompts), batch), desc="continuations", unit="batch", disable=not progress):
             x = torch.tensor(prompts[i:i + batch], dtype=torch.long)
@@ -203,14 +198,13 @@ def collect(model, prompts: list[list[int]], cont_len: int, *, batch: int = 32, 
             gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=cont_len,
                                  min_new_tokens=cont_len, do_sample=False, pad_token_id=model.config.eos_token_id)
             model(input_ids=gen, use_cache=False)  # router probabilities of every position, one pass
-            pr = torch.stack([q.view(b, gen.shape[1], -1)[:, p:] for q in probs], dim=1)  # [B, L, G, E]
+            pr = tap.stacked(b, gen.shape[1])[0][:, :, p:]  # [B, L, G, E]
             ys.append(pr.mean(2).numpy())
             top = pr.topk(k, dim=-1).indices
             cnt = torch.zeros_like(pr).scatter_(-1, top, 1.0).sum(2)
             cs.append(cnt.numpy())
     finally:
-        for h in hooks:
-            h.remove()
+        tap.remove()
     return np.concatenate(ys).astype(np.float32), np.concatenate(cs).astype(np.float32)
 
 
