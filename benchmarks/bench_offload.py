@@ -34,16 +34,10 @@ def main(argv=None) -> int:
     ap.add_argument("--readers", type=int, default=OffloadConfig().readers, help="reader threads (0 = serial)")
     ap.add_argument("--prefetch", type=int, default=0, help="next-layer prefetch spare slots per layer (0 = off)")
     ap.add_argument("--label", default="", help="label stored in every row (e.g. readers4-prefetch8)")
-    ap.add_argument("--pieces", action="store_true",
-                    help="A/B of the piece reads: O_DIRECT expert reads split over the readers (runtime.PIECES)")
     ap.add_argument("--only", choices=("granular", "olmoe", "ppl"), default=None)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.pieces:
-        import expertcache.offload.runtime as _runtime
-
-        _runtime.PIECES = True
     print(f"machine: {machine_info()}", flush=True)
     out = lambda row: append_jsonl(args.out, dict(row, bench="bench_offload.py", label=args.label))
     io = dict(readers=args.readers, prefetch=args.prefetch)

@@ -6,16 +6,14 @@ pieces shared by the reader threads (logits, counts, errors)."""
 from __future__ import annotations
 
 import queue
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from expertcache.offload import CheckpointError, OffloadConfig, OffloadedModel
+from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.offload.experts import matvec_linear
 from expertcache.offload.ioqueue import IOQueue
-from expertcache.offload.store import direct_io_supported
 from expertcache.models.tiny import save_tiny
 from expertcache.routing import RoutingConfig
 from expertcache.sim import replay
@@ -131,86 +129,18 @@ def test_spares_and_scratch_are_shared_by_all_layers(tiny_dir):
     assert sum(len(st.pool.prefetched) for st in on.states) == len(held) <= 2
 
 
-def _direct_copy(tiny_dir, tmp_path, arch="olmoe"):
-    path = tmp_path / arch
-    shutil.copytree(tiny_dir[arch], path)
-    if not direct_io_supported(path / "model.safetensors"):
-        pytest.skip("filesystem does not support O_DIRECT")
-    return path
-
-
-def test_piece_reads_equal_whole_reads(tiny_dir, tmp_path):
-    """Reads split into 4 KiB pieces over 3 readers: logits equal the serial runtime's; each expert is one
-    load; bytes read equal whole reads'; prefetch with pieces keeps the replay invariant."""
-    path = _direct_copy(tiny_dir, tmp_path)
-    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(3))
-    serial = _rt(path, 2, io="direct", readers=0)
-    assert serial.piece_bytes == 0
-    pieces = _rt(path, 2, io="direct", readers=3, prefetch=2)
-    pieces.piece_bytes = 4096
-    st = pieces.states[0]
-    assert len(pieces._read_jobs(st, 1, 0, pieces._placement[(0, 1)])) > 1  # really split
-    for c in (1, 2, pieces.num_experts):
-        serial.configure(capacity=c)
-        pieces.configure(capacity=c)
-        assert torch.equal(_logits(pieces, ids, 3), _logits(serial, ids, 3)), c
-        serial.configure()
-        pieces.configure(record=True)
-        assert torch.equal(_logits(pieces, ids[:1], 1), _logits(serial, ids[:1], 1)), c
-        s, ps = pieces.stats(), pieces.prefetch_stats
-        misses = sum(x.misses for x in pieces.cache_stats())
-        assert s["expert_loads"] == misses - ps.used + ps.issued
-        per_load = serial.stats()["bytes_read"] / max(1, serial.stats()["expert_loads"])
-        assert s["bytes_read"] == s["expert_loads"] * per_load
-        sim = replay(pieces.recorded_ids_TLK(), pieces.num_experts, c, eviction="lru")
-        for a, b in zip(pieces.cache_stats(), sim.per_layer):
-            assert (a.hits, a.misses) == (b.hits, b.misses)
-
-
-def test_piece_read_errors_surface(tiny_dir, tmp_path, monkeypatch):
-    """A piece that fails raises its OSError naming the file (no hang; the runtime restarts with empty
-    caches and keeps working); a file truncated after it was opened is a short read naming the file."""
-    import expertcache.offload.store as store
-
-    path = _direct_copy(tiny_dir, tmp_path)
-    ids = torch.tensor([[5, 6, 7, 8]])
-    want = _logits(_rt(path, 2, io="direct", readers=0), ids, 1)
-    rt = _rt(path, 2, io="direct", readers=3, prefetch=2)
-    rt.piece_bytes = 4096
-    real, calls = store.os.preadv, {"n": 0}
-
-    def failing(fd, bufs, offset):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise OSError(5, "Input/output error")
-        return real(fd, bufs, offset)
-
-    monkeypatch.setattr(store.os, "preadv", failing)
-    with pytest.raises(OSError, match="model.safetensors"):
-        _logits(rt, ids, 1)
-    monkeypatch.setattr(store.os, "preadv", real)
-    assert all(len(st.cache.resident()) == 0 and not st.pool.pending for st in rt.states)
-    rt.configure()
-    assert torch.equal(_logits(rt, ids, 1), want)
-    rt.configure()
-    with open(path / "model.safetensors", "r+b") as fh:
-        fh.truncate(rt.checkpoint.entries["model.embed_tokens.weight"].start + 16)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: short read"):
-        _logits(rt, ids, 1)
-
-
 @pytest.mark.parametrize("readers", [0, 3])
-def test_submit_all_one_ticket(readers):
-    """Several jobs, one ticket: it completes (once on ``done``) after the last job, sums the bytes, and
-    re-raises the first error."""
+def test_tickets_go_on_done_once(readers):
+    """Each ticket goes on ``done`` once when its job has finished (failed or not), with its bytes; ``wait``
+    re-raises the job's error."""
     q = IOQueue(readers)
     done = queue.SimpleQueue()
-    ok = q.submit_all([lambda: 3, lambda: 4, lambda: 5], tag="ok", done=done)
+    ok = q.submit(lambda: 12, tag="ok", done=done)
 
     def bad():
         raise OSError(5, "Input/output error", "/data/model.safetensors")
 
-    failed = q.submit_all([lambda: 1, bad, lambda: 2], tag="bad", done=done)
+    failed = q.submit(bad, tag="bad", done=done)
     assert {done.get(timeout=5).tag, done.get(timeout=5).tag} == {"ok", "bad"}
     assert done.empty()
     assert ok.wait().nbytes == 12

@@ -70,8 +70,7 @@ def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: 
     """Bytes per second (wall clock) of ``n`` reads of random experts through the runtime's tier and reader
     threads, into the layers' cache slots (no extra memory; the caches are emptied first, as
     :meth:`OffloadedModel.configure` does, and left empty): up to ``min(readers, layers)`` expert reads in
-    flight when ``parallel``, each as the runtime reads it (in pieces shared by the readers when it does),
-    whole experts one at a time otherwise. The tier's statistics are left untouched."""
+    flight when ``parallel``, one at a time otherwise; each read as the runtime reads it. The tier's statistics are left untouched."""
     import time
 
     rng = random.Random(seed)
@@ -86,7 +85,9 @@ def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: 
         if len(tickets) >= depth:
             tickets.pop(0).wait()
         st, slot = dests[i % depth]
-        tickets.append(rt.readers.submit_all(_read_jobs(rt, st, rng.randrange(rt.num_experts), slot, parallel)))
+        e = rng.randrange(rt.num_experts)
+        st.pool.placement.pop(slot, None)  # the slot no longer holds what its cached views describe
+        tickets.append(rt.readers.submit(rt._job(st, e, slot, rt._placement[(st.moe.index, e)])))
     for t in tickets:
         t.wait()
     wall = time.perf_counter() - t0
@@ -96,13 +97,6 @@ def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: 
     for st, slot in dests:
         st.pool.placement.pop(slot, None)
     return b / wall if wall > 0 else float("inf")
-
-
-def _read_jobs(rt: OffloadedModel, st, e: int, slot: int, parallel: bool):
-    """The runtime's read of expert ``e`` (in pieces when it uses them and ``parallel``; serial = whole reads)."""
-    st.pool.placement.pop(slot, None)  # the slot no longer holds what its cached views describe
-    placement = rt._placement[(st.moe.index, e)]
-    return rt._read_jobs(st, e, slot, placement) if parallel else [rt._job(st, e, slot, placement)]
 
 
 def _decode(rt: OffloadedModel, prompt_BS: torch.Tensor, tokens: int, forced_BN: torch.Tensor | None = None) -> dict:

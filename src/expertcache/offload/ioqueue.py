@@ -13,9 +13,7 @@ Contracts:
 - :meth:`Ticket.wait` re-raises the job's exception in the waiting thread (an ``OSError``/``CheckpointError``
   naming the file: a read error is never a silent wrong answer);
 - a ticket submitted with ``done=q`` is put on ``q`` when it completes (success or failure): the caller
-  can consume a step's misses in the order they land (``q.get()``), without polling;
-- :meth:`IOQueue.submit_all` gives several jobs one ticket (one expert read in pieces by several readers):
-  it completes when the last of them has, with the first error raised by any of them.
+  can consume a step's misses in the order they land (``q.get()``), without polling.
 """
 
 from __future__ import annotations
@@ -53,6 +51,18 @@ class Ticket:
             raise self.error
         return self
 
+    def _run(self, job: Callable[[], int]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.nbytes = job()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost
+            self.error = exc
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self._event.set()
+            if self._done is not None:
+                self._done.put(self)
+
 
 class IOQueue:
     """``readers`` daemon threads serving a FIFO of jobs (0 = run jobs inline)."""
@@ -70,18 +80,11 @@ class IOQueue:
 
     def submit(self, job: Callable[[], int], tag=None, done: "queue.SimpleQueue | None" = None) -> Ticket:
         """Queue ``job``; returns its ticket (already complete when ``readers == 0``)."""
-        return self.submit_all([job], tag, done)
-
-    def submit_all(self, jobs: list[Callable[[], int]], tag=None, done: "queue.SimpleQueue | None" = None) -> Ticket:
-        """Queue ``jobs`` (in order) under one ticket: ``nbytes`` and ``seconds`` are their sums; it completes
-        (and goes on ``done``) when every job has finished; ``wait`` raises the first job's error."""
         ticket = Ticket(tag, done)
-        share = _Share(ticket, len(jobs))
-        for job in jobs:
-            if not self._threads:
-                share._run(job)
-            else:
-                self._jobs.put((share, job))
+        if not self._threads:
+            ticket._run(job)
+        else:
+            self._jobs.put((ticket, job))
         return ticket
 
     def close(self) -> None:
@@ -100,40 +103,10 @@ class IOQueue:
             pass
 
 
-class _Share:
-    """The jobs of one ticket (:meth:`IOQueue.submit_all`): each run adds its bytes and time, the last one
-    completes the ticket."""
-
-    __slots__ = ("ticket", "left", "lock")
-
-    def __init__(self, ticket: Ticket, n: int) -> None:
-        self.ticket, self.left, self.lock = ticket, n, threading.Lock()
-
-    def _run(self, job: Callable[[], int]) -> None:
-        t0 = time.perf_counter()
-        n, err = 0, None
-        try:
-            n = job()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost
-            err = exc
-        t = self.ticket
-        with self.lock:
-            t.nbytes += n or 0
-            t.seconds += time.perf_counter() - t0
-            if err is not None and t.error is None:
-                t.error = err
-            self.left -= 1
-            last = self.left == 0
-        if last:
-            t._event.set()
-            if t._done is not None:
-                t._done.put(t)
-
-
 def _work(jobs: queue.SimpleQueue) -> None:
     while True:
         item = jobs.get()
         if item is None:
             return
-        share, job = item
-        share._run(job)
+        ticket, job = item
+        ticket._run(job)

@@ -160,11 +160,6 @@ class OffloadedModel:
         self.slot_bytes = slot_bytes_for(max(p.nbytes for p in self._placement.values()))
         bounce = [max(n for _, _, n, _, _ in p.spans) for p in self._placement.values() if p.bounce]
         self.readers = IOQueue(offload.readers)
-        # O_DIRECT reads of an expert split over the readers (≥ 1 MiB pieces) land in issue order; off by
-        # default (PIECES): over 6 interleaved passes on this VM they gave 0.95× the tok/s of whole reads
-        # (0.74–1.52×), no robust gain; 0 = one read per expert
-        self.piece_bytes = _piece_bytes(self.expert_bytes, offload.readers) \
-            if PIECES and offload.tier == "disk" and offload.io == "direct" else 0
         self._io_bytes = (max(bounce) if bounce else 0) * max(1, offload.readers)
         self.tier = DiskTier(offload.io) if offload.tier == "disk" else \
             HostTier(self.source, [m.layer_id for m in layers], self.num_experts)
@@ -370,48 +365,33 @@ class OffloadedModel:
         placement = self._placement[key]
         pool.placement[slot] = (key, placement, None)
         t0 = time.perf_counter()
-        ticket = self.readers.submit_all(self._read_jobs(st, e, slot, placement), tag=(e, slot), done=done)
+        ticket = self.readers.submit(self._job(st, e, slot, placement), tag=(e, slot), done=done)
         if not self.readers.readers:  # serial: the read ran right here, on the compute thread
             self.io_wait_seconds += time.perf_counter() - t0
         pool.pending[slot] = ticket
         return ticket
-
-    def _read_jobs(self, st: LayerState, e: int, slot: int, placement: Placement) -> list[Callable[[], int]]:
-        """The jobs reading expert ``e`` into ``slot``: O_DIRECT disk reads in pieces of :attr:`piece_bytes`
-        shared by the reader threads (:meth:`DiskTier.read_pieces`), else one job (:meth:`_job`)."""
-        pieces = self.piece_bytes and not self._cuda and getattr(self, "host", None) is None
-        if pieces and isinstance(self.tier, DiskTier):
-            return self.tier.read_pieces(self._parts[(st.moe.index, e)], placement, st.pool.buffer[slot],
-                                         self.piece_bytes)
-        return [self._job(st, e, slot, placement)]
 
     def _job(self, st: LayerState, e: int, slot: int, placement: Placement) -> Callable[[], int]:
         dest = st.pool.buffer[slot]
         tier, layer_id, parts = self.tier, st.moe.layer_id, self._parts[(st.moe.index, e)]
         if self.host is not None:  # two levels: decided here, in issue order (compute thread); moved by a reader
             planned = self.host.plan(st.moe.index, e)
-            if self._cuda:  # pragma: no cover - GPU only
-                def cuda_host_job() -> int:
-                    staging = getattr(self._staging, "buf", None)
-                    if staging is None:
-                        staging = self._staging.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
-                    n = self.host.job(planned, parts, placement, staging)()
-                    dest.copy_(staging)
-                    return n
-                return cuda_host_job
-            return self.host.job(planned, parts, placement, dest)
-        if self._cuda:  # pragma: no cover - GPU only: tier -> this reader's pinned staging buffer -> slot
-            def cuda_job() -> int:
-                staging = getattr(self._staging, "buf", None)
-                if staging is None:
-                    staging = self._staging.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
-                n = tier.read(layer_id, e, staging) if isinstance(tier, HostTier) else tier.read(parts, placement, staging)
-                dest.copy_(staging)
-                return n
-            return cuda_job
-        if isinstance(tier, HostTier):
-            return lambda: tier.read(layer_id, e, dest)
-        return lambda: tier.read(parts, placement, dest)
+            read = lambda buf: self.host.job(planned, parts, placement, buf)()
+        elif isinstance(tier, HostTier):
+            read = lambda buf: tier.read(layer_id, e, buf)
+        else:
+            read = lambda buf: tier.read(parts, placement, buf)
+        if not self._cuda:
+            return lambda: read(dest)
+
+        def cuda_job() -> int:  # pragma: no cover - GPU only: tier -> this reader's pinned staging buffer -> slot
+            staging = getattr(self._staging, "buf", None)
+            if staging is None:
+                staging = self._staging.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
+            n = read(staging)
+            dest.copy_(staging)
+            return n
+        return cuda_job
 
     def _wait(self, ticket: Ticket, swallow: bool = False) -> None:
         t0 = time.perf_counter()
@@ -769,13 +749,3 @@ class OffloadedModel:
 
 _ZERO = torch.zeros(1, dtype=torch.long)
 
-
-PIECES = False  # split O_DIRECT expert reads over the readers (see OffloadedModel.__init__, DiskTier.read_pieces)
-
-
-def _piece_bytes(expert_bytes: int, readers: int, least: int = 1 << 20) -> int:
-    """Piece size of an expert read shared by ``readers`` threads (0 = whole reads: one reader, or experts
-    too small to split into pieces of at least ``least`` bytes)."""
-    if readers < 2 or expert_bytes < 2 * least:
-        return 0
-    return max(least, -(-expert_bytes // readers))

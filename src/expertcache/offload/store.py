@@ -36,7 +36,6 @@ import time
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -369,32 +368,6 @@ class DiskTier:
         if got < needed:
             raise CheckpointError(f"{file}: short read at byte {offset} ({got} of {needed} bytes; truncated file?)")
         return got
-
-    def read_pieces(self, parts: ExpertParts, placement: Placement, dest_u8: torch.Tensor,
-                    piece: int) -> list[Callable[[], int]]:
-        """The read of one expert (:meth:`read`) as jobs of at most ``piece`` bytes each (a multiple of the
-        O_DIRECT alignment), to be run by several reader threads at once: the expert lands sooner, and experts
-        land in the order they were issued (with whole-expert reads spread over the readers, all of a step's
-        misses land together, at the end). Together they count one load. A placement through a bounce buffer,
-        or ``piece`` ≥ the expert, is one job (:meth:`read`)."""
-        piece = -(-piece // _ALIGN) * _ALIGN
-        if placement.bounce or piece <= 0 or all(n <= piece for _, _, n, _, _ in placement.spans):
-            return [lambda: self.read(parts, placement, dest_u8)]
-        view = memoryview(dest_u8.numpy())
-        cuts = [(file, offset + a, min(length, a + piece) - a, at + a, max(0, min(needed, a + piece) - a))
-                for file, offset, length, at, needed in placement.spans for a in range(0, length, piece)]
-        left, lock = [len(cuts)], threading.Lock()
-
-        def job(file: Path, offset: int, length: int, at: int, needed: int) -> int:
-            t0 = time.perf_counter()
-            got = self._pread(file, offset, view[at:at + length], needed)
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            self.stats.add(got, time.perf_counter() - t0, loads=int(last))
-            return got
-
-        return [lambda c=c: job(*c) for c in cuts]
 
     def _thread_bounce(self, nbytes: int) -> mmap.mmap:
         buf = getattr(self._local, "bounce", None)
