@@ -11,7 +11,8 @@ slots per layer, cache-aware routing against the live residency.
 - :mod:`~expertcache.offload.experts` -- views of a slot and the family's expert MLP;
 - :mod:`~expertcache.offload.loader` -- the non-expert weights, by key;
 - :mod:`~expertcache.offload.prefetch` -- next-layer guesses and their precision / recall;
-- :mod:`~expertcache.offload.runtime` -- :class:`OffloadedModel` (the MoE step, overlap, generation);
+- :mod:`~expertcache.offload.runtime` -- :class:`OffloadedModel` (construction, routing, generation);
+  :mod:`~expertcache.offload.step` -- its per-layer cache step (bookkeeping, reads in flight, the guess);
 - :mod:`~expertcache.offload.bench` -- decode-throughput benchmark against the physical floor;
 - :mod:`~expertcache.offload.make_model` -- random-weight checkpoints at published shapes.
 """

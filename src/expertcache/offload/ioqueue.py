@@ -1,5 +1,5 @@
 """The I/O queue: reader threads that move expert bytes, apart from what to load (policy, prediction) and
-from computing with it (:mod:`expertcache.offload.runtime`).
+from computing with it (:mod:`expertcache.offload.step`).
 
 A job is any callable returning the bytes it moved (a tier's ``read`` bound to one expert and one slot).
 :meth:`IOQueue.submit` returns a :class:`Ticket` at once; the job runs on one of ``readers`` threads

@@ -7,8 +7,8 @@ slots per layer.
 
 Three parts with one seam each (STYLE.md "overlap is design"):
 
-- **what to load** -- the routing policy (against the live residency), the cache's bookkeeping
-  (``cache.access_step``: hits, misses, evictions) and the next-layer guess (:meth:`_guess_next`);
+- **what to load** -- the routing policy (against the live residency, here), the cache's bookkeeping
+  (``cache.access_step``: hits, misses, evictions) and the next-layer guess (:mod:`~expertcache.offload.step`);
 - **loading it** -- :class:`~expertcache.offload.ioqueue.IOQueue` reader threads copying bytes from the tier
   into slots (:mod:`~expertcache.offload.slots`), knowing nothing of policies;
 - **computing with it** -- :mod:`~expertcache.offload.experts` (views of a slot, the family's MLP).
@@ -18,20 +18,8 @@ on the meta device, each MoE block's ``experts`` module is replaced by an
 :class:`~expertcache.offload.experts.OffloadedExperts` (no weights), only the non-expert tensors are
 materialised and read by key (:mod:`~expertcache.offload.loader`, loud), and rotary tables are recomputed.
 
-One forward call at one MoE layer is one **step** of that layer's cache:
-
-1. the router (the model's own, wrapped) computes logits; the routing policy ranks them against the
-   *live* residency mask of this layer (all T tokens see the residency at the start of the step) and the
-   family's weight rule weights the selection (``original`` returns the stock router's output untouched);
-2. the step requests the union U of the selected experts, ordered by total router weight (descending; for
-   one token: the token's own order), and ``cache.access_step(U)`` decides hits, misses and evictions;
-3. **all misses are issued at once** to the reader threads, each into the slot freed by an evicted expert
-   (a scratch slot if the cache does not keep it, only possible when U > C; a miss whose slot still holds a
-   hit of this step is issued after the hits are computed); with ``prefetch`` on, layer ℓ+1's guess is
-   issued next (:meth:`_guess_next`);
-4. hits are computed from their slots while the misses are in flight; each miss is computed as it lands;
-5. per-expert outputs are combined in ascending expert id, as transformers' eager experts loop does --
-   so the arrival order never changes the result.
+One forward call at one MoE layer is one **step** of that layer's cache (:mod:`~expertcache.offload.step`:
+bookkeeping, all misses issued at once, hits computed while they are in flight, the next layer's guess).
 
 Contracts (pinned by tests): with ``original`` routing the logits equal the in-memory model's at every
 capacity 1..N, for every family, with prefetch on and off, with 0, 1 and several reader threads; for
@@ -49,10 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -61,21 +47,22 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, ExpertCache, make_cache
+from expertcache.cache import CacheStats, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
 from expertcache.offload.checkpoint import OFFLOAD_MODEL_TYPES, Checkpoint
-from expertcache.offload.experts import OffloadedExperts, expert_mlp, expert_views, use_matvec
+from expertcache.offload.experts import OffloadedExperts, expert_mlp, use_matvec
 from expertcache.offload.config import OffloadConfig
-from expertcache.offload.ioqueue import IOQueue, Ticket
+from expertcache.offload.ioqueue import IOQueue
 from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
-from expertcache.offload.prefetch import PrefetchStats, first_layer_input, guess_next_layer
+from expertcache.offload.prefetch import PrefetchStats
 from expertcache.offload.quant import QuantLayout, default_group
 from expertcache.offload.slots import SlotArena, SlotPool, slot_bytes_for
+from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
-from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, Placement, QuantSource, TierStats,
-                                       place_expert, quant_sidecar_path, quantize_checkpoint)
+from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
+                                       quant_sidecar_path, quantize_checkpoint)
 from expertcache.models.loader import check_weights_match_config
 from expertcache.routing import Router, RoutingConfig
 
@@ -100,21 +87,7 @@ def resolve_model_path(name: str | os.PathLike) -> Path:
     return path
 
 
-@dataclass
-class LayerState:
-    """Runtime state of one MoE layer."""
-
-    moe: MoELayer
-    mlp: Callable
-    cache: ExpertCache
-    pool: SlotPool
-    steps: list[list[int]] = field(default_factory=list)  # recorded union ids of single-token steps
-    prefetched: int = 0
-    guess: list[int] | None = None  # the pending next-layer guess for this layer
-    io_wait: float = 0.0  # seconds the compute thread waited for this layer's reads
-
-
-class OffloadedModel:
+class OffloadedModel(LayerSteps):
     """A causal LM with offloaded experts; see the module docstring. Build with :meth:`from_pretrained`."""
 
     def __init__(self, path: Path, model: nn.Module, family: Family, layers: list[MoELayer], checkpoint: Checkpoint,
@@ -352,281 +325,6 @@ class OffloadedModel:
         self._drain()
         self.readers.close()
 
-    # -- loading (the I/O seam) ------------------------------------------------------------------
-
-    def _submit(self, st: LayerState, e: int, slot: int, done: "queue.SimpleQueue | None" = None) -> Ticket:
-        """Queue the read of expert ``e`` of layer ``st`` into ``slot`` (any read still in flight into that
-        slot is waited for first: two reads never race for one slot)."""
-        pool = st.pool
-        old = pool.pending.pop(slot, None)
-        if old is not None:
-            self._wait(old, swallow=True)
-        key = (st.moe.index, e)
-        placement = self._placement[key]
-        pool.placement[slot] = (key, placement, None)
-        t0 = time.perf_counter()
-        ticket = self.readers.submit(self._job(st, e, slot, placement), tag=(e, slot), done=done)
-        if not self.readers.readers:  # serial: the read ran right here, on the compute thread
-            self.io_wait_seconds += time.perf_counter() - t0
-        pool.pending[slot] = ticket
-        return ticket
-
-    def _job(self, st: LayerState, e: int, slot: int, placement: Placement) -> Callable[[], int]:
-        dest = st.pool.buffer[slot]
-        tier, layer_id, parts = self.tier, st.moe.layer_id, self._parts[(st.moe.index, e)]
-        if self.host is not None:  # two levels: decided here, in issue order (compute thread); moved by a reader
-            planned = self.host.plan(st.moe.index, e)
-            read = lambda buf: self.host.job(planned, parts, placement, buf)()
-        elif isinstance(tier, HostTier):
-            read = lambda buf: tier.read(layer_id, e, buf)
-        else:
-            read = lambda buf: tier.read(parts, placement, buf)
-        if not self._cuda:
-            return lambda: read(dest)
-
-        def cuda_job() -> int:  # pragma: no cover - GPU only: tier -> this reader's pinned staging buffer -> slot
-            staging = getattr(self._staging, "buf", None)
-            if staging is None:
-                staging = self._staging.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
-            n = read(staging)
-            dest.copy_(staging)
-            return n
-        return cuda_job
-
-    def _wait(self, ticket: Ticket, swallow: bool = False) -> None:
-        t0 = time.perf_counter()
-        try:
-            ticket.wait()
-        except BaseException:
-            if not swallow:
-                raise
-        finally:
-            self.io_wait_seconds += time.perf_counter() - t0
-
-    def _drain(self) -> None:
-        """Wait for every read in flight (errors ignored: the slots are about to be reset)."""
-        arena = getattr(self, "arena", None)
-        if arena is not None:
-            for t in arena.tickets():
-                self._wait(t, swallow=True)
-            arena.pending.clear()
-
-    def _weights(self, st: LayerState, e: int, slot: int) -> tuple[torch.Tensor, ...]:
-        """The expert's tensors as views of its slot (cached per slot while it holds ``e``)."""
-        pool = st.pool
-        key = (st.moe.index, e)
-        held = pool.placement.get(slot)
-        if held is not None and held[0] == key and held[2] is not None:
-            return held[2]
-        w = expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype, self.source.quant)
-        if self.source.quant is None:
-            pool.placement[slot] = (key, self._placement[key], w)
-        return w
-
-    # -- the MoE step ----------------------------------------------------------------------------
-
-    def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        st = self.states[index]
-        ids_cpu_TK = ids_TK.to("cpu")
-        if ids_cpu_TK.shape[0] == 1:
-            order = [e for e in ids_cpu_TK[0].tolist() if e >= 0]
-        else:  # union, by total weight (descending; ties by id)
-            valid_TK = ids_cpu_TK >= 0
-            total_E = torch.zeros(self.num_experts, dtype=torch.float32).index_add_(
-                0, ids_cpu_TK[valid_TK], w_TK.to("cpu").float()[valid_TK])
-            used_E = torch.zeros(self.num_experts, dtype=torch.bool)
-            used_E[ids_cpu_TK[valid_TK]] = True
-            cand = torch.nonzero(used_E).flatten().tolist()
-            order = sorted(cand, key=lambda e: (-float(total_E[e]), e))
-        if self.record and ids_cpu_TK.shape[0] == 1:
-            st.steps.append(list(order))
-        t0 = time.perf_counter()
-        wait0 = self.io_wait_seconds
-        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        one = ids_cpu_TK.shape[0] == 1
-        k_of = {e: k for k, e in enumerate(ids_cpu_TK[0].tolist())} if one else None
-
-        def compute(e: int, slot: int) -> None:
-            if one:  # one token: no gather (same values as the general path)
-                tok, k_pos = _ZERO, torch.tensor([k_of[e]])
-                x = x_TD
-            else:
-                k_pos, tok = torch.where((ids_TK == e).T)  # transformers' order: by slot k, then token
-                x = x_TD[tok]
-            h = st.mlp(x, self._weights(st, e, slot))
-            out[e] = (tok, h * w_TK[tok, k_pos, None])
-
-        try:
-            self._step(st, order, compute, x_TD)
-        except BaseException:
-            self._fail()
-            raise
-        st.io_wait += self.io_wait_seconds - wait0
-        final_TD = torch.zeros_like(x_TD)
-        for e in sorted(out):
-            tok, h = out[e]
-            final_TD.index_add_(0, tok, h.to(final_TD.dtype))
-        self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
-        return final_TD
-
-    def _fail(self) -> None:
-        """After a failed read: drain every read in flight and restart with empty caches (same policy)."""
-        self._drain()
-        if self.host is not None:
-            self.host.reset()
-        self.arena.reset()
-        for st in self.states:
-            st.cache = make_cache(self.eviction, self.num_experts, self.capacity, gamma=self.gamma,
-                                  expert_bytes=self.expert_bytes)
-
-    def _step(self, st: LayerState, order: list[int], on_ready: Callable[[int, int], None] | None,
-              x_TD: torch.Tensor | None = None) -> None:
-        """Serve one cache step for the requested ids ``order`` (descending weight): bookkeeping, all misses
-        issued at once, the next layer's guess, hits computed (``on_ready(e, slot)``) while the misses are in
-        flight, then each miss handed to ``on_ready`` as it lands."""
-        pool = st.pool
-        if st.guess is not None:  # score the guess made for this step
-            self.prefetch_stats.score(st.moe.index, st.guess, order)
-            st.guess = None
-        before = dict(pool.slot_of)
-        hits = st.cache.access_step(list(order))
-        if self.host is not None:  # fast hits refresh their host entries (the host level's LRU sees every use)
-            self.host.touch(st.moe.index, [e for e, h in zip(order, hits) if h])
-        after = st.cache.resident()
-        for e in before:
-            if e not in after:
-                pool.free.append(pool.slot_of.pop(e))
-        hit_slots = {before[e] for e, h in zip(order, hits) if h}
-        self.arena.busy |= hit_slots  # one may turn into a spare below: no guess takes it before it is computed
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        inflight: dict[int, int] = {}  # expert -> slot of misses whose read is (or will be) in flight
-        deferred: list[tuple[int, int]] = []  # misses whose slot holds a hit of this step
-        waiting_scratch: list[int] = []  # misses the cache does not keep, waiting for a scratch slot
-        on_scratch: set[int] = set()
-        landed: list[tuple[int, int]] = []  # misses already in memory (prefetched and complete)
-        for e, hit in zip(order, hits):
-            if hit:
-                continue
-            spare = pool.prefetched.get(e)
-            if spare is not None:  # a prefetched copy: no read; it becomes the cache slot, a free slot a spare
-                self._note_prefetch_used(e)
-                if e in after:
-                    self.arena.to_cache(spare, pool.free.pop())
-                    pool.slot_of[e] = spare
-                else:  # not kept: computed from the spare, which keeps it (no guess may take it this step)
-                    self.arena.busy.add(spare)
-                landed.append((e, spare))  # (its read, if still in flight, is waited for when computed)
-                continue
-            if e in after:
-                slot = pool.free.pop()
-                pool.slot_of[e] = slot
-                if slot in hit_slots:
-                    deferred.append((e, slot))
-                    continue
-            elif pool.scratch:
-                slot = pool.scratch.pop()
-                on_scratch.add(e)
-            else:
-                waiting_scratch.append(e)
-                continue
-            self._submit(st, e, slot, done)
-            inflight[e] = slot
-        if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
-            self._guess_next(st.moe.index + 1, x_TD)
-        if on_ready is not None:
-            for e, hit in zip(order, hits):
-                if hit:
-                    self._ready(st, before[e], on_ready, e)
-        for e, slot in deferred:
-            self._submit(st, e, slot, done)
-            inflight[e] = slot
-        for e, slot in landed:
-            self._ready(st, slot, on_ready, e)
-        while inflight:  # each miss as it lands
-            t0 = time.perf_counter()
-            ticket = done.get()
-            self.io_wait_seconds += time.perf_counter() - t0
-            e, slot = ticket.tag
-            del inflight[e]
-            self._ready(st, slot, on_ready, e)
-            if e in on_scratch:  # computed: the scratch slot is free for the next expert the cache does not keep
-                on_scratch.discard(e)
-                if waiting_scratch:
-                    nxt = waiting_scratch.pop(0)
-                    on_scratch.add(nxt)
-                    self._submit(st, nxt, slot, done)
-                    inflight[nxt] = slot
-                else:
-                    pool.scratch.append(slot)
-        assert not waiting_scratch
-        self.arena.busy.clear()
-        assert set(pool.slot_of) == set(after), (sorted(pool.slot_of), sorted(after))
-
-    def _ready(self, st: LayerState, slot: int, on_ready, e: int) -> None:
-        t = st.pool.pending.pop(slot, None)
-        if t is not None:
-            self._wait(t)
-        if on_ready is not None:
-            on_ready(e, slot)
-
-    def _note_prefetch_used(self, e: int) -> None:
-        ps = self.prefetch_stats
-        ps.used += 1
-        ps.used_bytes += self.expert_bytes
-
-    # -- next-layer speculative prefetch ---------------------------------------------------------
-
-    def _guess_next(self, index: int, x_TD: torch.Tensor) -> None:
-        """Guess layer ``index``'s experts (:func:`~expertcache.offload.prefetch.guess_next_layer`) and read the
-        non-resident guesses into the shared spare slots (:meth:`SlotArena.claim_spares`: empty ones first, then
-        the oldest guess; never one whose read is in flight or that this step computes from). Never
-        changes what is computed: a spare holds an expert's true bytes, used only if that expert is a miss."""
-        st = self.states[index]
-        st.guess = ids = guess_next_layer(self, index, x_TD)
-        pool = st.pool
-        want = [e for e in ids if e not in st.cache and e not in pool.prefetched]
-        if not want:
-            return
-        ps = self.prefetch_stats
-        for e, slot in zip(want, self.arena.claim_spares(len(want))):
-            self.arena.hold(slot, index, e)
-            self._submit(st, e, slot)
-            ps.issued += 1
-            ps.bytes += self.expert_bytes
-
-    def _guess_first(self, decoder_layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of the first MoE layer's decoder layer: with prefetch on, guess that layer's experts
-        from the hidden state entering it (:func:`~expertcache.offload.prefetch.first_layer_input`) and start
-        their reads before its attention runs."""
-        if not self.offload.prefetch:
-            return
-        h = args[0] if args else kwargs.get("hidden_states")
-        if h is None:
-            return
-        with torch.inference_mode():
-            self._guess_next(0, first_layer_input(decoder_layer, h))
-
-    def prefetch(self, index: int, experts: Iterable[int]) -> int:
-        """Load ``experts`` of MoE layer ``index`` ahead of use (e.g. from a predictor). Each load is a cache
-        step (eviction by the cache policy) counted as a prefetch, not as a demand hit or miss. At most C of
-        them; already resident ones are skipped. Returns the number loaded."""
-        st = self.states[index]
-        ids = [int(e) for e in dict.fromkeys(experts) if int(e) not in st.cache][: self.capacity]
-        if not ids:
-            return 0
-        s = st.cache.stats
-        saved = (s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded)
-        guess, st.guess = st.guess, None
-        try:
-            self._step(st, ids, lambda e, slot: None)
-        except BaseException:
-            self._fail()
-            raise
-        st.guess = guess
-        s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded = saved
-        st.prefetched += len(ids)
-        return len(ids)
-
     # -- generation ------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -745,7 +443,3 @@ class OffloadedModel:
                     eviction=self.eviction, gamma=self.gamma if self.eviction == "gamma" else None,
                     readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,
                     threads=torch.get_num_threads())
-
-
-_ZERO = torch.zeros(1, dtype=torch.long)
-
