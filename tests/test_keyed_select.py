@@ -1,6 +1,6 @@
 """Each cache-aware policy's kernel (keys + selection, expertcache.routing.kernels) and the LRU kernel, in every
-entry point (Router.rank, Router.keys + ExpertCache.select_serve, the fused loop of the patch), make exactly the
-decisions of the token-by-token oracles in tests/oracles.py (ids sorted by descending logit, then served)."""
+entry point (Router.rank against a live cache, the fused loop of the patch), make exactly the decisions of the
+token-by-token oracles in tests/oracles.py (ids sorted by descending logit, then served)."""
 
 import itertools
 
@@ -79,8 +79,18 @@ def _logits(p, e, seed, quantised):
 
 
 def _keyed(router, layer, z_PE, cache, allowed_PE=None):
-    keys = router.keys(layer, z_PE, allowed_PE)
-    return cache.select_serve(keys.order_PE, keys.kres_PE, keys.knon_PE, z_PE.numpy(), router.k)
+    """Router.rank one token at a time against the live residency (an expert not ``allowed`` counts as not
+    resident), each token's ids by descending logit (stable) served before the next token is ranked: [P, K]."""
+    out = []
+    for p in range(z_PE.shape[0]):
+        resident = torch.tensor(cache.resident_mask())
+        if allowed_PE is not None:
+            resident &= allowed_PE[p]
+        ids = router.rank(layer, z_PE[p:p + 1], resident)[0].numpy()
+        ids = ids[np.argsort(-z_PE[p].numpy()[ids], kind="stable")]
+        cache.access_step(ids.tolist())
+        out.append(ids)
+    return np.stack(out)
 
 
 @pytest.mark.parametrize("cfg", POLICY_CONFIGS, ids=lambda c: c.label())
@@ -131,7 +141,7 @@ def test_keyed_selection_with_allowed_mask(cfg):
 
 
 @pytest.mark.parametrize("eviction,gamma", [("lfu", 1.0), ("gamma-admit", 0.5), ("gamma", 0.5), ("gamma", 0.8)])
-def test_generic_select_serve_equals_selection_then_access_step(eviction, gamma):
+def test_every_eviction_rule_in_the_closed_loop(eviction, gamma):
     """Every eviction rule selects with the same kernel, one token at a time (γ = 0.8: 004's Top-C cache
     declines some misses, transient loads)."""
     cfg = RoutingConfig("cache-prior", lam=0.7, top_j=1)
@@ -146,15 +156,6 @@ def test_generic_select_serve_equals_selection_then_access_step(eviction, gamma)
         ref.access_step(ids)
         assert got[p].tolist() == ids
     assert cache.finish().to_dict() == ref.finish().to_dict()
-
-
-def test_keys_refuses_what_it_cannot_express():
-    r = _router(RoutingConfig("cache-prior", lam=0.5, top_j=1), 8, 2)
-    z = torch.randn(3, 8)
-    z[1, 2] = float("nan")
-    assert r.keys(0, z) is None
-    assert r.deltas == {} or r.deltas[0].count == 0  # nothing advanced by a refusal
-    assert _router(RoutingConfig("original"), 8, 2).keys(0, torch.randn(3, 8)) is None
 
 
 def test_serve_array_equals_the_lru_oracle():

@@ -79,8 +79,8 @@ def test_cost_aware_kernel_equals_the_oracle(lam, j, delta):
 
 
 def test_cost_aware_reduces_to_cache_prior_and_to_the_residency():
-    """Every miss at the highest cost (the default before costs are set) = plain Cache-Prior; the keys path
-    (Router.keys + select_serve) makes the same decisions as Router.rank."""
+    """Every miss at the highest cost (the default before costs are set) = plain Cache-Prior; against a live
+    LRU, token by token, the selections follow the oracle's LRU."""
     e, k = 32, 8
     gen = torch.Generator().manual_seed(9)
     z = torch.randn(64, e, generator=gen) * 2
@@ -93,21 +93,21 @@ def test_cost_aware_reduces_to_cache_prior_and_to_the_residency():
     free.set_miss_costs(0, np.zeros(e, np.float32))
     got = free.rank(0, z, resident)
     assert torch.equal(got.sort(dim=1).values, torch.topk(z, k, dim=1).indices.sort(dim=1).values)
-    # keys + select_serve against a live LRU = rank token by token against the same residency
+    # rank against a live LRU, token by token = rank against the oracle LRU's residency
     c = np.where(np.arange(e) % 3 == 0, 0.2, 1.0).astype(np.float32)
     a = Router(RoutingConfig("cache-prior-cost", lam=0.6), num_experts=e, k=k, renormalize=True)
     b = Router(RoutingConfig("cache-prior-cost", lam=0.6), num_experts=e, k=k, renormalize=True)
     a.set_miss_costs(0, c)
     b.set_miss_costs(0, c)
     cache = make_cache("lru", e, 12)
-    keys = a.keys(0, z)
-    ids = cache.select_serve(keys.order_PE, keys.kres_PE, keys.knon_PE, z.numpy(), k)
     lru: list[int] = []
     for p in range(z.shape[0]):
+        ids = a.rank(0, z[p:p + 1], torch.tensor(cache.resident_mask()))[0]
+        ids = ids[torch.argsort(z[p, ids], descending=True, stable=True)].tolist()
+        cache.access_step(ids)
         res = torch.tensor([x in lru for x in range(e)])
-        want = b.rank(0, z[p:p + 1], res)[0].tolist()
-        assert sorted(ids[p].tolist()) == sorted(want)
-        oracles.lru_step(lru, [int(x) for x in ids[p]], 12)
+        assert sorted(ids) == sorted(b.rank(0, z[p:p + 1], res)[0].tolist())
+        oracles.lru_step(lru, ids, 12)
 
 
 def test_miss_costs_are_validated():

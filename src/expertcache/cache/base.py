@@ -41,7 +41,7 @@ The state of a cache is a few numpy arrays, its only representation:
   lifetime_sumsq, lifetimes]``, the last six since the last fold into ``stats`` (after every kernel call).
 
 The kernel is compiled with numba when installed (:mod:`expertcache.compiled`), plain Python otherwise; the
-loops that call it are compiled once per ``code`` (``_SERVE[code]``, ``_SELECT_SERVE[code]``), so each rule's
+loops that call it are compiled once per ``code`` (``_SERVE[code]``), so each rule's
 loop carries only its own branches.
 """
 
@@ -55,9 +55,8 @@ import numpy as np
 from expertcache.cache.stats import CacheStats
 from expertcache.compiled import jit_each as _jit_each
 from expertcache.compiled import jit_inline as _jit_inline
-from expertcache.routing.kernels import select
 
-__all__ = ["ExpertCache", "initial_set", "order_steps", "check_keyed", "serve_one"]
+__all__ = ["ExpertCache", "initial_set", "order_steps", "serve_one"]
 
 RESIDENT, STAMP, LOADED_AT, LT_SUM, LT_CNT, LOADS, SERVING = range(7)
 CLOCK, STEP, N_RES, CAP, ACCESSES, HITS, MISSES, LIFETIME_SUM, LIFETIME_SUMSQ, LIFETIMES = range(10)
@@ -236,24 +235,8 @@ def _serve_for(code):
     return _serve
 
 
-def _select_serve_for(code):
-    def _select_serve(order_PE, kres_PE, knon_PE, z_PE, k, out_PK, st_E, score_E, st_S, pf):
-        miss_buf = np.empty(k, np.int64)
-        bk = np.empty(k, np.float32)
-        bp = np.empty(k, np.int64)
-        ids = np.empty(k, np.int64)
-        nxt = np.zeros(k, np.int64)
-        for p in range(order_PE.shape[0]):
-            select(order_PE[p], kres_PE[p], knon_PE[p], z_PE[p], k, st_E[0], bk, bp, ids)
-            for i in range(k):
-                out_PK[p, i] = ids[i]
-            serve_one(ids, k, nxt, code, st_E, score_E, st_S, pf, miss_buf)
-    return _select_serve
-
-
 # one compiled loop per eviction code, from the one source above (the code is a compile-time constant)
 _SERVE = _jit_each(_serve_for, CODES)
-_SELECT_SERVE = _jit_each(_select_serve_for, CODES)
 
 
 _NO_NEXT = np.zeros((1, 1), np.int64)
@@ -375,26 +358,6 @@ class ExpertCache:
             raise ValueError(f"bad step {ids_PK[bad].tolist()}: ids must be distinct and in [0, {n}); "
                              "an expert is requested twice in one step or is out of range")
 
-    def select_serve(self, order_PE: np.ndarray, kres_PE: np.ndarray, knon_PE: np.ndarray, z_PE: np.ndarray,
-                     k: int) -> np.ndarray:
-        """Select K experts for each of P tokens against the live residency and serve each token before the
-        next one is selected (a cache-aware routing policy run token by token).
-
-        order_PE int [P, E]: each token's experts in rank order; kres_PE / knon_PE float32 [P, E]: the key of
-        the expert at each rank position if it is resident / not resident now (from
-        :meth:`expertcache.routing.Router.keys`); z_PE float32 [P, E]: the router logits by expert id. Per
-        token, the K positions with the highest keys are selected (ties: lower rank first;
-        :func:`expertcache.routing.kernels.select`), then ordered by descending logit (stable), served, and
-        returned: int64 [P, K].
-        """
-        if self.code == BELADY:
-            raise ValueError("belady needs the future requests; a policy run live decides them as it goes")
-        arrays = check_keyed(order_PE, kres_PE, knon_PE, z_PE, k, self.num_experts)
-        out_PK = np.empty((arrays[0].shape[0], k), np.int64)
-        _SELECT_SERVE[self.code](*arrays, int(k), out_PK, self.st_E, self.score_E, self.st_S, self.pf)
-        self._unfolded = True
-        return out_PK
-
     def _next_steps(self, ids_PK: np.ndarray) -> np.ndarray:
         """Belady's next-request step of each id of the P steps about to be served (others: unused)."""
         return _NO_NEXT
@@ -481,15 +444,3 @@ def order_steps(ids_PK: np.ndarray, z_PE: np.ndarray) -> np.ndarray:
     valid_PK = ids_PK >= 0
     key_PK = np.where(valid_PK, np.take_along_axis(z_PE, np.where(valid_PK, ids_PK, 0), axis=1), -np.inf)
     return np.take_along_axis(ids_PK, np.argsort(-key_PK, axis=1, kind="stable"), axis=1)
-
-
-def check_keyed(order_PE, kres_PE, knon_PE, z_PE, k: int, num_experts: int):
-    """The keyed-selection arrays as contiguous int64 / float32 arrays, checked to be [P, E] (ValueError)."""
-    order_PE, kres_PE, knon_PE, z_PE = (np.asarray(a) for a in (order_PE, kres_PE, knon_PE, z_PE))
-    shape = (order_PE.shape[0], num_experts)
-    if order_PE.ndim != 2 or any(tuple(a.shape) != shape for a in (order_PE, kres_PE, knon_PE, z_PE)):
-        raise ValueError(f"keyed selection needs order/keys/logits of shape [P, E={num_experts}], got "
-                         f"{[tuple(a.shape) for a in (order_PE, kres_PE, knon_PE, z_PE)]}")
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"K must be in [1, E={num_experts}], got {k}")
-    return (np.ascontiguousarray(order_PE, np.int64), *(np.ascontiguousarray(a, np.float32) for a in (kres_PE, knon_PE, z_PE)))

@@ -26,7 +26,7 @@ Counts are stored scaled by γ^-t (one multiply per request instead of N per ste
 overflow; γ = 0 keeps only the current step's requests. The rule is code ``DISCOUNTED`` of the one step kernel
 :func:`expertcache.cache.base.serve_one` (a missing expert is admitted iff it ranks above the resident set's
 smallest (count, was resident, stamp); the streaming Top-C equals Top-C of resident ∪ requested), so
-``access_step``, ``serve_array``, ``select_serve`` and the patch's fused loop all run it.
+``access_step``, ``serve_array`` and the patch's fused loop all run it.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 token by a :class:`~expertcache.routing.controller.MissRateController`.
 
 :class:`BudgetRouter` has the interface of ``Router`` that the patched model and the simulator call
-(``rank``/``route``/``keys``/``kernel_params``/``delta_for``, ``k``, ``num_experts``, ...). It keeps one
+(``rank``/``route``/``kernel_params``/``delta_for``, ``k``, ``num_experts``, ...). It keeps one
 prepared ``Router`` per quantised strength level (sharing the per-layer Cache-Prior running Δavg and the ERAS
 profile), routes each (token, layer) with the level the controller holds for that layer, counts the token's
 misses against the residency it was given (a selected expert that is not resident is a miss: exactly what the
-cache will count) and feeds them back. ``keys`` and ``kernel_params`` return None, so a patched model takes
+cache will count) and feeds them back. ``kernel_params`` returns None, so a patched model takes
 its token-by-token path (every token routed against the live cache, then served) and the controller sees
 every token in order, also inside a prefill or a teacher-forced chunk.
 
@@ -61,9 +61,6 @@ class BudgetRouter:
             r = self._routers[level] = Router(cfg, num_experts=b.num_experts, k=b.k, renormalize=b.renormalize,
                                               scoring=b.scoring, freq_LE=b.freq_LE, deltas=b.deltas)
         return r
-
-    def keys(self, *args, **kwargs):
-        return None  # token by token: the controller must see each token before the next is ranked
 
     def kernel_params(self, *args, **kwargs):
         return None

@@ -145,18 +145,6 @@ class KernelParams:
             d.count = int(self.fp[3])
 
 
-@dataclass(frozen=True)
-class RankKeys:
-    """A cache-aware policy for P tokens in residency-free form (see :meth:`Router.keys`), numpy.
-
-    order_PE int64 [P, E]: experts by descending logit; kres_PE / knon_PE float32 [P, E]: the key of the
-    expert at each rank position if resident / not resident (select the K highest; ties: lower rank)."""
-
-    order_PE: np.ndarray
-    kres_PE: np.ndarray
-    knon_PE: np.ndarray
-
-
 @dataclass
 class Router:
     """Routes tokens of one model under one :class:`RoutingConfig`, keeping per-layer policy state.
@@ -231,30 +219,6 @@ class Router:
         if self.config.policy not in _rk.NEEDS_PROBS:
             return None
         return scores_from_logits(z_TE, self.scoring).numpy()
-
-    def keys(self, layer: int, z_PE: torch.Tensor, allowed_PE: torch.Tensor | None = None) -> RankKeys | None:
-        """A cache-aware policy for P consecutive tokens of one layer in residency-free form, for selecting
-        against a cache that changes between the tokens (:meth:`expertcache.cache.ExpertCache.select_serve`).
-
-        Per token: ``order`` = the experts by descending logit (stable), and the key each expert would have
-        if resident (``kres``) or not (``knon``), in rank order; the policy selects the K highest keys (ties:
-        lower rank first). Top-J positions get ``kres`` either way. ``allowed_PE`` (bool [P, E]) marks experts
-        the model allows (DeepSeek group limits): a disallowed expert is treated as not resident. Cache-Prior
-        with a running Δavg sees token p's Δavg after tokens 0..p, and this call advances it by P tokens.
-        Returns None (nothing changed) for a residency-independent policy or a NaN logit.
-        """
-        if not self.config.cache_aware or z_PE.dim() != 2 or z_PE.shape[1] != self.num_experts:
-            return None
-        params = self.kernel_params(layer, allowed=allowed_PE is not None)
-        z = z_PE.detach().to("cpu", torch.float32)
-        params.load()
-        bad, order, kres, knon, _ = _rk.rank(z.numpy(), params.ip, params.fp, 0, prob_PE=self.probs(z),
-                                             penalty_PE=params.penalty,
-                                             allowed_PE=None if allowed_PE is None else allowed_PE.numpy())
-        if bad >= 0:
-            return None
-        params.store()
-        return RankKeys(order, kres, knon)
 
     def kernel_params(self, layer: int, *, allowed: bool = False) -> KernelParams | None:
         """The parameters of :func:`expertcache.routing.kernels.token_keys` at ``layer`` (built once per layer
