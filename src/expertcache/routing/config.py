@@ -173,6 +173,9 @@ class Router:
         if self.config.policy == "eras-bias" and self.freq_LE is None:
             raise ValueError("eras-bias needs an activation-frequency profile (freq_LE); "
                              "build one from a trace with expertcache.sim.activation_frequency")
+        if self.freq_LE is not None and (self.freq_LE.dim() != 2 or self.freq_LE.shape[1] != self.num_experts):
+            raise ValueError(f"the ERAS frequency profile freq_LE must be [L, E={self.num_experts}], got "
+                             f"{tuple(self.freq_LE.shape)}")
         self._params: dict[tuple, KernelParams] = {}
 
     def delta_for(self, layer: int) -> DeltaAvg:

@@ -1,4 +1,6 @@
-"""Cache-aware routing policies: pure, batched functions of router logits and a residency mask.
+"""Routing in torch, around the policy kernels: the original top-K and the pruning baseline, the weights of a
+selection, Cache-Prior's Δavg and ERAS biasing's penalty. The cache-aware policies themselves are written once,
+as kernels (:mod:`expertcache.routing.kernels`), and run through :class:`expertcache.routing.Router`.
 
 Letter legend: T tokens, E experts (N in the papers), K experts selected per token.
 
@@ -28,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from expertcache.routing import kernels as _rk
 
 __all__ = [
     "Selection",
@@ -37,11 +38,6 @@ __all__ = [
     "weights_for",
     "topk_rank",
     "prune_rank",
-    "max_rank_rank",
-    "cumsum_threshold_rank",
-    "cache_prior_rank",
-    "eras_threshold_rank",
-    "eras_bias_rank",
 ]
 
 
@@ -80,16 +76,6 @@ def _check(z_TE: torch.Tensor, k: int, resident: torch.Tensor | None = None) -> 
             raise ValueError(
                 f"residency mask must be [E]={e} or [T, E]=({t}, {e}), got {tuple(resident.shape)}"
             )
-
-
-def _check_unit(name: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value}")
-
-
-def _check_j(j: int, k: int) -> None:
-    if not 0 <= j <= k:
-        raise ValueError(f"top-J must be in [0, K={k}], got J={j}")
 
 
 def scores_from_logits(z_TE: torch.Tensor, scoring: str = "softmax") -> torch.Tensor:
@@ -150,28 +136,8 @@ def _rank_order(z_TE: torch.Tensor) -> torch.Tensor:
     return torch.sort(z_TE, dim=1, descending=True, stable=True).indices
 
 
-def _kernel_rank(policy: str, z_TE: torch.Tensor, resident: torch.Tensor, k: int, j: int, *, m: int = 0,
-                 strength: float = 0.0, fixed: float | None = None, delta: "DeltaAvg | None" = None,
-                 scoring: str = "softmax", penalty: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the policy's kernel (:func:`expertcache.routing.kernels.rank`) on the T rows: ids [T, K] in
-    descending-logit order, on the device of ``z_TE``. ``delta``: a running Δavg, advanced token by token."""
-    _check(z_TE, k, resident)
-    _check_j(j, k)
-    ip, fp = _rk.pack(policy, j, m=m, strength=strength, fixed=fixed,
-                      total=0.0 if delta is None else delta.total, count=0 if delta is None else delta.count)
-    z = z_TE.detach().to("cpu", torch.float32)
-    probs = scores_from_logits(z, scoring).numpy() if policy in _rk.NEEDS_PROBS else None
-    bad, _, _, _, ids_TK = _rk.rank(z.numpy(), ip, fp, k, resident_PE=resident.detach().cpu().numpy(), prob_PE=probs,
-                                    penalty_PE=None if penalty is None else penalty.detach().cpu().numpy())
-    if bad >= 0:
-        raise ValueError("router logits contain NaN")
-    if delta is not None:
-        delta.total, delta.count = float(fp[2]), int(fp[3])
-    return torch.from_numpy(ids_TK).to(z_TE.device)
-
-
 # ---------------------------------------------------------------------------------------------
-# rank functions: (z_TE, resident, k, hyper-parameters) -> ids_TK (unordered set per row)
+# rank functions of the residency-free policies: (z_TE, k, hyper-parameters) -> ids_TK
 
 
 def topk_rank(z_TE: torch.Tensor, k: int) -> torch.Tensor:
@@ -193,29 +159,6 @@ def prune_rank(z_TE: torch.Tensor, k: int, h: int) -> torch.Tensor:
     ids_TK = _rank_order(z_TE)[:, :k].clone()
     ids_TK[:, h:] = -1
     return ids_TK
-
-
-def max_rank_rank(z_TE: torch.Tensor, resident: torch.Tensor, k: int, m: int, j: int = 1) -> torch.Tensor:
-    """Max-Rank (001 Algorithm 1): promote resident experts ranked < M, then always keep the top-J."""
-    e = z_TE.shape[1]
-    if not 0 <= m <= e:
-        raise ValueError(f"max-rank M must be in [0, E={e}], got M={m}")
-    return _kernel_rank("max-rank", z_TE, resident, k, j, m=m)
-
-
-def cumsum_threshold_rank(
-    z_TE: torch.Tensor,
-    resident: torch.Tensor,
-    k: int,
-    p: float,
-    j: int = 1,
-    *,
-    scoring: str = "softmax",
-) -> torch.Tensor:
-    """Cumulative-probability threshold (001 Algorithm 2 / Eq. 8): per token, M is the smallest number of
-    top-ranked experts whose probabilities sum to ≥ p (M = 0 for p = 0), then Max-Rank with that M."""
-    _check_unit("cumsum threshold p", p)
-    return _kernel_rank("cumsum", z_TE, resident, k, j, strength=p, scoring=scoring)
 
 
 @dataclass
@@ -243,70 +186,6 @@ class DeltaAvg:
         if self.fixed is not None:
             return self.fixed
         return self.total / self.count if self.count else 0.0
-
-
-def cache_prior_rank(
-    z_TE: torch.Tensor,
-    resident: torch.Tensor,
-    k: int,
-    lam: float,
-    j: int = 1,
-    *,
-    delta: float | torch.Tensor | DeltaAvg,
-) -> torch.Tensor:
-    """Cache-Prior (001 Eq. 9-10): z' = z + λ·Δavg·m̃ with m̃ the residency mask plus the top-J experts;
-    select the top-K of z'.
-
-    ``delta`` is Δavg as a number, a [T] tensor (one value per row, e.g. rows = layers of one token), or a
-    :class:`DeltaAvg` with a running average, which this call advances token by token (token t is ranked
-    with the average over the tokens before it and itself).
-    """
-    _check_unit("cache-prior λ", lam)
-    if isinstance(delta, DeltaAvg):
-        if delta.fixed is None:
-            return _kernel_rank("cache-prior", z_TE, resident, k, j, strength=lam, delta=delta)
-        delta = delta.fixed
-    if isinstance(delta, torch.Tensor):
-        mask_TE = resident.to(z_TE.device).expand_as(z_TE)
-        return torch.cat([_kernel_rank("cache-prior", z_TE[t:t + 1], mask_TE[t:t + 1], k, j, strength=lam,
-                                       fixed=float(d)) for t, d in enumerate(delta.reshape(-1).tolist())])
-    return _kernel_rank("cache-prior", z_TE, resident, k, j, strength=lam, fixed=float(delta))
-
-
-def eras_threshold_rank(
-    z_TE: torch.Tensor,
-    resident: torch.Tensor,
-    k: int,
-    alpha: float,
-    j: int = 0,
-    *,
-    scoring: str = "softmax",
-) -> torch.Tensor:
-    """ERAS thresholding (003 III-B-1): add α to the router probabilities of resident experts, take top-K.
-
-    Optional top-J guarantee (not in 003; J = 0 reproduces the paper).
-    """
-    if alpha < 0:
-        raise ValueError(f"ERAS α must be ≥ 0, got {alpha}")
-    return _kernel_rank("eras-threshold", z_TE, resident, k, j, strength=alpha, scoring=scoring)
-
-
-def eras_bias_rank(
-    z_TE: torch.Tensor,
-    resident: torch.Tensor,
-    k: int,
-    beta: float,
-    freq_E: torch.Tensor,
-    j: int = 0,
-) -> torch.Tensor:
-    """ERAS biasing (003 III-B-2): subtract β·(1 - freq_i) from the logits of non-resident experts, take
-    top-K. ``freq_E`` is the layer's normalised activation frequency profile (see ``expertcache.sim``)."""
-    if beta < 0:
-        raise ValueError(f"ERAS β must be ≥ 0, got {beta}")
-    e = z_TE.shape[1]
-    if freq_E.shape not in ((e,), tuple(z_TE.shape)):
-        raise ValueError(f"ERAS frequency profile must be [E]={e} or [T, E], got {tuple(freq_E.shape)}")
-    return _kernel_rank("eras-bias", z_TE, resident, k, j, penalty=eras_penalty(beta, freq_E))
 
 
 def eras_penalty(beta: float, freq_E: torch.Tensor) -> torch.Tensor:
