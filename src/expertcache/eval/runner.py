@@ -15,9 +15,7 @@ unpatches, and returns a JSON-serialisable row with
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,50 +23,21 @@ import numpy as np
 from expertcache import __version__
 from expertcache.eval.tasks import Task, build_task, context_length
 from expertcache.eval.timeline import step_misses
+from expertcache.models.loader import load_model, load_tokenizer_checked, resolve_model_path
 from expertcache.routing import RoutingConfig
 
 __all__ = ["resolve_model_path", "load_model_and_tokenizer", "evaluate", "prepare"]
 
 
-def resolve_model_path(spec: str) -> Path | str:
-    """'granular' / 'coarse' -> the shipped model's folder; a hub name -> its local copy (downloaded if needed);
-    anything else is a path."""
-    from expertcache.assets import SHIPPED_MODELS, shipped_model_dir
-    from expertcache.models.loader import fetch_hub_model, is_hub_name
-
-    if spec in SHIPPED_MODELS and not Path(spec).exists():
-        return shipped_model_dir(spec)
-    if is_hub_name(spec):
-        return fetch_hub_model(spec)
-    return spec
-
-
 def load_model_and_tokenizer(spec: str):
     """(model in eval mode, float32; tokenizer) of a shipped model name or a checkpoint folder."""
-    from transformers import AutoTokenizer
-
-    from expertcache.models import load_model
-
     path = resolve_model_path(spec)
-    text = str(spec)
-    if not Path(text).expanduser().exists() and (os.sep in text or text.startswith((".", "~"))):
-        raise FileNotFoundError(f"--model {spec}: no such model folder (give a checkpoint folder, 'granular' or "
-                                "'coarse')")
-    tok = None
-    if Path(str(path)).is_dir():  # a missing or broken tokenizer fails before the weights are read
-        from expertcache.models.loader import load_tokenizer_checked
-
-        tok = load_tokenizer_checked(path)
+    tok = load_tokenizer_checked(path)  # a missing or broken tokenizer fails before the weights are read
     try:
         model = load_model(path)
     except OSError as exc:
         raise FileNotFoundError(f"cannot load model {spec!r}: not a checkpoint folder, a shipped model (granular, "
                                 f"coarse) or a reachable hub name ({str(exc).splitlines()[0]})") from None
-    if tok is None:
-        try:
-            tok = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as exc:
-            raise FileNotFoundError(f"{path}: no usable tokenizer next to the model ({exc})") from None
     return model, tok
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from expertcache.models.adapters import family_for
 
 __all__ = ["load_model", "read_config_json", "check_weights_match_config", "load_tokenizer_checked",
-           "is_hub_name", "fetch_hub_model", "HUB_FILES"]
+           "is_hub_name", "fetch_hub_model", "resolve_model_path", "HUB_FILES"]
 
 
 def read_config_json(folder: str | os.PathLike) -> dict:
@@ -135,6 +135,23 @@ def fetch_hub_model(name: str, revision: str | None = None) -> Path:
     if not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"hub model {name!r} has no safetensors weights (pickled weights are not loaded)")
     return folder
+
+
+def resolve_model_path(spec: str | os.PathLike) -> Path:
+    """``'granular'``/``'coarse'`` (when no such local folder exists) → the shipped model folder; a hub name
+    ``owner/name`` that is not a local path → its local copy (downloaded if needed, :func:`fetch_hub_model`);
+    anything else must be a checkpoint folder (FileNotFoundError naming it otherwise)."""
+    from expertcache.assets import SHIPPED_MODELS, shipped_model_dir
+
+    if str(spec) in SHIPPED_MODELS and not Path(spec).exists():
+        return shipped_model_dir(str(spec))
+    if is_hub_name(spec):
+        return fetch_hub_model(str(spec))
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"--model {spec}: no such model folder (give a checkpoint folder, 'granular', "
+                                "'coarse' or a hub name owner/name)")
+    return path
 
 
 def load_model(path_or_hub_name: str | os.PathLike, dtype: torch.dtype = torch.float32, **kwargs) -> nn.Module:

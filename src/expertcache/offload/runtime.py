@@ -63,28 +63,10 @@ from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
                                        quant_sidecar_path, quantize_checkpoint)
-from expertcache.models.loader import check_weights_match_config
+from expertcache.models.loader import check_weights_match_config, resolve_model_path
 from expertcache.routing import Router, RoutingConfig
 
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
-
-
-def resolve_model_path(name: str | os.PathLike) -> Path:
-    """``'granular'``/``'coarse'`` → the shipped model folder; a hub name ``owner/name`` that is not a local
-    path → its local copy (downloaded if needed, :func:`expertcache.models.loader.fetch_hub_model`); anything
-    else is a checkpoint folder."""
-    from expertcache.assets import SHIPPED_MODELS, shipped_model_dir
-    from expertcache.models.loader import fetch_hub_model, is_hub_name
-
-    if str(name) in SHIPPED_MODELS:
-        return shipped_model_dir(str(name))
-    if is_hub_name(name):
-        return fetch_hub_model(str(name))
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model folder {path} does not exist (give a checkpoint folder, 'granular', "
-                                "'coarse' or a hub name owner/name)")
-    return path
 
 
 class OffloadedModel(LayerSteps):
