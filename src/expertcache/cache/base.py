@@ -77,37 +77,26 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
     step = st_S[1] + 1
     n_res = st_S[2]
     cap = st_S[3]
-    if code == 1:  # Count <- γ·Count + r_t, kept scaled by γ^-t
+    if code == 1 or code == 3:  # Count <- γ·Count + r_t, kept scaled by γ^-t (004 Def. C.1 for code 3)
         inc = pf[1]
-        if pf[0] == 0.0:
+        if pf[0] == 0.0 and code == 1:
             inc = 0.0  # the LRU limit: counts carry no information, recency decides
-        elif pf[0] < 1.0:
-            inc = inc / pf[0]
-            if inc > 1e250:  # rescale to stay finite; the order is unchanged
-                for x in range(score_E.shape[0]):
-                    score_E[x] /= inc
-                inc = 1.0
-            pf[1] = inc
-        for i in range(kk):
-            if ids[i] >= 0:
-                score_E[ids[i]] += inc
-    elif code == 3:  # 004 Def. C.1: Count <- γ·Count + r_t (scaled by γ^-t; γ = 0: only this step counts)
-        inc = pf[1]
-        if pf[0] == 0.0:
+        elif pf[0] == 0.0:  # code 3, γ = 0: only this step counts
             for x in range(score_E.shape[0]):
                 score_E[x] = 0.0
         elif pf[0] < 1.0:
             inc = inc / pf[0]
-            if inc > 1e200:  # rescale to stay finite; the order is unchanged
+            if inc > (1e250 if code == 1 else 1e200):  # rescale to stay finite; the order is unchanged
                 for x in range(score_E.shape[0]):
                     score_E[x] /= inc
                 inc = 1.0
             pf[1] = inc
-        for i in range(kk):  # stamp = the last request, in the given order (the later id is more recent)
+        for i in range(kk):  # code 3: stamp = the last request, in the given order (the later id is more recent)
             if ids[i] >= 0:
                 score_E[ids[i]] += inc
-                clock += 1
-                stamp_E[ids[i]] = clock
+                if code == 3:
+                    clock += 1
+                    stamp_E[ids[i]] = clock
     nvalid = 0
     nmiss = 0
     for i in range(kk):
@@ -253,13 +242,6 @@ class ExpertCache:
 
     kind = "base"
     code = LRU
-
-    def __init_subclass__(cls, **kw) -> None:
-        super().__init_subclass__(**kw)
-        old = [h for h in ("_touch", "_victim", "_on_step_start", "_reorder", "_forget", "_bypass") if h in vars(cls)]
-        if old:  # the per-step hooks are gone: fail loudly instead of silently serving as LRU
-            raise TypeError(f"{cls.__name__} defines {old}: an eviction rule is now a victim score in "
-                            "expertcache.cache.base.serve_one (a new `code`); see docs/ARCHITECTURE.md")
 
     def __init__(self, num_experts: int, capacity: int, *, initial: str | Iterable[int] | None = None,
                  seed: int = 0, expert_bytes: int | Sequence[int] | None = None, gamma: float = 1.0) -> None:

@@ -125,8 +125,6 @@ def budget_hook(args, routing, freq):
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from expertcache.eval import evaluate, prepare
     from expertcache.results import append_jsonl
 
@@ -134,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
     routing = routing_from_args(args)
     check_output_path(args.out, "--out")
     check_output_path(args.trace_out, "--trace-out")
-    torch.set_num_threads(args.threads)
     if args.eviction == "belady":
         raise ValueError("a live cache cannot use belady (it needs the future); every eval row already reports "
                          "belady_miss_rate for the same selections")
