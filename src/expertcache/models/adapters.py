@@ -115,7 +115,6 @@ class Family:
     ranking: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
     expected_moe_layers: Callable[[object], list[int]]
     unsupported_policies: Callable[[nn.Module], dict[str, str]] = lambda router: {}
-    note: str = ""
 
 
 # -- rank inputs ---------------------------------------------------------------------------------
@@ -300,25 +299,19 @@ FAMILIES: dict[str, Family] = {
         Family("mixtral", "gate", "MixtralTopKRouter", "MixtralSparseMoeBlock", "softmax",
                _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers),
         Family("qwen2_moe", "gate", "Qwen2MoeTopKRouter", "Qwen2MoeSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers,
-               note="the gated shared expert is outside the router seam: never cached or re-routed"),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers),
         Family("qwen3_moe", "gate", "Qwen3MoeTopKRouter", "Qwen3MoeSparseMoeBlock", "softmax",
                _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers),
         Family("deepseek_v2", "gate", "DeepseekV2TopkRouter", "DeepseekV2Moe", "softmax",
                lambda r: False, _weights_deepseek_v2, _rank_deepseek_v2, _deepseek_layers,
-               _deepseek_v2_unsupported,
-               note="shared experts never cached; leading dense layers (first_k_dense_replace) skipped"),
+               _deepseek_v2_unsupported),
         Family("deepseek_v3", "gate", "DeepseekV3TopkRouter", "DeepseekV3MoE", "sigmoid",
                lambda r: bool(r.norm_topk_prob), _weights_deepseek_v3, _rank_deepseek_v3, _deepseek_layers,
-               _deepseek_v3_unsupported,
-               note="policies rank sigmoid(z)+e_score_correction_bias within the model's top groups; "
-                    "weights from the unbiased sigmoid scores"),
+               _deepseek_v3_unsupported),
         Family("phimoe", "router", "PhimoeTopKRouter", "PhimoeSparseMoeBlock", "softmax",
-               lambda r: False, _weights_phimoe, _rank_logits, _all_layers,
-               note="weights: sparsemixer evaluated at the selected ids (see _weights_phimoe)"),
+               lambda r: False, _weights_phimoe, _rank_logits, _all_layers),
         Family("gpt_oss", "router", "GptOssTopKRouter", "GptOssMLP", "softmax",
-               lambda r: True, _weights_gpt_oss, _rank_logits, _all_layers,
-               note="weights: softmax over the selected logits (router bias included)"),
+               lambda r: True, _weights_gpt_oss, _rank_logits, _all_layers),
     ]
 }
 

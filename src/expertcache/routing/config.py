@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from expertcache.routing import kernels as _rk
-from expertcache.routing.policies import (DeltaAvg, Selection, _check, eras_penalty, prune_rank, scores_from_logits,
+from expertcache.routing.policies import (DeltaAvg, Selection, _check, prune_rank, scores_from_logits,
                                           topk_rank, weights_for)
 
 POLICIES = ("original", "prune", "max-rank", "cumsum", "cache-prior", "eras-threshold", "eras-bias", "cache-prior-cost")
@@ -241,7 +241,7 @@ class Router:
                               fixed=None if d is None else d.fixed, allowed=allowed)
             penalty = None
             if c.policy == "eras-bias":
-                penalty = eras_penalty(c.beta, self.freq_LE[layer]).numpy().reshape(1, -1)
+                penalty = (c.beta * (1.0 - self.freq_LE[layer].float().cpu())).numpy().reshape(1, -1)  # β·(1 - freq)
             elif c.policy == "cache-prior-cost":  # every miss at the highest cost until set_miss_costs
                 penalty = np.ones((1, self.num_experts), np.float32)
             params = self._params[key] = KernelParams(ip, fp, penalty, None if d is None or d.fixed is not None

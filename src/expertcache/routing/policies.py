@@ -186,8 +186,3 @@ class DeltaAvg:
         if self.fixed is not None:
             return self.fixed
         return self.total / self.count if self.count else 0.0
-
-
-def eras_penalty(beta: float, freq_E: torch.Tensor) -> torch.Tensor:
-    """β·(1 - freq) in float32 (ERAS biasing's penalty of a non-resident expert)."""
-    return beta * (1.0 - freq_E.float().cpu())
