@@ -25,7 +25,7 @@ import numpy as np
 from expertcache import __version__
 from expertcache.cache import CacheStats, make_cache, resolve_capacity
 
-__all__ = ["SimResult", "replay", "simulate", "activation_frequency", "selections_of"]
+__all__ = ["SimResult", "replay", "simulate", "activation_frequency"]
 
 
 @dataclass
@@ -91,15 +91,6 @@ def _clean(x: float) -> float | None:
     return None if x != x else x  # NaN -> None for JSON
 
 
-def _steps(ids_TK: np.ndarray) -> list[list[int]]:
-    return np.asarray(ids_TK).astype(np.int64, copy=False).tolist()
-
-
-def selections_of(ids_TLK: np.ndarray, layer: int) -> list[list[int]]:
-    """One layer's steps as Python lists (the input format of the caches)."""
-    return _steps(ids_TLK[:, layer, :])
-
-
 def check_selections(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """``ids_TLK`` as an array, checked to be [T, L, K] with ids in [-1, num_experts) (ValueError otherwise)."""
     ids_TLK = np.asarray(ids_TLK)
@@ -136,7 +127,7 @@ def replay(
         for a, b in segments:
             steps = ids_TLK[a:b, layer, :]
             cache = make_cache(eviction, num_experts, cap, initial=initial, seed=seed + layer, gamma=gamma,
-                               future=_steps(steps) if eviction == "belady" else None, expert_bytes=expert_bytes)
+                               future=steps.tolist() if eviction == "belady" else None, expert_bytes=expert_bytes)
             cache.serve_array(steps)
             stats = cache.finish()
             total = stats if total is None else total.merge(stats)
