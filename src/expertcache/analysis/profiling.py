@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from expertcache.sim.simulator import activation_frequency, check_selections, selection_counts
+from expertcache.sim.simulator import activation_frequency, check_selections, selection_counts, sequence_segments
 
 __all__ = ["activation_rate", "activation_frequency", "router_signal", "expert_correlation",
            "layer_correlation", "top_pairs", "distinct_experts", "uniform_distinct", "summarize"]
@@ -144,9 +144,8 @@ def top_pairs(corr_FF: np.ndarray, num_layers: int, n: int = 10, cross_layer: bo
 
 def _windows(b: int, num_tokens: int, sequence_starts: list[int] | None) -> np.ndarray:
     """Start positions of the non-overlapping windows of b consecutive tokens inside one sequence."""
-    starts = list(sequence_starts or [0])
-    ends = starts[1:] + [num_tokens]
-    out = [np.arange(s, e - b + 1, b) for s, e in zip(starts, ends) if e - s >= b]
+    out = [np.arange(s, e - b + 1, b) for s, e in sequence_segments(num_tokens, sequence_starts, "reset")
+           if e - s >= b]
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
