@@ -118,7 +118,6 @@ class ExpertCacheLM(TemplateLM):
             self.model, self.tokenizer = load_model_and_tokenizer(str(pretrained))
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"--model_args pretrained={pretrained}: {exc}") from None
-        self.model.eval()
         self._max_length = _num("max_length", max_length, int) or context_length(self.model)
         self._max_gen_toks = _num("max_gen_toks", max_gen_toks, int) or 256
         self.patch = patch_model(self.model, self.routing, eviction=eviction, capacity=cap, scope=scope,
