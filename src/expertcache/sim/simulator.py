@@ -207,6 +207,8 @@ def simulate(
     n, k = meta.num_experts, meta.top_k
     cap = resolve_capacity(capacity, n)
     segments = sequence_segments(trace.num_tokens, meta.sequence_starts, between_sequences)
+    replay_kw = dict(initial=initial, seed=seed, expert_bytes=expert_bytes, sequence_starts=meta.sequence_starts,
+                     between_sequences=between_sequences)  # of both replays below
     if routing.policy in ("original", "prune"):  # fixed selections (prune: ranks ≥ h dropped)
         served = np.asarray(trace.ids_TLK)
         if routing.policy == "prune":
@@ -215,9 +217,7 @@ def simulate(
                 raise ValueError(f"prune h must be in [1, K={k}], got h={h}")
             served = served.astype(np.int64)
             served[:, :, h:] = -1
-        per_layer = replay(served, n, cap, eviction=eviction, gamma=gamma, initial=initial, seed=seed,
-                           expert_bytes=expert_bytes, sequence_starts=meta.sequence_starts,
-                           between_sequences=between_sequences).per_layer
+        per_layer = replay(served, n, cap, eviction=eviction, gamma=gamma, **replay_kw).per_layer
     else:
         if eviction == "belady":
             raise ValueError("Belady needs the future selections, which a cache-aware policy only decides "
@@ -251,11 +251,7 @@ def simulate(
                 totals[layer] = stats if totals[layer] is None else totals[layer].merge(stats)
         bar.close()
         per_layer = totals
-    belady_per_layer = None
-    if belady:
-        belady_per_layer = replay(served, n, cap, eviction="belady", initial=initial, seed=seed,
-                                  expert_bytes=expert_bytes, sequence_starts=meta.sequence_starts,
-                                  between_sequences=between_sequences).per_layer
+    belady_per_layer = replay(served, n, cap, eviction="belady", **replay_kw).per_layer if belady else None
     config = dict(mode="open-loop", trace_model=meta.model, trace_source=meta.source,
                   tokens=trace.num_tokens, num_experts=n, top_k=k, routing=routing.to_dict(),
                   eviction=eviction, capacity=cap, gamma=gamma, initial=_initial_label(initial), seed=seed,
