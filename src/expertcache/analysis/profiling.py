@@ -35,11 +35,6 @@ SIGNALS = ("probs", "selected")
 BATCH_MODES = ("random", "consecutive")
 
 
-def _ids(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
-    """``ids_TLK`` validated as the simulator validates selections, as int64."""
-    return check_selections(ids_TLK, num_experts).astype(np.int64, copy=False)
-
-
 def activation_rate(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """[L, E] float64: the fraction of the T tokens whose selection at layer l includes expert e.
 
@@ -66,7 +61,7 @@ def router_signal(logits_TLE: np.ndarray, ids_TLK: np.ndarray | None = None, *, 
     if signal == "selected":
         if ids_TLK is None:
             raise ValueError("signal='selected' needs the selections ids_TLK")
-        ids = _ids(ids_TLK, e)
+        ids = check_selections(ids_TLK, e).astype(np.int64, copy=False)
         out = np.zeros((t, l, e + 1))  # column E swallows dropped slots (-1)
         np.put_along_axis(out, np.where(ids >= 0, ids, e), 1.0, axis=2)
         return out[..., :e]
@@ -165,7 +160,7 @@ def distinct_experts(ids_TLK: np.ndarray, num_experts: int, max_batch: int, *, m
     """
     if mode not in BATCH_MODES:
         raise ValueError(f"mode must be one of {BATCH_MODES}, got {mode!r}")
-    ids = _ids(ids_TLK, num_experts)
+    ids = check_selections(ids_TLK, num_experts).astype(np.int64, copy=False)
     t, l, k = ids.shape
     if max_batch < 1:
         raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
