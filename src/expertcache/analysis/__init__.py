@@ -56,12 +56,8 @@ def analyze(trace, *, signal: str = "probs", max_batch: int = 32, batch_mode: st
         layer_corr = np.full((l, l), np.nan)
         for a in range(l):
             for b in range(a, l):
-                c = expert_correlation(x[:, [a, b], :]) if a != b else expert_correlation(x[:, [a], :])
-                s = layer_correlation(c, 2 if a != b else 1)
-                if a == b:
-                    layer_corr[a, a] = s[0, 0]
-                else:
-                    layer_corr[a, b], layer_corr[b, a] = s[0, 1], s[1, 0]
+                s = layer_correlation(expert_correlation(x[:, sorted({a, b}), :]), len({a, b}))  # a == b: [1, 1]
+                layer_corr[a, b], layer_corr[b, a] = s[0, -1], s[-1, 0]
     distinct = distinct_experts(trace.ids_TLK, e, max_batch, mode=batch_mode, samples=samples, seed=seed,
                                 sequence_starts=m.sequence_starts)
     summary = {

@@ -26,18 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from expertcache.sim.simulator import activation_frequency, check_selections, selection_counts
+from expertcache.sim.simulator import activation_frequency, check_selections, selection_counts, sequence_segments
 
 __all__ = ["activation_rate", "activation_frequency", "router_signal", "expert_correlation",
            "layer_correlation", "top_pairs", "distinct_experts", "uniform_distinct", "summarize"]
 
 SIGNALS = ("probs", "selected")
 BATCH_MODES = ("random", "consecutive")
-
-
-def _ids(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
-    """``ids_TLK`` validated as the simulator validates selections, as int64."""
-    return check_selections(ids_TLK, num_experts).astype(np.int64, copy=False)
 
 
 def activation_rate(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
@@ -66,7 +61,7 @@ def router_signal(logits_TLE: np.ndarray, ids_TLK: np.ndarray | None = None, *, 
     if signal == "selected":
         if ids_TLK is None:
             raise ValueError("signal='selected' needs the selections ids_TLK")
-        ids = _ids(ids_TLK, e)
+        ids = check_selections(ids_TLK, e).astype(np.int64, copy=False)
         out = np.zeros((t, l, e + 1))  # column E swallows dropped slots (-1)
         np.put_along_axis(out, np.where(ids >= 0, ids, e), 1.0, axis=2)
         return out[..., :e]
@@ -144,9 +139,8 @@ def top_pairs(corr_FF: np.ndarray, num_layers: int, n: int = 10, cross_layer: bo
 
 def _windows(b: int, num_tokens: int, sequence_starts: list[int] | None) -> np.ndarray:
     """Start positions of the non-overlapping windows of b consecutive tokens inside one sequence."""
-    starts = list(sequence_starts or [0])
-    ends = starts[1:] + [num_tokens]
-    out = [np.arange(s, e - b + 1, b) for s, e in zip(starts, ends) if e - s >= b]
+    out = [np.arange(s, e - b + 1, b) for s, e in sequence_segments(num_tokens, sequence_starts, "reset")
+           if e - s >= b]
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
@@ -166,7 +160,7 @@ def distinct_experts(ids_TLK: np.ndarray, num_experts: int, max_batch: int, *, m
     """
     if mode not in BATCH_MODES:
         raise ValueError(f"mode must be one of {BATCH_MODES}, got {mode!r}")
-    ids = _ids(ids_TLK, num_experts)
+    ids = check_selections(ids_TLK, num_experts).astype(np.int64, copy=False)
     t, l, k = ids.shape
     if max_batch < 1:
         raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")

@@ -118,11 +118,10 @@ def run_sweep_ray(runs: list[dict[str, Any]], out: str | os.PathLike, spec: dict
         started = False
         if not ray.is_initialized():
             kw: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False)
-            if address in (None, "local"):
-                if num_cpus is not None:
-                    kw["num_cpus"] = num_cpus
-            else:
+            if address not in (None, "local"):
                 kw["address"] = address
+            elif num_cpus is not None:
+                kw["num_cpus"] = num_cpus
             try:
                 ray.init(**kw)
             except (ConnectionError, RuntimeError, ValueError) as exc:

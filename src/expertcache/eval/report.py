@@ -29,10 +29,6 @@ POLICY_COLORS = {"original": "black", "prune": "tab:gray", "max-rank": "tab:oran
                  "cache-prior": "tab:purple", "eras-threshold": "tab:blue", "eras-bias": "tab:cyan"}
 
 
-def _save(fig, path) -> Path:
-    return save_figure(fig, path, dpi=130)
-
-
 def _routing(row) -> dict[str, Any]:
     c = row.get("config", {})
     return c.get("routing") or row.get("sweep", {}).get("routing") or {"policy": "original"}
@@ -180,7 +176,7 @@ def plot_tradeoff(rows: Sequence[dict], path: str | Path, title: str = "") -> Pa
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=130)
 
 
 def _loss(q: float, ref: float, higher: bool) -> float:
@@ -236,7 +232,7 @@ def plot_cache_sizes(rows: Sequence[dict], path: str | Path, title: str = "", bu
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=130)
 
 
 def plot_raster(traces: Sequence[tuple[str, Any]], path: str | Path, *, layer: int = 0, start: int = 0,
@@ -272,7 +268,7 @@ def plot_raster(traces: Sequence[tuple[str, Any]], path: str | Path, *, layer: i
         ax.set_title(f"{label} — layer {layer}, C={cap}/{m.num_experts}, {eviction}: miss rate {100 * mr:.1f}% "
                      f"in this window", fontsize=8)
     axes[-1, 0].set_xlabel("token")
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=130)
 
 
 def plot_sensitivity(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
@@ -295,5 +291,5 @@ def plot_sensitivity(rows: Sequence[dict], path: str | Path, title: str = "") ->
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path, dpi=130)
 

@@ -110,11 +110,7 @@ def plan(*, mode: str, source: dict[str, Any], policies: Iterable[str], k: int, 
     """Every run of the sweep as a JSON-able dict (its identity; see :func:`config_key`), capacity-major.
     Belady eviction is planned only for fixed selections (original, prune); in closed loop never (every
     closed-loop row reports ``belady_miss_rate`` anyway)."""
-    caps = []
-    for c in capacities:
-        cap = resolve_capacity(c, num_experts)
-        if cap not in caps:
-            caps.append(cap)
+    caps = dict.fromkeys(resolve_capacity(c, num_experts) for c in capacities)  # distinct, in order
     out = []
     for cap in caps:
         for ev in evictions:

@@ -118,7 +118,6 @@ class ExpertCacheLM(TemplateLM):
             self.model, self.tokenizer = load_model_and_tokenizer(str(pretrained))
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"--model_args pretrained={pretrained}: {exc}") from None
-        self.model.eval()
         self._max_length = _num("max_length", max_length, int) or context_length(self.model)
         self._max_gen_toks = _num("max_gen_toks", max_gen_toks, int) or 256
         self.patch = patch_model(self.model, self.routing, eviction=eviction, capacity=cap, scope=scope,
@@ -289,15 +288,6 @@ def write_local_tasks(data_dir: str | Path, out_dir: str | Path, *, mmlu_subject
     return names
 
 
-def _print_reports() -> None:
-    for lm in list(_INSTANCES):
-        r = lm.miss_report()
-        by = ", ".join(f"{k} {v:.4f}" for k, v in r["miss_rate_by_request"].items())
-        print(f"expertcache: {r['policy']} capacity={r['capacity']}: miss rate {r['miss_rate']:.4f} over "
-              f"{r['tokens']} tokens ({by}); lm-eval reorders requests, so this is not the closed-loop miss rate "
-              "of `expertcache eval`", file=sys.stderr)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m expertcache.integrations.lm_eval [lm_eval arguments]``: lm-eval's command line with the
     ``expertcache`` model registered, then the miss rates (stderr)."""
@@ -306,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     cli_evaluate()
-    _print_reports()
+    for lm in list(_INSTANCES):
+        r = lm.miss_report()
+        by = ", ".join(f"{k} {v:.4f}" for k, v in r["miss_rate_by_request"].items())
+        print(f"expertcache: {r['policy']} capacity={r['capacity']}: miss rate {r['miss_rate']:.4f} over "
+              f"{r['tokens']} tokens ({by}); lm-eval reorders requests, so this is not the closed-loop miss rate "
+              "of `expertcache eval`", file=sys.stderr)
     return 0
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from expertcache import __version__
 from expertcache.cache import CacheStats, make_cache, resolve_capacity
 
-__all__ = ["SimResult", "replay", "simulate", "activation_frequency", "selections_of"]
+__all__ = ["SimResult", "replay", "simulate", "activation_frequency"]
 
 
 @dataclass
@@ -91,15 +91,6 @@ def _clean(x: float) -> float | None:
     return None if x != x else x  # NaN -> None for JSON
 
 
-def _steps(ids_TK: np.ndarray) -> list[list[int]]:
-    return np.asarray(ids_TK).astype(np.int64, copy=False).tolist()
-
-
-def selections_of(ids_TLK: np.ndarray, layer: int) -> list[list[int]]:
-    """One layer's steps as Python lists (the input format of the caches)."""
-    return _steps(ids_TLK[:, layer, :])
-
-
 def check_selections(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """``ids_TLK`` as an array, checked to be [T, L, K] with ids in [-1, num_experts) (ValueError otherwise)."""
     ids_TLK = np.asarray(ids_TLK)
@@ -136,7 +127,7 @@ def replay(
         for a, b in segments:
             steps = ids_TLK[a:b, layer, :]
             cache = make_cache(eviction, num_experts, cap, initial=initial, seed=seed + layer, gamma=gamma,
-                               future=_steps(steps) if eviction == "belady" else None, expert_bytes=expert_bytes)
+                               future=steps.tolist() if eviction == "belady" else None, expert_bytes=expert_bytes)
             cache.serve_array(steps)
             stats = cache.finish()
             total = stats if total is None else total.merge(stats)
@@ -216,6 +207,8 @@ def simulate(
     n, k = meta.num_experts, meta.top_k
     cap = resolve_capacity(capacity, n)
     segments = sequence_segments(trace.num_tokens, meta.sequence_starts, between_sequences)
+    replay_kw = dict(initial=initial, seed=seed, expert_bytes=expert_bytes, sequence_starts=meta.sequence_starts,
+                     between_sequences=between_sequences)  # of both replays below
     if routing.policy in ("original", "prune"):  # fixed selections (prune: ranks ≥ h dropped)
         served = np.asarray(trace.ids_TLK)
         if routing.policy == "prune":
@@ -224,9 +217,7 @@ def simulate(
                 raise ValueError(f"prune h must be in [1, K={k}], got h={h}")
             served = served.astype(np.int64)
             served[:, :, h:] = -1
-        per_layer = replay(served, n, cap, eviction=eviction, gamma=gamma, initial=initial, seed=seed,
-                           expert_bytes=expert_bytes, sequence_starts=meta.sequence_starts,
-                           between_sequences=between_sequences).per_layer
+        per_layer = replay(served, n, cap, eviction=eviction, gamma=gamma, **replay_kw).per_layer
     else:
         if eviction == "belady":
             raise ValueError("Belady needs the future selections, which a cache-aware policy only decides "
@@ -260,11 +251,7 @@ def simulate(
                 totals[layer] = stats if totals[layer] is None else totals[layer].merge(stats)
         bar.close()
         per_layer = totals
-    belady_per_layer = None
-    if belady:
-        belady_per_layer = replay(served, n, cap, eviction="belady", initial=initial, seed=seed,
-                                  expert_bytes=expert_bytes, sequence_starts=meta.sequence_starts,
-                                  between_sequences=between_sequences).per_layer
+    belady_per_layer = replay(served, n, cap, eviction="belady", **replay_kw).per_layer if belady else None
     config = dict(mode="open-loop", trace_model=meta.model, trace_source=meta.source,
                   tokens=trace.num_tokens, num_experts=n, top_k=k, routing=routing.to_dict(),
                   eviction=eviction, capacity=cap, gamma=gamma, initial=_initial_label(initial), seed=seed,

@@ -199,23 +199,3 @@ class RoutingTrace:
             return cls(logits_TLE=logits, ids_TLK=ids, meta=meta, weights_TLK=weights)
         except TraceError as exc:
             raise TraceError(f"{path}: {exc}") from None
-
-    @classmethod
-    def concatenate(cls, traces: list["RoutingTrace"]) -> "RoutingTrace":
-        """Join traces of the same model one after another (each becomes one or more sequences)."""
-        if not traces:
-            raise TraceError("nothing to concatenate")
-        first = traces[0].meta
-        starts, offset = [], 0
-        for tr in traces:
-            m = tr.meta
-            if (m.num_experts, m.top_k, m.num_layers) != (first.num_experts, first.top_k, first.num_layers):
-                raise TraceError("cannot concatenate traces of different shapes")
-            starts += [offset + s for s in (m.sequence_starts or [0])]
-            offset += tr.num_tokens
-        meta = TraceMeta(**{**asdict(first), "sequence_starts": starts})
-        weights = None
-        if all(tr.weights_TLK is not None for tr in traces):
-            weights = np.concatenate([tr.weights_TLK for tr in traces])
-        return cls(np.concatenate([tr.logits_TLE for tr in traces]), np.concatenate([tr.ids_TLK for tr in traces]),
-                   meta, weights)
