@@ -48,7 +48,7 @@ loop carries only its own branches.
 from __future__ import annotations
 
 import random
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -304,6 +304,19 @@ class ExpertCache:
         self.serve_array(np.asarray(ids, np.int64).reshape(1, len(ids)))
         self._fold()
         return hits
+
+    def prefetch(self, experts: Iterable[int], load: Callable[[list[int]], object] | None = None) -> int:
+        """Load ``experts`` (at most C, resident ones skipped) as one step -- ``load(ids)``, by default
+        :meth:`access_step` -- then take the step's accesses / hits / misses / bytes back out of the statistics
+        (evictions it caused stay counted). Returns the number of experts loaded."""
+        ids = [int(e) for e in dict.fromkeys(experts) if int(e) not in self][: self.capacity]
+        if ids:
+            s = self.stats
+            saved = (s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded)
+            (load or self.access_step)(ids)
+            s = self.stats
+            s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded = saved
+        return len(ids)
 
     def serve(self, steps: Iterable[Sequence[int]]) -> None:
         """Serve a sequence of steps (e.g. ``ids_TK.tolist()``) from the current state, as ``access_step``

@@ -19,10 +19,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from expertcache.train.data import data_root
+
 __all__ = ["DATA_SETS", "resolve_eval_data_dir", "wikitext_text", "MMLUQuestion", "load_mmlu", "GSMProblem",
            "load_gsm8k", "final_number"]
-
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 #: task name -> the sub-folder of the data folder it reads
 DATA_SETS = {"wikitext": "wikitext-2-raw-v1", "mmlu": "mmlu", "gsm8k": "gsm8k"}
@@ -34,13 +34,7 @@ def resolve_eval_data_dir(task: str, data_dir: str | os.PathLike | None = None) 
     ``EXPERTCACHE_DATA`` when it is missing."""
     if task not in DATA_SETS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(DATA_SETS)}")
-    if data_dir:
-        root = Path(data_dir)
-    elif os.environ.get("EXPERTCACHE_DATA"):
-        root = Path(os.environ["EXPERTCACHE_DATA"])
-    else:
-        root = REPO_ROOT.parent / "shared" / "data"
-    path = root / DATA_SETS[task]
+    path = data_root(data_dir) / DATA_SETS[task]
     if not path.is_dir():
         raise FileNotFoundError(
             f"{task} data not found: {path} does not exist. Pass --data-dir DIR or set EXPERTCACHE_DATA to the "

@@ -35,15 +35,14 @@ def token_stream(tok, texts: list[str], max_tokens: int) -> np.ndarray:
     return out[:max_tokens] if max_tokens else out
 
 
-def prompt_windows(tok, texts: list[str], n: int, prompt_len: int, cont_len: int, *, min_doc_tokens: int | None = None
+def prompt_windows(tok, texts: list[str], n: int, prompt_len: int, cont_len: int
                    ) -> list[tuple[str, list[int], list[int]]]:
     """Up to ``n`` (prompt text, prompt ids, continuation ids) from the starts of documents long enough for
     ``prompt_len + cont_len`` tokens: one per document, so prompts differ in topic."""
-    need = prompt_len + cont_len if min_doc_tokens is None else min_doc_tokens
     out = []
     for enc, text in zip(tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False), texts):
         ids = enc.ids
-        if len(ids) < need:
+        if len(ids) < prompt_len + cont_len:
             continue
         p_ids = ids[:prompt_len]
         out.append((tok.decode(p_ids), p_ids, ids[prompt_len:prompt_len + cont_len]))

@@ -186,9 +186,8 @@ def _save_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer, me
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {f"param/{n}": p.detach().contiguous() for n, p in trainable.items()}
-    names = list(trainable)
-    for i, n in enumerate(names):
-        st = opt.state.get(trainable[n], {})
+    for n, p in trainable.items():
+        st = opt.state.get(p, {})
         for key in ("exp_avg", "exp_avg_sq"):
             if key in st:
                 tensors[f"adam/{key}/{n}"] = st[key].contiguous()
@@ -253,7 +252,6 @@ def heldout_eval(model, stream: np.ndarray, seq_len: int, k: int, capacity: int,
     n = min(len(stream), max_tokens) // seq_len
     chunks = torch.from_numpy(stream[: n * seq_len].astype(np.int64)).view(n, seq_len)
     nll, cnt, miss, steps = 0.0, 0, 0.0, 0
-    was = model.training
     model.eval()
     try:
         for i in range(0, n, batch):
@@ -267,7 +265,6 @@ def heldout_eval(model, stream: np.ndarray, seq_len: int, k: int, capacity: int,
             steps += x.shape[0]
     finally:
         tap.remove()
-        model.train(was)
     return dict(nll=nll / max(cnt, 1), ppl=math.exp(nll / max(cnt, 1)), tokens=cnt,
                 gamma_misses_per_token_layer=miss / max(steps, 1))
 
@@ -371,9 +368,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
 def export(pm, src: Path, out: Path, cfg: FinetuneConfig, rows: list[dict], capacity: int, k: int,
            heldout: np.ndarray, command: str) -> Path:
     """Merge the LoRA weights, write ``out/model`` (save_pretrained + tokenizer files + summary) atomically."""
-    pm.eval()
     merged = pm.merge_and_unload()
-    merged.eval()
     ev = heldout_eval(merged, heldout, cfg.seq_len, k, capacity, cfg.gamma, cfg.eval_tokens)
     final, tmp = out / "model", out / "model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -97,7 +97,6 @@ def hard_misses(p: torch.Tensor, k: int, capacity: int, gamma: float = 0.9) -> f
     for bi in range(b):
         for li in range(l):
             cache = DiscountedCache(e, capacity, gamma=gamma)
-            for ti in range(t):
-                cache.access_step(ids[bi][li][ti])
+            cache.serve(ids[bi][li])
             misses += cache.stats.misses
     return misses / (b * l * t)

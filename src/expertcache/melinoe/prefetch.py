@@ -10,8 +10,6 @@ demand misses: the cache statistics (accesses, hits, misses, bytes) are those of
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
 from expertcache.cache import ExpertCache
@@ -26,19 +24,7 @@ def check_compatible(predictor, num_layers: int, num_experts: int, where: str = 
                          "melinoe predictor --model ...`)")
 
 
-def prefetch_cache(cache: ExpertCache, experts: Sequence[int]) -> int:
-    """Load ``experts`` (at most C, resident ones skipped) into ``cache`` as one step, then take the step's
-    accesses / hits / misses / bytes back out of the statistics (evictions it caused stay counted). Returns the
-    number of experts loaded."""
-    ids = [int(e) for e in dict.fromkeys(experts) if int(e) not in cache][: cache.capacity]
-    if not ids:
-        return 0
-    s = cache.stats
-    saved = (s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded)
-    cache.access_step(ids)
-    s = cache.stats
-    s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded = saved
-    return len(ids)
+prefetch_cache = ExpertCache.prefetch  # load a set into one cache, counted apart from demand misses
 
 
 def prefetch_runtime(rt, predictor, texts: list[str], tok=None) -> int:
@@ -91,7 +77,7 @@ class PatchPrefetcher:
         self.items += 1
         caches = self._patch.caches
         for li, cache in enumerate(caches):
-            self.loaded += prefetch_cache(cache, np.argsort(-pred[li], kind="stable")[:c].tolist())
+            self.loaded += cache.prefetch(np.argsort(-pred[li], kind="stable")[:c].tolist())
 
     def summary(self) -> dict:
         return dict(prefetched=self.loaded, prefetched_items=self.items)

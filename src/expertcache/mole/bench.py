@@ -152,9 +152,8 @@ def load_any(model_dir: str | Path, read_mode: str = "mmap"):
     """A compared model from its folder: training-form (dense/moe/mole) or an exported MoLE table."""
     from transformers import AutoModelForCausalLM
 
-    from expertcache.mole.modeling import load_table_model, register_auto
+    from expertcache.mole.modeling import load_table_model  # importing it registers MoLE with the Auto classes
 
-    register_auto()
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     if cfg.get("lookup_table"):
         return load_table_model(model_dir, read_mode)

@@ -17,7 +17,6 @@ V vocab, L layers, N routed experts, D hidden width, F expert width, R bytes of 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from expertcache.train.configs import TrainConfig, check_positive
@@ -115,7 +114,3 @@ def tiny(kind: str, **overrides) -> MoleTrainConfig:
                 eval_tokens=512, experts_implementation="eager")
     base.update(overrides)
     return MoleTrainConfig(**base)
-
-
-def to_dict(cfg: MoleTrainConfig) -> dict:
-    return dataclasses.asdict(cfg)

@@ -73,11 +73,8 @@ def moe_offloaded_latency(model_dir: Path, heldout_N: np.ndarray, batches, capac
     """Decode of the MoE through ``expertcache.offload`` (disk tier, ``io='fadvise'``: page cache dropped before
     every expert read, LRU, ``capacity`` slots per layer, experts read in the checkpoint's dtype)."""
     from expertcache.mole.bench import heldout_windows
+    from expertcache.offload.runtime import OffloadConfig, OffloadedModel
 
-    try:
-        from expertcache.offload.runtime import OffloadConfig, OffloadedModel
-    except ImportError as exc:  # the runtime is another package's; report without it
-        return {"error": repr(exc)}
     out = {"io": "fadvise", "capacity": capacity, "eviction": "lru"}
     for b in batches:
         rt = OffloadedModel.from_pretrained(model_dir, OffloadConfig(tier="disk", io="fadvise", capacity=capacity,

@@ -42,7 +42,7 @@ import json
 import mmap
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -122,7 +122,6 @@ class ReadStats:
     bytes: int = 0
     device_bytes: int = 0
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class LookupTable:

@@ -20,13 +20,6 @@ from expertcache.mole.configs import MoleTrainConfig, build_model
 from expertcache.results import save_npy
 
 
-def shipped_tokenizer_dir() -> Path:
-    """The tokenizer of the shipped default models."""
-    from expertcache.assets import MODELS_DIR
-
-    return Path(MODELS_DIR) / "granular"
-
-
 def _data_key(tokenizer_json: Path, corpus: Path, max_docs: int) -> str:
     h = hashlib.sha256(tokenizer_json.read_bytes())
     files = sorted((f.name, f.stat().st_size) for f in corpus.glob("*.jsonl"))
@@ -37,11 +30,12 @@ def _data_key(tokenizer_json: Path, corpus: Path, max_docs: int) -> str:
 def prepare_run(cfg: MoleTrainConfig, tokenizer_dir: str | Path | None = None) -> Path:
     """Put ``tokenizer/`` and ``data/{train,heldout}.npy`` into the run folder (what ``loop.prepare_data`` then
     reuses). Returns the run folder."""
+    from expertcache.assets import MODELS_DIR
     from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, split_documents
     from expertcache.train.tokenizer import load_tokenizer
 
     run_dir = Path(cfg.out or f"runs/mole/{cfg.model}")
-    tok_src = Path(tokenizer_dir) if tokenizer_dir else shipped_tokenizer_dir()
+    tok_src = Path(tokenizer_dir) if tokenizer_dir else MODELS_DIR / "granular"  # the shipped models' tokenizer
     if not (tok_src / "tokenizer.json").exists():
         raise FileNotFoundError(f"no tokenizer.json in {tok_src}")
     tok_dir, data_dir = run_dir / "tokenizer", run_dir / "data"

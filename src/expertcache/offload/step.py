@@ -317,21 +317,18 @@ class LayerSteps:
         step (eviction by the cache policy) counted as a prefetch, not as a demand hit or miss. At most C of
         them; already resident ones are skipped. Returns the number loaded."""
         st = self.states[index]
-        ids = [int(e) for e in dict.fromkeys(experts) if int(e) not in st.cache][: self.capacity]
-        if not ids:
-            return 0
-        s = st.cache.stats
-        saved = (s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded)
         guess, st.guess = st.guess, None
-        try:
-            self._step(st, ids, lambda e, slot: None)
-        except BaseException:
-            self._fail()
-            raise
+
+        def load(ids: list[int]) -> None:
+            try:
+                self._step(st, ids, lambda e, slot: None)
+            except BaseException:
+                self._fail()
+                raise
+        n = st.cache.prefetch(experts, load)
         st.guess = guess
-        s.accesses, s.hits, s.misses, s.steps, s.bytes_loaded = saved
-        st.prefetched += len(ids)
-        return len(ids)
+        st.prefetched += n
+        return n
 
 
 _ZERO = torch.zeros(1, dtype=torch.long)

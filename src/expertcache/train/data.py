@@ -23,15 +23,15 @@ def is_heldout(source: str) -> bool:
     return hashlib.sha256(source.encode()).hexdigest().startswith("0")
 
 
+def data_root(data_dir: str | os.PathLike | None = None) -> Path:
+    """The shared data folder: ``data_dir`` if given, else ``$EXPERTCACHE_DATA``, else ``<repo>/../shared/data``."""
+    return Path(data_dir or os.environ.get("EXPERTCACHE_DATA") or REPO_ROOT.parent / "shared" / "data")
+
+
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
     """The corpus folder: ``data_dir`` if given, else ``$EXPERTCACHE_DATA/corpus-debian-docs``, else
     ``<repo>/../shared/data/corpus-debian-docs``. Raises FileNotFoundError naming what was tried if it has no JSONL."""
-    if data_dir:
-        path = Path(data_dir)
-    elif os.environ.get("EXPERTCACHE_DATA"):
-        path = Path(os.environ["EXPERTCACHE_DATA"]) / CORPUS_NAME
-    else:
-        path = REPO_ROOT.parent / "shared" / "data" / CORPUS_NAME
+    path = Path(data_dir) if data_dir else data_root() / CORPUS_NAME
     if not path.is_dir() or not any(path.glob("*.jsonl")):
         raise FileNotFoundError(
             f"training corpus not found: {path} has no *.jsonl files. Pass --data-dir DIR or set EXPERTCACHE_DATA "
