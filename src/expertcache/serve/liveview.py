@@ -202,10 +202,9 @@ class Tap:
     def _shadow_route(self, m, z_TE) -> None:
         """Route the forward's tokens at layer ``m`` with original routing and serve them from the shadow cache
         (the union of the rows' experts by total weight, as the runtime serves a step)."""
-        import torch
-
         from expertcache.cache import make_cache
         from expertcache.models.adapters import order_by_logits
+        from expertcache.offload.step import union_order
         from expertcache.routing import topk_rank
 
         rt = self.rt
@@ -219,12 +218,7 @@ class Tap:
         if allowed_TE is not None:
             zr_TE = zr_TE.masked_fill(~allowed_TE, float("-inf"))
         ids_TK = order_by_logits(topk_rank(zr_TE, rt.top_k), z_cpu_TE)
-        if ids_TK.shape[0] == 1:
-            order = [int(e) for e in ids_TK[0].tolist() if e >= 0]
-        else:
-            w_TK = rt.family.weights(m.router, z_cpu_TE, ids_TK).float()
-            total_E = torch.zeros(rt.num_experts).index_add_(0, ids_TK.flatten(), w_TK.flatten())
-            order = sorted(set(ids_TK.flatten().tolist()), key=lambda e: (-float(total_E[e]), e))
+        order = union_order(ids_TK, rt.family.weights(m.router, z_cpu_TE, ids_TK), rt.num_experts)
         hits = self.shadow[m.index].access_step(order)
         self._shadow_acc[0] += sum(hits)
         self._shadow_acc[1] += len(hits) - sum(hits)
