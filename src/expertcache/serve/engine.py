@@ -99,7 +99,6 @@ class Request:
         self.stats = dict(hits=0.0, misses=0.0, bytes_read=0.0, forwards=0, shared_steps=0, batch_rows=0)
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
-        self.t_done: float | None = None
         # prefill state
         self.past = None
         self.prefilled = 0
@@ -115,8 +114,7 @@ class Request:
                     finish_reason=self.finish_reason, text=self.text, token_ids=list(self.tokens),
                     hits=s["hits"], misses=s["misses"], bytes_read=s["bytes_read"], forwards=s["forwards"],
                     mean_batch=(s["batch_rows"] / s["shared_steps"]) if s["shared_steps"] else 1.0,
-                    ttft_s=None if self.t_first is None else self.t_first - self.t_submit,
-                    total_s=None if self.t_done is None else self.t_done - self.t_submit)
+                    ttft_s=None if self.t_first is None else self.t_first - self.t_submit)
 
 
 class Engine:
@@ -430,7 +428,6 @@ class Engine:
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
-        r.t_done = time.perf_counter()
         if reason == "cancelled":
             self.totals["cancelled"] += 1
             r.on_event("error", (499 if self._accepting else 503,
