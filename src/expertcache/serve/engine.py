@@ -349,20 +349,16 @@ class Engine:
             self._rows.append(r)
 
     def _decode_step(self) -> None:
-        rows = [r for r in self._rows if not r.cancelled.is_set() and r.finish_reason is None]
-        if len(rows) != len(self._rows):
+        if any(r.cancelled.is_set() or r.finish_reason is not None for r in self._rows):
             self._retire()
-            rows = self._rows
+        rows = self._rows
         if not rows:
             return
         ids_B1 = torch.tensor([[r.next_token] for r in rows])
-        if self._kv.padded:
-            pos_B1 = self._kv.positions_B1()
-            mask = self._kv.step_mask()
-        else:  # no padding: exactly OffloadedModel.generate's call (positions from the cache length)
-            pos_B1, mask = None, None
-            self._kv.step_mask()
-        logits_B1V, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask, pos_B1)
+        padded = self._kv.padded  # no padding: exactly OffloadedModel.generate's call (positions from the cache length)
+        pos_B1 = self._kv.positions_B1() if padded else None
+        mask = self._kv.step_mask()  # the step's mask is the new mask, padded or not
+        logits_B1V, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask if padded else None, pos_B1)
         self._charge(rows, delta, shared=True)
         for i, r in enumerate(rows):
             tok = sample_next(logits_B1V[i, -1], r.params, r.gen)
