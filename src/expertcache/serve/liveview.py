@@ -195,10 +195,6 @@ class Tap:
 
             m.router.forward = fwd
 
-    def reset_shadow(self) -> None:
-        """Restart the shadow caches from the live caches' contents (at a configuration change)."""
-        self.shadow = None
-
     def _shadow_route(self, m, z_TE) -> None:
         """Route the forward's tokens at layer ``m`` with original routing and serve them from the shadow cache
         (the union of the rows' experts by total weight, as the runtime serves a step)."""
@@ -392,8 +388,8 @@ class LiveControl:
         else:
             rt.routing, rt.router = plan["routing"], plan["router"]
         self.version += 1
-        if self.tap is not None:
-            self.tap.reset_shadow()
+        if self.tap is not None:  # the shadow caches restart from the live caches' contents
+            self.tap.shadow = None
         self.broker.publish(dict(type="config", config=self.resolved(), time=time.time()))
 
 
