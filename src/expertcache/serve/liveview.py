@@ -205,7 +205,7 @@ class Tap:
 
         rt = self.rt
         if self.shadow is None:  # starts from what the live caches hold now
-            self.shadow = [make_cache(rt.eviction, rt.num_experts, rt.capacity, gamma=getattr(rt, "gamma", 0.9),
+            self.shadow = [make_cache(rt.eviction, rt.num_experts, rt.capacity, gamma=rt.gamma,
                                       initial=sorted(st.cache.resident()))
                            for st in rt.states]
             self.shadow_totals = dict(hits=0, misses=0, policy_hits=0, policy_misses=0, since_seq=self.seq + 1)
@@ -314,7 +314,7 @@ class LiveControl:
         rt = self.rt
         return dict(routing=rt.routing.to_dict(), label=rt.routing.label(), cache_aware=rt.routing.cache_aware,
                     strength=STRENGTH[rt.routing.policy],
-                    eviction=rt.eviction, gamma=getattr(rt, "gamma", 0.9), capacity=rt.capacity,
+                    eviction=rt.eviction, gamma=rt.gamma, capacity=rt.capacity,
                     num_experts=rt.num_experts, top_k=rt.top_k, moe_layers=len(rt.layers),
                     expert_bytes=rt.expert_bytes, version=self.version, pending=self._pending is not None,
                     choices=dict(policy=list(POLICIES), eviction=list(LIVE_EVICTIONS)))
@@ -334,7 +334,7 @@ class LiveControl:
         if eviction not in LIVE_EVICTIONS:
             raise ConfigError("eviction", f"must be one of {list(LIVE_EVICTIONS)} live (belady needs the future: "
                                           f"use the replay), got {json.dumps(eviction)[:40]}")
-        gamma = body.get("gamma", getattr(rt, "gamma", 0.9))
+        gamma = body.get("gamma", rt.gamma)
         _check_number("gamma", gamma, False)
         if not 0 < gamma <= 1:
             raise ConfigError("gamma", f"must be in (0, 1], got {gamma}")
@@ -380,8 +380,7 @@ class LiveControl:
         if plan is None:
             return
         rt = self.rt
-        if (plan["eviction"], plan["capacity"], plan["gamma"]) != (rt.eviction, rt.capacity,
-                                                                   getattr(rt, "gamma", 0.9)):
+        if (plan["eviction"], plan["capacity"], plan["gamma"]) != (rt.eviction, rt.capacity, rt.gamma):
             freq = getattr(rt.router, "freq_LE", None)
             rt.configure(routing=plan["routing"], eviction=plan["eviction"], gamma=plan["gamma"],
                          capacity=plan["capacity"], freq_LE=None if freq is None else freq.numpy())
