@@ -151,8 +151,7 @@ class Engine:
         self._accepting = True
         self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
-        self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, steps=0, packed_prefills=0,
-                           packed_prompts=0)
+        self.totals = dict(finished=0, cancelled=0, packed_prefills=0, packed_prompts=0)
         self.error: BaseException | None = None
 
     # -- called from other threads -------------------------------------------------------------------
@@ -169,7 +168,6 @@ class Engine:
             if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self._rows) - len(self._prefilling)):
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
             self._waiting.append(req)
-            self.totals["requests"] += 1
             self._lock.notify()
         self._queue_metric()
 
@@ -364,7 +362,6 @@ class Engine:
             tok = sample_next(logits_B1V[i, -1], r.params, r.gen)
             r.next_token = tok
             self._accept_token(r, tok)
-        self.totals["steps"] += 1
         if self.metrics is not None:
             self.metrics.on_step(len(rows), len(rows), dt, delta)
 
@@ -384,7 +381,6 @@ class Engine:
         if r.t_first is None:
             r.t_first = time.perf_counter()
         r.tokens.append(tok)
-        self.totals["tokens"] += 1
         reason = None
         if tok in self.eos_ids and not r.params.ignore_eos:
             reason = "stop"
