@@ -135,7 +135,6 @@ class Tap:
 
     def __init__(self, rt, metrics, broker: Broker, control: "LiveControl | None" = None) -> None:
         self.rt, self.broker, self.control = rt, broker, control
-        self.L = len(rt.layers)
         self._acc = self._empty()
         self.seq = 0
         self.totals = dict(tokens=0, hits=0, misses=0, bytes_read=0, forwards=0, decode_tokens=0,
@@ -220,7 +219,7 @@ class Tap:
         self._shadow_acc[1] += len(hits) - sum(hits)
 
     def _empty(self) -> list[dict]:
-        return [dict(requested=[], hit=set(), miss=set(), evicted=set(), prefetched=set()) for _ in range(self.L)]
+        return [dict(requested=[], hit=set(), miss=set(), evicted=set(), prefetched=set()) for _ in self.rt.layers]
 
     def _on_forward(self, rows: int, tokens: int, seconds: float, delta: dict) -> None:
         t = self.totals
