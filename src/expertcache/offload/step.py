@@ -39,7 +39,18 @@ from expertcache.offload.prefetch import first_layer_input, guess_next_layer
 from expertcache.offload.slots import SlotPool
 from expertcache.offload.store import HostTier, Placement
 
-__all__ = ["LayerState", "LayerSteps"]
+__all__ = ["LayerState", "LayerSteps", "union_order"]
+
+
+def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor, num_experts: int) -> list[int]:
+    """The experts one step requests (CPU ``ids_TK``, -1 slots skipped): one token's own order; for T > 1 the
+    union of the rows' experts, by total weight ``w_TK`` (descending; ties by id)."""
+    if ids_TK.shape[0] == 1:
+        return [e for e in ids_TK[0].tolist() if e >= 0]
+    valid_TK = ids_TK >= 0
+    total_E = torch.zeros(num_experts, dtype=torch.float32).index_add_(
+        0, ids_TK[valid_TK], w_TK.to("cpu").float()[valid_TK])
+    return sorted(set(ids_TK[valid_TK].tolist()), key=lambda e: (-float(total_E[e]), e))
 
 
 @dataclass
@@ -134,16 +145,7 @@ class LayerSteps:
     def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         st = self.states[index]
         ids_cpu_TK = ids_TK.to("cpu")
-        if ids_cpu_TK.shape[0] == 1:
-            order = [e for e in ids_cpu_TK[0].tolist() if e >= 0]
-        else:  # union, by total weight (descending; ties by id)
-            valid_TK = ids_cpu_TK >= 0
-            total_E = torch.zeros(self.num_experts, dtype=torch.float32).index_add_(
-                0, ids_cpu_TK[valid_TK], w_TK.to("cpu").float()[valid_TK])
-            used_E = torch.zeros(self.num_experts, dtype=torch.bool)
-            used_E[ids_cpu_TK[valid_TK]] = True
-            cand = torch.nonzero(used_E).flatten().tolist()
-            order = sorted(cand, key=lambda e: (-float(total_E[e]), e))
+        order = union_order(ids_cpu_TK, w_TK, self.num_experts)
         if self.record and ids_cpu_TK.shape[0] == 1:
             st.steps.append(list(order))
         t0 = time.perf_counter()

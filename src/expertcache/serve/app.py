@@ -369,8 +369,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
                         checked = time.monotonic()
                         if await request.is_disconnected():
                             req.cancel()
-                            metrics.requests.labels(route, "499").inc()
-                            return JSONResponse(ServeError(499, "client disconnected").body(), status_code=499)
+                            return err(ServeError(499, "client disconnected"), route)
                     if kind == "error":
                         return err(ServeError(payload[0], payload[1]), route)
                     if kind == "done":  # the text pieces are in info["text"] too

@@ -99,7 +99,6 @@ class Request:
         self.stats = dict(hits=0.0, misses=0.0, bytes_read=0.0, forwards=0, shared_steps=0, batch_rows=0)
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
-        self.t_done: float | None = None
         # prefill state
         self.past = None
         self.prefilled = 0
@@ -115,8 +114,7 @@ class Request:
                     finish_reason=self.finish_reason, text=self.text, token_ids=list(self.tokens),
                     hits=s["hits"], misses=s["misses"], bytes_read=s["bytes_read"], forwards=s["forwards"],
                     mean_batch=(s["batch_rows"] / s["shared_steps"]) if s["shared_steps"] else 1.0,
-                    ttft_s=None if self.t_first is None else self.t_first - self.t_submit,
-                    total_s=None if self.t_done is None else self.t_done - self.t_submit)
+                    ttft_s=None if self.t_first is None else self.t_first - self.t_submit)
 
 
 class Engine:
@@ -153,8 +151,7 @@ class Engine:
         self._accepting = True
         self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
-        self.totals = dict(requests=0, finished=0, cancelled=0, tokens=0, steps=0, packed_prefills=0,
-                           packed_prompts=0)
+        self.totals = dict(finished=0, cancelled=0, packed_prefills=0, packed_prompts=0)
         self.error: BaseException | None = None
 
     # -- called from other threads -------------------------------------------------------------------
@@ -171,7 +168,6 @@ class Engine:
             if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self._rows) - len(self._prefilling)):
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
             self._waiting.append(req)
-            self.totals["requests"] += 1
             self._lock.notify()
         self._queue_metric()
 
@@ -351,26 +347,21 @@ class Engine:
             self._rows.append(r)
 
     def _decode_step(self) -> None:
-        rows = [r for r in self._rows if not r.cancelled.is_set() and r.finish_reason is None]
-        if len(rows) != len(self._rows):
+        if any(r.cancelled.is_set() or r.finish_reason is not None for r in self._rows):
             self._retire()
-            rows = self._rows
+        rows = self._rows
         if not rows:
             return
         ids_B1 = torch.tensor([[r.next_token] for r in rows])
-        if self._kv.padded:
-            pos_B1 = self._kv.positions_B1()
-            mask = self._kv.step_mask()
-        else:  # no padding: exactly OffloadedModel.generate's call (positions from the cache length)
-            pos_B1, mask = None, None
-            self._kv.step_mask()
-        logits_B1V, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask, pos_B1)
+        padded = self._kv.padded  # no padding: exactly OffloadedModel.generate's call (positions from the cache length)
+        pos_B1 = self._kv.positions_B1() if padded else None
+        mask = self._kv.step_mask()  # the step's mask is the new mask, padded or not
+        logits_B1V, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask if padded else None, pos_B1)
         self._charge(rows, delta, shared=True)
         for i, r in enumerate(rows):
             tok = sample_next(logits_B1V[i, -1], r.params, r.gen)
             r.next_token = tok
             self._accept_token(r, tok)
-        self.totals["steps"] += 1
         if self.metrics is not None:
             self.metrics.on_step(len(rows), len(rows), dt, delta)
 
@@ -390,7 +381,6 @@ class Engine:
         if r.t_first is None:
             r.t_first = time.perf_counter()
         r.tokens.append(tok)
-        self.totals["tokens"] += 1
         reason = None
         if tok in self.eos_ids and not r.params.ignore_eos:
             reason = "stop"
@@ -430,7 +420,6 @@ class Engine:
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
-        r.t_done = time.perf_counter()
         if reason == "cancelled":
             self.totals["cancelled"] += 1
             r.on_event("error", (499 if self._accepting else 503,

@@ -135,7 +135,6 @@ class Tap:
 
     def __init__(self, rt, metrics, broker: Broker, control: "LiveControl | None" = None) -> None:
         self.rt, self.broker, self.control = rt, broker, control
-        self.L = len(rt.layers)
         self._acc = self._empty()
         self.seq = 0
         self.totals = dict(tokens=0, hits=0, misses=0, bytes_read=0, forwards=0, decode_tokens=0,
@@ -195,22 +194,17 @@ class Tap:
 
             m.router.forward = fwd
 
-    def reset_shadow(self) -> None:
-        """Restart the shadow caches from the live caches' contents (at a configuration change)."""
-        self.shadow = None
-
     def _shadow_route(self, m, z_TE) -> None:
         """Route the forward's tokens at layer ``m`` with original routing and serve them from the shadow cache
         (the union of the rows' experts by total weight, as the runtime serves a step)."""
-        import torch
-
         from expertcache.cache import make_cache
         from expertcache.models.adapters import order_by_logits
+        from expertcache.offload.step import union_order
         from expertcache.routing import topk_rank
 
         rt = self.rt
         if self.shadow is None:  # starts from what the live caches hold now
-            self.shadow = [make_cache(rt.eviction, rt.num_experts, rt.capacity, gamma=getattr(rt, "gamma", 0.9),
+            self.shadow = [make_cache(rt.eviction, rt.num_experts, rt.capacity, gamma=rt.gamma,
                                       initial=sorted(st.cache.resident()))
                            for st in rt.states]
             self.shadow_totals = dict(hits=0, misses=0, policy_hits=0, policy_misses=0, since_seq=self.seq + 1)
@@ -219,18 +213,13 @@ class Tap:
         if allowed_TE is not None:
             zr_TE = zr_TE.masked_fill(~allowed_TE, float("-inf"))
         ids_TK = order_by_logits(topk_rank(zr_TE, rt.top_k), z_cpu_TE)
-        if ids_TK.shape[0] == 1:
-            order = [int(e) for e in ids_TK[0].tolist() if e >= 0]
-        else:
-            w_TK = rt.family.weights(m.router, z_cpu_TE, ids_TK).float()
-            total_E = torch.zeros(rt.num_experts).index_add_(0, ids_TK.flatten(), w_TK.flatten())
-            order = sorted(set(ids_TK.flatten().tolist()), key=lambda e: (-float(total_E[e]), e))
+        order = union_order(ids_TK, rt.family.weights(m.router, z_cpu_TE, ids_TK), rt.num_experts)
         hits = self.shadow[m.index].access_step(order)
         self._shadow_acc[0] += sum(hits)
         self._shadow_acc[1] += len(hits) - sum(hits)
 
     def _empty(self) -> list[dict]:
-        return [dict(requested=[], hit=set(), miss=set(), evicted=set(), prefetched=set()) for _ in range(self.L)]
+        return [dict(requested=[], hit=set(), miss=set(), evicted=set(), prefetched=set()) for _ in self.rt.layers]
 
     def _on_forward(self, rows: int, tokens: int, seconds: float, delta: dict) -> None:
         t = self.totals
@@ -324,7 +313,7 @@ class LiveControl:
         rt = self.rt
         return dict(routing=rt.routing.to_dict(), label=rt.routing.label(), cache_aware=rt.routing.cache_aware,
                     strength=STRENGTH[rt.routing.policy],
-                    eviction=rt.eviction, gamma=getattr(rt, "gamma", 0.9), capacity=rt.capacity,
+                    eviction=rt.eviction, gamma=rt.gamma, capacity=rt.capacity,
                     num_experts=rt.num_experts, top_k=rt.top_k, moe_layers=len(rt.layers),
                     expert_bytes=rt.expert_bytes, version=self.version, pending=self._pending is not None,
                     choices=dict(policy=list(POLICIES), eviction=list(LIVE_EVICTIONS)))
@@ -344,7 +333,7 @@ class LiveControl:
         if eviction not in LIVE_EVICTIONS:
             raise ConfigError("eviction", f"must be one of {list(LIVE_EVICTIONS)} live (belady needs the future: "
                                           f"use the replay), got {json.dumps(eviction)[:40]}")
-        gamma = body.get("gamma", getattr(rt, "gamma", 0.9))
+        gamma = body.get("gamma", rt.gamma)
         _check_number("gamma", gamma, False)
         if not 0 < gamma <= 1:
             raise ConfigError("gamma", f"must be in (0, 1], got {gamma}")
@@ -390,16 +379,15 @@ class LiveControl:
         if plan is None:
             return
         rt = self.rt
-        if (plan["eviction"], plan["capacity"], plan["gamma"]) != (rt.eviction, rt.capacity,
-                                                                   getattr(rt, "gamma", 0.9)):
+        if (plan["eviction"], plan["capacity"], plan["gamma"]) != (rt.eviction, rt.capacity, rt.gamma):
             freq = getattr(rt.router, "freq_LE", None)
             rt.configure(routing=plan["routing"], eviction=plan["eviction"], gamma=plan["gamma"],
                          capacity=plan["capacity"], freq_LE=None if freq is None else freq.numpy())
         else:
             rt.routing, rt.router = plan["routing"], plan["router"]
         self.version += 1
-        if self.tap is not None:
-            self.tap.reset_shadow()
+        if self.tap is not None:  # the shadow caches restart from the live caches' contents
+            self.tap.shadow = None
         self.broker.publish(dict(type="config", config=self.resolved(), time=time.time()))
 
 
