@@ -195,10 +195,8 @@ class OffloadedModel(LayerSteps):
                 non_expert += t.numel() * t.element_size()
         kv = kv_cache_bytes(self.config, o.context, o.batch, torch.empty((), dtype=self.dtype).element_size())
         budget = None if o.memory is None else parse_bytes(o.memory)
-        slots = o.capacity if budget is not None or o.capacity is not None else self.num_experts
-        if budget is not None and o.capacity is not None:
-            raise ValueError("give either --memory or --cache-experts, not both")
-        plan = plan_memory(budget=budget, slots=None if budget is not None else slots, non_expert_bytes=non_expert,
+        slots = self.num_experts if budget is None and o.capacity is None else o.capacity  # both: plan_memory refuses
+        plan = plan_memory(budget=budget, slots=slots, non_expert_bytes=non_expert,
                            kv_bytes=kv, expert_bytes=self.expert_bytes, num_layers=len(self.layers),
                            num_experts=self.num_experts, top_k=self.top_k, slot_bytes=self.slot_bytes,
                            extra_slots=1 + o.prefetch, io_bytes=self._io_bytes)
