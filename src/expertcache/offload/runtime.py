@@ -36,6 +36,7 @@ and copies to the slot. That path is written but untested here (no GPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -379,9 +380,7 @@ class OffloadedModel(LayerSteps):
         for t in self.arena.tickets():
             t._event.wait()
         per = self.cache_stats()
-        total = per[0]
-        for s in per[1:]:
-            total = total.merge(s)
+        total = functools.reduce(CacheStats.merge, per)
         host = self.host.counts if self.host is not None else None
         tiers = None
         if host is not None:  # where each access was served: fast slot, host-RAM cache, disk
