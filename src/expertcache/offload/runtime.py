@@ -139,7 +139,8 @@ class OffloadedModel(LayerSteps):
         self.eviction = "lru"
         self.record = False
         self.configure()
-        self._install_routers()
+        for m in layers:
+            m.router.forward = self._make_router_forward(m, self._stock_routers[m.index])
         first = self.model.model.layers[layers[0].layer_id]  # its MoE layer's guess starts before its attention
         first.register_forward_pre_hook(self._guess_first, with_kwargs=True)
 
@@ -210,10 +211,6 @@ class OffloadedModel(LayerSteps):
         self.arena = SlotArena(len(self.layers), capacity, self.slot_bytes, self.device, scratch=1,
                                spare=self.offload.prefetch)
         return self.arena.pools
-
-    def _install_routers(self) -> None:
-        for m in self.layers:
-            m.router.forward = self._make_router_forward(m, self._stock_routers[m.index])
 
     def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
         """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency."""
