@@ -301,21 +301,18 @@ class DiskTier:
         if fd is not None:
             return fd
         with self._open_lock:
-            return self._open(file)
-
-    def _open(self, file: Path) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            flags = os.O_RDONLY | (os.O_DIRECT if self.io == "direct" else 0)
-            try:
-                fd = os.open(file, flags)
-            except OSError as exc:
-                if self.io == "direct":
-                    raise OSError(f"{file}: O_DIRECT is not supported on this filesystem ({exc}); use "
-                                  "--io fadvise (drops the page cache before each read) instead") from None
-                raise
-            self._fds[file] = fd
-        return fd
+            fd = self._fds.get(file)
+            if fd is None:
+                flags = os.O_RDONLY | (os.O_DIRECT if self.io == "direct" else 0)
+                try:
+                    fd = os.open(file, flags)
+                except OSError as exc:
+                    if self.io == "direct":
+                        raise OSError(f"{file}: O_DIRECT is not supported on this filesystem ({exc}); use "
+                                      "--io fadvise (drops the page cache before each read) instead") from None
+                    raise
+                self._fds[file] = fd
+            return fd
 
     def close(self) -> None:
         for fd in self._fds.values():
