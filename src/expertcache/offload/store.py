@@ -148,6 +148,7 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str,
     blake2b digest per expert (tensor ``CHECKSUM_KEY``). Returns its path (default: next to the checkpoint).
     Skips the work if an up-to-date sidecar exists whose checksums verify; rebuilds a damaged one (a note on
     stderr). ``group`` None = :func:`~expertcache.offload.quant.default_group` of the expert shapes."""
+    from expertcache.offload.experts import expert_views
     from expertcache.offload.writer import write_safetensors
 
     p0 = checkpoint.expert(layer_ids[0], 0)
@@ -168,12 +169,8 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str,
         def f():
             parts = checkpoint.expert(layer_id, e)
             buf = torch.empty(parts.nbytes, dtype=torch.uint8)
-            tier.fetch(parts, buf)
-            w = buf.view(parts.dtype)
-            fd = parts.f * parts.d
-            gu = w[parts.gate_up_at:parts.gate_up_at + 2 * fd].view(2 * parts.f, parts.d)
-            down = w[parts.down_at:parts.down_at + fd].view(parts.d, parts.f)
-            blob = pack_expert(gu, down, layout)
+            tier.fetch(parts, buf)  # packed: gate_up [2F, D] and down [D, F] as expert_views reads them
+            blob = pack_expert(*expert_views(buf, parts, place_expert(parts, "cached"), parts.dtype), layout)
             digests.append(_digest(blob.numpy()))
             return blob
         return f
