@@ -105,7 +105,7 @@ class OffloadedModel(LayerSteps):
                 key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
                 side = quantize_checkpoint(checkpoint, [m.layer_id for m in layers], offload.quant, offload.group,
                                            out=_cache_dir() / "quant" / f"{path.name}-{key}-{side.name}")
-            self.source = QuantSource(side, layout, self.num_experts)
+            self.source = QuantSource(side, layout)
         else:
             self.source = NativeSource(checkpoint)
         # every expert present and well-formed before anything runs (loud); where its bytes go in a slot

@@ -114,15 +114,13 @@ def quant_sidecar_path(folder: str | os.PathLike, mode: str, group: int) -> Path
 class QuantSource:
     """Quantised experts of a sidecar file: key ``model.layers.{i}.experts.{e}.qblob`` (uint8 blob, see
     :mod:`expertcache.offload.quant`), one read per expert. The blobs are verified against the file's
-    checksums when it is opened (:func:`verify_quant_sidecar`; ``verify=False`` skips that)."""
+    checksums when it is opened (:func:`verify_quant_sidecar`)."""
 
-    def __init__(self, path: str | os.PathLike, layout: QuantLayout, num_experts: int, *, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, layout: QuantLayout) -> None:
         self.path = Path(path)
         self.quant = layout
         self.entries = read_header(self.path)
-        if verify:
-            verify_quant_sidecar(self.path, self.entries)
-        self.num_experts = num_experts
+        verify_quant_sidecar(self.path, self.entries)
         self._parts: dict[tuple[int, int], ExpertParts] = {}
 
     def parts(self, layer_id: int, e: int) -> ExpertParts:
