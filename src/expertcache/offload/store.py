@@ -205,14 +205,6 @@ class TierStats:
             self.bytes_read += nbytes
             self.seconds += seconds
 
-    @property
-    def bandwidth(self) -> float:
-        """Bytes per second over all loads (0 if none)."""
-        return self.bytes_read / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return dict(loads=self.loads, bytes_read=self.bytes_read, seconds=self.seconds, bandwidth=self.bandwidth)
-
 
 def direct_io_supported(path: str | os.PathLike) -> bool:
     """Whether ``path``'s filesystem accepts O_DIRECT opens (tmpfs and some overlays do not)."""
