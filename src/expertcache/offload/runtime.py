@@ -171,8 +171,7 @@ class OffloadedModel(LayerSteps):
         model.eval()
         check_weights_match_config(path, config, model)  # config.json vs the safetensors shapes, named
         layers = find_moe_layers(model, family)
-        num_experts = layers[0].num_experts
-        checkpoint = Checkpoint(path, family.model_type, num_experts)
+        checkpoint = Checkpoint(path, family.model_type, layers[0].num_experts)
         layout = checkpoint.expert(layers[0].layer_id, 0).layout
         mlps = []
         for m in layers:
