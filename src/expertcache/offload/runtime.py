@@ -59,7 +59,7 @@ from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
 from expertcache.offload.prefetch import PrefetchStats
 from expertcache.offload.quant import QuantLayout, default_group
-from expertcache.offload.slots import SlotArena, SlotPool, slot_bytes_for
+from expertcache.offload.slots import SlotArena, slot_bytes_for
 from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
@@ -133,7 +133,7 @@ class OffloadedModel(LayerSteps):
         self._mlps = mlps
         self._cuda = device.type == "cuda"
         self._staging = threading.local()
-        self.pools = self._make_pools(self.capacity)
+        self._make_pools(self.capacity)
         self._stock_routers = [m.router.forward for m in layers]
         self.routing = RoutingConfig()
         self.eviction = "lru"
@@ -205,11 +205,10 @@ class OffloadedModel(LayerSteps):
             plan = dataclasses.replace(plan, host_bytes=self.host.nbytes, host_slots=self.host.slots)
         return plan
 
-    def _make_pools(self, capacity: int) -> list[SlotPool]:
+    def _make_pools(self, capacity: int) -> None:
         """One arena of C cache slots per layer plus one scratch slot and P spares shared by all layers."""
         self.arena = SlotArena(len(self.layers), capacity, self.slot_bytes, self.device, scratch=1,
                                spare=self.offload.prefetch)
-        return self.arena.pools
 
     def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
         """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency."""
@@ -261,7 +260,7 @@ class OffloadedModel(LayerSteps):
             if not 1 <= capacity <= self.num_experts:
                 raise ValueError(f"cache size must be between 1 and N={self.num_experts}, got {capacity}")
             self.capacity = capacity
-            self.pools = self._make_pools(capacity)
+            self._make_pools(capacity)
         self.routing = routing or self.routing
         self.eviction = eviction or self.eviction
         if self.eviction == "belady":
@@ -274,7 +273,7 @@ class OffloadedModel(LayerSteps):
         self.arena.reset()
         self.states = [LayerState(m, self._mlps[m.index],
                                   make_cache(self.eviction, self.num_experts, self.capacity, gamma=gamma,
-                                             expert_bytes=self.expert_bytes), self.pools[m.index])
+                                             expert_bytes=self.expert_bytes), self.arena.pools[m.index])
                        for m in self.layers]
         self.tier.stats = TierStats()
         if self.host is not None:
