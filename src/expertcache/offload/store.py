@@ -364,14 +364,13 @@ class HostTier:
     """Every expert of ``layer_ids`` in host RAM: one [E, nbytes] uint8 tensor per layer (pinned when CUDA
     is available). Loaded once at construction from ``source`` with buffered reads."""
 
-    def __init__(self, source, layer_ids: list[int], num_experts: int, pin: bool | None = None) -> None:
-        pin = torch.cuda.is_available() if pin is None else pin
+    def __init__(self, source, layer_ids: list[int], num_experts: int) -> None:
         disk = DiskTier("cached")
         self.stats = TierStats()
         self.rows: dict[int, torch.Tensor] = {}
         for i in layer_ids:
             nbytes = source.parts(i, 0).nbytes
-            rows = torch.empty(num_experts, nbytes, dtype=torch.uint8, pin_memory=pin)
+            rows = torch.empty(num_experts, nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             for e in range(num_experts):
                 disk.fetch(source.parts(i, e), rows[e])
             self.rows[i] = rows
