@@ -64,8 +64,6 @@ class IOQueue:
     """``readers`` daemon threads serving a FIFO of jobs (0 = run jobs inline)."""
 
     def __init__(self, readers: int = 4) -> None:
-        if readers < 0:
-            raise ValueError(f"reader threads must be >= 0, got {readers}")
         self.readers = readers
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # the threads hold the job queue, not this object: an unused IOQueue is collected and stops them
