@@ -99,10 +99,6 @@ def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: 
     return b / wall if wall > 0 else float("inf")
 
 
-def _decode(rt: OffloadedModel, prompt_BS: torch.Tensor, tokens: int, forced_BN: torch.Tensor | None = None) -> dict:
-    return rt.generate(prompt_BS, tokens, forced_BN=forced_BN)
-
-
 def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None, prompt_BS: torch.Tensor,
               tokens: int = 32, repeats: int = 3, dtype=None, forced_BN: torch.Tensor | None = None, on_row=None,
               log=print, prefetch=None) -> dict:
@@ -120,7 +116,7 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
     unknown = [n for n in names if n not in pset]
     if unknown:
         raise ValueError(f"unknown benchmark policies {unknown}; choose from {', '.join(pset)}")
-    _decode(rt, prompt_BS, min(tokens, 4), forced_BN)  # warm-up (one-time kernel initialisation), not timed
+    rt.generate(prompt_BS, min(tokens, 4), forced_BN=forced_BN)  # warm-up (one-time kernel initialisation), not timed
     log(f"expert {rt.expert_bytes / 2**20:.2f} MiB; C={rt.capacity}/{rt.num_experts}; tier {rt.offload.tier}"
         f"{', io=' + rt.offload.io if rt.offload.tier == 'disk' else ''}; {rt.offload.readers} reader threads; "
         f"prefetch {rt.offload.prefetch}; torch threads {torch.get_num_threads()}; plan "
@@ -130,7 +126,7 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
         from expertcache.sim import activation_frequency
 
         rt.configure(routing=RoutingConfig(), eviction="lru", record=True)
-        _decode(rt, prompt_BS, tokens, forced_BN)
+        rt.generate(prompt_BS, tokens, forced_BN=forced_BN)
         freq = activation_frequency(rt.recorded_ids_TLK(), rt.num_experts)
         rt.configure(record=False)
     rows = []
@@ -144,7 +140,7 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
             routing, eviction = pset[name]
             rt.configure(routing=routing, eviction=eviction, freq_LE=freq if routing.policy == "eras-bias" else None)
             prefetched = prefetch(rt) if prefetch is not None else 0
-            r = _decode(rt, prompt_BS, tokens, forced_BN)
+            r = rt.generate(prompt_BS, tokens, forced_BN=forced_BN)
             s = r["decode_stats"]
             n = max(1, r["decode_tokens"])
             per_tok = r["decode_s"] / n

@@ -170,9 +170,6 @@ class Checkpoint:
 
     def __init__(self, folder: str | os.PathLike, model_type: str, num_experts: int) -> None:
         self.folder = Path(folder)
-        if model_type not in OFFLOAD_MODEL_TYPES:
-            raise ValueError(f"offloading supports model types {', '.join(OFFLOAD_MODEL_TYPES)}; "
-                             f"got {model_type!r}")
         self.model_type = model_type
         self.num_experts = num_experts
         index = self.folder / "model.safetensors.index.json"
@@ -197,17 +194,6 @@ class Checkpoint:
 
     # -- experts ---------------------------------------------------------------------------------
 
-    def _per_expert_keys(self, layer_id: int, e: int) -> tuple[str, str, str]:
-        if self.model_type in _BLOCK_SPARSE:
-            p = f"model.layers.{layer_id}.block_sparse_moe.experts.{e}."
-            return p + "w1.weight", p + "w3.weight", p + "w2.weight"
-        p = f"model.layers.{layer_id}.mlp.experts.{e}."
-        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
-
-    def _fused_keys(self, layer_id: int) -> tuple[str, str]:
-        p = f"model.layers.{layer_id}.mlp.experts."
-        return p + "gate_up_proj", p + "down_proj"
-
     def is_expert_key(self, key: str) -> bool:
         return ".experts." in key
 
@@ -219,8 +205,13 @@ class Checkpoint:
             return cached
         if not 0 <= e < self.num_experts:
             raise ValueError(f"expert id {e} out of range [0, {self.num_experts})")
-        gate_k, up_k, down_k = self._per_expert_keys(layer_id, e)
-        fused_gu, fused_down = self._fused_keys(layer_id)
+        p = f"model.layers.{layer_id}.mlp.experts."
+        fused_gu, fused_down = p + "gate_up_proj", p + "down_proj"
+        if self.model_type in _BLOCK_SPARSE:
+            p = f"model.layers.{layer_id}.block_sparse_moe.experts.{e}."
+            gate_k, up_k, down_k = p + "w1.weight", p + "w3.weight", p + "w2.weight"
+        else:
+            gate_k, up_k, down_k = p + f"{e}.gate_proj.weight", p + f"{e}.up_proj.weight", p + f"{e}.down_proj.weight"
         if self.model_type == "gpt_oss":
             parts = self._gpt_oss(layer_id, e, fused_gu, fused_down)
         elif gate_k in self.entries or up_k in self.entries or down_k in self.entries:

@@ -85,15 +85,12 @@ def matvec_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def use_matvec(model: nn.Module) -> int:
+def use_matvec(model: nn.Module) -> None:
     """Route every ``nn.Linear`` of ``model`` through :func:`matvec_linear` (one-row inputs become
-    matrix-vector products; others unchanged). Returns the number of modules."""
-    n = 0
+    matrix-vector products; others unchanged)."""
     for mod in model.modules():
         if type(mod) is nn.Linear:
             mod.forward = _MatvecForward(mod)
-            n += 1
-    return n
 
 
 class _MatvecForward:

@@ -20,22 +20,20 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Callable
 
 __all__ = ["IOQueue", "Ticket"]
 
 
 class Ticket:
-    """One submitted job: ``tag`` (caller's key, e.g. the expert id), ``nbytes`` read, ``seconds`` the job
-    took, ``error`` (the exception, or None)."""
+    """One submitted job: ``tag`` (caller's key, e.g. the expert id), ``nbytes`` read, ``error`` (the
+    exception, or None)."""
 
-    __slots__ = ("tag", "nbytes", "seconds", "error", "_event", "_done")
+    __slots__ = ("tag", "nbytes", "error", "_event", "_done")
 
     def __init__(self, tag, done: "queue.SimpleQueue | None" = None) -> None:
         self.tag = tag
         self.nbytes = 0
-        self.seconds = 0.0
         self.error: BaseException | None = None
         self._event = threading.Event()
         self._done = done
@@ -52,13 +50,11 @@ class Ticket:
         return self
 
     def _run(self, job: Callable[[], int]) -> None:
-        t0 = time.perf_counter()
         try:
             self.nbytes = job()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter, never lost
             self.error = exc
         finally:
-            self.seconds = time.perf_counter() - t0
             self._event.set()
             if self._done is not None:
                 self._done.put(self)
@@ -68,8 +64,6 @@ class IOQueue:
     """``readers`` daemon threads serving a FIFO of jobs (0 = run jobs inline)."""
 
     def __init__(self, readers: int = 4) -> None:
-        if readers < 0:
-            raise ValueError(f"reader threads must be >= 0, got {readers}")
         self.readers = readers
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # the threads hold the job queue, not this object: an unused IOQueue is collected and stops them

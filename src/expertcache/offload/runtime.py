@@ -36,6 +36,7 @@ and copies to the slot. That path is written but untested here (no GPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 import time
@@ -58,7 +59,7 @@ from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
 from expertcache.offload.prefetch import PrefetchStats
 from expertcache.offload.quant import QuantLayout, default_group
-from expertcache.offload.slots import SlotArena, SlotPool, slot_bytes_for
+from expertcache.offload.slots import SlotArena, slot_bytes_for
 from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
@@ -104,7 +105,7 @@ class OffloadedModel(LayerSteps):
                 key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
                 side = quantize_checkpoint(checkpoint, [m.layer_id for m in layers], offload.quant, offload.group,
                                            out=_cache_dir() / "quant" / f"{path.name}-{key}-{side.name}")
-            self.source = QuantSource(side, layout, self.num_experts)
+            self.source = QuantSource(side, layout)
         else:
             self.source = NativeSource(checkpoint)
         # every expert present and well-formed before anything runs (loud); where its bytes go in a slot
@@ -132,13 +133,14 @@ class OffloadedModel(LayerSteps):
         self._mlps = mlps
         self._cuda = device.type == "cuda"
         self._staging = threading.local()
-        self.pools = self._make_pools(self.capacity)
+        self._make_pools(self.capacity)
         self._stock_routers = [m.router.forward for m in layers]
         self.routing = RoutingConfig()
         self.eviction = "lru"
         self.record = False
         self.configure()
-        self._install_routers()
+        for m in layers:
+            m.router.forward = self._make_router_forward(m, self._stock_routers[m.index])
         first = self.model.model.layers[layers[0].layer_id]  # its MoE layer's guess starts before its attention
         first.register_forward_pre_hook(self._guess_first, with_kwargs=True)
 
@@ -169,8 +171,7 @@ class OffloadedModel(LayerSteps):
         model.eval()
         check_weights_match_config(path, config, model)  # config.json vs the safetensors shapes, named
         layers = find_moe_layers(model, family)
-        num_experts = layers[0].num_experts
-        checkpoint = Checkpoint(path, family.model_type, num_experts)
+        checkpoint = Checkpoint(path, family.model_type, layers[0].num_experts)
         layout = checkpoint.expert(layers[0].layer_id, 0).layout
         mlps = []
         for m in layers:
@@ -195,10 +196,8 @@ class OffloadedModel(LayerSteps):
                 non_expert += t.numel() * t.element_size()
         kv = kv_cache_bytes(self.config, o.context, o.batch, torch.empty((), dtype=self.dtype).element_size())
         budget = None if o.memory is None else parse_bytes(o.memory)
-        slots = o.capacity if budget is not None or o.capacity is not None else self.num_experts
-        if budget is not None and o.capacity is not None:
-            raise ValueError("give either --memory or --cache-experts, not both")
-        plan = plan_memory(budget=budget, slots=None if budget is not None else slots, non_expert_bytes=non_expert,
+        slots = self.num_experts if budget is None and o.capacity is None else o.capacity  # both: plan_memory refuses
+        plan = plan_memory(budget=budget, slots=slots, non_expert_bytes=non_expert,
                            kv_bytes=kv, expert_bytes=self.expert_bytes, num_layers=len(self.layers),
                            num_experts=self.num_experts, top_k=self.top_k, slot_bytes=self.slot_bytes,
                            extra_slots=1 + o.prefetch, io_bytes=self._io_bytes)
@@ -206,15 +205,10 @@ class OffloadedModel(LayerSteps):
             plan = dataclasses.replace(plan, host_bytes=self.host.nbytes, host_slots=self.host.slots)
         return plan
 
-    def _make_pools(self, capacity: int) -> list[SlotPool]:
+    def _make_pools(self, capacity: int) -> None:
         """One arena of C cache slots per layer plus one scratch slot and P spares shared by all layers."""
         self.arena = SlotArena(len(self.layers), capacity, self.slot_bytes, self.device, scratch=1,
                                spare=self.offload.prefetch)
-        return self.arena.pools
-
-    def _install_routers(self) -> None:
-        for m in self.layers:
-            m.router.forward = self._make_router_forward(m, self._stock_routers[m.index])
 
     def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
         """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency."""
@@ -266,7 +260,7 @@ class OffloadedModel(LayerSteps):
             if not 1 <= capacity <= self.num_experts:
                 raise ValueError(f"cache size must be between 1 and N={self.num_experts}, got {capacity}")
             self.capacity = capacity
-            self.pools = self._make_pools(capacity)
+            self._make_pools(capacity)
         self.routing = routing or self.routing
         self.eviction = eviction or self.eviction
         if self.eviction == "belady":
@@ -279,7 +273,7 @@ class OffloadedModel(LayerSteps):
         self.arena.reset()
         self.states = [LayerState(m, self._mlps[m.index],
                                   make_cache(self.eviction, self.num_experts, self.capacity, gamma=gamma,
-                                             expert_bytes=self.expert_bytes), self.pools[m.index])
+                                             expert_bytes=self.expert_bytes), self.arena.pools[m.index])
                        for m in self.layers]
         self.tier.stats = TierStats()
         if self.host is not None:
@@ -381,9 +375,7 @@ class OffloadedModel(LayerSteps):
         for t in self.arena.tickets():
             t._event.wait()
         per = self.cache_stats()
-        total = per[0]
-        for s in per[1:]:
-            total = total.merge(s)
+        total = functools.reduce(CacheStats.merge, per)
         host = self.host.counts if self.host is not None else None
         tiers = None
         if host is not None:  # where each access was served: fast slot, host-RAM cache, disk

@@ -114,15 +114,13 @@ def quant_sidecar_path(folder: str | os.PathLike, mode: str, group: int) -> Path
 class QuantSource:
     """Quantised experts of a sidecar file: key ``model.layers.{i}.experts.{e}.qblob`` (uint8 blob, see
     :mod:`expertcache.offload.quant`), one read per expert. The blobs are verified against the file's
-    checksums when it is opened (:func:`verify_quant_sidecar`; ``verify=False`` skips that)."""
+    checksums when it is opened (:func:`verify_quant_sidecar`)."""
 
-    def __init__(self, path: str | os.PathLike, layout: QuantLayout, num_experts: int, *, verify: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, layout: QuantLayout) -> None:
         self.path = Path(path)
         self.quant = layout
         self.entries = read_header(self.path)
-        if verify:
-            verify_quant_sidecar(self.path, self.entries)
-        self.num_experts = num_experts
+        verify_quant_sidecar(self.path, self.entries)
         self._parts: dict[tuple[int, int], ExpertParts] = {}
 
     def parts(self, layer_id: int, e: int) -> ExpertParts:
@@ -148,6 +146,7 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str,
     blake2b digest per expert (tensor ``CHECKSUM_KEY``). Returns its path (default: next to the checkpoint).
     Skips the work if an up-to-date sidecar exists whose checksums verify; rebuilds a damaged one (a note on
     stderr). ``group`` None = :func:`~expertcache.offload.quant.default_group` of the expert shapes."""
+    from expertcache.offload.experts import expert_views
     from expertcache.offload.writer import write_safetensors
 
     p0 = checkpoint.expert(layer_ids[0], 0)
@@ -168,12 +167,8 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str,
         def f():
             parts = checkpoint.expert(layer_id, e)
             buf = torch.empty(parts.nbytes, dtype=torch.uint8)
-            tier.fetch(parts, buf)
-            w = buf.view(parts.dtype)
-            fd = parts.f * parts.d
-            gu = w[parts.gate_up_at:parts.gate_up_at + 2 * fd].view(2 * parts.f, parts.d)
-            down = w[parts.down_at:parts.down_at + fd].view(parts.d, parts.f)
-            blob = pack_expert(gu, down, layout)
+            tier.fetch(parts, buf)  # packed: gate_up [2F, D] and down [D, F] as expert_views reads them
+            blob = pack_expert(*expert_views(buf, parts, place_expert(parts, "cached"), parts.dtype), layout)
             digests.append(_digest(blob.numpy()))
             return blob
         return f
@@ -209,14 +204,6 @@ class TierStats:
             self.loads += loads
             self.bytes_read += nbytes
             self.seconds += seconds
-
-    @property
-    def bandwidth(self) -> float:
-        """Bytes per second over all loads (0 if none)."""
-        return self.bytes_read / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return dict(loads=self.loads, bytes_read=self.bytes_read, seconds=self.seconds, bandwidth=self.bandwidth)
 
 
 def direct_io_supported(path: str | os.PathLike) -> bool:
@@ -301,21 +288,18 @@ class DiskTier:
         if fd is not None:
             return fd
         with self._open_lock:
-            return self._open(file)
-
-    def _open(self, file: Path) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            flags = os.O_RDONLY | (os.O_DIRECT if self.io == "direct" else 0)
-            try:
-                fd = os.open(file, flags)
-            except OSError as exc:
-                if self.io == "direct":
-                    raise OSError(f"{file}: O_DIRECT is not supported on this filesystem ({exc}); use "
-                                  "--io fadvise (drops the page cache before each read) instead") from None
-                raise
-            self._fds[file] = fd
-        return fd
+            fd = self._fds.get(file)
+            if fd is None:
+                flags = os.O_RDONLY | (os.O_DIRECT if self.io == "direct" else 0)
+                try:
+                    fd = os.open(file, flags)
+                except OSError as exc:
+                    if self.io == "direct":
+                        raise OSError(f"{file}: O_DIRECT is not supported on this filesystem ({exc}); use "
+                                      "--io fadvise (drops the page cache before each read) instead") from None
+                    raise
+                self._fds[file] = fd
+            return fd
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -380,14 +364,13 @@ class HostTier:
     """Every expert of ``layer_ids`` in host RAM: one [E, nbytes] uint8 tensor per layer (pinned when CUDA
     is available). Loaded once at construction from ``source`` with buffered reads."""
 
-    def __init__(self, source, layer_ids: list[int], num_experts: int, pin: bool | None = None) -> None:
-        pin = torch.cuda.is_available() if pin is None else pin
+    def __init__(self, source, layer_ids: list[int], num_experts: int) -> None:
         disk = DiskTier("cached")
         self.stats = TierStats()
         self.rows: dict[int, torch.Tensor] = {}
         for i in layer_ids:
             nbytes = source.parts(i, 0).nbytes
-            rows = torch.empty(num_experts, nbytes, dtype=torch.uint8, pin_memory=pin)
+            rows = torch.empty(num_experts, nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             for e in range(num_experts):
                 disk.fetch(source.parts(i, e), rows[e])
             self.rows[i] = rows

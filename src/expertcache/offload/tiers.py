@@ -144,12 +144,11 @@ class HostCache:
         g = index * self.num_experts + e
         with self._cv:
             slot = self.slot_of.get(g)
+            self.lru.access_step([g])
             if slot is not None:
-                self.lru.access_step([g])
                 v = self._ver[slot]
                 self._users[(slot, v)] = self._users.get((slot, v), 0) + 1
                 return True, slot, v, time.perf_counter()
-            self.lru.access_step([g])
             if not self.free:  # the LRU evicted exactly one entry: the one of slot_of it no longer holds
                 victim = next(x for x in self.slot_of if x not in self.lru)
                 self.free.append(self.slot_of.pop(victim))
