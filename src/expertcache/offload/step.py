@@ -42,9 +42,9 @@ from expertcache.offload.store import HostTier, Placement
 __all__ = ["LayerState", "LayerSteps", "union_order"]
 
 
-def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor, num_experts: int) -> list[int]:
+def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: int) -> list[int]:
     """The experts one step requests (CPU ``ids_TK``, -1 slots skipped): one token's own order; for T > 1 the
-    union of the rows' experts, by total weight ``w_TK`` (descending; ties by id)."""
+    union of the rows' experts, by total weight ``w_TK`` (descending; ties by id; unused for one token)."""
     if ids_TK.shape[0] == 1:
         return [e for e in ids_TK[0].tolist() if e >= 0]
     valid_TK = ids_TK >= 0

@@ -213,7 +213,8 @@ class Tap:
         if allowed_TE is not None:
             zr_TE = zr_TE.masked_fill(~allowed_TE, float("-inf"))
         ids_TK = order_by_logits(topk_rank(zr_TE, rt.top_k), z_cpu_TE)
-        order = union_order(ids_TK, rt.family.weights(m.router, z_cpu_TE, ids_TK), rt.num_experts)
+        w_TK = None if ids_TK.shape[0] == 1 else rt.family.weights(m.router, z_cpu_TE, ids_TK)  # one token: its order
+        order = union_order(ids_TK, w_TK, rt.num_experts)
         hits = self.shadow[m.index].access_step(order)
         self._shadow_acc[0] += sum(hits)
         self._shadow_acc[1] += len(hits) - sum(hits)
