@@ -482,6 +482,10 @@ def test_missing_model_folder_is_named(env, capsys):
     _check(["eval", "--model", env["root"] / "nope", "--task", "wikitext", "--data-dir", env["data"]], "--model",
            capsys)
     _check(["generate", "--model", env["root"] / "nope", "hi"], "nope", capsys)
+    # a bare word that is neither a shipped model, a hub name nor a folder: the one resolver names the flag
+    _check(["eval", "--model", "nosuchmodel", "--task", "wikitext", "--data-dir", env["data"]], "--model", capsys)
+    _check(["generate", "--model", "nosuchmodel", "hi"], "--model", capsys)
+    _check(["bench", "--model", "nosuchmodel", "--tokens", "2"], "--model", capsys)
 
 
 def test_unwritable_location_is_refused_without_root(env, monkeypatch):

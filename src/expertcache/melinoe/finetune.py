@@ -244,7 +244,8 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> Path:
 @torch.no_grad()
 def heldout_eval(model, stream: np.ndarray, seq_len: int, k: int, capacity: int, gamma: float, max_tokens: int,
                  batch: int = 8) -> dict:
-    """Held-out NLL and hard γ-cache misses per token per layer on non-overlapping windows."""
+    """Held-out NLL and hard γ-cache misses per token per layer on non-overlapping windows. Leaves ``model`` in
+    eval mode (it is called on the merged model after training)."""
     from expertcache.models.adapters import family_for, find_moe_layers
 
     layers = find_moe_layers(model, family_for(model))

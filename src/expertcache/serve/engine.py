@@ -353,9 +353,10 @@ class Engine:
         if not rows:
             return
         ids_B1 = torch.tensor([[r.next_token] for r in rows])
-        padded = self._kv.padded  # no padding: exactly OffloadedModel.generate's call (positions from the cache length)
+        padded = self._kv.padded
         pos_B1 = self._kv.positions_B1() if padded else None
-        mask = self._kv.step_mask()  # the step's mask is the new mask, padded or not
+        mask = self._kv.step_mask()  # grows the mask every step; only a padded batch passes it to the model
+        # no padding: exactly OffloadedModel.generate's call (positions from the cache length)
         logits_B1V, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask if padded else None, pos_B1)
         self._charge(rows, delta, shared=True)
         for i, r in enumerate(rows):
