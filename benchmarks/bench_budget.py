@@ -1,7 +1,9 @@
 """Cost of budget-targeted routing: wall time of the closed-loop held-out stream (granular, C = N/2, 4096 tokens)
 under a fixed Cache-Prior λ vs the miss-rate controller (token-by-token routing), interleaved repeats, medians.
+Prints a table; with ``--out`` appends one JSONL row per configuration (every run's seconds, the median, the
+ratio to the fixed λ, the configuration, package version and machine).
 
-    python benchmarks/bench_budget.py --repeats 5
+    python benchmarks/bench_budget.py --repeats 5 --out benchmarks/results/budget.jsonl
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--out", default=None, help="append one JSONL row per configuration to this file")
     args = ap.parse_args(argv)
+    if args.repeats < 1 or args.tokens < 512:
+        ap.error("--repeats must be >= 1 and --tokens >= 512")
     import torch
 
     torch.set_num_threads(1)
@@ -44,6 +49,18 @@ def main(argv=None) -> int:
         med = statistics.median(ts)
         print(f"{name:28s} median {med:.2f} s ({args.tokens / med:.0f} tok/s), x{med / base:.2f}; runs "
               + ", ".join(f"{t:.2f}" for t in ts))
+        if args.out:
+            from expertcache import __version__
+            from expertcache.offload.bench import machine_info
+            from expertcache.results import append_jsonl
+
+            kw = runs[name]
+            append_jsonl(args.out, dict(
+                bench="budget", run=name, model="granular", capacity=0.5, tokens=args.tokens, repeats=args.repeats,
+                policy=kw["routing"].policy, lam=kw["routing"].lam, target_miss_rate=kw.get("target"),
+                controller=kw.get("controller_kw"), runs_s=ts, median_s=med, tok_s=args.tokens / med,
+                ratio_to_fixed=med / base, version=__version__, machine=machine_info(),
+                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
     return 0
 
 

@@ -4,10 +4,11 @@ shipped model with no live-view subscriber, with one that reads every frame, and
 byte (a TCP connection to /v1/expertcache/events left unread). The three modes are interleaved, ``--runs``
 times each; medians reported (the VM is shared and noisy: compare within one run of this script).
 
-  OMP_NUM_THREADS=1 python benchmarks/bench_liveview.py --runs 9 --tokens 64
+  OMP_NUM_THREADS=1 python benchmarks/bench_liveview.py --runs 9 --tokens 64 --out benchmarks/results/liveview.jsonl
 
 Decode tok/s = (tokens - 1) / (client wall time - time to first token). Loopback only; the server runs in
-this process (a thread) and is stopped at the end.
+this process (a thread) and is stopped at the end. Prints a table; ``--out`` appends one JSONL row per mode
+(every run's tok/s, the median, the configuration, package version and machine).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--capacity", type=int, default=8)
+    ap.add_argument("--out", default=None, help="append one JSONL row per mode to this file")
     a = ap.parse_args()
     if a.runs < 1 or a.tokens < 2:
         ap.error("--runs must be >= 1 and --tokens >= 2")
@@ -83,6 +85,16 @@ def main() -> None:
     print("|---|---:|---:|")
     for k, v in res.items():
         print(f"| {k} | {statistics.median(v):.1f} | {min(v):.1f} – {max(v):.1f} |")
+    if a.out:
+        from expertcache import __version__
+        from expertcache.offload.bench import machine_info
+        from expertcache.results import append_jsonl
+
+        for k, v in res.items():
+            append_jsonl(a.out, dict(bench="liveview", mode=k, model="granular", capacity=a.capacity, io="cached",
+                                     tokens=a.tokens, runs=a.runs, tok_s_runs=v, median_tok_s=statistics.median(v),
+                                     version=__version__, machine=machine_info(),
+                                     date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())))
 
 
 if __name__ == "__main__":
