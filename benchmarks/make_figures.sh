@@ -1,32 +1,38 @@
 #!/usr/bin/env bash
-# Reproduce the figures and result tables of docs/ (docs/EVAL.md describes them).
+# Reproduce the figures and result tables of docs/ (docs/EVAL.md describes them) and of BENCHMARKS.md.
 #
 #   benchmarks/make_figures.sh                  # into out/make-figures/{results,figures}/ (git ignores out/)
 #   benchmarks/make_figures.sh --out DIR        # into DIR/{results,figures}/
 #   benchmarks/make_figures.sh --update-docs    # rewrite the tracked files: docs/results, docs/figures and the
 #                                               # shipped demo trace src/expertcache/assets/traces/
+#   benchmarks/make_figures.sh --benchmarks     # instead: rerun BENCHMARKS.md's speed measurements that need no
+#                                               # root, GPU or multi-GiB checkpoint, into OUT/benchmarks/*.jsonl,
+#                                               # and print the commands of the others (~40 min on one idle core)
 #   WT_LIMIT=16 MMLU_LIMIT=200 GRID=50 benchmarks/make_figures.sh   # bigger runs
 #   COARSE=0 CLOSED_SIZES=0 benchmarks/make_figures.sh              # skip the coarse model / closed-loop cache sizes
 #
-# Shipped models, small sizes: ~30-45 min on one idle CPU core. Without --update-docs nothing tracked by git is
+# Shipped models, small sizes: ~35-50 min on one idle CPU core. Without --update-docs nothing tracked by git is
 # touched (the demo trace is recorded into the output folder too).
 #
 # Steps: record the demo trace from the shipped granular model (original routing, 4096 WikiText tokens,
 # also the default trace of `expertcache simulate`), open-loop sweeps on it, closed-loop sweeps of the
-# patched models on WikiText / MMLU / GSM8K, the 001 Fig. 2 sensitivity curves, a hit/miss raster, and
-# `expertcache report` on every result file. Results are recomputed from scratch (old rows are removed,
-# set KEEP=1 to resume instead). Data: $EXPERTCACHE_DATA or ../shared/data.
+# patched models on WikiText / MMLU / GSM8K, the 001 Fig. 2 sensitivity curves, a hit/miss raster,
+# `expertcache report` on every result file, and BENCHMARKS.md's quality against miss rate (every policy, both
+# models, C = N/2 and N/4; benchmarks/bench_quality.py prints its tables). Results are recomputed from scratch
+# (old rows are removed, set KEEP=1 to resume instead). Data: $EXPERTCACHE_DATA or ../shared/data.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=out/make-figures
 UPDATE_DOCS=0
+BENCH=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) [[ $# -ge 2 && -n "$2" ]] || { echo "make_figures.sh: --out needs a folder" >&2; exit 2; }; OUT=$2; shift 2 ;;
     --update-docs) UPDATE_DOCS=1; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-    *) echo "make_figures.sh: unknown argument '$1' (use --out DIR or --update-docs)" >&2; exit 2 ;;
+    --benchmarks) BENCH=1; shift ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "make_figures.sh: unknown argument '$1' (use --out DIR, --update-docs or --benchmarks)" >&2; exit 2 ;;
   esac
 done
 
@@ -50,6 +56,40 @@ echo "== writing results to $RES, figures to $FIG, demo trace to $TRACE"
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 EC=(nice -n 10 python -m expertcache.cli.main)
 [[ -n "${EXPERTCACHE_CMD:-}" ]] && read -ra EC <<< "$EXPERTCACHE_CMD"   # another runner (tests use 'echo')
+PY=(nice -n 10 python)
+[[ -n "${PYTHON_CMD:-}" ]] && read -ra PY <<< "$PYTHON_CMD"             # likewise for the benchmark scripts
+
+if [[ "$BENCH" == 1 ]]; then
+  # BENCHMARKS.md's speed tables, each section's command at its documented settings (1 thread, interleaved).
+  B=$OUT/benchmarks
+  echo "== writing benchmark rows to $B"
+  mkdir -p "$B"
+  rm -rf "$B"/{core,patch,offload,liveview,budget,serve}.jsonl "$B/tiers"
+  for i in 1 2 3; do
+    "${PY[@]}" benchmarks/bench_core.py --tokens 30000 --repeats 3 --out "$B/core.jsonl"
+    "${PY[@]}" benchmarks/bench_patch.py --repeats 9 --mode both --out "$B/patch.jsonl"
+    "${PY[@]}" benchmarks/bench_offload.py --only granular --tokens 32 --repeats 1 --out "$B/offload.jsonl"
+  done
+  "${PY[@]}" benchmarks/bench_offload.py --only ppl --out "$B/offload.jsonl"
+  "${PY[@]}" benchmarks/bench_liveview.py --runs 9 --tokens 64 --out "$B/liveview.jsonl"
+  "${PY[@]}" benchmarks/bench_budget.py --repeats 5 --out "$B/budget.jsonl"
+  "${PY[@]}" benchmarks/bench_serve.py --model granular --concurrency 1 4 16 32 --tokens 32 --rounds 2 --repeats 2 \
+    --out "$B/serve.jsonl"
+  "${PY[@]}" benchmarks/bench_tiers.py --tokens 1024 --repeats 4 --lams 0,0.1,0.2,0.3,0.5,0.75,1.0 --out "$B/tiers"
+  cat <<'EOF'
+== not run here (root and llama.cpp, a 3.5-14 GB checkpoint, a fine-tuned model or a GPU): run by hand, as
+   BENCHMARKS.md gives them
+   sudo python benchmarks/bench_peers.py run ...            # decode speed against peers under a memory limit
+   python benchmarks/bench_peers.py compute ...             # all-resident, against llama.cpp
+   expertcache bench --model .../olmoe-1b-7b-L4-e1 ...      # the runtime against its physical floor
+   python benchmarks/bench_serve.py --model .../olmoe-1b-7b-L4-e1 ...   # serving the OLMoE-shape model
+   python benchmarks/bench_melinoe.py ...                   # MELINOE (after `expertcache melinoe finetune`)
+   python benchmarks/bench_tiers_project.py ...             # tiers projected onto 12 MiB experts
+   python benchmarks/budget_report.py ...                   # miss-rate controller against fixed strengths
+EOF
+  ls -l "$B"
+  exit 0
+fi
 
 mkdir -p "$RES" "$FIG"
 if [[ "${KEEP:-0}" != 1 ]]; then
@@ -115,4 +155,19 @@ rm -f "$RES"/*.trace.safetensors   # large and re-creatable; the raster PNG is w
 
 echo "== 7. activation profiling of the demo trace (003 Fig. 3, 4, 6; docs/ANALYSIS.md)"
 "${EC[@]}" analyze "$TRACE" --out-dir "$FIG"
+
+echo "== 8. quality against miss rate, every policy, C = N/2 and N/4 (BENCHMARKS.md)"
+ALL=original,prune,max-rank,cumsum,cache-prior,eras-threshold,eras-bias
+[[ "${KEEP:-0}" != 1 ]] && rm -f "$RES"/closed-loop-*-wikitext-all-policies.jsonl
+for M in "${MODELS[@]}"; do
+  if [[ $M == granular ]]; then FREQ=$TRACE; else
+    FREQ=$OUT/$M-wikitext2.trace.safetensors   # ERAS-bias's activation profile: a trace of the same model
+    "${EC[@]}" trace record --model $M --task wikitext --tokens 4096 --out "$FREQ"
+  fi
+  "${EC[@]}" sweep --model $M --task wikitext --limit "$WT_LIMIT" --policies $ALL --grid "$GRID" --capacity 0.5,0.25 \
+    --freq-from "$FREQ" --threads 1 --out "$RES/closed-loop-$M-wikitext-all-policies.jsonl" --no-progress
+  "${EC[@]}" report "$RES/closed-loop-$M-wikitext-all-policies.jsonl" --out-dir "$RES/all-policies" \
+    --prefix closed-loop-$M-wikitext-all-policies- > /dev/null
+done
+[[ -z "${EXPERTCACHE_CMD:-}" ]] && "${PY[@]}" benchmarks/bench_quality.py "$RES"/closed-loop-*-wikitext-all-policies.jsonl
 ls -l "$FIG" "$RES"
