@@ -71,7 +71,7 @@ if [[ "$BENCH" == 1 ]]; then
     "${PY[@]}" benchmarks/bench_offload.py --only granular --tokens 32 --repeats 1 --out "$B/offload.jsonl"
   done
   "${PY[@]}" benchmarks/bench_offload.py --only ppl --out "$B/offload.jsonl"
-  "${PY[@]}" benchmarks/bench_liveview.py --runs 9 --tokens 64 --out "$B/liveview.jsonl"
+  "${PY[@]}" benchmarks/bench_liveview.py --runs 15 --tokens 64 --out "$B/liveview.jsonl"
   "${PY[@]}" benchmarks/bench_budget.py --repeats 5 --out "$B/budget.jsonl"
   "${PY[@]}" benchmarks/bench_serve.py --model granular --concurrency 1 4 16 32 --tokens 32 --rounds 2 --repeats 2 \
     --out "$B/serve.jsonl"

@@ -34,13 +34,17 @@ def _outside_lead(text: str) -> str:
 
 
 def _bash_commands(text: str) -> list[str]:
-    """Every command line of the page's ```bash blocks (continuations joined, comments dropped)."""
+    """Every command line of the page's ```bash blocks (continuations joined, comments dropped), and every inline
+    code span that is a command (starts with `expertcache ` or `python benchmarks/`)."""
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split(" #")[0].strip()
             if line and not line.startswith("#"):
                 out.append(line)
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    out += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose)
+            if re.match(r"(?:sudo )?(?:python )?(?:expertcache |benchmarks/)", " ".join(span.split()))]
     return out
 
 
