@@ -1,4 +1,4 @@
-"""Benchmark of the model patch: forward time of the stock vs the patched model (issue 3, Performance).
+"""Forward time of the stock vs the patched model (BENCHMARKS.md, "Overhead of the routing patch").
 
 Usage:  python benchmarks/bench_patch.py [--seq 128] [--repeats 15] [--mode prefill|decode|both]
                                          [--archs olmoe,mixtral,...] [--no-granular] [--out rows.jsonl]
@@ -18,7 +18,7 @@ processes hits them alike; a fresh patch (fresh caches) is installed before and 
 call, outside the timing. Each call records wall-clock and thread CPU time (``time.thread_time``; with one
 torch thread all compute runs on the calling thread, so CPU time is not inflated by waiting for a core on
 a shared machine). Reports the median thread-CPU time per variant and the ratios of medians (targets from
-issue 3: original ≤ 1.10 × stock; cache-prior ≤ 1.10 × original). ``--profile MODEL`` runs cProfile on
+the project: original ≤ 1.10 × stock; cache-prior ≤ 1.10 × original). ``--profile MODEL`` runs cProfile on
 the three variants of one model (``--mode decode`` for decoding steps, else prefill) and prints the top
 functions by own time.
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Peers side by side under a Linux memory cgroup (issue 10, Build item 8).
+"""Peers side by side under a Linux memory cgroup (BENCHMARKS.md, "Decode speed against peers under a memory limit").
 
 The same random-weight checkpoint (``expertcache bench --make-model olmoe-1b-7b --layers 16``) decoded by
 

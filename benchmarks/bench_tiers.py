@@ -1,4 +1,4 @@
-"""Cost-aware routing with a two-level cache (issue 14, item 2): tok/s of plain Cache-Prior against
+"""Cost-aware routing with a two-level cache: tok/s of plain Cache-Prior against
 ``cache-prior-cost`` at equal perplexity, same fast and host budgets.
 
 One offloaded runtime (``--tier disk --io direct``: every disk read goes to the device; ``--host-memory``: a

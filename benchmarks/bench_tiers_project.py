@@ -1,4 +1,4 @@
-"""Project bench_tiers.py's routing decisions onto OLMoE-1B-7B-sized experts (issue 14, item 2).
+"""Project bench_tiers.py's routing decisions onto OLMoE-1B-7B-sized experts (docs/BEYOND.md).
 
 The shipped model's experts are 88 KiB: a disk read and a host copy of one cost about the same on this VM
 (the per-load hand-off dominates), so tiers barely matter there. This script asks what the same routing

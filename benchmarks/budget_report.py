@@ -1,4 +1,4 @@
-"""Budget-targeted routing, closed loop on held-out text (issue 14): achieved vs target miss rate over time, and
+"""Budget-targeted routing, closed loop on held-out text: achieved vs target miss rate over time, and
 perplexity at the achieved miss rate against the best fixed strength reaching the same miss rate.
 
     python benchmarks/budget_report.py --tokens 4096 --out docs/results/budget
