@@ -254,7 +254,8 @@ class OffloadedModel(LayerSteps):
                   freq_LE: np.ndarray | torch.Tensor | None = None, record: bool | None = None,
                   capacity: int | None = None) -> None:
         """(Re)start with a routing policy and fresh, empty caches (slots emptied, statistics zeroed).
-        ``capacity`` re-sizes the fast tier to that many slots per layer (bypasses the memory plan)."""
+        ``capacity`` re-sizes the fast tier to that many slots per layer (bypasses the memory plan).
+        ``freq_LE`` None keeps the current ERAS-bias profile (so ``configure()`` only empties the caches)."""
         self._drain()
         if capacity is not None and capacity != self.capacity:
             if not 1 <= capacity <= self.num_experts:
@@ -266,7 +267,8 @@ class OffloadedModel(LayerSteps):
         if self.eviction == "belady":
             raise ValueError("belady needs the future requests; a live run cannot use it (replay a trace instead)")
         self.record = self.record if record is None else record
-        freq = None if freq_LE is None else torch.as_tensor(np.asarray(freq_LE), dtype=torch.float32)
+        freq = (getattr(getattr(self, "router", None), "freq_LE", None) if freq_LE is None
+                else torch.as_tensor(np.asarray(freq_LE), dtype=torch.float32))
         self.router = Router(self.routing, num_experts=self.num_experts, k=self.top_k, renormalize=self.renormalize,
                              scoring=self.family.scoring, freq_LE=freq)
         self.gamma = gamma
