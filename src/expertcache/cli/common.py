@@ -195,12 +195,12 @@ def capacity_spec(text: str) -> str:
     return str(text).strip()
 
 
-def csv_of(parse, what: str):
-    """argparse type: comma-separated values (at least one), each checked by the argparse type ``parse``;
-    the value is the cleaned text (``"a,b"``)."""
+def csv_of(parse, what: str, empty_ok: bool = False):
+    """argparse type: comma-separated values (at least one, or none when ``empty_ok``), each checked by the
+    argparse type ``parse``; the value is the cleaned text (``"a,b"``)."""
     def parse_list(text: str) -> str:
         items = [x.strip() for x in str(text).split(",") if x.strip()]
-        if not items:
+        if not items and not empty_ok:
             raise argparse.ArgumentTypeError(f"give at least one {what}")
         for x in items:
             parse(x)

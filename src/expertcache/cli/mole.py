@@ -60,7 +60,8 @@ def register(subparsers) -> None:
     v.add_argument("--ppl-tokens", type=nonneg_int, default=131072, help="held-out tokens scored (0 = all)")
     v.add_argument("--read-mode", choices=("mmap", "pread", "flash", "direct"), default="flash",
                    help="table reads during the latency runs (perplexity always uses mmap)")
-    v.add_argument("--batches", type=csv_of(positive_int, "batch size"), default="1,8", help="decode batch sizes timed")
+    v.add_argument("--batches", type=csv_of(positive_int, "batch size", empty_ok=True), default="1,8",
+                   help='decode batch sizes timed ("" = none: perplexity only)')
     v.add_argument("--prompt-tokens", type=positive_int, default=64)
     v.add_argument("--new-tokens", type=positive_int, default=32)
     v.add_argument("--moe-tokens", type=positive_int, default=512, help="MoE: positions per sequence replayed through LRU")
