@@ -498,3 +498,57 @@ def test_unwritable_location_is_refused_without_root(env, monkeypatch):
         check_output_path(env["root"] / "new.jsonl", "--out")
     with pytest.raises(UsageError, match="--out .*not writable"):
         check_output_path(env["file"], "--out")
+
+
+# -- issue 27: a fresh user's bad inputs (each failed on 17679b3: traceback, hang or silently wrong) ------------
+
+
+def _granular_variant(tmp_path, name, config=None, tokenizer_of=None) -> str:
+    """A copy of the shipped granular model (weights hard-linked) with ``config`` keys replaced and/or the
+    tokenizer files of another folder."""
+    dst = tmp_path / name
+    dst.mkdir()
+    for f in SHIPPED.iterdir():
+        (os.link if f.suffix == ".safetensors" else shutil.copy)(f, dst / f.name)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tokenizer_of is not None:
+        for n in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(tokenizer_of) / n, dst / n)
+    return str(dst)
+
+
+BAD_CONFIGS = [
+    ({"intermediate_size": -104}, "intermediate_size must be an integer >= 1, got -104"),
+    ({"hidden_size": "144"}, 'hidden_size must be an integer >= 1, got "144"'),
+    ({"num_attention_heads": 4.5}, "num_attention_heads"),
+    ({"vocab_size": True}, "vocab_size"),
+    ({"rms_norm_eps": -1e-5}, "rms_norm_eps"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok must be an integer >= 1, got 0"),
+    ({"num_experts_per_tok": 33}, "num_experts_per_tok=33 must be in [1, num_experts=32]"),
+    ({"num_hidden_layers": 1_000_000}, "num_hidden_layers=1000000"),  # hung: minutes building a meta model
+]
+
+
+@pytest.mark.parametrize("config, culprit", BAD_CONFIGS, ids=[next(iter(c)) + "=" + str(next(iter(c.values())))
+                                                             for c, _ in BAD_CONFIGS])
+def test_malformed_config_keys_name_file_and_key(env, capsys, tmp_path, config, culprit):
+    bad = _granular_variant(tmp_path, "cfg", config)
+    for argv in (["eval", "--model", bad, "--task", "wikitext", "--limit", "1", "--data-dir", env["data"], "--no-progress"],
+                 ["generate", "--model", bad, "--max-new-tokens", "2", "The kernel"],
+                 ["bench", "--model", bad, "--tokens", "2", "--repeats", "1", "--policies", "original+lru"]):
+        line = _check(argv, culprit, capsys)
+        assert str(Path(bad) / "config.json") in line, line
+
+
+def test_config_size_check_passes_every_shipped_and_tiny_model(env):
+    from expertcache.assets import SHIPPED_MODELS, shipped_model_dir
+    from expertcache.models.loader import read_config_json
+    from expertcache.models.tiny import TINY_ARCHS
+
+    for name in SHIPPED_MODELS:
+        read_config_json(shipped_model_dir(name))
+    for arch in TINY_ARCHS:
+        read_config_json(save_tiny(arch, env["root"] / "tiny-all" / arch, seed=0))

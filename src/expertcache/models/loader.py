@@ -15,7 +15,7 @@ from torch import nn
 
 from expertcache.models.adapters import family_for
 
-__all__ = ["load_model", "read_config_json", "check_weights_match_config", "load_tokenizer_checked",
+__all__ = ["load_model", "read_config_json", "check_config_values", "check_weights_match_config", "load_tokenizer_checked",
            "is_hub_name", "fetch_hub_model", "resolve_model_path", "HUB_FILES"]
 
 
@@ -35,7 +35,67 @@ def read_config_json(folder: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
     if "model_type" not in data:
         raise ValueError(f"{path}: no model_type (not a transformers config)")
+    check_config_values(data, path)
     return data
+
+
+#: config.json keys that are sizes or counts: (smallest valid value); ``null`` is allowed (a key a family leaves unset)
+CONFIG_INTS = {
+    **dict.fromkeys(("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "vocab_size", "max_position_embeddings",
+                     "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
+                     "head_dim", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                     "moe_layer_freq", "decoder_sparse_step", "n_group", "topk_group"), 1),
+    **dict.fromkeys(("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace"), 0),
+}
+#: config.json keys that are positive real numbers
+CONFIG_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+#: the most parameters a config may imply over what its safetensors files hold (a generous margin: the estimate
+#: below ignores grouped KV heads, dense layers, shared experts and biases)
+CONFIG_SIZE_MARGIN = 16
+
+
+def check_config_values(data: dict, path: str | os.PathLike) -> None:
+    """The numeric keys of a config.json are sizes of the right type and range, top-k is within the experts, and
+    the size the config implies fits the weights stored beside it. ValueError naming the file and the key
+    otherwise -- before transformers builds anything from it (a negative size fails deep inside torch; a config
+    of a million layers takes minutes to build before any check could run)."""
+    for key, low in CONFIG_INTS.items():
+        v = data.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{path}: {key} must be an integer >= {low}, got {json.dumps(v)}")
+    for key in CONFIG_POSITIVE_FLOATS:
+        v = data.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+            raise ValueError(f"{path}: {key} must be a positive finite number, got {json.dumps(v)}")
+    e_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if data.get(k) is not None), None)
+    k_key = next((k for k in ("num_experts_per_tok", "experts_per_token") if data.get(k) is not None), None)
+    if e_key and k_key and data[k_key] > data[e_key]:
+        raise ValueError(f"{path}: {k_key}={data[k_key]} must be in [1, {e_key}={data[e_key]}] (top-k of the experts)")
+    _check_config_size(data, Path(path))
+
+
+def _check_config_size(data: dict, path: Path) -> None:
+    """Refuse a config that implies far more parameters than the safetensors files beside it hold."""
+    H, L = data.get("hidden_size"), data.get("num_hidden_layers")
+    files = _weight_files(path.parent)
+    if not (H and L and files):
+        return
+    from expertcache.offload.checkpoint import read_header
+
+    try:
+        have = sum(math.prod(t.shape) for f in files for t in read_header(f).values())
+    except (ValueError, OSError):
+        return  # a damaged weights file: check_weights_match_config / the loaders name it
+    E = next((data[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if data.get(k)), 1)
+    F = data.get("moe_intermediate_size") or data.get("intermediate_size") or 4 * H
+    implied = L * (4 * H * H + E * 3 * H * F) + (data.get("vocab_size") or 0) * H
+    if implied > CONFIG_SIZE_MARGIN * have + 10**6:
+        raise ValueError(f"{path}: the config (num_hidden_layers={L}, hidden_size={H}, {E} experts of "
+                         f"{F}) implies ~{implied:.3g} parameters, the safetensors files beside it hold {have:.3g}; "
+                         "the config does not describe these weights")
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -64,7 +64,7 @@ from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
                                        quant_sidecar_path, quantize_checkpoint)
-from expertcache.models.loader import check_weights_match_config, resolve_model_path
+from expertcache.models.loader import check_weights_match_config, read_config_json, resolve_model_path
 from expertcache.routing import Router, RoutingConfig
 
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
@@ -155,6 +155,7 @@ class OffloadedModel(LayerSteps):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         path = resolve_model_path(path)
+        read_config_json(path)  # sizes, top-k and the size the config implies, named, before anything is built
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         family = family_for(config)
         if family.model_type not in OFFLOAD_MODEL_TYPES:
