@@ -552,3 +552,57 @@ def test_config_size_check_passes_every_shipped_and_tiny_model(env):
         read_config_json(shipped_model_dir(name))
     for arch in TINY_ARCHS:
         read_config_json(save_tiny(arch, env["root"] / "tiny-all" / arch, seed=0))
+
+
+@pytest.mark.parametrize("prompt, culprit", [("caf\udce9", "not valid UTF-8 (byte 0xe9 at character 3)"),
+                                             ("a\ud800b", "lone surrogate U+D800 at character 1")])
+def test_prompt_that_is_not_text(env, capsys, prompt, culprit):
+    """A command-line prompt with bytes that are not UTF-8 (Python passes them as lone surrogates) or a lone
+    surrogate: the tokenizer raised a TypeError (traceback)."""
+    line = _check(["generate", "--max-new-tokens", "2", prompt], culprit, capsys)
+    assert "prompt" in line
+    _check(["mole", "generate", env["tiny"], prompt, "--max-new-tokens", "2"], culprit, capsys)
+
+
+@pytest.mark.parametrize("body", [{"model": "granular", "prompt": "caf\ud800"},
+                                  {"model": "granular", "messages": [{"role": "user", "content": "caf\udce9"}]}])
+def test_http_prompt_that_is_not_text_is_a_400(body):
+    """The same through the HTTP API (JSON ``"\\ud800"``): a 400 naming the prompt, not a 500."""
+    from expertcache.models.loader import load_tokenizer_checked
+    from expertcache.serve.app import ServeError, Validator
+
+    v = Validator(["granular"], load_tokenizer_checked(SHIPPED), 256, 8192)
+    with pytest.raises(ServeError) as exc:
+        v.parse(json.loads(json.dumps(body)), chat="messages" in body)
+    assert exc.value.status == 400 and "prompt" in str(exc.value) and "not valid" in str(exc.value)
+
+
+def test_tokenizer_larger_than_the_embedding_is_refused(env, capsys, tmp_path):
+    """ids past the embedding: IndexError inside the model (generate and eval) before."""
+    from tokenizers import Tokenizer
+
+    bad = _granular_variant(tmp_path, "bigtok")
+    tok = Tokenizer.from_file(str(SHIPPED / "tokenizer.json"))
+    tok.add_tokens([f"<extra{i}>" for i in range(16)])  # ids 8192..8207 of an 8192-row embedding
+    tok.save(str(Path(bad) / "tokenizer.json"))
+    culprit = "the tokenizer has 8208 tokens (ids up to 8207), the model's embedding only 8192 rows"
+    _check(["generate", "--model", bad, "--max-new-tokens", "2", "The <extra3> kernel"], culprit, capsys)
+    _check(["eval", "--model", bad, "--task", "wikitext", "--limit", "1", "--data-dir", env["data"], "--no-progress"],
+           culprit, capsys)
+
+
+def test_tokenizer_smaller_than_the_vocabulary_warns(tmp_path, capsys):
+    """A 104-token tokenizer on the 8192-token granular model generated garbage silently: now one warning line."""
+    import warnings
+
+    from expertcache.eval.synthetic import char_tokenizer
+
+    small = tmp_path / "chartok"
+    char_tokenizer().save_pretrained(small)
+    bad = _granular_variant(tmp_path, "smalltok", tokenizer_of=small)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["generate", "--model", bad, "--max-new-tokens", "2", "The kernel"]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "warning:" in line]
+    assert len(lines) == 1 and "tokenizer.json: the tokenizer has 104 tokens, the model's vocabulary 8192" in lines[0]

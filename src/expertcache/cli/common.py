@@ -145,6 +145,16 @@ def _int_at_least(text: str, lo: int) -> int:
     return value
 
 
+def prompt_text(text: str) -> str:
+    """argparse type: text that tokenizers can take (valid UTF-8 on the command line; :func:`check_text`)."""
+    from expertcache.inputs import check_text
+
+    try:
+        return check_text(text, "text")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("text: ")) from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer ≥ 1."""
     return _int_at_least(text, 1)

@@ -114,6 +114,27 @@ def _command_of(argv: list[str]) -> str | None:
     return None
 
 
+def _warnings_as_lines(command: str) -> None:
+    """Print expertcache's own input warnings (:class:`expertcache.inputs.InputWarning`) as one line each,
+    ``expertcache CMD: warning: ...``; other warnings as Python shows them."""
+    import warnings
+
+    from expertcache.inputs import InputWarning
+
+    show = warnings.showwarning
+    if getattr(show, "expertcache", False):
+        show = show.original
+
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, InputWarning):
+            print(f"expertcache {command}: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    one_line.expertcache, one_line.original = True, show
+    warnings.showwarning = one_line
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--version"]:  # fast path: no command module, no torch
@@ -135,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    _warnings_as_lines(args.command)
     try:
         return int(args.func(args) or 0)
     except ModuleNotFoundError as exc:  # an optional dependency the command needs

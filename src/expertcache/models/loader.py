@@ -16,6 +16,7 @@ from torch import nn
 from expertcache.models.adapters import family_for
 
 __all__ = ["load_model", "read_config_json", "check_config_values", "check_weights_match_config", "load_tokenizer_checked",
+           "check_tokenizer_fits",
            "is_hub_name", "fetch_hub_model", "resolve_model_path", "HUB_FILES"]
 
 
@@ -149,16 +150,39 @@ def load_tokenizer_checked(folder: str | os.PathLike):
     ValueError naming the file when it cannot be read."""
     from transformers import AutoTokenizer
 
-    read_config_json(folder)  # AutoTokenizer reads config.json too: name it when it is the broken file
+    config = read_config_json(folder)  # AutoTokenizer reads config.json too: name it when it is the broken file
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (the model folder has no tokenizer; copy its tokenizer.json "
                                 "and tokenizer_config.json there)")
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # tokenizers raises plain Exception for a malformed file
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"{path}: not a valid tokenizer file ({first})") from None
+    check_tokenizer_fits(tok, config.get("vocab_size"), path)
+    return tok
+
+
+def check_tokenizer_fits(tok, vocab: int | None, path: str | os.PathLike) -> None:
+    """A tokenizer (file ``path``) whose ids exceed the model's embedding (``vocab`` rows) is refused: those ids
+    fail as an IndexError inside the embedding. One covering less than 90 % of the rows warns
+    (:class:`~expertcache.inputs.InputWarning`): the model would generate ids it cannot decode. (Models pad their
+    vocabulary past the tokenizer, to a multiple of 64 or 128 -- DeepSeek-V2 by 2.3 % -- so a small gap is normal.)"""
+    import warnings
+
+    from expertcache.inputs import InputWarning
+
+    n = len(tok)
+    if not isinstance(vocab, int) or isinstance(vocab, bool):
+        return
+    if n > vocab:
+        raise ValueError(f"{path}: the tokenizer has {n} tokens (ids up to {n - 1}), the model's embedding only {vocab} "
+                         f"rows (vocab_size in config.json): not this model's tokenizer")
+    if n < 0.9 * vocab:
+        warnings.warn(f"{path}: the tokenizer has {n} tokens, the model's vocabulary {vocab} (vocab_size in "
+                      f"config.json): ids {n}..{vocab - 1} that the model may generate decode to nothing -- is this "
+                      "the model's own tokenizer?", InputWarning, stacklevel=2)
 
 
 # What a hub download fetches: configs, safetensors weights and tokenizer files -- never pickled weights
