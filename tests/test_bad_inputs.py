@@ -606,3 +606,65 @@ def test_tokenizer_smaller_than_the_vocabulary_warns(tmp_path, capsys):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "warning:" in line]
     assert len(lines) == 1 and "tokenizer.json: the tokenizer has 104 tokens, the model's vocabulary 8192" in lines[0]
+
+
+def _raw_trace(path: Path, meta, logits=None, ids=None) -> Path:
+    """A trace file written around the library's checks: any metadata JSON, any logits."""
+    from dataclasses import asdict
+
+    from safetensors.numpy import save
+
+    good = make_trace(t=40)
+    z = good.logits_TLE if logits is None else logits
+    i = good.ids_TLK if ids is None else ids
+    m = asdict(good.meta) if meta is None else meta
+    if callable(m):
+        m = m(asdict(good.meta))
+    path.write_bytes(save({"logits": z.astype(np.float32), "ids": i.astype(np.int16)},
+                          metadata={"expertcache_trace": json.dumps(m)}))
+    return path
+
+
+BAD_TRACE_META = [
+    ("starts-string", lambda m: {**m, "sequence_starts": [0, "5"]}, "sequence_starts must be a list of integers"),
+    ("meta-list", [1, 2, 3], "trace metadata must be a JSON object, got a JSON list"),
+    ("layer-ids-int", lambda m: {**m, "layer_ids": 3}, "layer_ids must be a list of integers"),
+    ("experts-string", lambda m: {**m, "num_experts": "8"}, 'num_experts must be an integer >= 0, got "8"'),
+    ("renormalize-string", lambda m: {**m, "renormalize": "yes"}, "renormalize must be true or false"),
+    ("extra-list", lambda m: {**m, "extra": []}, "extra must be a JSON object"),
+    ("scoring-other", lambda m: {**m, "scoring": "relu"}, "scoring must be"),
+]
+
+
+@pytest.mark.parametrize("name, meta, culprit", BAD_TRACE_META, ids=[c[0] for c in BAD_TRACE_META])
+def test_trace_metadata_of_the_wrong_type(env, capsys, tmp_path, name, meta, culprit):
+    bad = _raw_trace(tmp_path / f"{name}.trace", meta)
+    for argv in (["simulate", bad], ["trace", "info", bad], ["analyze", bad],
+                 ["sweep", "--trace", bad, "--policies", "original", "--out", tmp_path / "rows.jsonl", "--no-progress"]):
+        line = _check(argv, culprit, capsys)
+        assert bad.name in line, line
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_trace_with_inf_logits_is_refused_like_nan(env, capsys, tmp_path):
+    """+inf logits were accepted (a 0 % miss layer; sweep: 'Out of range float values are not JSON compliant')."""
+    z = make_trace(t=40).logits_TLE.copy()
+    z[7, 1, 3] = np.inf
+    bad = _raw_trace(tmp_path / "inf.trace", None, logits=z)
+    for argv in (["simulate", bad, "--belady"], ["analyze", bad],
+                 ["sweep", "--trace", bad, "--policies", "original", "--out", tmp_path / "rows.jsonl", "--no-progress"]):
+        _check(argv, "logits contain +inf (token 7, layer 1, expert 3)", capsys)
+    assert not (tmp_path / "rows.jsonl").exists()
+    z[7, 1, 3] = -np.inf  # a zero probability: a valid routing
+    _raw_trace(tmp_path / "neginf.trace", None, logits=z)
+    assert main(["simulate", str(tmp_path / "neginf.trace")]) == 0
+
+
+def test_trace_of_zero_tokens_is_refused(env, capsys, tmp_path):
+    """It reported 'miss rate 0.0 %, Belady 0.0 %'."""
+    good = make_trace(t=40)
+    bad = _raw_trace(tmp_path / "empty.trace", lambda m: {**m, "num_tokens": 0},
+                     logits=good.logits_TLE[:0], ids=good.ids_TLK[:0])
+    for argv in (["simulate", bad, "--belady"], ["analyze", bad], ["trace", "info", bad],
+                 ["sweep", "--trace", bad, "--policies", "original", "--out", tmp_path / "rows.jsonl", "--no-progress"]):
+        _check(argv, "empty.trace: the trace holds 0 tokens", capsys)
