@@ -668,3 +668,35 @@ def test_trace_of_zero_tokens_is_refused(env, capsys, tmp_path):
     for argv in (["simulate", bad, "--belady"], ["analyze", bad], ["trace", "info", bad],
                  ["sweep", "--trace", bad, "--policies", "original", "--out", tmp_path / "rows.jsonl", "--no-progress"]):
         _check(argv, "empty.trace: the trace holds 0 tokens", capsys)
+
+
+@pytest.mark.parametrize("value", [None, 12345, ["a"]])
+def test_wikitext_row_that_is_not_text_is_named(env, capsys, tmp_path, value):
+    """A null or a number was scored as the text "None" / "12345"."""
+    folder = tmp_path / "data" / "wikitext-2-raw-v1"
+    folder.mkdir(parents=True)
+    (folder / "test.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+    _check(["eval", "--model", "granular", "--task", "wikitext", "--limit", "1", "--data-dir", tmp_path / "data",
+            "--no-progress"], f"test.jsonl:2: 'text' must be a string, got {json.dumps(value)}", capsys)
+
+
+def _corpus(path: Path, text, n=40) -> Path:
+    path.mkdir(parents=True)
+    (path / "a.jsonl").write_text("".join(json.dumps({"source": f"pkg:doc/{i}", "text": text}) + "\n"
+                                          for i in range(n)))
+    return path
+
+
+def test_train_on_a_corpus_of_null_texts_is_refused(env, capsys, tmp_path):
+    """It trained on the strings "None" and reported held-out perplexity 1.0 from 0 scored tokens."""
+    corpus = _corpus(tmp_path / "nulls", None)
+    _check(["train", "--model", "tiny", "--data-dir", corpus, "--out", tmp_path / "run", "--steps", "2",
+            "--no-progress"], "a.jsonl:1: 'text' must be a string, got null", capsys)
+
+
+def test_train_with_nothing_to_score_is_refused(env, capsys, tmp_path):
+    """Empty texts: the held-out split is a few end-of-document tokens, no whole sequence to score."""
+    corpus = _corpus(tmp_path / "empty", "")
+    _check(["train", "--model", "tiny", "--data-dir", corpus, "--out", tmp_path / "run", "--steps", "2",
+            "--seq-len", "32", "--vocab-size", "300", "--no-progress"], "fewer than one 32-token sequence", capsys)
+    assert not (tmp_path / "run" / "model").exists()
