@@ -700,3 +700,14 @@ def test_train_with_nothing_to_score_is_refused(env, capsys, tmp_path):
     _check(["train", "--model", "tiny", "--data-dir", corpus, "--out", tmp_path / "run", "--steps", "2",
             "--seq-len", "32", "--vocab-size", "300", "--no-progress"], "fewer than one 32-token sequence", capsys)
     assert not (tmp_path / "run" / "model").exists()
+
+
+@pytest.mark.parametrize("content, culprit", [("", "the file is empty"), (" \n\n", "the file is empty"),
+                                              ("hello world\n", "tokens, fewer than one chunk of 256")])
+def test_empty_or_short_text_file_is_named(capsys, tmp_path, content, culprit):
+    """'the text has 0 tokens' did not say which text."""
+    f = tmp_path / "notes.txt"
+    f.write_text(content)
+    line = _check(["trace", "record", "--model", "granular", "--task", "text-file", "--file", f, "--tokens", "64",
+                   "--out", tmp_path / "t.trace"], culprit, capsys)
+    assert f"--file {f}" in line
