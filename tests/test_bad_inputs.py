@@ -711,3 +711,12 @@ def test_empty_or_short_text_file_is_named(capsys, tmp_path, content, culprit):
     line = _check(["trace", "record", "--model", "granular", "--task", "text-file", "--file", f, "--tokens", "64",
                    "--out", tmp_path / "t.trace"], culprit, capsys)
     assert f"--file {f}" in line
+
+
+@pytest.mark.parametrize("value", ['"0.12"', "true", "1.5", "-0.1"])
+def test_report_row_with_a_miss_rate_that_is_not_a_rate(capsys, tmp_path, value):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"miss_rate": 0.1, "quality": 10.0}\n{"miss_rate": ' + value + ', "quality": 11.0}\n')
+    _check(["report", rows, "--out-dir", tmp_path / "figs"], f"rows.jsonl: row 2: miss_rate must be a number in [0, 1], "
+           f"got {value}", capsys)
+    assert not (tmp_path / "figs").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -108,6 +109,21 @@ def _row_key(row: dict) -> str:
     return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
+#: the numbers a report reads from a row: (field, lowest, highest); ``null`` is allowed (e.g. no Belady bound)
+ROW_NUMBERS = (("miss_rate", 0.0, 1.0), ("belady_miss_rate", 0.0, 1.0), ("quality", -math.inf, math.inf),
+               ("mean_lifetime", 0.0, math.inf))
+
+
+def _check_row_numbers(row: dict, where: str) -> None:
+    """ValueError naming ``where`` and the field when a number the report reads is a string, a bool or out of range."""
+    for key, lo, hi in ROW_NUMBERS:
+        v = row.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi and math.isfinite(v)):
+            raise ValueError(f"{where}: {key} must be a number in [{lo:g}, {hi:g}], got {json.dumps(v)[:40]}")
+
+
 def load_rows(files) -> list[dict]:
     """Result rows of the JSONL ``files``, each configuration once. ValueError naming the file (and line) for a
     file that is not UTF-8, holds a line that is not JSON, a line that is not an object, or no result rows."""
@@ -119,6 +135,8 @@ def load_rows(files) -> list[dict]:
         for i, r in enumerate(got, 1):
             if not isinstance(r, dict):
                 raise ValueError(f"{f}: row {i} is a JSON {type(r).__name__}, not a result row (an object)")
+        for i, r in enumerate(got, 1):
+            _check_row_numbers(r, f"{f}: row {i}")
         result = [r for r in got if "miss_rate" in r or r.get("kind") == "sensitivity"]
         if not result:
             raise ValueError(f"{f}: no result rows (expected JSONL rows of eval, sweep, simulate --out or "
