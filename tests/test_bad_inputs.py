@@ -720,3 +720,99 @@ def test_report_row_with_a_miss_rate_that_is_not_a_rate(capsys, tmp_path, value)
     _check(["report", rows, "--out-dir", tmp_path / "figs"], f"rows.jsonl: row 2: miss_rate must be a number in [0, 1], "
            f"got {value}", capsys)
     assert not (tmp_path / "figs").exists()
+
+
+# -- full disks and closed pipes: the output is named, a result is shown before its file fails, rows are whole --
+
+
+def test_simulate_and_eval_show_their_result_before_a_full_disk_fails_the_file(env, capsys):
+    """``--out /dev/full`` said '[Errno 28] No space left on device' (which output?) and lost the result."""
+    line = _check(["simulate", env["trace"], "--out", "/dev/full"], "/dev/full: No space left on device", capsys)
+    capsys.readouterr()
+    assert main(["simulate", env["trace"], "--out", "/dev/full"]) == 2
+    assert "miss rate" in capsys.readouterr().out  # the table came first
+    code = main(["eval", "--model", "granular", "--task", "wikitext", "--limit", "1", "--data-dir", env["data"],
+                 "--no-progress", "--out", "/dev/full"])
+    cap = capsys.readouterr()
+    assert code == 2 and "ppl" in cap.out and "error: /dev/full: No space left on device" in cap.err, cap
+    assert line.count("error:") == 1
+
+
+def test_a_full_disk_never_leaves_a_torn_row_and_sweep_counts_what_it_wrote(env, capsys, tmp_path, monkeypatch):
+    """The third row's write is cut short (a full disk): the file keeps two whole rows, the torn part is cut off,
+    and the error says 2 runs were appended (it said '3 runs appended' over 2 rows and a torn third)."""
+    import expertcache.results as results
+
+    real_write, calls = os.write, []
+
+    def full_after_two(fd, data):
+        calls.append(len(data))
+        if len(calls) == 3:
+            return real_write(fd, data[: len(data) // 2])  # a short write: the disk filled up mid-row
+        return real_write(fd, data)
+
+    monkeypatch.setattr(results.os, "write", full_after_two)
+    out = tmp_path / "rows.jsonl"
+    line = _check(["sweep", "--trace", env["trace"], "--policies", "original,cache-prior", "--grid", "3",
+                   "--capacity", "0.5", "--eviction", "lru", "--out", out, "--no-progress"], str(out), capsys)
+    assert "2 of " in line and "runs appended before" in line and "No space" in line, line
+    text = out.read_text()
+    assert text.endswith("\n") and [json.loads(x)["sweep_key"] for x in text.splitlines()]  # whole rows only
+    assert len(text.splitlines()) == 2
+
+
+def test_sweep_lock_is_keyed_on_the_real_path(tmp_path):
+    """A symlink to the output and the output itself are one file: one lock (two locks let two sweeps append)."""
+    from expertcache.eval.sweep import SweepLockedError, sweep_lock
+
+    (tmp_path / "real").mkdir()
+    out = tmp_path / "real" / "rows.jsonl"
+    out.write_text("")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(out)
+    fd = os.open(str(out) + ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another sweep holds the real file
+        with pytest.raises(SweepLockedError, match="another sweep"):
+            with sweep_lock(link):
+                pass
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def test_report_out_dir_on_a_full_disk_names_the_file(env, capsys, tmp_path, monkeypatch):
+    import expertcache.results as results
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(results.os, "fsync", no_space)
+    rows = Path(__file__).resolve().parents[1] / "docs" / "results" / "open-loop-granular.jsonl"
+    out = tmp_path / "figs"
+    _check(["report", rows, "--out-dir", out], f"{out / 'pareto.md'}: No space left on device", capsys)
+    assert not list(out.glob("*.md"))
+
+
+@pytest.mark.parametrize("how", ["closed pipe", "/dev/full"])
+def test_stdout_closed_early_or_full_is_one_line(env, how):
+    """stdout closed by the reader (``| head -0``) or on a full disk: '[Errno 32]' / '[Errno 28]' and, at exit,
+    'Exception ignored ... BrokenPipeError'; now one line naming stdout, exit 2."""
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    envv = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "expertcache.cli.main", "simulate", env["trace"], "--belady"]
+    if how == "closed pipe":
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=envv)
+        p.stdout.close()  # the reader goes away before any output
+        err = p.stderr.read().decode()
+        code = p.wait(timeout=120)
+    else:
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, env=envv, timeout=120)
+        err, code = proc.stderr.decode(), proc.returncode
+    assert code == 2 and "Traceback" not in err and "Exception ignored" not in err, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "error: stdout:" in lines[0], err

@@ -13,8 +13,10 @@ Start-up is kept light: ``--version`` and the top-level help import no command m
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
+import os
 import sys
 
 from expertcache import __version__
@@ -72,6 +74,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D102 - argparse API
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _silence_stdout() -> None:
+    """Point stdout (closed by its reader, or on a full disk) at /dev/null, so that the interpreter's final flush
+    of what is still buffered does not fail a second time ('Exception ignored ... BrokenPipeError')."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (captured): nothing is flushed at exit
+        pass
 
 
 def _one_line(exc: BaseException) -> str:
@@ -158,14 +171,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _warnings_as_lines(args.command)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a full disk or closed pipe on stdout fails here, inside the handlers below
+        return code
     except ModuleNotFoundError as exc:  # an optional dependency the command needs
         message = missing_dependency_message(exc)
         if message is None:
             raise
         print(f"expertcache {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except (UsageError, ValueError, OSError) as exc:  # bad input: files, flags, prompts, output paths
+    except OSError as exc:
+        if exc.filename is None and exc.errno in (errno.EPIPE, errno.ENOSPC):  # the files we write name themselves
+            _silence_stdout()
+            print(f"expertcache {args.command}: error: stdout: {exc.strerror or exc} (the output was cut short)",
+                  file=sys.stderr)
+            return 2
+        print(f"expertcache {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except (UsageError, ValueError) as exc:  # bad input: files, flags, prompts, output paths
         print(f"expertcache {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -48,6 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from expertcache.eval.report import (group_rows, pareto_markdown, plot_cache_sizes, plot_raster,
                                          plot_sensitivity, plot_tradeoff, slug)
+    from expertcache.results import atomic_write_bytes
+
     out = check_output_path(args.out_dir, "--out-dir", directory=True)
     if "/" in args.prefix or "\\" in args.prefix or args.prefix in (".", ".."):
         raise ValueError(f"--prefix {args.prefix!r}: a file-name prefix, without folders (use --out-dir)")
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if groups:
         md = pareto_markdown(groups)
         print(md)
-        (out / f"{args.prefix}pareto.md").write_text(md + "\n", encoding="utf-8")
+        atomic_write_bytes(out / f"{args.prefix}pareto.md", (md + "\n").encode())
         written.append(out / f"{args.prefix}pareto.md")
         for (mode, source, cap, ev), rs in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
             n = rs[0].get("config", {}).get("num_experts", "?")
