@@ -529,6 +529,9 @@ BAD_CONFIGS = [
     ({"num_experts_per_tok": 0}, "num_experts_per_tok must be an integer >= 1, got 0"),
     ({"num_experts_per_tok": 33}, "num_experts_per_tok=33 must be in [1, num_experts=32]"),
     ({"num_hidden_layers": 1_000_000}, "num_hidden_layers=1000000"),  # hung: minutes building a meta model
+    ({"hidden_act": "nope"}, 'hidden_act "nope" is not an activation'),  # KeyError traceback
+    ({"tie_word_embeddings": "yes"}, "config.json: not a valid config"),  # was blamed on tokenizer.json
+    ({"model_type": 5}, "config.json: not a valid config"),
 ]
 
 

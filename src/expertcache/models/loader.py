@@ -15,7 +15,7 @@ from torch import nn
 
 from expertcache.models.adapters import family_for
 
-__all__ = ["load_model", "read_config_json", "check_config_values", "check_weights_match_config", "load_tokenizer_checked",
+__all__ = ["load_model", "read_config_json", "check_config_values", "load_config_checked", "check_weights_match_config", "load_tokenizer_checked",
            "check_tokenizer_fits",
            "is_hub_name", "fetch_hub_model", "resolve_model_path", "HUB_FILES"]
 
@@ -71,6 +71,14 @@ def check_config_values(data: dict, path: str | os.PathLike) -> None:
         v = data.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
             raise ValueError(f"{path}: {key} must be a positive finite number, got {json.dumps(v)}")
+    act = data.get("hidden_act")
+    if act is not None:
+        try:
+            from transformers.activations import ACT2FN
+        except ImportError:  # the command names the missing extra itself
+            ACT2FN = None
+        if ACT2FN is not None and (not isinstance(act, str) or act not in ACT2FN):
+            raise ValueError(f"{path}: hidden_act {json.dumps(act)} is not an activation transformers knows")
     e_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if data.get(k) is not None), None)
     k_key = next((k for k in ("num_experts_per_tok", "experts_per_token") if data.get(k) is not None), None)
     if e_key and k_key and data[k_key] > data[e_key]:
@@ -145,12 +153,29 @@ def check_weights_match_config(folder: str | os.PathLike, config, model: nn.Modu
                          f"hold {have}")
 
 
+def load_config_checked(folder: str | os.PathLike, **kwargs):
+    """``AutoConfig.from_pretrained(folder)`` after :func:`read_config_json`; transformers' own validation of the
+    fields (a string where a bool belongs, an unknown model_type, ...) becomes a ValueError naming config.json."""
+    from transformers import AutoConfig
+
+    read_config_json(folder)
+    kwargs.setdefault("local_files_only", True)
+    try:
+        return AutoConfig.from_pretrained(str(folder), **kwargs)
+    except (OSError, ImportError):  # a missing file / package: named by the callers
+        raise
+    except Exception as exc:  # huggingface_hub's StrictDataclassFieldValidationError is not a ValueError
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{Path(folder) / 'config.json'}: not a valid config ({first})") from None
+
+
 def load_tokenizer_checked(folder: str | os.PathLike):
     """The fast tokenizer of a local model folder. FileNotFoundError when ``tokenizer.json`` is missing,
     ValueError naming the file when it cannot be read."""
     from transformers import AutoTokenizer
 
     config = read_config_json(folder)  # AutoTokenizer reads config.json too: name it when it is the broken file
+    load_config_checked(folder)  # ... and validates it through transformers' config class
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (the model folder has no tokenizer; copy its tokenizer.json "
@@ -248,7 +273,7 @@ def load_model(path_or_hub_name: str | os.PathLike, dtype: torch.dtype = torch.f
     not one of them (checked from its config before the weights are read), and ValueError naming the file
     when a local folder's ``config.json`` is not valid JSON or disagrees with its safetensors tensors.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = os.fspath(path_or_hub_name)
     if is_hub_name(path):
@@ -256,9 +281,8 @@ def load_model(path_or_hub_name: str | os.PathLike, dtype: torch.dtype = torch.f
     local = os.path.isdir(path)
     if local:
         kwargs.setdefault("local_files_only", True)
-        read_config_json(path)
-    config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items()
-                                                 if k in ("local_files_only", "revision", "trust_remote_code")})
+    config = load_config_checked(path, **{k: v for k, v in kwargs.items()
+                                          if k in ("local_files_only", "revision", "trust_remote_code")})
     family_for(config)  # fail before loading weights
     if local:
         check_weights_match_config(path, config)

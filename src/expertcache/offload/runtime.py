@@ -64,7 +64,7 @@ from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
                                        quant_sidecar_path, quantize_checkpoint)
-from expertcache.models.loader import check_weights_match_config, read_config_json, resolve_model_path
+from expertcache.models.loader import check_weights_match_config, load_config_checked, resolve_model_path
 from expertcache.routing import Router, RoutingConfig
 
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
@@ -152,11 +152,10 @@ class OffloadedModel(LayerSteps):
                         routing: RoutingConfig | None = None, eviction: str = "lru", **configure_kw) -> "OffloadedModel":
         """Build the runtime for a checkpoint folder (or 'granular'/'coarse'). ``dtype`` defaults to the
         checkpoint's; ``device`` to CPU. ``routing``/``eviction``/``configure_kw`` go to :meth:`configure`."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         path = resolve_model_path(path)
-        read_config_json(path)  # sizes, top-k and the size the config implies, named, before anything is built
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = load_config_checked(path)  # sizes, top-k, field types: named, before anything is built
         family = family_for(config)
         if family.model_type not in OFFLOAD_MODEL_TYPES:
             raise ValueError(f"offloading supports model types {', '.join(OFFLOAD_MODEL_TYPES)}; {path} is "
