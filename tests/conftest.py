@@ -29,3 +29,37 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# -- data from outside the clone --------------------------------------------------------------------------------
+# The real data sets (WikiText-2, MMLU, GSM8K, the training corpus) live in the shared data folder beside the
+# checkout (``../shared/data``, or ``$EXPERTCACHE_DATA``), which only CI and the project's machines have. A test
+# that needs them skips with a reason when they are absent (a fresh clone runs ``python -m pytest`` green); a
+# test that only needs *some* data in the layout uses ``toy_data_dir`` (written by the package itself).
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("EXPERTCACHE_DATA") or REPO.parent / "shared" / "data")
+
+
+def needs_shared_data(*subfolders: str):
+    """Mark: skip (with the reason) unless ``SHARED_DATA/<sub>`` exists for every named sub-folder."""
+    missing = [s for s in subfolders if not (SHARED_DATA / s).is_dir()]
+    return pytest.mark.skipif(bool(missing), reason="needs the shared data folder: no "
+                              f"{', '.join(m + '/' for m in missing)} under {SHARED_DATA} (set EXPERTCACHE_DATA)")
+
+
+def shared_data(subfolder: str) -> Path:
+    """``SHARED_DATA/<subfolder>``, or skip the calling test with the reason when it is absent."""
+    path = SHARED_DATA / subfolder
+    if not path.is_dir():
+        pytest.skip(f"needs the shared data folder: {path} does not exist (set EXPERTCACHE_DATA)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def toy_data_dir(tmp_path_factory) -> str:
+    """A data folder in the shared layout (WikiText-2, MMLU, GSM8K) with toy rows, for tests that need a data
+    folder to exist but do not test the real data sets."""
+    from expertcache.eval.synthetic import write_toy_data
+
+    return str(write_toy_data(tmp_path_factory.mktemp("toy-data")))

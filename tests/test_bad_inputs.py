@@ -498,3 +498,324 @@ def test_unwritable_location_is_refused_without_root(env, monkeypatch):
         check_output_path(env["root"] / "new.jsonl", "--out")
     with pytest.raises(UsageError, match="--out .*not writable"):
         check_output_path(env["file"], "--out")
+
+
+# -- issue 27: a fresh user's bad inputs (each failed on 17679b3: traceback, hang or silently wrong) ------------
+
+
+def _granular_variant(tmp_path, name, config=None, tokenizer_of=None) -> str:
+    """A copy of the shipped granular model (weights hard-linked) with ``config`` keys replaced and/or the
+    tokenizer files of another folder."""
+    dst = tmp_path / name
+    dst.mkdir()
+    for f in SHIPPED.iterdir():
+        (os.link if f.suffix == ".safetensors" else shutil.copy)(f, dst / f.name)
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tokenizer_of is not None:
+        for n in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(tokenizer_of) / n, dst / n)
+    return str(dst)
+
+
+BAD_CONFIGS = [
+    ({"intermediate_size": -104}, "intermediate_size must be an integer >= 1, got -104"),
+    ({"hidden_size": "144"}, 'hidden_size must be an integer >= 1, got "144"'),
+    ({"num_attention_heads": 4.5}, "num_attention_heads"),
+    ({"vocab_size": True}, "vocab_size"),
+    ({"rms_norm_eps": -1e-5}, "rms_norm_eps"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok must be an integer >= 1, got 0"),
+    ({"num_experts_per_tok": 33}, "num_experts_per_tok=33 must be in [1, num_experts=32]"),
+    ({"num_hidden_layers": 1_000_000}, "num_hidden_layers=1000000"),  # hung: minutes building a meta model
+    ({"hidden_act": "nope"}, 'hidden_act "nope" is not an activation'),  # KeyError traceback
+    ({"tie_word_embeddings": "yes"}, "config.json: not a valid config"),  # was blamed on tokenizer.json
+    ({"model_type": 5}, "config.json: not a valid config"),
+]
+
+
+@pytest.mark.parametrize("config, culprit", BAD_CONFIGS, ids=[next(iter(c)) + "=" + str(next(iter(c.values())))
+                                                             for c, _ in BAD_CONFIGS])
+def test_malformed_config_keys_name_file_and_key(env, capsys, tmp_path, config, culprit):
+    bad = _granular_variant(tmp_path, "cfg", config)
+    for argv in (["eval", "--model", bad, "--task", "wikitext", "--limit", "1", "--data-dir", env["data"], "--no-progress"],
+                 ["generate", "--model", bad, "--max-new-tokens", "2", "The kernel"],
+                 ["bench", "--model", bad, "--tokens", "2", "--repeats", "1", "--policies", "original+lru"]):
+        line = _check(argv, culprit, capsys)
+        assert str(Path(bad) / "config.json") in line, line
+
+
+def test_config_size_check_passes_every_shipped_and_tiny_model(env):
+    from expertcache.assets import SHIPPED_MODELS, shipped_model_dir
+    from expertcache.models.loader import read_config_json
+    from expertcache.models.tiny import TINY_ARCHS
+
+    for name in SHIPPED_MODELS:
+        read_config_json(shipped_model_dir(name))
+    for arch in TINY_ARCHS:
+        read_config_json(save_tiny(arch, env["root"] / "tiny-all" / arch, seed=0))
+
+
+@pytest.mark.parametrize("prompt, culprit", [("caf\udce9", "not valid UTF-8 (byte 0xe9 at character 3)"),
+                                             ("a\ud800b", "lone surrogate U+D800 at character 1")])
+def test_prompt_that_is_not_text(env, capsys, prompt, culprit):
+    """A command-line prompt with bytes that are not UTF-8 (Python passes them as lone surrogates) or a lone
+    surrogate: the tokenizer raised a TypeError (traceback)."""
+    line = _check(["generate", "--max-new-tokens", "2", prompt], culprit, capsys)
+    assert "prompt" in line
+    _check(["mole", "generate", env["tiny"], prompt, "--max-new-tokens", "2"], culprit, capsys)
+
+
+@pytest.mark.parametrize("body", [{"model": "granular", "prompt": "caf\ud800"},
+                                  {"model": "granular", "messages": [{"role": "user", "content": "caf\udce9"}]}])
+def test_http_prompt_that_is_not_text_is_a_400(body):
+    """The same through the HTTP API (JSON ``"\\ud800"``): a 400 naming the prompt, not a 500."""
+    from expertcache.models.loader import load_tokenizer_checked
+    from expertcache.serve.app import ServeError, Validator
+
+    v = Validator(["granular"], load_tokenizer_checked(SHIPPED), 256, 8192)
+    with pytest.raises(ServeError) as exc:
+        v.parse(json.loads(json.dumps(body)), chat="messages" in body)
+    assert exc.value.status == 400 and "prompt" in str(exc.value) and "not valid" in str(exc.value)
+
+
+def test_tokenizer_larger_than_the_embedding_is_refused(env, capsys, tmp_path):
+    """ids past the embedding: IndexError inside the model (generate and eval) before."""
+    from tokenizers import Tokenizer
+
+    bad = _granular_variant(tmp_path, "bigtok")
+    tok = Tokenizer.from_file(str(SHIPPED / "tokenizer.json"))
+    tok.add_tokens([f"<extra{i}>" for i in range(16)])  # ids 8192..8207 of an 8192-row embedding
+    tok.save(str(Path(bad) / "tokenizer.json"))
+    culprit = "the tokenizer has 8208 tokens (ids up to 8207), the model's embedding only 8192 rows"
+    _check(["generate", "--model", bad, "--max-new-tokens", "2", "The <extra3> kernel"], culprit, capsys)
+    _check(["eval", "--model", bad, "--task", "wikitext", "--limit", "1", "--data-dir", env["data"], "--no-progress"],
+           culprit, capsys)
+
+
+def test_tokenizer_smaller_than_the_vocabulary_warns(tmp_path, capsys):
+    """A 104-token tokenizer on the 8192-token granular model generated garbage silently: now one warning line."""
+    import warnings
+
+    from expertcache.eval.synthetic import char_tokenizer
+
+    small = tmp_path / "chartok"
+    char_tokenizer().save_pretrained(small)
+    bad = _granular_variant(tmp_path, "smalltok", tokenizer_of=small)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["generate", "--model", bad, "--max-new-tokens", "2", "The kernel"]) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "warning:" in line]
+    assert len(lines) == 1 and "tokenizer.json: the tokenizer has 104 tokens, the model's vocabulary 8192" in lines[0]
+
+
+def _raw_trace(path: Path, meta, logits=None, ids=None) -> Path:
+    """A trace file written around the library's checks: any metadata JSON, any logits."""
+    from dataclasses import asdict
+
+    from safetensors.numpy import save
+
+    good = make_trace(t=40)
+    z = good.logits_TLE if logits is None else logits
+    i = good.ids_TLK if ids is None else ids
+    m = asdict(good.meta) if meta is None else meta
+    if callable(m):
+        m = m(asdict(good.meta))
+    path.write_bytes(save({"logits": z.astype(np.float32), "ids": i.astype(np.int16)},
+                          metadata={"expertcache_trace": json.dumps(m)}))
+    return path
+
+
+BAD_TRACE_META = [
+    ("starts-string", lambda m: {**m, "sequence_starts": [0, "5"]}, "sequence_starts must be a list of integers"),
+    ("meta-list", [1, 2, 3], "trace metadata must be a JSON object, got a JSON list"),
+    ("layer-ids-int", lambda m: {**m, "layer_ids": 3}, "layer_ids must be a list of integers"),
+    ("experts-string", lambda m: {**m, "num_experts": "8"}, 'num_experts must be an integer >= 0, got "8"'),
+    ("renormalize-string", lambda m: {**m, "renormalize": "yes"}, "renormalize must be true or false"),
+    ("extra-list", lambda m: {**m, "extra": []}, "extra must be a JSON object"),
+    ("scoring-other", lambda m: {**m, "scoring": "relu"}, "scoring must be"),
+]
+
+
+@pytest.mark.parametrize("name, meta, culprit", BAD_TRACE_META, ids=[c[0] for c in BAD_TRACE_META])
+def test_trace_metadata_of_the_wrong_type(env, capsys, tmp_path, name, meta, culprit):
+    bad = _raw_trace(tmp_path / f"{name}.trace", meta)
+    for argv in (["simulate", bad], ["trace", "info", bad], ["analyze", bad],
+                 ["sweep", "--trace", bad, "--policies", "original", "--out", tmp_path / "rows.jsonl", "--no-progress"]):
+        line = _check(argv, culprit, capsys)
+        assert bad.name in line, line
+    assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_trace_with_inf_logits_is_refused_like_nan(env, capsys, tmp_path):
+    """+inf logits were accepted (a 0 % miss layer; sweep: 'Out of range float values are not JSON compliant')."""
+    z = make_trace(t=40).logits_TLE.copy()
+    z[7, 1, 3] = np.inf
+    bad = _raw_trace(tmp_path / "inf.trace", None, logits=z)
+    for argv in (["simulate", bad, "--belady"], ["analyze", bad],
+                 ["sweep", "--trace", bad, "--policies", "original", "--out", tmp_path / "rows.jsonl", "--no-progress"]):
+        _check(argv, "logits contain +inf (token 7, layer 1, expert 3)", capsys)
+    assert not (tmp_path / "rows.jsonl").exists()
+    z[7, 1, 3] = -np.inf  # a zero probability: a valid routing
+    _raw_trace(tmp_path / "neginf.trace", None, logits=z)
+    assert main(["simulate", str(tmp_path / "neginf.trace")]) == 0
+
+
+def test_trace_of_zero_tokens_is_refused(env, capsys, tmp_path):
+    """It reported 'miss rate 0.0 %, Belady 0.0 %'."""
+    good = make_trace(t=40)
+    bad = _raw_trace(tmp_path / "empty.trace", lambda m: {**m, "num_tokens": 0},
+                     logits=good.logits_TLE[:0], ids=good.ids_TLK[:0])
+    for argv in (["simulate", bad, "--belady"], ["analyze", bad], ["trace", "info", bad],
+                 ["sweep", "--trace", bad, "--policies", "original", "--out", tmp_path / "rows.jsonl", "--no-progress"]):
+        _check(argv, "empty.trace: the trace holds 0 tokens", capsys)
+
+
+@pytest.mark.parametrize("value", [None, 12345, ["a"]])
+def test_wikitext_row_that_is_not_text_is_named(env, capsys, tmp_path, value):
+    """A null or a number was scored as the text "None" / "12345"."""
+    folder = tmp_path / "data" / "wikitext-2-raw-v1"
+    folder.mkdir(parents=True)
+    (folder / "test.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+    _check(["eval", "--model", "granular", "--task", "wikitext", "--limit", "1", "--data-dir", tmp_path / "data",
+            "--no-progress"], f"test.jsonl:2: 'text' must be a string, got {json.dumps(value)}", capsys)
+
+
+def _corpus(path: Path, text, n=40) -> Path:
+    path.mkdir(parents=True)
+    (path / "a.jsonl").write_text("".join(json.dumps({"source": f"pkg:doc/{i}", "text": text}) + "\n"
+                                          for i in range(n)))
+    return path
+
+
+def test_train_on_a_corpus_of_null_texts_is_refused(env, capsys, tmp_path):
+    """It trained on the strings "None" and reported held-out perplexity 1.0 from 0 scored tokens."""
+    corpus = _corpus(tmp_path / "nulls", None)
+    _check(["train", "--model", "tiny", "--data-dir", corpus, "--out", tmp_path / "run", "--steps", "2",
+            "--no-progress"], "a.jsonl:1: 'text' must be a string, got null", capsys)
+
+
+def test_train_with_nothing_to_score_is_refused(env, capsys, tmp_path):
+    """Empty texts: the held-out split is a few end-of-document tokens, no whole sequence to score."""
+    corpus = _corpus(tmp_path / "empty", "")
+    _check(["train", "--model", "tiny", "--data-dir", corpus, "--out", tmp_path / "run", "--steps", "2",
+            "--seq-len", "32", "--vocab-size", "300", "--no-progress"], "fewer than one 32-token sequence", capsys)
+    assert not (tmp_path / "run" / "model").exists()
+
+
+@pytest.mark.parametrize("content, culprit", [("", "the file is empty"), (" \n\n", "the file is empty"),
+                                              ("hello world\n", "tokens, fewer than one chunk of 256")])
+def test_empty_or_short_text_file_is_named(capsys, tmp_path, content, culprit):
+    """'the text has 0 tokens' did not say which text."""
+    f = tmp_path / "notes.txt"
+    f.write_text(content)
+    line = _check(["trace", "record", "--model", "granular", "--task", "text-file", "--file", f, "--tokens", "64",
+                   "--out", tmp_path / "t.trace"], culprit, capsys)
+    assert f"--file {f}" in line
+
+
+@pytest.mark.parametrize("value", ['"0.12"', "true", "1.5", "-0.1"])
+def test_report_row_with_a_miss_rate_that_is_not_a_rate(capsys, tmp_path, value):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"miss_rate": 0.1, "quality": 10.0}\n{"miss_rate": ' + value + ', "quality": 11.0}\n')
+    _check(["report", rows, "--out-dir", tmp_path / "figs"], f"rows.jsonl: row 2: miss_rate must be a number in [0, 1], "
+           f"got {value}", capsys)
+    assert not (tmp_path / "figs").exists()
+
+
+# -- full disks and closed pipes: the output is named, a result is shown before its file fails, rows are whole --
+
+
+def test_simulate_and_eval_show_their_result_before_a_full_disk_fails_the_file(env, capsys):
+    """``--out /dev/full`` said '[Errno 28] No space left on device' (which output?) and lost the result."""
+    line = _check(["simulate", env["trace"], "--out", "/dev/full"], "/dev/full: No space left on device", capsys)
+    capsys.readouterr()
+    assert main(["simulate", env["trace"], "--out", "/dev/full"]) == 2
+    assert "miss rate" in capsys.readouterr().out  # the table came first
+    code = main(["eval", "--model", "granular", "--task", "wikitext", "--limit", "1", "--data-dir", env["data"],
+                 "--no-progress", "--out", "/dev/full"])
+    cap = capsys.readouterr()
+    assert code == 2 and "ppl" in cap.out and "error: /dev/full: No space left on device" in cap.err, cap
+    assert line.count("error:") == 1
+
+
+def test_a_full_disk_never_leaves_a_torn_row_and_sweep_counts_what_it_wrote(env, capsys, tmp_path, monkeypatch):
+    """The third row's write is cut short (a full disk): the file keeps two whole rows, the torn part is cut off,
+    and the error says 2 runs were appended (it said '3 runs appended' over 2 rows and a torn third)."""
+    import expertcache.results as results
+
+    real_write, calls = os.write, []
+
+    def full_after_two(fd, data):
+        calls.append(len(data))
+        if len(calls) == 3:
+            return real_write(fd, data[: len(data) // 2])  # a short write: the disk filled up mid-row
+        return real_write(fd, data)
+
+    monkeypatch.setattr(results.os, "write", full_after_two)
+    out = tmp_path / "rows.jsonl"
+    line = _check(["sweep", "--trace", env["trace"], "--policies", "original,cache-prior", "--grid", "3",
+                   "--capacity", "0.5", "--eviction", "lru", "--out", out, "--no-progress"], str(out), capsys)
+    assert "2 of " in line and "runs appended before" in line and "No space" in line, line
+    text = out.read_text()
+    assert text.endswith("\n") and [json.loads(x)["sweep_key"] for x in text.splitlines()]  # whole rows only
+    assert len(text.splitlines()) == 2
+
+
+def test_sweep_lock_is_keyed_on_the_real_path(tmp_path):
+    """A symlink to the output and the output itself are one file: one lock (two locks let two sweeps append)."""
+    from expertcache.eval.sweep import SweepLockedError, sweep_lock
+
+    (tmp_path / "real").mkdir()
+    out = tmp_path / "real" / "rows.jsonl"
+    out.write_text("")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(out)
+    fd = os.open(str(out) + ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another sweep holds the real file
+        with pytest.raises(SweepLockedError, match="another sweep"):
+            with sweep_lock(link):
+                pass
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def test_report_out_dir_on_a_full_disk_names_the_file(env, capsys, tmp_path, monkeypatch):
+    import expertcache.results as results
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(results.os, "fsync", no_space)
+    rows = Path(__file__).resolve().parents[1] / "docs" / "results" / "open-loop-granular.jsonl"
+    out = tmp_path / "figs"
+    _check(["report", rows, "--out-dir", out], f"{out / 'pareto.md'}: No space left on device", capsys)
+    assert not list(out.glob("*.md"))
+
+
+@pytest.mark.parametrize("how", ["closed pipe", "/dev/full"])
+def test_stdout_closed_early_or_full_is_one_line(env, how):
+    """stdout closed by the reader (``| head -0``) or on a full disk: '[Errno 32]' / '[Errno 28]' and, at exit,
+    'Exception ignored ... BrokenPipeError'; now one line naming stdout, exit 2."""
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    envv = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "expertcache.cli.main", "simulate", env["trace"], "--belady"]
+    if how == "closed pipe":
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=envv)
+        p.stdout.close()  # the reader goes away before any output
+        err = p.stderr.read().decode()
+        code = p.wait(timeout=120)
+    else:
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, env=envv, timeout=120)
+        err, code = proc.stderr.decode(), proc.returncode
+    assert code == 2 and "Traceback" not in err and "Exception ignored" not in err, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "error: stdout:" in lines[0], err

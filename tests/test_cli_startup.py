@@ -67,13 +67,15 @@ _BLOCK = ("import sys\nfor m in sys.argv[1].split(','):\n    sys.modules[m] = No
 
 @pytest.mark.parametrize("blocked, argv, extra", [
     ("transformers,tokenizers,huggingface_hub", ["generate", "--max-new-tokens", "1", "hello"], "hf"),
-    ("transformers,tokenizers,huggingface_hub", ["eval", "--model", "granular", "--task", "wikitext", "--limit", "1"],
-     "hf"),
+    ("transformers,tokenizers,huggingface_hub", ["eval", "--model", "granular", "--task", "wikitext", "--limit", "1",
+                                                 "--data-dir", "{data}"], "hf"),
     ("transformers,tokenizers,huggingface_hub", ["trace", "record", "--model", "granular", "--task", "wikitext",
-                                                 "--tokens", "64", "--out", "{tmp}/t.trace.safetensors"], "hf"),
+                                                 "--tokens", "64", "--out", "{tmp}/t.trace.safetensors",
+                                                 "--data-dir", "{data}"], "hf"),
 ])
-def test_missing_optional_package_names_the_extra(tmp_path, blocked, argv, extra):
-    proc = _python(_BLOCK, blocked, *[a.replace("{tmp}", str(tmp_path)) for a in argv])
+def test_missing_optional_package_names_the_extra(tmp_path, toy_data_dir, blocked, argv, extra):
+    # a data folder is given (toy rows): the data is found, the missing package is what stops the command
+    proc = _python(_BLOCK, blocked, *[a.replace("{tmp}", str(tmp_path)).replace("{data}", toy_data_dir) for a in argv])
     # the resolved configuration may be printed first (one informational line); the error is one line
     lines = [line for line in proc.stderr.strip().splitlines() if ": error: " in line]
     assert proc.returncode == 2, proc.stderr

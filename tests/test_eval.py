@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import SHARED_DATA, needs_shared_data
+
 from expertcache.cli.main import main
 from expertcache.eval import build_task, context_length, evaluate, prepare
 from expertcache.eval.data import final_number, load_gsm8k, load_mmlu, resolve_eval_data_dir, wikitext_text
@@ -23,7 +25,6 @@ from expertcache.eval.tasks import greedy_generate
 from expertcache.routing import RoutingConfig
 from expertcache.sim import replay
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +216,7 @@ def test_cli_eval_json_and_out(env, tmp_path, capsys):
                  "belady"]) == 2
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "mmlu").is_dir(), reason="shared data folder not present")
+@needs_shared_data("wikitext-2-raw-v1", "mmlu", "gsm8k")
 def test_real_local_data_sets_load():
     folder = SHARED_DATA / "wikitext-2-raw-v1"
     joined = folder / "test.joined.txt"
@@ -228,7 +229,7 @@ def test_real_local_data_sets_load():
     assert len(gsm) == 1319 and all(g.target for g in gsm)
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "mmlu").is_dir(), reason="shared data folder not present")
+@needs_shared_data("wikitext-2-raw-v1", "mmlu", "gsm8k")
 def test_shipped_model_tasks_build_within_context():
     from expertcache.assets import shipped_model_dir
 

@@ -28,10 +28,10 @@ def _cli(tmp_path, *argv):
 
 @pytest.mark.parametrize("argv", [
     ["generate", "--model", "nobody/no-such-moe", "--max-new-tokens", "1", "hello"],
-    ["eval", "--model", "nobody/no-such-moe", "--task", "wikitext", "--limit", "1"],
+    ["eval", "--model", "nobody/no-such-moe", "--task", "wikitext", "--limit", "1", "--data-dir", "{data}"],
 ])
-def test_offline_hub_name_is_one_clear_line(tmp_path, argv):
-    proc = _cli(tmp_path, *argv)
+def test_offline_hub_name_is_one_clear_line(tmp_path, toy_data_dir, argv):
+    proc = _cli(tmp_path, *[a.replace("{data}", toy_data_dir) for a in argv])  # data found: the model is the culprit
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if ": error: " in line]  # config line may precede
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

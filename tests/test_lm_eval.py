@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +14,10 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from expertcache.integrations.lm_eval import ExpertCacheLM, write_local_tasks  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("EXPERTCACHE_DATA", REPO.parent / "shared" / "data"))
-needs_data = pytest.mark.skipif(not (DATA / "mmlu").is_dir(), reason=f"no local MMLU copy under {DATA}")
+from conftest import REPO, needs_shared_data  # noqa: E402
+from conftest import SHARED_DATA as DATA  # noqa: E402
+
+needs_data = needs_shared_data("mmlu", "gsm8k", "wikitext-2-raw-v1")
 
 torch.set_num_threads(1)
 

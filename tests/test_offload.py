@@ -592,3 +592,16 @@ def test_io_queue_completes_every_ticket_and_stops_its_threads():
             break
         time.sleep(0.02)
     assert threading.active_count() <= before - 3  # an unused queue stops its reader threads
+
+
+def test_bench_repeats_keep_the_eras_profile(tiny_dir, tmp_path, capsys):
+    """Every round re-measures the bandwidth, which empties the caches (``configure()``): that must keep the
+    ERAS-bias profile, so ``bench --repeats 2`` with eras-bias last in round 1 runs both rounds (it exited 2)."""
+    from expertcache.cli.main import main
+
+    out = tmp_path / "rows.jsonl"
+    assert main(["bench", "--model", str(tiny_dir["qwen2_moe"]), "--cache-experts", "4", "--io", "cached",
+                 "--tokens", "3", "--repeats", "2", "--policies", "original+lru", "eras-bias", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["repeat"], r["name"]) for r in rows) == [(0, "eras-bias"), (0, "original+lru"),
+                                                              (1, "eras-bias"), (1, "original+lru")]

@@ -93,14 +93,13 @@ _STREAMS: dict[str, np.ndarray] = {}
 
 def _heldout_stream(tok, tokenizer_file: Path):
     """The held-out token stream of the training corpus (cached per tokenizer: the shipped models share one)."""
-    from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, split_documents
+    from conftest import shared_data
+
+    from expertcache.train.data import CORPUS_NAME, encode_stream, load_documents, split_documents
 
     key = tokenizer_file.read_text(encoding="utf-8")
     if key not in _STREAMS:
-        try:
-            corpus = resolve_data_dir(None)
-        except FileNotFoundError as exc:
-            pytest.skip(f"training corpus not available: {exc}")
+        corpus = shared_data(CORPUS_NAME)  # skips with the reason in a clone without ../shared/data
         _, heldout = split_documents(load_documents(corpus))
         _STREAMS[key] = encode_stream(tok, [d["text"] for d in heldout], tok.eos_token_id)
     return _STREAMS[key]

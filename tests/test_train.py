@@ -127,6 +127,8 @@ def test_resume_refuses_a_different_config(tmp_path):
 
 
 def test_card_for_a_tiny_model(tmp_path):
+    import transformers
+
     from expertcache.train.card import write_card
     from expertcache.train.loop import train
 
@@ -137,6 +139,7 @@ def test_card_for_a_tiny_model(tmp_path):
     h = r["heldout"]
     assert h["tokens_scored"] > 0 and h["ppl"] > 1 and h["unigram_ppl_train_freqs"] > 1
     assert r["num_experts"] == MODEL_SPECS["tiny"].experts and len(r["load_balance"]) == MODEL_SPECS["tiny"].layers
+    assert r["transformers"] == transformers.__version__  # the card records the version it was made with
     assert all(0 <= b["min_frac"] <= 1 / r["num_experts"] <= b["max_frac"] <= 1 for b in r["load_balance"])
     rates = {(c["capacity_label"], c["eviction"]): c["miss_rate"] for c in r["cache"]}
     for size in ("N/2", "N/4"):
@@ -146,11 +149,19 @@ def test_card_for_a_tiny_model(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["granular", "coarse"])
-def test_model_card_renders_from_its_card_json(name):
-    """The shipped MODEL_CARD.md is exactly what render_card makes of the shipped card.json (template + rows)."""
+@pytest.mark.parametrize("installed", [None, "5.24.0", "6.0.0"])
+def test_model_card_renders_from_its_card_json(name, installed, monkeypatch):
+    """The shipped MODEL_CARD.md is exactly what render_card makes of the shipped card.json (template + rows),
+    whichever transformers is installed: the card names the version it was made with (card.json, as the model's
+    config.json records it), so a newer transformers (the unconstrained set-up line) changes no number."""
+    import transformers
+
     from expertcache.assets import shipped_model_dir
     from expertcache.train.card import render_card
 
+    if installed:
+        monkeypatch.setattr(transformers, "__version__", installed)
     d = shipped_model_dir(name)
     r = json.loads((d / "card.json").read_text())
+    assert r["transformers"] == json.loads((d / "config.json").read_text())["transformers_version"]
     assert render_card(r, r["command"]) == (d / "MODEL_CARD.md").read_text()

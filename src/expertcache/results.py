@@ -3,17 +3,37 @@ and figures written atomically."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 
+def named(exc: OSError, path: str | os.PathLike) -> OSError:
+    """``exc`` naming ``path`` (errors of ``os.write``/``fsync`` on a descriptor carry no file name, so a full
+    disk read "[Errno 28] No space left on device" without saying which output). Same errno, same subclass."""
+    if exc.filename is not None:
+        return exc
+    return OSError(exc.errno, exc.strerror or str(exc), os.fspath(path))
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
+    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename). A path that
+    exists and is not a regular file (``/dev/null``, a FIFO) is written in place: never replaced. OSError naming
+    ``path`` when it cannot be written (full disk, ...)."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+        except OSError as exc:
+            raise named(exc, path) from None
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -25,9 +45,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file normal permissions
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise named(exc, path) from None
         raise
 
 
@@ -41,15 +63,32 @@ def save_npy(path: str | os.PathLike, arr) -> None:
 
 
 def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
-    """Append one row as a single ``write`` of one line on an O_APPEND descriptor, then fsync: a crash
-    leaves either the whole row or none of it (readers also skip a torn last line, see ``read_jsonl``)."""
+    """Append one row as a single ``write`` of one line on an O_APPEND descriptor, then fsync: the row is
+    whole or absent. A crash leaves at most a torn last line (readers skip it, see ``read_jsonl``); a failed or
+    short write (a full disk) is cut off again (the file is truncated back to its size before the row) and
+    raises OSError naming ``path``. The caller counts a row as written only when this returns. (Truncating back
+    assumes one writer per file: ``sweep`` holds a lock on its output.)"""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(row, sort_keys=True, allow_nan=False) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise named(exc, path) from None
+    try:
+        before = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"No space left on device (short write: {written} of {len(data)} bytes)")
+            os.fsync(fd)
+        except OSError as exc:
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.ftruncate(fd, before)  # no torn row left behind
+            except OSError:
+                pass
+            raise named(exc, path) from None
     finally:
         os.close(fd)
 
@@ -94,6 +133,8 @@ def save_figure(fig, path: str | os.PathLike, *, tight: bool = True, **savefig) 
             fig.tight_layout()
         fig.savefig(tmp, **savefig)
         os.replace(tmp, path)
+    except OSError as exc:
+        raise named(exc, path) from None
     finally:
         pyplot().close(fig)
         tmp.unlink(missing_ok=True)

@@ -145,6 +145,16 @@ def _int_at_least(text: str, lo: int) -> int:
     return value
 
 
+def prompt_text(text: str) -> str:
+    """argparse type: text that tokenizers can take (valid UTF-8 on the command line; :func:`check_text`)."""
+    from expertcache.inputs import check_text
+
+    try:
+        return check_text(text, "text")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("text: ")) from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer ≥ 1."""
     return _int_at_least(text, 1)
@@ -195,12 +205,12 @@ def capacity_spec(text: str) -> str:
     return str(text).strip()
 
 
-def csv_of(parse, what: str):
-    """argparse type: comma-separated values (at least one), each checked by the argparse type ``parse``;
-    the value is the cleaned text (``"a,b"``)."""
+def csv_of(parse, what: str, empty_ok: bool = False):
+    """argparse type: comma-separated values (at least one, or none when ``empty_ok``), each checked by the
+    argparse type ``parse``; the value is the cleaned text (``"a,b"``)."""
     def parse_list(text: str) -> str:
         items = [x.strip() for x in str(text).split(",") if x.strip()]
-        if not items:
+        if not items and not empty_ok:
             raise argparse.ArgumentTypeError(f"give at least one {what}")
         for x in items:
             parse(x)

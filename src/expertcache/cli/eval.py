@@ -148,13 +148,14 @@ def run(args: argparse.Namespace) -> int:
                    freq_LE=freq, replace_rank=args.replace_rank, progress=not args.no_progress,
                    trace_out=args.trace_out, model_name=args.model, prefetch=_prefetcher(predictor, model, tok),
                    router_hook=hook)
-    if args.out:
-        append_jsonl(args.out, row)
     if args.json:
         print(json.dumps(row, sort_keys=True))
     else:
         label = routing.label() if hook is None else target_label(routing, row["controller"]["target"])
         print_table(row, label, file=sys.stdout)
+    if args.out:  # after the result is shown: a full disk loses the file's row, not the result
+        sys.stdout.flush()
+        append_jsonl(args.out, row)
     return 0
 
 

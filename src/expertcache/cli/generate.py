@@ -8,7 +8,7 @@ import sys
 
 from expertcache.cli.common import (add_predictor_arg, add_routing_args, add_threads_arg, apply_threads, memory_spec,
                                     nonneg_float, nonneg_int, positive_int, predictor_from_args, print_resolved,
-                                    routing_from_args, unit_float)
+                                    prompt_text, routing_from_args, unit_float)
 
 DESCRIPTION = """\
 Generate text with the experts offloaded: only C experts per MoE layer are in fast memory (from --memory or
@@ -119,7 +119,8 @@ def dtype_from_args(args):
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream tokens with experts offloaded to disk or host RAM",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prompt", help="prompt text (or space-separated token ids for a model without a tokenizer)")
+    p.add_argument("prompt", type=prompt_text,
+                   help="prompt text (or space-separated token ids for a model without a tokenizer)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64,
                    help="tokens to generate (default: 64; prompt + this must fit in the model's context)")
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature (0 = greedy, default)")

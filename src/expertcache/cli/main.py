@@ -13,8 +13,10 @@ Start-up is kept light: ``--version`` and the top-level help import no command m
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.util
+import os
 import sys
 
 from expertcache import __version__
@@ -74,6 +76,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _silence_stdout() -> None:
+    """Point stdout (closed by its reader, or on a full disk) at /dev/null, so that the interpreter's final flush
+    of what is still buffered does not fail a second time ('Exception ignored ... BrokenPipeError')."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no real descriptor (captured): nothing is flushed at exit
+        pass
+
+
 def _one_line(exc: BaseException) -> str:
     """The message of ``exc`` on one line, naming the file for OS errors (``[Errno 21] ...: 'x'`` becomes
     ``x: Is a directory``)."""
@@ -114,6 +127,27 @@ def _command_of(argv: list[str]) -> str | None:
     return None
 
 
+def _warnings_as_lines(command: str) -> None:
+    """Print expertcache's own input warnings (:class:`expertcache.inputs.InputWarning`) as one line each,
+    ``expertcache CMD: warning: ...``; other warnings as Python shows them."""
+    import warnings
+
+    from expertcache.inputs import InputWarning
+
+    show = warnings.showwarning
+    if getattr(show, "expertcache", False):
+        show = show.original
+
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, InputWarning):
+            print(f"expertcache {command}: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    one_line.expertcache, one_line.original = True, show
+    warnings.showwarning = one_line
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--version"]:  # fast path: no command module, no torch
@@ -135,15 +169,26 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    _warnings_as_lines(args.command)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a full disk or closed pipe on stdout fails here, inside the handlers below
+        return code
     except ModuleNotFoundError as exc:  # an optional dependency the command needs
         message = missing_dependency_message(exc)
         if message is None:
             raise
         print(f"expertcache {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except (UsageError, ValueError, OSError) as exc:  # bad input: files, flags, prompts, output paths
+    except OSError as exc:
+        if exc.filename is None and exc.errno in (errno.EPIPE, errno.ENOSPC):  # the files we write name themselves
+            _silence_stdout()
+            print(f"expertcache {args.command}: error: stdout: {exc.strerror or exc} (the output was cut short)",
+                  file=sys.stderr)
+            return 2
+        print(f"expertcache {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except (UsageError, ValueError) as exc:  # bad input: files, flags, prompts, output paths
         print(f"expertcache {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -19,7 +19,7 @@ from expertcache.cli.common import add_threads_arg, apply_threads, config_from_a
 
 
 def register(subparsers) -> None:
-    from expertcache.cli.common import add_dataclass_args, csv_of, nonneg_int, positive_int
+    from expertcache.cli.common import add_dataclass_args, csv_of, nonneg_int, positive_int, prompt_text
     from expertcache.mole.configs import KINDS, MoleTrainConfig
 
     p = subparsers.add_parser("mole", help="Mixture of Lookup Experts: train, export tables, generate, evaluate",
@@ -46,7 +46,7 @@ def register(subparsers) -> None:
 
     g = sub.add_parser("generate", help="stream a greedy continuation (table form reads the table per token)")
     g.add_argument("model_dir", metavar="TABLE_MODEL", help="exported table folder (or any compared model folder)")
-    g.add_argument("prompt")
+    g.add_argument("prompt", type=prompt_text)
     g.add_argument("--max-new-tokens", type=positive_int, default=64)
     g.add_argument("--read-mode", choices=("mmap", "pread", "flash", "direct"), default="flash",
                    help="how table rows are read: flash/direct bypass the page cache (default: flash)")
@@ -60,7 +60,8 @@ def register(subparsers) -> None:
     v.add_argument("--ppl-tokens", type=nonneg_int, default=131072, help="held-out tokens scored (0 = all)")
     v.add_argument("--read-mode", choices=("mmap", "pread", "flash", "direct"), default="flash",
                    help="table reads during the latency runs (perplexity always uses mmap)")
-    v.add_argument("--batches", type=csv_of(positive_int, "batch size"), default="1,8", help="decode batch sizes timed")
+    v.add_argument("--batches", type=csv_of(positive_int, "batch size", empty_ok=True), default="1,8",
+                   help='decode batch sizes timed ("" = none: perplexity only)')
     v.add_argument("--prompt-tokens", type=positive_int, default=64)
     v.add_argument("--new-tokens", type=positive_int, default=32)
     v.add_argument("--moe-tokens", type=positive_int, default=512, help="MoE: positions per sequence replayed through LRU")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -47,6 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from expertcache.eval.report import (group_rows, pareto_markdown, plot_cache_sizes, plot_raster,
                                          plot_sensitivity, plot_tradeoff, slug)
+    from expertcache.results import atomic_write_bytes
+
     out = check_output_path(args.out_dir, "--out-dir", directory=True)
     if "/" in args.prefix or "\\" in args.prefix or args.prefix in (".", ".."):
         raise ValueError(f"--prefix {args.prefix!r}: a file-name prefix, without folders (use --out-dir)")
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if groups:
         md = pareto_markdown(groups)
         print(md)
-        (out / f"{args.prefix}pareto.md").write_text(md + "\n", encoding="utf-8")
+        atomic_write_bytes(out / f"{args.prefix}pareto.md", (md + "\n").encode())
         written.append(out / f"{args.prefix}pareto.md")
         for (mode, source, cap, ev), rs in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
             n = rs[0].get("config", {}).get("num_experts", "?")
@@ -108,6 +111,21 @@ def _row_key(row: dict) -> str:
     return hashlib.sha1(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
+#: the numbers a report reads from a row: (field, lowest, highest); ``null`` is allowed (e.g. no Belady bound)
+ROW_NUMBERS = (("miss_rate", 0.0, 1.0), ("belady_miss_rate", 0.0, 1.0), ("quality", -math.inf, math.inf),
+               ("mean_lifetime", 0.0, math.inf))
+
+
+def _check_row_numbers(row: dict, where: str) -> None:
+    """ValueError naming ``where`` and the field when a number the report reads is a string, a bool or out of range."""
+    for key, lo, hi in ROW_NUMBERS:
+        v = row.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi and math.isfinite(v)):
+            raise ValueError(f"{where}: {key} must be a number in [{lo:g}, {hi:g}], got {json.dumps(v)[:40]}")
+
+
 def load_rows(files) -> list[dict]:
     """Result rows of the JSONL ``files``, each configuration once. ValueError naming the file (and line) for a
     file that is not UTF-8, holds a line that is not JSON, a line that is not an object, or no result rows."""
@@ -119,6 +137,8 @@ def load_rows(files) -> list[dict]:
         for i, r in enumerate(got, 1):
             if not isinstance(r, dict):
                 raise ValueError(f"{f}: row {i} is a JSON {type(r).__name__}, not a result row (an object)")
+        for i, r in enumerate(got, 1):
+            _check_row_numbers(r, f"{f}: row {i}")
         result = [r for r in got if "miss_rate" in r or r.get("kind") == "sensitivity"]
         if not result:
             raise ValueError(f"{f}: no result rows (expected JSONL rows of eval, sweep, simulate --out or "

@@ -82,14 +82,15 @@ def run(args: argparse.Namespace) -> int:
         row["controller"] = hooked[0].controller.state()
         label = target_label(routing, target)
     row["config"]["trace"] = str(args.trace or "demo")
-    if args.out:
-        append_jsonl(args.out, row)
     if args.json:
         print(json.dumps(row, sort_keys=True))
-        return 0
-    print_table(row, label, trace.meta, file=sys.stdout)
-    if hooked:
-        print_controller(row["controller"], sys.stdout)
+    else:
+        print_table(row, label, trace.meta, file=sys.stdout)
+        if hooked:
+            print_controller(row["controller"], sys.stdout)
+    if args.out:  # after the result is shown: a full disk loses the file's row, not the result
+        sys.stdout.flush()
+        append_jsonl(args.out, row)
     return 0
 
 

@@ -58,11 +58,16 @@ def run_record(args: argparse.Namespace) -> int:
             raise ValueError("--task text-file needs --file FILE")
         check_input_file(args.file, "--file")
         text, label = "".join(read_text_lines(args.file)), os.path.basename(args.file)
+        if not text.strip():
+            raise ValueError(f"--file {args.file}: the file is empty (no text to record)")
     else:
         text, label = wikitext_text(resolve_eval_data_dir("wikitext", args.data_dir)), "wikitext-2-raw-v1 test"
     model, tok = load_model_and_tokenizer(args.model)
     ctx = context_length(model)
-    task = WikiTextTask(tok, context=ctx, text=text, limit=math.ceil(args.tokens / ctx))
+    try:
+        task = WikiTextTask(tok, context=ctx, text=text, limit=math.ceil(args.tokens / ctx))
+    except ValueError as exc:  # too short for one chunk: name the text
+        raise ValueError(f"{'--file ' + args.file if args.task == 'text-file' else label}: {exc}") from None
     if len(task) * ctx < args.tokens:
         print(f"note: the text has only {len(task) * ctx} tokens in whole chunks of {ctx}", file=sys.stderr)
     with patch_model(model, RoutingConfig(), capacity=None, record=True) as patch:

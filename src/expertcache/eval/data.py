@@ -13,12 +13,12 @@ Everything is read from files (no network). The data folder is ``--data-dir DIR`
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from expertcache.inputs import json_text_fields
 from expertcache.train.data import data_root
 
 __all__ = ["DATA_SETS", "resolve_eval_data_dir", "wikitext_text", "MMLUQuestion", "load_mmlu", "GSMProblem",
@@ -61,10 +61,7 @@ def wikitext_text(folder: Path) -> str:
     rows = []
     for lineno, line in enumerate(read_text_lines(path), 1):
         if line.strip():
-            try:
-                rows.append(str(json.loads(line)["text"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: expected {{\"text\": str}} ({exc})") from None
+            rows.append(json_text_fields(line, ("text",), f"{path}:{lineno}")[0])  # a null / number: named
     return "\n\n".join(rows)
 
 
@@ -153,13 +150,10 @@ def load_gsm8k(folder: Path, split: str) -> list[GSMProblem]:
     for lineno, line in enumerate(read_text_lines(path), 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-            answer = re.sub(r"<<[^>]*>>", "", str(row["answer"]))  # calculator annotations
-            target = final_number(answer)
-            if target is None:
-                raise ValueError("no final number")
-            out.append(GSMProblem(str(row["question"]), answer, target))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{lineno}: expected {{question, answer ending in '#### N'}} ({exc})") from None
+        question, answer = json_text_fields(line, ("question", "answer"), f"{path}:{lineno}")
+        answer = re.sub(r"<<[^>]*>>", "", answer)  # calculator annotations
+        target = final_number(answer)
+        if target is None:
+            raise ValueError(f"{path}:{lineno}: expected {{question, answer ending in '#### N'}} (no final number)")
+        out.append(GSMProblem(question, answer, target))
     return out

@@ -53,11 +53,12 @@ def sweep_lock(out: str | Path):
     import fcntl
 
     out = Path(out)
-    key = str(out.resolve())
+    real = out.resolve()  # two names of one file (a symlink, a relative path) share one lock
+    key = str(real)
     if key in _HELD_LOCKS:
         yield
         return
-    lock = out.with_name(out.name + ".lock")
+    lock = real.with_name(real.name + ".lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -180,9 +181,16 @@ def run_sweep(runs: list[dict[str, Any]], out: str | Path, execute: Callable[[di
 
     with sweep_lock(out):
         todo = pending_runs(runs, out)
+        written = 0
         for run in tqdm(todo, desc="sweep", unit="run", disable=not progress):
-            append_jsonl(out, sweep_row(execute(run), run))
-    return len(todo), len(runs) - len(todo)
+            row = sweep_row(execute(run), run)
+            try:
+                append_jsonl(out, row)  # whole or absent
+            except OSError as exc:  # e.g. a full disk: say how many rows the file did get
+                raise OSError(exc.errno, f"{exc.strerror} ({written} of {len(todo)} runs appended before; re-run "
+                                         "to resume)", exc.filename) from None
+            written += 1
+    return written, len(runs) - len(todo)
 
 
 def router_mass(logits_TLE: np.ndarray, served_TLK: np.ndarray, k: int, scoring: str = "softmax") -> float:

@@ -312,6 +312,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rows: list[dict] = []
     start = 0
+    tap = _RouterTap(layers)  # takes the base routers (L_rm's reference): before a resume loads the tuned ones
     if (state_dir / "state.json").exists():
         meta = _load_state(state_dir, trainable, opt)
         if meta["config"]["model"] != cfg.model or meta["config"]["lora_r"] != cfg.lora_r:
@@ -319,7 +320,6 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
                              "use another --out")
         start, rows = meta["step"], meta["rows"]
         print(f"resuming {out} at step {start}", file=sys.stderr)
-    tap = _RouterTap(layers)
     pm.train()
     t0 = time.time()
     from tqdm import tqdm

@@ -15,7 +15,8 @@ from torch import nn
 
 from expertcache.models.adapters import family_for
 
-__all__ = ["load_model", "read_config_json", "check_weights_match_config", "load_tokenizer_checked",
+__all__ = ["load_model", "read_config_json", "check_config_values", "load_config_checked", "check_weights_match_config", "load_tokenizer_checked",
+           "check_tokenizer_fits",
            "is_hub_name", "fetch_hub_model", "resolve_model_path", "HUB_FILES"]
 
 
@@ -35,7 +36,75 @@ def read_config_json(folder: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
     if "model_type" not in data:
         raise ValueError(f"{path}: no model_type (not a transformers config)")
+    check_config_values(data, path)
     return data
+
+
+#: config.json keys that are sizes or counts: (smallest valid value); ``null`` is allowed (a key a family leaves unset)
+CONFIG_INTS = {
+    **dict.fromkeys(("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "vocab_size", "max_position_embeddings",
+                     "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "experts_per_token",
+                     "head_dim", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                     "moe_layer_freq", "decoder_sparse_step", "n_group", "topk_group"), 1),
+    **dict.fromkeys(("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace"), 0),
+}
+#: config.json keys that are positive real numbers
+CONFIG_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+#: the most parameters a config may imply over what its safetensors files hold (a generous margin: the estimate
+#: below ignores grouped KV heads, dense layers, shared experts and biases)
+CONFIG_SIZE_MARGIN = 16
+
+
+def check_config_values(data: dict, path: str | os.PathLike) -> None:
+    """The numeric keys of a config.json are sizes of the right type and range, top-k is within the experts, and
+    the size the config implies fits the weights stored beside it. ValueError naming the file and the key
+    otherwise -- before transformers builds anything from it (a negative size fails deep inside torch; a config
+    of a million layers takes minutes to build before any check could run)."""
+    for key, low in CONFIG_INTS.items():
+        v = data.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{path}: {key} must be an integer >= {low}, got {json.dumps(v)}")
+    for key in CONFIG_POSITIVE_FLOATS:
+        v = data.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+            raise ValueError(f"{path}: {key} must be a positive finite number, got {json.dumps(v)}")
+    act = data.get("hidden_act")
+    if act is not None:
+        try:
+            from transformers.activations import ACT2FN
+        except ImportError:  # the command names the missing extra itself
+            ACT2FN = None
+        if ACT2FN is not None and (not isinstance(act, str) or act not in ACT2FN):
+            raise ValueError(f"{path}: hidden_act {json.dumps(act)} is not an activation transformers knows")
+    e_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if data.get(k) is not None), None)
+    k_key = next((k for k in ("num_experts_per_tok", "experts_per_token") if data.get(k) is not None), None)
+    if e_key and k_key and data[k_key] > data[e_key]:
+        raise ValueError(f"{path}: {k_key}={data[k_key]} must be in [1, {e_key}={data[e_key]}] (top-k of the experts)")
+    _check_config_size(data, Path(path))
+
+
+def _check_config_size(data: dict, path: Path) -> None:
+    """Refuse a config that implies far more parameters than the safetensors files beside it hold."""
+    H, L = data.get("hidden_size"), data.get("num_hidden_layers")
+    files = _weight_files(path.parent)
+    if not (H and L and files):
+        return
+    from expertcache.offload.checkpoint import read_header
+
+    try:
+        have = sum(math.prod(t.shape) for f in files for t in read_header(f).values())
+    except (ValueError, OSError):
+        return  # a damaged weights file: check_weights_match_config / the loaders name it
+    E = next((data[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if data.get(k)), 1)
+    F = data.get("moe_intermediate_size") or data.get("intermediate_size") or 4 * H
+    implied = L * (4 * H * H + E * 3 * H * F) + (data.get("vocab_size") or 0) * H
+    if implied > CONFIG_SIZE_MARGIN * have + 10**6:
+        raise ValueError(f"{path}: the config (num_hidden_layers={L}, hidden_size={H}, {E} experts of "
+                         f"{F}) implies ~{implied:.3g} parameters, the safetensors files beside it hold {have:.3g}; "
+                         "the config does not describe these weights")
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -84,21 +153,61 @@ def check_weights_match_config(folder: str | os.PathLike, config, model: nn.Modu
                          f"hold {have}")
 
 
+def load_config_checked(folder: str | os.PathLike, **kwargs):
+    """``AutoConfig.from_pretrained(folder)`` after :func:`read_config_json`; transformers' own validation of the
+    fields (a string where a bool belongs, an unknown model_type, ...) becomes a ValueError naming config.json."""
+    from transformers import AutoConfig
+
+    read_config_json(folder)
+    kwargs.setdefault("local_files_only", True)
+    try:
+        return AutoConfig.from_pretrained(str(folder), **kwargs)
+    except (OSError, ImportError):  # a missing file / package: named by the callers
+        raise
+    except Exception as exc:  # huggingface_hub's StrictDataclassFieldValidationError is not a ValueError
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{Path(folder) / 'config.json'}: not a valid config ({first})") from None
+
+
 def load_tokenizer_checked(folder: str | os.PathLike):
     """The fast tokenizer of a local model folder. FileNotFoundError when ``tokenizer.json`` is missing,
     ValueError naming the file when it cannot be read."""
     from transformers import AutoTokenizer
 
-    read_config_json(folder)  # AutoTokenizer reads config.json too: name it when it is the broken file
+    config = read_config_json(folder)  # AutoTokenizer reads config.json too: name it when it is the broken file
+    load_config_checked(folder)  # ... and validates it through transformers' config class
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (the model folder has no tokenizer; copy its tokenizer.json "
                                 "and tokenizer_config.json there)")
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # tokenizers raises plain Exception for a malformed file
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"{path}: not a valid tokenizer file ({first})") from None
+    check_tokenizer_fits(tok, config.get("vocab_size"), path)
+    return tok
+
+
+def check_tokenizer_fits(tok, vocab: int | None, path: str | os.PathLike) -> None:
+    """A tokenizer (file ``path``) whose ids exceed the model's embedding (``vocab`` rows) is refused: those ids
+    fail as an IndexError inside the embedding. One covering less than 90 % of the rows warns
+    (:class:`~expertcache.inputs.InputWarning`): the model would generate ids it cannot decode. (Models pad their
+    vocabulary past the tokenizer, to a multiple of 64 or 128 -- DeepSeek-V2 by 2.3 % -- so a small gap is normal.)"""
+    import warnings
+
+    from expertcache.inputs import InputWarning
+
+    n = len(tok)
+    if not isinstance(vocab, int) or isinstance(vocab, bool):
+        return
+    if n > vocab:
+        raise ValueError(f"{path}: the tokenizer has {n} tokens (ids up to {n - 1}), the model's embedding only {vocab} "
+                         f"rows (vocab_size in config.json): not this model's tokenizer")
+    if n < 0.9 * vocab:
+        warnings.warn(f"{path}: the tokenizer has {n} tokens, the model's vocabulary {vocab} (vocab_size in "
+                      f"config.json): ids {n}..{vocab - 1} that the model may generate decode to nothing -- is this "
+                      "the model's own tokenizer?", InputWarning, stacklevel=2)
 
 
 # What a hub download fetches: configs, safetensors weights and tokenizer files -- never pickled weights
@@ -164,7 +273,7 @@ def load_model(path_or_hub_name: str | os.PathLike, dtype: torch.dtype = torch.f
     not one of them (checked from its config before the weights are read), and ValueError naming the file
     when a local folder's ``config.json`` is not valid JSON or disagrees with its safetensors tensors.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = os.fspath(path_or_hub_name)
     if is_hub_name(path):
@@ -172,9 +281,8 @@ def load_model(path_or_hub_name: str | os.PathLike, dtype: torch.dtype = torch.f
     local = os.path.isdir(path)
     if local:
         kwargs.setdefault("local_files_only", True)
-        read_config_json(path)
-    config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items()
-                                                 if k in ("local_files_only", "revision", "trust_remote_code")})
+    config = load_config_checked(path, **{k: v for k, v in kwargs.items()
+                                          if k in ("local_files_only", "revision", "trust_remote_code")})
     family_for(config)  # fail before loading weights
     if local:
         check_weights_match_config(path, config)

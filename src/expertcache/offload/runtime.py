@@ -64,7 +64,7 @@ from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
                                        quant_sidecar_path, quantize_checkpoint)
-from expertcache.models.loader import check_weights_match_config, resolve_model_path
+from expertcache.models.loader import check_weights_match_config, load_config_checked, resolve_model_path
 from expertcache.routing import Router, RoutingConfig
 
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
@@ -152,10 +152,10 @@ class OffloadedModel(LayerSteps):
                         routing: RoutingConfig | None = None, eviction: str = "lru", **configure_kw) -> "OffloadedModel":
         """Build the runtime for a checkpoint folder (or 'granular'/'coarse'). ``dtype`` defaults to the
         checkpoint's; ``device`` to CPU. ``routing``/``eviction``/``configure_kw`` go to :meth:`configure`."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         path = resolve_model_path(path)
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        config = load_config_checked(path)  # sizes, top-k, field types: named, before anything is built
         family = family_for(config)
         if family.model_type not in OFFLOAD_MODEL_TYPES:
             raise ValueError(f"offloading supports model types {', '.join(OFFLOAD_MODEL_TYPES)}; {path} is "
@@ -254,7 +254,8 @@ class OffloadedModel(LayerSteps):
                   freq_LE: np.ndarray | torch.Tensor | None = None, record: bool | None = None,
                   capacity: int | None = None) -> None:
         """(Re)start with a routing policy and fresh, empty caches (slots emptied, statistics zeroed).
-        ``capacity`` re-sizes the fast tier to that many slots per layer (bypasses the memory plan)."""
+        ``capacity`` re-sizes the fast tier to that many slots per layer (bypasses the memory plan).
+        ``freq_LE`` None keeps the current ERAS-bias profile (so ``configure()`` only empties the caches)."""
         self._drain()
         if capacity is not None and capacity != self.capacity:
             if not 1 <= capacity <= self.num_experts:
@@ -266,7 +267,8 @@ class OffloadedModel(LayerSteps):
         if self.eviction == "belady":
             raise ValueError("belady needs the future requests; a live run cannot use it (replay a trace instead)")
         self.record = self.record if record is None else record
-        freq = None if freq_LE is None else torch.as_tensor(np.asarray(freq_LE), dtype=torch.float32)
+        freq = (getattr(getattr(self, "router", None), "freq_LE", None) if freq_LE is None
+                else torch.as_tensor(np.asarray(freq_LE), dtype=torch.float32))
         self.router = Router(self.routing, num_experts=self.num_experts, k=self.top_k, renormalize=self.renormalize,
                              scoring=self.family.scoring, freq_LE=freq)
         self.gamma = gamma

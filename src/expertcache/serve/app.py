@@ -87,6 +87,12 @@ class Validator:
         self.model_ids, self.tok, self.context, self.vocab = model_ids, tokenizer, context, vocab
 
     def encode(self, text: str) -> list[int]:
+        from expertcache.inputs import check_text
+
+        try:
+            check_text(text, "prompt")  # invalid UTF-8 / a lone surrogate: 400 naming it, not a 500 from the tokenizer
+        except ValueError as exc:
+            raise _bad("prompt", str(exc).removeprefix("prompt: ")) from None
         if self.tok is None:
             try:
                 return [int(x) for x in text.split()]

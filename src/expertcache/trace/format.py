@@ -56,11 +56,40 @@ class TraceMeta:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TraceMeta":
+        if not isinstance(d, dict):
+            raise TraceError(f"trace metadata must be a JSON object, got a JSON {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         missing = {"model", "num_experts", "top_k", "renormalize", "num_layers"} - set(d)
         if missing:
             raise TraceError(f"trace metadata lacks {sorted(missing)}")
-        return cls(**{k: v for k, v in d.items() if k in known})
+        meta = cls(**{k: v for k, v in d.items() if k in known})
+        meta.check_types()
+        return meta
+
+    #: field -> (check, what it must be)
+    _TYPES = {
+        "model": (lambda v: isinstance(v, str), "a string"),
+        "source": (lambda v: isinstance(v, str), "a string"),
+        "scoring": (lambda v: v in ("softmax", "sigmoid"), '"softmax" or "sigmoid"'),
+        "renormalize": (lambda v: isinstance(v, bool), "true or false"),
+        **dict.fromkeys(("num_experts", "top_k", "num_layers", "num_tokens", "format_version"),
+                        (lambda v: _is_int(v) and v >= 0, "an integer >= 0")),
+        **dict.fromkeys(("layer_ids", "sequence_starts"),
+                        (lambda v: isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v),
+                         "a list of integers >= 0")),
+        "extra": (lambda v: isinstance(v, dict), "a JSON object"),
+    }
+
+    def check_types(self) -> None:
+        """TraceError naming the first field whose value has the wrong type (metadata read from a file)."""
+        for name, (ok, what) in self._TYPES.items():
+            v = getattr(self, name)
+            if not ok(v):
+                raise TraceError(f"trace metadata: {name} must be {what}, got {json.dumps(v, default=repr)}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 _ABS_PATH = re.compile(r"(/|~|[A-Za-z]:[\\/]|\\\\)[^\n]*")
@@ -129,8 +158,11 @@ class RoutingTrace:
         starts = m.sequence_starts or [0]
         if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or (t and starts[-1] >= t):
             raise TraceError(f"sequence_starts {starts[:8]}... must increase from 0 and stay below T={t}")
-        if t and np.isnan(z).any():
-            raise TraceError("logits contain NaN")
+        if t and not (z < np.inf).all():  # NaN or +inf (-inf is a zero probability: allowed)
+            bad = np.argwhere(~(z < np.inf))[0]
+            what = "NaN" if np.isnan(z[tuple(bad)]) else "+inf"
+            raise TraceError(f"logits contain {what} (token {bad[0]}, layer {bad[1]}, expert {bad[2]}): "
+                             "router logits must be numbers below +inf")
         valid = ids >= 0
         if ids.size:
             srt = np.sort(np.where(valid, ids, -np.arange(1, ids.shape[-1] + 1)), axis=-1)
@@ -192,10 +224,15 @@ class RoutingTrace:
             meta = TraceMeta.from_dict(json.loads(raw_meta))
         except (json.JSONDecodeError, TypeError) as exc:
             raise TraceError(f"{path}: trace metadata is not valid JSON: {exc}") from None
+        except TraceError as exc:
+            raise TraceError(f"{path}: {exc}") from None
         if meta.format_version > FORMAT_VERSION:
             raise TraceError(f"{path}: trace format {meta.format_version} is newer than this expertcache "
                              f"({FORMAT_VERSION}); upgrade expertcache")
         try:
-            return cls(logits_TLE=logits, ids_TLK=ids, meta=meta, weights_TLK=weights)
+            trace = cls(logits_TLE=logits, ids_TLK=ids, meta=meta, weights_TLK=weights)
         except TraceError as exc:
             raise TraceError(f"{path}: {exc}") from None
+        if trace.num_tokens == 0:  # every rate would read 0 %: nothing was recorded
+            raise TraceError(f"{path}: the trace holds 0 tokens (nothing to simulate or analyse)")
+        return trace

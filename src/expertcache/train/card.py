@@ -100,6 +100,7 @@ def cache_figures(ids_TLK: np.ndarray, num_experts: int) -> list[dict]:
 def evaluate_model_dir(model_dir: str | Path, data_dir: str | None = None, max_tokens: int = 0,
                        cache_tokens: int = 16384, threads: int = 1, progress: bool = True) -> dict:
     """All card figures for ``model_dir`` as one JSON-serialisable dict (see the module docstring)."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(threads)
@@ -167,7 +168,8 @@ def evaluate_model_dir(model_dir: str | Path, data_dir: str | None = None, max_t
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return {
         "model_dir": str(model_dir), "arch": type(model).__name__, "expertcache": __version__,
-        "torch": torch.__version__, "threads": threads, "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "threads": threads, "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
         "num_experts": num_experts, "top_k": top_k, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
         "expert_ffn": cfg.intermediate_size, "heads": cfg.num_attention_heads, "seq_len": seq_len, "vocab": V,
         "params_total": total, "params_experts": experts, "experts_share": experts / total,
@@ -189,7 +191,9 @@ def _safetensors_dtypes(model_dir: Path) -> set[str]:
 
 def render_card(r: dict, command: str) -> str:
     """MODEL_CARD.md text from :func:`evaluate_model_dir`'s dict; ``command`` is the command that produced it.
-    The prose is ``templates/MODEL_CARD.md`` (``string.Template``); the tables' rows are made here."""
+    The prose is ``templates/MODEL_CARD.md`` (``string.Template``); the tables' rows are made here. The
+    transformers version named is the one the card was made with (``r["transformers"]``), not the installed one,
+    so a card renders the same under any later transformers."""
     import transformers
 
     t, h = r["train"], r["heldout"]
@@ -199,7 +203,8 @@ def render_card(r: dict, command: str) -> str:
                   + ("–" if c["mean_lifetime"] is None else f"{c['mean_lifetime']:.1f}") + " | "
                   + ", ".join(f"{m:.3f}" for m in c["layer_miss_rates"]) + " |" for c in r["cache"]]
     fields = dict(
-        r, name=name, name_repr=repr(name), transformers=transformers.__version__, params_total=f"{r['params_total']:,}",
+        r, name=name, name_repr=repr(name), transformers=r.get("transformers", transformers.__version__),
+        params_total=f"{r['params_total']:,}",
         params_experts=f"{r['params_experts']:,}", experts_share=f"{r['experts_share']:.1%}",
         dir_mb=f"{r['dir_bytes'] / 1e6:.2f}", dir_bytes=f"{r['dir_bytes']:,}",
         train_cmd=t.get("command") or f"expertcache train --model {name} --ship", heldout_docs=h["docs"],

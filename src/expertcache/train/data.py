@@ -8,11 +8,12 @@ are the documents' token ids joined with one ``eos`` id after each document, as 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
 import numpy as np
+
+from expertcache.inputs import json_text_fields
 
 CORPUS_NAME = "corpus-debian-docs"
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -49,12 +50,8 @@ def load_documents(data_dir: Path, max_docs: int = 0) -> list[dict]:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                    source, text = row["source"], row["text"]
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{file}:{lineno}: expected a JSON object with 'source' and 'text' ({exc})")
-                docs.append({"source": str(source), "text": str(text)})
+                source, text = json_text_fields(line, ("source", "text"), f"{file}:{lineno}")  # null / number: named
+                docs.append({"source": source, "text": text})
                 if max_docs and len(docs) >= max_docs:
                     return docs
     return docs

@@ -66,6 +66,10 @@ def prepare_data(cfg: TrainConfig, run_dir: Path):
     tok = train_tokenizer([d["text"] for d in train_docs], cfg.vocab_size, tok_dir, cfg.seq_len)
     train_N = encode_stream(tok, [d["text"] for d in train_docs], tok.eos_token_id)
     heldout_N = encode_stream(tok, [d["text"] for d in heldout_docs], tok.eos_token_id)
+    for name, arr, n_docs in (("training", train_N, len(train_docs)), ("held-out", heldout_N, len(heldout_docs))):
+        if len(arr) < cfg.seq_len:  # no whole chunk: nothing to train on / perplexity 1.0 from 0 scored tokens
+            raise ValueError(f"the {name} split of {resolve_data_dir(cfg.data_dir)} ({n_docs} documents) encodes to "
+                             f"{len(arr)} tokens, fewer than one {cfg.seq_len}-token sequence (--seq-len)")
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, arr in (("train", train_N), ("heldout", heldout_N)):
         save_npy(data_dir / f"{name}.npy", arr)
@@ -92,7 +96,9 @@ def evaluate_nll(model, stream_N: np.ndarray, seq_len: int, max_tokens: int = 0,
         total += nll.item()
         count += x_BT[:, 1:].numel()
     model.train(was_training)
-    return total / max(count, 1), count
+    if count == 0:  # a mean over nothing would read as NLL 0, perplexity 1.0
+        raise ValueError(f"no whole {seq_len}-token sequence to score ({n} tokens)")
+    return total / count, count
 
 
 CKPT_NAME = "ckpt.safetensors"
