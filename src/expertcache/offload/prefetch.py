@@ -16,7 +16,6 @@ decoder layer is MoE) through that layer's own ``post_attention_layernorm`` and 
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -76,12 +75,5 @@ def guess_next_layer(rt, index: int, x_TD: torch.Tensor) -> list[int]:
     policy state changes."""
     z_TE, w0_TK, ids_TK = rt._stock_routers[index](x_TD)
     if rt.routing.policy != "original":
-        saved = copy.deepcopy(rt.router.deltas.get(index))
-        try:
-            _, ids_TK = rt._route(rt.states[index].moe, z_TE, w0_TK, ids_TK)
-        finally:
-            if saved is None:
-                rt.router.deltas.pop(index, None)
-            else:
-                rt.router.deltas[index] = saved
+        _, ids_TK = rt._route(rt.states[index].moe, z_TE, w0_TK, ids_TK, commit=False)
     return [e for e in dict.fromkeys(ids_TK.reshape(-1).tolist()) if e >= 0]

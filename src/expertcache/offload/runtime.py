@@ -210,8 +210,11 @@ class OffloadedModel(LayerSteps):
         self.arena = SlotArena(len(self.layers), capacity, self.slot_bytes, self.device, scratch=1,
                                spare=self.offload.prefetch)
 
-    def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
-        """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency."""
+    def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor, *,
+               commit: bool = True):
+        """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency.
+        ``commit=False``: an observer's call (the next-layer guess), which leaves the router's running state
+        (Cache-Prior's Δavg, a budget controller) as it was (:meth:`Router.rank`)."""
         if self.routing.policy == "original":
             return w0_TK, ids0_TK
         z_cpu_TE = z_TE.detach().to("cpu")
@@ -224,7 +227,7 @@ class OffloadedModel(LayerSteps):
             resident_TE = resident_TE & allowed_TE
         if self.routing.policy == "cache-prior-cost":
             self.router.set_miss_costs(m.index, self.miss_costs(m.index))
-        ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE), z_cpu_TE)
+        ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE, commit=commit), z_cpu_TE)
         w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK)
         return w_TK.to(w0_TK.dtype).to(w0_TK.device), ids_TK.to(ids0_TK.device)
 

@@ -65,9 +65,20 @@ class BudgetRouter:
     def kernel_params(self, *args, **kwargs):
         return None
 
-    def rank(self, layer, z_TE: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
+    def rank(self, layer, z_TE: torch.Tensor, resident: torch.Tensor | None, *, commit: bool = True) -> torch.Tensor:
         """``Router.rank`` at the controller's strength of each row's layer; then every row's misses (selected,
-        not resident) update its layer's strength. Rows of one call share the residency they were given."""
+        not resident) update its layer's strength. Rows of one call share the residency they were given.
+        ``commit=False`` (an observer's guess): every row at its layer's present strength, and neither the
+        controller nor the running Δavg changes."""
+        if not commit:
+            rows = isinstance(layer, (list, tuple))
+            layers = list(layer) if rows else [layer] * z_TE.shape[0]
+            out = torch.empty(z_TE.shape[0], self.base.k, dtype=torch.int64, device=z_TE.device)
+            for li in dict.fromkeys(layers):
+                ts = [t for t, l in enumerate(layers) if l == li]
+                res = resident if resident is None or resident.dim() == 1 or resident.shape[0] == 1 else resident[ts]
+                out[ts] = self.router_at(self.controller.level(li)).rank(li, z_TE[ts], res, commit=False)
+            return out
         rows = isinstance(layer, (list, tuple))
         layers = list(layer) if rows else [layer] * z_TE.shape[0]
         e = self.base.num_experts
@@ -95,10 +106,10 @@ class BudgetRouter:
             self.controller.update(li, int((~res_TE_np[t][sel]).sum()))
         return torch.from_numpy(out).to(z_TE.device)
 
-    def route(self, layer, z_TE: torch.Tensor, resident: torch.Tensor | None):
+    def route(self, layer, z_TE: torch.Tensor, resident: torch.Tensor | None, *, commit: bool = True):
         from expertcache.routing.policies import weights_for
 
-        ids_TK = self.rank(layer, z_TE, resident)
+        ids_TK = self.rank(layer, z_TE, resident, commit=commit)
         return weights_for(ids_TK, z_TE, renormalize=self.base.renormalize, scoring=self.base.scoring, dropped=False)
 
 

@@ -183,9 +183,14 @@ class Router:
             self.deltas[layer] = DeltaAvg(fixed=self.config.delta)
         return self.deltas[layer]
 
-    def rank(self, layer: int | list[int], z_TE: torch.Tensor, resident: torch.Tensor | None) -> torch.Tensor:
+    def rank(self, layer: int | list[int], z_TE: torch.Tensor, resident: torch.Tensor | None, *,
+             commit: bool = True) -> torch.Tensor:
         """The selected ids [T, K] (-1 = dropped). ``resident`` is bool [E] or [T, E]; ``None`` means nothing
         is resident. Cache-Prior with a running Δavg ranks token t with the average over tokens up to t.
+
+        ``commit=False`` is the observers' call (a next-layer guess, a shadow route): the same ids, and no
+        running state changes (Cache-Prior's Δavg keeps its tokens; the next committing call ranks as if
+        this one had never been made).
 
         ``layer`` is the layer of all T rows, or a list of T layer ids (one per row: e.g. one token at
         every layer, for the simulator); per-layer state (Δavg, ERAS profiles) follows the rows.
@@ -204,17 +209,28 @@ class Router:
             return prune_rank(z_TE, self.k, self.k if c.h is None else c.h)
         _check(z_TE, self.k, resident)
         if not rows:
-            return self._rank(layer, z_TE, resident)
+            return self._rank(layer, z_TE, resident, commit)
         res_TE = resident.expand_as(z_TE)
+        if not commit:  # rows of one layer must see the running state the earlier rows would have left
+            layer_rows = {}
+            for t, l in enumerate(layer):
+                layer_rows.setdefault(l, []).append(t)
+            out = torch.empty(z_TE.shape[0], self.k, dtype=torch.int64, device=z_TE.device)
+            for l, ts in layer_rows.items():
+                out[ts] = self._rank(l, z_TE[ts], res_TE[ts], False)
+            return out
         return torch.cat([self._rank(l, z_TE[t:t + 1], res_TE[t:t + 1]) for t, l in enumerate(layer)])
 
-    def _rank(self, layer: int, z_TE: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+    def _rank(self, layer: int, z_TE: torch.Tensor, resident: torch.Tensor, commit: bool = True) -> torch.Tensor:
         params = self.kernel_params(layer)
         z = z_TE.detach().to("cpu", torch.float32)
         params.load()
         _, _, _, _, ids_TK = _rk.rank(z.numpy(), params.ip, params.fp, self.k, resident_PE=resident.cpu().numpy(),
                                       prob_PE=self.probs(z), penalty_PE=params.penalty)
-        params.store()
+        if commit:
+            params.store()
+        else:
+            params.load()  # the kernel's running Δavg slots back to the layer's state
         return torch.from_numpy(ids_TK).to(z_TE.device)
 
     def probs(self, z_TE: torch.Tensor) -> np.ndarray | None:
@@ -261,9 +277,10 @@ class Router:
         for allowed in (False, True):
             self.kernel_params(layer, allowed=allowed).penalty[0] = cost
 
-    def route(self, layer: int | list[int], z_TE: torch.Tensor, resident: torch.Tensor | None) -> Selection:
+    def route(self, layer: int | list[int], z_TE: torch.Tensor, resident: torch.Tensor | None, *,
+              commit: bool = True) -> Selection:
         """Select and weight experts for T tokens of one layer (or one row per layer, see ``rank``);
         weights come from the unmodified logits."""
-        ids_TK = self.rank(layer, z_TE, resident)
+        ids_TK = self.rank(layer, z_TE, resident, commit=commit)
         return weights_for(ids_TK, z_TE, renormalize=self.renormalize, scoring=self.scoring,
                            dropped=self.config.policy == "prune" and (self.config.h or self.k) < self.k)
