@@ -90,3 +90,66 @@ def test_uncommitted_rank_leaves_the_budget_controller():
     assert a.controller.state() == b.controller.state()
     assert torch.equal(a.rank(1, z[5:], res), b.rank(1, z[5:], res))
     assert a.controller.state() == b.controller.state()
+
+
+@pytest.mark.parametrize("policy", ["cache-prior", "cache-prior-cost"])
+def test_generation_scope_counts_the_prompt_in_delta_avg(olmoe_dir, policy):
+    """001 Eq. 10: Δavg = E_t[max(z_t) - min(z_t)] over every token the layer routes. Under
+    ``scope='generation'`` the prompt is routed originally, but its tokens still enter Δavg -- for both
+    Cache-Prior policies (cache-prior-cost left them out). Independent: the stock model's router logits."""
+    from expertcache.models import load_model, patch_model
+
+    model = load_model(olmoe_dir)
+    x = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        stock = model(x, output_router_logits=True).router_logits  # one [T, E] per MoE layer
+    with patch_model(model, RoutingConfig(policy, lam=0.3), capacity=0.5, scope="generation") as p:
+        with torch.no_grad():
+            model(x)
+        for i, z_TE in enumerate(stock):
+            spread = (z_TE.float().amax(-1) - z_TE.float().amin(-1)).double()
+            d = p.router.deltas[i]
+            assert d.count == x.shape[1]
+            assert d.total == pytest.approx(float(spread.sum()), rel=1e-6)
+
+
+def test_sweep_plans_the_gamma_it_is_given(tmp_path):
+    """``sweep --eviction gamma-admit --gamma G`` runs γ = G (0 included): each planned row's miss rate equals
+    ``simulate`` run directly with that γ."""
+    from expertcache.eval.sweep import open_loop_row, plan
+    from expertcache.sim import simulate
+    from pathlib import Path
+
+    import expertcache.assets
+    from expertcache.trace import RoutingTrace
+    from expertcache.trace.demo import DEMO_TRACE_NAME
+
+    trace = RoutingTrace.load(Path(expertcache.assets.__file__).parent / "traces" / DEMO_TRACE_NAME)
+    for ev in ("gamma-admit", "gamma"):
+        for g in (0.0, 0.1, 0.99):
+            runs = plan(mode="open-loop", source={"trace": "shipped"}, policies=["original"], k=trace.meta.top_k,
+                        num_experts=trace.meta.num_experts, capacities=[4], evictions=[ev], gamma=g)
+            assert [r["gamma"] for r in runs] == [g]
+            row = open_loop_row(trace, runs[0])
+            want = simulate(trace, RoutingConfig(), 4, eviction=ev, gamma=g, belady=False)
+            assert row["miss_rate"] == want.to_row()["miss_rate"], (ev, g)
+    runs = plan(mode="open-loop", source={}, policies=["original"], k=2, num_experts=8, capacities=[4],
+                evictions=["lru", "lfu"], gamma=0.5)
+    assert [r["gamma"] for r in runs] == [None, None]  # rules that read no γ record none
+
+
+def test_every_policy_gets_its_own_sweep_grid():
+    """Each policy's grid varies that policy's own strength parameter (``cache-prior-cost`` planned an
+    ERAS-bias grid before), and every planned config routes with the policy named."""
+    from expertcache.eval.sweep import policy_grid
+    from expertcache.routing import POLICIES
+    from expertcache.routing.config import STRENGTH
+
+    for policy in POLICIES:
+        grid = policy_grid(policy, k=4, num_experts=16, points=3)
+        assert grid and {rc.policy for rc in grid} == {policy}
+        name = STRENGTH[policy]
+        if name is not None and name not in ("h", "m"):
+            assert len({getattr(rc, name) for rc in grid}) == 3
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        policy_grid("no-such-policy", k=4, num_experts=16)

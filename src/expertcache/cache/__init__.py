@@ -4,7 +4,7 @@ registry name ``gamma`` --, ``belady``), statistics (``stats``) and the registry
 
 from expertcache.cache.base import ExpertCache
 from expertcache.cache.belady import BeladyCache
-from expertcache.cache.caches import EVICTION_POLICIES, make_cache, resolve_capacity
+from expertcache.cache.caches import EVICTION_POLICIES, EVICTIONS, EvictionRule, eviction_rule, make_cache, resolve_capacity
 from expertcache.cache.discounted import DiscountedCache
 from expertcache.cache.gamma import GammaCache
 from expertcache.cache.lfu import LFUCache
@@ -12,6 +12,6 @@ from expertcache.cache.lru import LRUCache
 from expertcache.cache.stats import CacheStats
 
 __all__ = [
-    "EVICTION_POLICIES", "BeladyCache", "CacheStats", "DiscountedCache", "ExpertCache", "GammaCache", "LFUCache",
+    "EVICTION_POLICIES", "EVICTIONS", "EvictionRule", "eviction_rule", "BeladyCache", "CacheStats", "DiscountedCache", "ExpertCache", "GammaCache", "LFUCache",
     "LRUCache", "make_cache", "resolve_capacity",
 ]

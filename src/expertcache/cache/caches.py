@@ -1,8 +1,10 @@
-"""The eviction-policy registry: :func:`make_cache` builds one layer's cache by name; :func:`resolve_capacity`."""
+"""The eviction-rule registry: one :class:`EvictionRule` per name (``EVICTIONS``), read by the CLI, sweeps, the
+runtime and the live view; :func:`make_cache` builds one layer's cache by name; :func:`resolve_capacity`."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from expertcache.cache.base import ExpertCache
@@ -12,9 +14,49 @@ from expertcache.cache.gamma import GammaCache
 from expertcache.cache.lfu import LFUCache
 from expertcache.cache.lru import LRUCache
 
-__all__ = ["EVICTION_POLICIES", "make_cache", "resolve_capacity"]
+__all__ = ["EVICTION_POLICIES", "EVICTIONS", "EvictionRule", "eviction_rule", "make_cache", "resolve_capacity"]
 
-EVICTION_POLICIES = ("lru", "lfu", "gamma", "gamma-admit", "belady")
+
+@dataclass(frozen=True)
+class EvictionRule:
+    """One eviction rule, declared once. ``cls``: the cache class (its ``code`` is the victim score of
+    ``cache/base.py: serve_one``: LRU, COUNTS, BELADY, DISCOUNTED); ``params``: the make_cache keywords it reads (e.g.
+    ``("gamma",)``), so a row records them only where they mean something; ``admits``: every miss becomes
+    resident (False: a miss may be a transient load); ``offline``: needs the future requests (a bound, not
+    runnable live)."""
+
+    name: str
+    cls: type
+    params: tuple[str, ...] = ()
+    admits: bool = True
+    offline: bool = False
+
+    def settings(self, **values) -> dict:
+        """The subset of ``values`` (e.g. ``gamma=0.5``) this rule reads: what a result row should carry."""
+        return {k: values[k] for k in self.params if k in values}
+
+    @property
+    def code(self) -> int:
+        return self.cls.code
+
+
+EVICTIONS: dict[str, EvictionRule] = {r.name: r for r in (
+    EvictionRule("lru", LRUCache),
+    EvictionRule("lfu", LFUCache),
+    EvictionRule("gamma", DiscountedCache, params=("gamma",), admits=False),
+    EvictionRule("gamma-admit", GammaCache, params=("gamma",)),
+    EvictionRule("belady", BeladyCache, admits=False, offline=True),
+)}
+
+EVICTION_POLICIES = tuple(EVICTIONS)
+
+
+def eviction_rule(name: str) -> EvictionRule:
+    """The registered rule called ``name``; an unknown name raises ValueError listing the known ones."""
+    rule = EVICTIONS.get(name)
+    if rule is None:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(EVICTION_POLICIES)}")
+    return rule
 
 
 def resolve_capacity(spec: float | int | str, num_experts: int) -> int:
@@ -55,17 +97,10 @@ def make_cache(
 ) -> ExpertCache:
     """Build one layer's cache. ``kind`` is one of ``EVICTION_POLICIES``; ``gamma`` is used by 'gamma' (004's
     Definition C.1 cache) and 'gamma-admit', ``future`` (the steps to be served) is required by 'belady'."""
-    kw = dict(initial=initial, seed=seed, expert_bytes=expert_bytes)
-    if kind == "lru":
-        return LRUCache(num_experts, capacity, **kw)
-    if kind == "lfu":
-        return LFUCache(num_experts, capacity, **kw)
-    if kind == "gamma":
-        return DiscountedCache(num_experts, capacity, gamma=gamma, **kw)
-    if kind == "gamma-admit":
-        return GammaCache(num_experts, capacity, gamma=gamma, **kw)
-    if kind == "belady":
+    rule = eviction_rule(kind)
+    kw = dict(initial=initial, seed=seed, expert_bytes=expert_bytes, **rule.settings(gamma=gamma))
+    if rule.offline:
         if future is None:
-            raise ValueError("the belady cache needs the future request sequence (an offline bound)")
-        return BeladyCache(num_experts, capacity, future=future, **kw)
-    raise ValueError(f"unknown eviction policy {kind!r}; choose one of {', '.join(EVICTION_POLICIES)}")
+            raise ValueError(f"the {kind} cache needs the future request sequence (an offline bound)")
+        kw["future"] = future
+    return rule.cls(num_experts, capacity, **kw)

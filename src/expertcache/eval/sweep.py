@@ -31,8 +31,9 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from expertcache import __version__
-from expertcache.cache import resolve_capacity
+from expertcache.cache import eviction_rule, resolve_capacity
 from expertcache.routing import POLICIES, RoutingConfig
+from expertcache.routing.config import CACHE_PRIOR, STRENGTH
 
 __all__ = ["policy_grid", "plan", "config_key", "done_keys", "drop_torn_tail", "pending_runs", "sweep_row", "run_sweep",
            "open_loop_row", "closed_loop_row", "router_mass", "sweep_lock", "SweepLockedError"]
@@ -87,20 +88,21 @@ def policy_grid(policy: str, *, k: int, num_experts: int, points: int = 50, top_
         raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
     unit = [float(x) for x in strengths] if strengths is not None else \
         [round(float(x), 6) for x in np.linspace(0.0, 1.0, points)]
-    if policy == "original":
-        return [RoutingConfig()]
-    if policy == "prune":
-        return [RoutingConfig("prune", h=h) for h in range(1, k + 1)]
-    if policy == "max-rank":
-        return [RoutingConfig("max-rank", m=m, top_j=top_j) for m in range(k, num_experts + 1)]
-    if policy == "cumsum":
-        return [RoutingConfig("cumsum", p=p, top_j=top_j) for p in unit]
-    if policy == "cache-prior":
-        return [RoutingConfig("cache-prior", lam=x, top_j=top_j, delta=delta) for x in unit]
-    if policy == "eras-threshold":
-        return [RoutingConfig("eras-threshold", alpha=x, top_j=top_j) for x in unit]
-    betas = unit if strengths is not None else [round(beta_max * x, 6) for x in unit]
-    return [RoutingConfig("eras-bias", beta=x, top_j=top_j) for x in betas]
+    name = STRENGTH[policy]  # the grid follows the policy's strength parameter, never a neighbour's branch
+    delta_kw = {"delta": delta} if policy in CACHE_PRIOR else {}
+    if name is None:
+        return [RoutingConfig(policy)]
+    if name == "h":
+        return [RoutingConfig(policy, h=h) for h in range(1, k + 1)]
+    if name == "m":
+        return [RoutingConfig(policy, m=m, top_j=top_j) for m in range(k, num_experts + 1)]
+    if name == "beta":
+        values = unit if strengths is not None else [round(beta_max * x, 6) for x in unit]
+    elif name in ("p", "lam", "alpha"):
+        values = unit
+    else:
+        raise ValueError(f"no sweep grid for {policy!r}'s strength {name!r}")
+    return [RoutingConfig(policy, top_j=top_j, **{name: x}, **delta_kw) for x in values]
 
 
 def plan(*, mode: str, source: dict[str, Any], policies: Iterable[str], k: int, num_experts: int,
@@ -121,7 +123,8 @@ def plan(*, mode: str, source: dict[str, Any], policies: Iterable[str], k: int, 
                 for rc in policy_grid(pol, k=k, num_experts=num_experts, points=points, top_j=None if top_j is None else min(top_j, k),
                                       beta_max=beta_max, strengths=strengths, delta=delta):
                     out.append(dict(mode=mode, source=source, routing=rc.to_dict(), eviction=ev, capacity=cap,
-                                    gamma=gamma if ev == "gamma" else None, initial=initial, seed=seed,
+                                    gamma=eviction_rule(ev).settings(gamma=gamma).get("gamma"),
+                                    initial=initial, seed=seed,
                                     between_sequences=between_sequences, scope=scope))
     return out
 
@@ -209,12 +212,18 @@ def router_mass(logits_TLE: np.ndarray, served_TLK: np.ndarray, k: int, scoring:
     return float((served / top.sum(-1)).mean()) if served.size else float("nan")
 
 
+def _gamma(run: dict[str, Any]) -> float:
+    """γ of a planned run: its own value where its eviction rule reads one (0 included), else make_cache's
+    default (unused by the rule)."""
+    return 0.9 if run.get("gamma") is None else float(run["gamma"])
+
+
 def closed_loop_row(model, task, run: dict[str, Any], *, freq_LE=None, model_name: str = "") -> dict[str, Any]:
     """Evaluate one planned closed-loop run (:func:`expertcache.eval.evaluate`'s row)."""
     from expertcache.eval import evaluate
 
     return evaluate(model, task, RoutingConfig.from_dict(run["routing"]), eviction=run["eviction"],
-                    capacity=run["capacity"], gamma=run["gamma"] or 0.9, initial=run["initial"], seed=run["seed"],
+                    capacity=run["capacity"], gamma=_gamma(run), initial=run["initial"], seed=run["seed"],
                     between_sequences=run["between_sequences"], scope=run["scope"], freq_LE=freq_LE,
                     model_name=model_name)
 
@@ -225,7 +234,7 @@ def open_loop_row(trace, run: dict[str, Any], *, freq_LE=None) -> dict[str, Any]
 
     t0 = time.perf_counter()
     rc = RoutingConfig.from_dict(run["routing"])
-    res = simulate(trace, rc, run["capacity"], eviction=run["eviction"], gamma=run["gamma"] or 0.9,
+    res = simulate(trace, rc, run["capacity"], eviction=run["eviction"], gamma=_gamma(run),
                    initial=None if run["initial"] == "empty" else run["initial"], seed=run["seed"],
                    belady=run["eviction"] != "belady", freq_LE=freq_LE,
                    between_sequences=run["between_sequences"])

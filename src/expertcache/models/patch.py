@@ -85,6 +85,7 @@ from expertcache.models.recording import Recording
 from expertcache.models.streams import CacheStreams
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits, ranks_logits
 from expertcache.routing import Router, RoutingConfig
+from expertcache.routing.config import CACHE_PRIOR
 
 __all__ = ["patch_model", "MoEPatch", "SCOPES", "BETWEEN_SEQUENCES"]
 
@@ -395,7 +396,7 @@ class MoEPatch(CacheStreams, Recording):
     def _observe(self, m: MoELayer, z_cpu_TE, ids_cpu_TK, rows, real_BS) -> None:
         """A call routed by the model itself (original policy, or outside the policy's scope): feed the
         caches (deferred, in bulk, unless recording), Cache-Prior's running Δavg and the recording."""
-        if self.routing.policy == "cache-prior":
+        if self.routing.policy in CACHE_PRIOR:  # 001 Eq. 10: Δavg averages every token, the prompt's too
             zr_TE, _ = self.family.ranking(m.router, z_cpu_TE)
             self.router.delta_for(m.index).update(zr_TE if real_BS is None else zr_TE[real_BS.reshape(-1)])
         for row, pos in rows:

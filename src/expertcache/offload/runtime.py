@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, make_cache
+from expertcache.cache import CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
 from expertcache.offload.checkpoint import OFFLOAD_MODEL_TYPES, Checkpoint
@@ -419,6 +419,6 @@ class OffloadedModel(LayerSteps):
                     io=self.offload.io if self.offload.tier == "disk" else None, quant=self.offload.quant,
                     group=self.offload.group if self.offload.quant else None, capacity=self.capacity,
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),
-                    eviction=self.eviction, gamma=self.gamma if self.eviction == "gamma" else None,
+                    eviction=self.eviction, gamma=eviction_rule(self.eviction).settings(gamma=self.gamma).get("gamma"),
                     readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,
                     threads=torch.get_num_threads())
