@@ -31,13 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+from expertcache.cache import EVICTIONS
 from expertcache.routing import POLICIES, STRENGTH, Router, RoutingConfig
 
 __all__ = ["install_liveview", "Broker", "Tap", "LiveControl", "replay_frames", "SCHEMA_VERSION", "shipped_traces"]
 
 SCHEMA_VERSION = 1
 STATIC = Path(__file__).with_name("static")
-LIVE_EVICTIONS = ("lru", "lfu", "gamma")  # belady needs the future: replay only
+LIVE_EVICTIONS = tuple(r.name for r in EVICTIONS.values() if not r.offline)  # belady needs the future: replay only
 MAX_REPLAY_STEPS = 2048
 
 
@@ -498,8 +499,8 @@ def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
         raise ConfigError("trace", f"unknown trace {json.dumps(name)[:80]}; available: {sorted(traces)}")
     cfg = _routing_from(body, {})
     eviction = body.get("eviction", "lru")
-    if eviction not in ("lru", "lfu", "gamma", "belady"):
-        raise ConfigError("eviction", f"must be one of lru, lfu, gamma, belady, got {json.dumps(eviction)[:40]}")
+    if eviction not in EVICTIONS:
+        raise ConfigError("eviction", f"must be one of {', '.join(EVICTIONS)}, got {json.dumps(eviction)[:40]}")
     if eviction == "belady" and cfg.cache_aware:
         raise ConfigError("eviction", "belady needs fixed selections: only with policy original or prune")
     out = dict(routing=cfg, eviction=eviction)
