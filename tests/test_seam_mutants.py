@@ -132,3 +132,134 @@ def test_claim_spares_never_waits_for_a_guess_in_flight():
     arena.busy.add(arena.spares[0])
     tickets[arena.spares[0]]._run(lambda: 0)
     assert arena.claim_spares(3) == [last]  # spares[0] is ready, but the step under way computes from it
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Belady (001 Sec. 4.8) against a brute force, C < K and C ≥ K
+
+
+def _belady_ref(steps: list[list[int]], cap: int, initial: list[int]):
+    """Farthest-next-use eviction, as belady.py documents it: on a miss with a full cache the victim is the
+    resident expert not requested by this step whose next request is farthest (never = infinitely far; ties:
+    lowest id); when every resident is requested by this step (only possible with C < K) the victim is the
+    farthest of those, and the missing expert is served by a transient load (a miss and an eviction of
+    lifetime 0, nothing displaced) when its own next request is no sooner than the victim's. Hits are the
+    step's experts resident when it starts (cache/base.py rule 1), then the misses in the given order. Steps are
+    numbered from 1; initial residents count as loaded at step 0. Returns per-step resident sets and totals."""
+    inf = math.inf
+
+    def next_use(e, t):  # first step index > t requesting e
+        for u in range(t + 1, len(steps)):
+            if e in steps[u]:
+                return u
+        return inf
+
+    loaded = {e: 0 for e in initial}
+    hits = misses = 0
+    lifetimes = []
+    residents = []
+    for t, step in enumerate(steps):
+        s = t + 1
+        missing = [e for e in step if e not in loaded]  # base.py rule 1: the step's residents are hits, served first
+        hits += len(step) - len(missing)
+        for e in missing:  # then each miss in the given order
+            misses += 1
+            if len(loaded) >= cap:
+                outside = [x for x in loaded if x not in step]
+                pool = outside or list(loaded)
+                victim = min(pool, key=lambda x: (-next_use(x, t), x))
+                if not outside and next_use(e, t) >= next_use(victim, t):
+                    lifetimes.append(0)  # transient: the victim stays
+                    continue
+                lifetimes.append(s - loaded.pop(victim))
+            loaded[e] = s
+        residents.append(frozenset(loaded))
+    return residents, hits, misses, lifetimes
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_belady_evictions_and_lifetimes_equal_brute_force(k):
+    from expertcache.cache import BeladyCache
+
+    rng = random.Random(k)
+    n = 6
+    for trial in range(60):
+        cap = rng.randint(1, n)  # C < K and C ≥ K
+        steps = [rng.sample(range(n), k) for _ in range(rng.randint(1, 25))]
+        if trial % 3 == 0:  # repeated steps: many equal next requests (ties)
+            steps = [list(steps[i % 2]) for i in range(len(steps))]
+        initial = rng.sample(range(n), rng.randint(0, cap))
+        cache = BeladyCache(n, cap, future=steps, initial=initial)
+        residents, hits, misses, lifetimes = _belady_ref(steps, cap, initial)
+        for t, step in enumerate(steps):
+            cache.access_step(step)
+            assert cache.resident() == residents[t], (trial, cap, t, steps[: t + 1], initial)
+        st = cache.stats
+        assert (st.hits, st.misses) == (hits, misses), (trial, cap)
+        assert st.evictions == len(lifetimes), (trial, cap, steps, initial)
+        assert (st.lifetime_sum, st.lifetime_sumsq) == (sum(lifetimes), sum(x * x for x in lifetimes)), \
+            (trial, cap, steps, initial)
+
+
+def test_belady_tie_with_c_below_k_keeps_the_resident():
+    """C = 1, K = 2, both experts requested again together: the second is no sooner needed than the resident
+    first, so it is a transient load (lifetime 0) and the first stays (its residency is not cut short)."""
+    from expertcache.cache import BeladyCache
+
+    steps = [[0, 1], [0, 1], [0, 1]]
+    cache = BeladyCache(4, 1, future=steps)
+    for step in steps:
+        cache.access_step(step)
+        assert cache.resident() == {0}
+    st = cache.stats
+    assert (st.hits, st.misses, st.evictions, st.lifetime_sum) == (2, 4, 3, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. the budget controller's strength levels
+
+
+def test_controller_levels_are_nearest_log_spaced_value():
+    """controller.py: strengths are quantised to ``levels`` log-spaced values from s_min to s_max; the strength
+    reported is the level nearest (in log strength) to the controlled one."""
+    from expertcache.routing.controller import ControllerConfig, MissRateController
+
+    for s_min, s_max, levels in ((1e-3, 1.0, 96), (1e-3, 8.0, 7), (0.05, 0.5, 4)):
+        grid = np.geomspace(s_min, s_max, levels)
+        logs = np.log(grid)
+        rng = np.random.default_rng(levels)
+        # initial strengths: the grid points, the bounds, and values just below/above half-way between levels
+        mids = np.exp((logs[:-1] + logs[1:]) / 2)
+        s0s = list(grid) + list(mids * (1 - 1e-6)) + list(mids * (1 + 1e-6)) + \
+            list(np.exp(rng.uniform(logs[0], logs[-1], 30)))
+        for s0 in s0s:
+            s0 = float(min(s_max, max(s_min, s0)))
+            c = MissRateController(ControllerConfig(target=0.1, s_min=s_min, s_max=s_max, s0=s0, levels=levels),
+                                   num_layers=1, k=2)
+            want = int(np.argmin(np.abs(logs - math.log(s0))))
+            assert c.level(0) == want, (s_min, s_max, levels, s0)
+            assert c.strength(0) == pytest.approx(grid[want], rel=1e-9)
+        c = MissRateController(ControllerConfig(target=0.1, s_min=s_min, s_max=s_max, s0=s_min, levels=levels),
+                               num_layers=1, k=2)
+        assert [c.level_value(i) for i in range(levels)] == pytest.approx(list(grid), rel=1e-9)
+        assert c.saturated == ["min"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. descending weight order: order_steps and one decode token of the offloaded runtime
+
+
+def test_order_steps_is_a_stable_descending_sort():
+    from expertcache.cache.base import order_steps
+
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        p, k, n = rng.integers(1, 6), rng.integers(1, 6), 8
+        ids = np.stack([rng.permutation(n)[:k] for _ in range(p)])
+        ids[rng.random(ids.shape) < 0.2] = -1
+        z = rng.integers(0, 3, size=(p, n)).astype(np.float64)  # few values: many ties
+        got = order_steps(ids, z)
+        for r, (row, out) in enumerate(zip(ids.tolist(), got.tolist())):
+            valid = [(i, e) for i, e in enumerate(row) if e >= 0]  # ties keep the given order (stable)
+            want = [e for i, e in sorted(valid, key=lambda ie: (-z[r, ie[1]], ie[0]))]
+            assert out == want + [-1] * (len(row) - len(valid)), (row, z[r].tolist(), out)
