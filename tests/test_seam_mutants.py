@@ -15,6 +15,7 @@ written here, never against what the code recorded itself:
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -263,3 +264,103 @@ def test_order_steps_is_a_stable_descending_sort():
             valid = [(i, e) for i, e in enumerate(row) if e >= 0]  # ties keep the given order (stable)
             want = [e for i, e in sorted(valid, key=lambda ie: (-z[r, ie[1]], ie[0]))]
             assert out == want + [-1] * (len(row) - len(valid)), (row, z[r].tolist(), out)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3-4. MoLE: the table's rows (002's LUT with the expert RMSNorm) and the direct read mode
+
+
+@pytest.fixture(scope="module")
+def mole_table(tmp_path_factory):
+    """A random tiny training-form MoLE model (expert norms not all ones) and its float32 table."""
+    pytest.importorskip("transformers")
+    from expertcache.mole.export import export_table
+    from expertcache.mole.modeling import MoleConfig, MoleForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MoleConfig(vocab_size=300, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, num_experts=4, expert_intermediate_size=16,
+                     max_position_embeddings=64, rms_norm_eps=1e-5)
+    model = MoleForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.expert_norm.weight.uniform_(0.5, 2.0)
+        model.model.embed_tokens.weight.mul_(7.0)  # embedding rows far from unit RMS: the norm matters
+    root = tmp_path_factory.mktemp("mole-seams")
+    model.save_pretrained(root / "model")
+    return root / "model", export_table(root / "model", root / "table", quant="none", dtype="float32")
+
+
+def _npy_rows(path, ids, record_bytes):
+    """Records read straight from the .npy file: header parsed by numpy's format module, then seek + read."""
+    with open(path, "rb") as fh:
+        version = np.lib.format.read_magic(fh)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(fh)
+        assert dtype == np.uint8 and shape[1] == record_bytes
+        offset = fh.tell()
+        rows = []
+        for v in ids:
+            fh.seek(offset + int(v) * record_bytes)
+            rows.append(np.frombuffer(fh.read(record_bytes), np.uint8))
+    return np.stack(rows)
+
+
+def test_mole_table_row_is_ffn_of_rmsnorm_of_embedding(mole_table):
+    """LUT_l[v, j] = FFN_j(RMSNorm_l(Emb(v))) (002's v_j^i = FFN_j(Embedding(i)) with the experts' input norm),
+    computed here from the saved tensors: RMSNorm(e) = w · e / sqrt(mean(e²) + eps), SwiGLU FFN (SiLU gate)."""
+    from safetensors.numpy import load_file
+
+    from expertcache.mole.table import TableSpec
+
+    model_dir, table_dir = mole_table
+    w = load_file(str(model_dir / "model.safetensors"))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    spec = TableSpec(**json.loads((table_dir / "config.json").read_text())["lookup_table"])
+    emb = w["model.embed_tokens.weight"].astype(np.float64)
+    ids = np.array([0, 1, 17, 150, 299])
+    rows = _npy_rows(table_dir / spec.file, ids, spec.record_bytes).view(np.float32)
+    got = rows.reshape(len(ids), spec.layers, spec.experts, spec.hidden)
+    f = cfg["expert_intermediate_size"]
+    for l in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{l}.mlp."
+        g = w[p + "expert_norm.weight"].astype(np.float64)
+        x = emb[ids] / np.sqrt((emb[ids] ** 2).mean(-1, keepdims=True) + cfg["rms_norm_eps"]) * g
+        gate_up, down = w[p + "experts.gate_up_proj"].astype(np.float64), w[p + "experts.down_proj"].astype(np.float64)
+        for j in range(cfg["num_experts"]):
+            a = x @ gate_up[j, :f].T
+            h = a / (1 + np.exp(-a)) * (x @ gate_up[j, f:].T)
+            want = h @ down[j].T
+            np.testing.assert_allclose(got[:, l, j], want, rtol=1e-4, atol=1e-6)
+            no_norm = emb[ids] @ gate_up[j, :f].T  # without the norm the row would differ
+            assert not np.allclose(no_norm / (1 + np.exp(-no_norm)) * (emb[ids] @ gate_up[j, f:].T) @ down[j].T,
+                                   want, rtol=1e-2)
+
+
+@pytest.mark.parametrize("io_threads", [1, 4])
+def test_mole_direct_read_mode_returns_the_file_bytes(mole_table, io_threads):
+    """``direct`` (O_DIRECT, page-aligned span) returns exactly the records a plain seek + read of lut.npy gives,
+    and the same rows as the default ``mmap`` mode; it counts whole pages as device bytes."""
+    from expertcache.mole.table import PAGE, LookupTable
+
+    _, table_dir = mole_table
+    try:
+        direct = LookupTable.open(table_dir, "direct", io_threads=io_threads)
+    except ValueError as exc:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(str(exc))
+    mm = LookupTable.open(table_dir, "mmap")
+    spec = direct.spec
+    rng = np.random.default_rng(io_threads)
+    ids = np.concatenate([[0, spec.vocab - 1, 1], rng.choice(spec.vocab, 12, replace=False)])
+    want = _npy_rows(table_dir / spec.file, ids, spec.record_bytes)
+    got = direct.read_records(ids)
+    assert got.dtype == np.uint8 and np.array_equal(got, want)
+    assert np.array_equal(mm.read_records(ids), want)
+    x = torch.from_numpy(ids)
+    assert torch.equal(direct.lookup(x), mm.lookup(x))
+    s = direct.stats
+    assert s.reads == 2 * len(ids) and s.bytes == s.reads * spec.record_bytes
+    assert s.device_bytes % PAGE == 0 and s.device_bytes >= s.bytes
+    direct.close()
+    mm.close()
