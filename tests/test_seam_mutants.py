@@ -364,3 +364,39 @@ def test_mole_direct_read_mode_returns_the_file_bytes(mole_table, io_threads):
     assert s.device_bytes % PAGE == 0 and s.device_bytes >= s.bytes
     direct.close()
     mm.close()
+
+
+@pytest.mark.parametrize("policy", ["original", "cache-prior"])
+def test_one_decode_token_is_served_in_descending_router_weight(tmp_path, policy):
+    """001 Sec. 4.2: the K experts of one token are accessed in descending router weight (the higher weight
+    becomes the less recent, evicted first). The order the cache sees (its ``access_step`` calls, recorded by
+    a pass-through wrapper) equals the router's output for that token sorted here by weight (ties: lower id)."""
+    from expertcache.models.tiny import save_tiny
+    from expertcache.offload import OffloadConfig, OffloadedModel
+    from expertcache.routing import RoutingConfig
+
+    path = save_tiny("olmoe", tmp_path / "olmoe", seed=4)
+    routing = RoutingConfig(policy=policy, **({"lam": 0.3} if policy != "original" else {}))
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(io="cached", capacity=2, readers=0, prefetch=0),
+                                        dtype=torch.float32, routing=routing)
+    accesses, routed = [], []
+    for st in rt.states:
+        def access_step(ids, _inner=st.cache.access_step, _layer=st.moe.index):
+            accesses.append((_layer, list(ids)))
+            return _inner(ids)
+        st.cache.access_step = access_step  # pass-through: behaviour unchanged
+    for m in rt.layers:
+        m.router.register_forward_hook(
+            lambda mod, args, out, _layer=m.index: routed.append((_layer, out[1].detach().clone(), out[2].clone())))
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    out = rt.forward(ids[:, :1])
+    for t in range(1, ids.shape[1]):
+        out = rt.forward(ids[:, t:t + 1], out.past_key_values)
+    assert len(accesses) == len(routed) == ids.shape[1] * len(rt.layers)
+    k = rt.top_k
+    for (layer, order), (rlayer, w_TK, ids_TK) in zip(accesses, routed):
+        assert layer == rlayer and ids_TK.shape == (1, k)
+        w, e = w_TK[0].tolist(), ids_TK[0].tolist()
+        want = [x for _, x in sorted(zip(w, e), key=lambda we: (-we[0], we[1]))]
+        assert order == want, (layer, w, e)
+        assert len(set(w)) == k  # no ties here: the order is the weights' alone
