@@ -67,7 +67,8 @@ def test_predictor_loss_is_kl_target_to_prediction():
     kd = torch.nn.functional.kl_div(torch.log_softmax(torch.from_numpy(logits), -1), p, reduction="none")
     assert got == pytest.approx(float(kd.sum(-1).mean()), rel=1e-5, abs=1e-6)
     # a perfect prediction costs 0; a scaled target is normalised first
-    assert float(_kl(torch.from_numpy(3 * target[1:]).float(), torch.log(p[1:]).float())) == pytest.approx(0.0, abs=1e-5)
+    perfect = _kl(torch.from_numpy(3 * target[1:]).float(), torch.log(p[1:]).float())
+    assert float(perfect) == pytest.approx(0.0, abs=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
