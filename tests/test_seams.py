@@ -153,3 +153,15 @@ def test_every_policy_gets_its_own_sweep_grid():
             assert len({getattr(rc, name) for rc in grid}) == 3
     with pytest.raises(ValueError, match="unknown routing policy"):
         policy_grid("no-such-policy", k=4, num_experts=16)
+
+
+def test_an_unknown_eviction_code_raises():
+    """A cache class whose ``code`` has no victim score in ``serve_one`` is refused at construction (it would
+    otherwise be served by another rule's branch)."""
+    from expertcache.cache import LRUCache
+
+    class Toy(LRUCache):
+        code = 7
+
+    with pytest.raises(ValueError, match="unknown eviction code 7"):
+        Toy(8, 4)

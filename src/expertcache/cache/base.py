@@ -68,25 +68,25 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
     """Serve one step (``ids[:kk]``, -1 = dropped slot, already validated): hits first, then each miss in
     the given order, evicting the victim when the cache is full (module docstring). ``nxt[:kk]``: Belady's
     next-request step of each id. ``miss_buf``: scratch of length K."""
-    resident_E, stamp_E, loaded_at_E, serving_E = st_E[0], st_E[1], st_E[2], st_E[6]
-    if code != 0:  # LRU needs no marks: the step's experts are its most recent
+    resident_E, stamp_E, loaded_at_E, serving_E = st_E[RESIDENT], st_E[STAMP], st_E[LOADED_AT], st_E[SERVING]
+    if code != LRU:  # LRU needs no marks: the step's experts are its most recent
         for i in range(kk):
             if ids[i] >= 0:
                 serving_E[ids[i]] = 1
-    clock = st_S[0]
-    step = st_S[1] + 1
-    n_res = st_S[2]
-    cap = st_S[3]
-    if code == 1 or code == 3:  # Count <- γ·Count + r_t, kept scaled by γ^-t (004 Def. C.1 for code 3)
+    clock = st_S[CLOCK]
+    step = st_S[STEP] + 1
+    n_res = st_S[N_RES]
+    cap = st_S[CAP]
+    if code == COUNTS or code == DISCOUNTED:  # Count <- γ·Count + r_t, kept scaled by γ^-t (004 Def. C.1 for code 3)
         inc = pf[1]
-        if pf[0] == 0.0 and code == 1:
+        if pf[0] == 0.0 and code == COUNTS:
             inc = 0.0  # the LRU limit: counts carry no information, recency decides
         elif pf[0] == 0.0:  # code 3, γ = 0: only this step counts
             for x in range(score_E.shape[0]):
                 score_E[x] = 0.0
         elif pf[0] < 1.0:
             inc = inc / pf[0]
-            if inc > (1e250 if code == 1 else 1e200):  # rescale to stay finite; the order is unchanged
+            if inc > (1e250 if code == COUNTS else 1e200):  # rescale to stay finite; the order is unchanged
                 for x in range(score_E.shape[0]):
                     score_E[x] /= inc
                 inc = 1.0
@@ -94,7 +94,7 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
         for i in range(kk):  # code 3: stamp = the last request, in the given order (the later id is more recent)
             if ids[i] >= 0:
                 score_E[ids[i]] += inc
-                if code == 3:
+                if code == DISCOUNTED:
                     clock += 1
                     stamp_E[ids[i]] = clock
     nvalid = 0
@@ -105,35 +105,35 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
             continue
         nvalid += 1
         if resident_E[e]:  # a hit: touched (Belady: its next request is set below; γ Top-C: stamped above)
-            if code != 3:
+            if code != DISCOUNTED:
                 clock += 1
                 stamp_E[e] = clock
         else:
             miss_buf[nmiss] = i
             nmiss += 1
-    if code == 2:  # Belady: the hits' next requests; stamps stay the expert ids (ties: lowest id)
+    if code == BELADY:  # Belady: the hits' next requests; stamps stay the expert ids (ties: lowest id)
         for i in range(kk):
             e = ids[i]
             if e >= 0 and resident_E[e]:
                 score_E[e] = -nxt[i]
                 stamp_E[e] = e
-    st_S[4] += nvalid
-    st_S[5] += nvalid - nmiss
-    st_S[6] += nmiss
+    st_S[ACCESSES] += nvalid
+    st_S[HITS] += nvalid - nmiss
+    st_S[MISSES] += nmiss
     for m in range(nmiss):
         i = miss_buf[m]
         e = ids[i]
-        st_E[5, e] += 1
+        st_E[LOADS, e] += 1
         if n_res >= cap:
             victim = -1
             outside = True
-            if code == 0:  # LRU: the least recent resident expert (never one of this step's while C ≥ K)
+            if code == LRU:  # LRU: the least recent resident expert (never one of this step's while C ≥ K)
                 best = clock + 1
                 for x in range(resident_E.shape[0]):
                     if resident_E[x] and stamp_E[x] < best:
                         victim = x
                         best = stamp_E[x]
-            elif code == 3:  # resident = Top-C(Count): the smallest (count, was resident, stamp), then no
+            elif code == DISCOUNTED:  # resident = Top-C(Count): the smallest (count, was resident, stamp), then no
                 # admission if the missing expert ranks below it (a transient load, lifetime 0)
                 wv = 0
                 for x in range(resident_E.shape[0]):
@@ -145,8 +145,8 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
                             wv = wx
                 if score_E[e] < score_E[victim] or (score_E[e] == score_E[victim] and (
                         wv == 1 or stamp_E[e] < stamp_E[victim])):
-                    st_S[9] += 1
-                    st_E[4, e] += 1
+                    st_S[LIFETIMES] += 1
+                    st_E[LT_CNT, e] += 1
                     continue
             else:  # the smallest (score, stamp) outside this step; any resident expert when C < K
                 outside = False
@@ -158,40 +158,40 @@ def serve_one(ids, kk, nxt, code, st_E, score_E, st_S, pf, miss_buf):
                                                                  and stamp_E[x] < stamp_E[victim]))):
                             victim = x
                             outside = out
-            if code == 2 and not outside and -nxt[i] <= score_E[victim]:
-                st_S[9] += 1  # C < K: a transient load (served, then dropped, lifetime 0) keeps the victim
-                st_E[4, e] += 1
+            if code == BELADY and not outside and -nxt[i] <= score_E[victim]:
+                st_S[LIFETIMES] += 1  # C < K: a transient load (served, then dropped, lifetime 0) keeps the victim
+                st_E[LT_CNT, e] += 1
                 continue
             lt = step - loaded_at_E[victim]
-            st_S[7] += lt
-            st_S[8] += lt * lt
-            st_S[9] += 1
-            st_E[3, victim] += lt
-            st_E[4, victim] += 1
+            st_S[LIFETIME_SUM] += lt
+            st_S[LIFETIME_SUMSQ] += lt * lt
+            st_S[LIFETIMES] += 1
+            st_E[LT_SUM, victim] += lt
+            st_E[LT_CNT, victim] += 1
             resident_E[victim] = 0
             n_res -= 1
         resident_E[e] = 1
         loaded_at_E[e] = step
         n_res += 1
-        if code != 3:
+        if code != DISCOUNTED:
             clock += 1
             stamp_E[e] = clock
-        if code == 2:
+        if code == BELADY:
             score_E[e] = -nxt[i]
             stamp_E[e] = e
-    if code < 2 and 0 < nmiss < nvalid:  # rule 3: recency follows the given order
+    if (code == LRU or code == COUNTS) and 0 < nmiss < nvalid:  # rule 3: recency follows the given order
         for i in range(kk):
             e = ids[i]
             if e >= 0 and resident_E[e]:
                 clock += 1
                 stamp_E[e] = clock
-    if code != 0:
+    if code != LRU:
         for i in range(kk):
             if ids[i] >= 0:
                 serving_E[ids[i]] = 0
-    st_S[0] = clock
-    st_S[1] = step
-    st_S[2] = n_res
+    st_S[CLOCK] = clock
+    st_S[STEP] = step
+    st_S[N_RES] = n_res
 
 
 def _serve_for(code):
@@ -245,6 +245,8 @@ class ExpertCache:
 
     def __init__(self, num_experts: int, capacity: int, *, initial: str | Iterable[int] | None = None,
                  seed: int = 0, expert_bytes: int | Sequence[int] | None = None, gamma: float = 1.0) -> None:
+        if self.code not in CODES:  # serve_one has a victim score for these codes only
+            raise ValueError(f"{type(self).__name__}: unknown eviction code {self.code!r}; serve_one knows {CODES}")
         if num_experts < 1:
             raise ValueError(f"number of experts must be ≥ 1, got {num_experts}")
         if not 1 <= capacity <= num_experts:
