@@ -80,8 +80,10 @@ def check_target(routing: RoutingConfig, target: float, flags: str = "--target-m
     """Refuse a miss-rate target outside (0, 1), or for a policy the controller cannot steer."""
     if not (math.isfinite(target) and 0.0 < target < 1.0):
         raise ValueError(f"--target-miss-rate must be in (0, 1), got {target}")
-    if routing.policy not in ("cache-prior", "eras-bias"):
-        raise ValueError(f"{flags} control cache-prior (lambda) or eras-bias (beta), not --policy {routing.policy}")
+    from expertcache.routing.registry import STEERABLE
+
+    if routing.policy not in STEERABLE:
+        raise ValueError(f"{flags} control {' or '.join(STEERABLE)}, not --policy {routing.policy}")
 
 
 def target_label(routing: RoutingConfig, target: float) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from expertcache.routing.registry import NEEDS_PROFILE
 from expertcache.cache import EVICTION_POLICIES
 from expertcache.cli.common import (add_cache_state_args, apply_threads, capacity_list, check_input_file,
                                     check_output_path, csv_of, flag_message, nonneg_float, nonneg_int, one_of,
@@ -105,14 +106,14 @@ def _run(args: argparse.Namespace) -> int:
         m = trace.meta
         runs = _plan(plan, mode="open-loop", source=dict(trace=str(args.trace)), k=m.top_k,
                      num_experts=m.num_experts, **common)
-        freq = activation_frequency(trace.ids_TLK, m.num_experts) if "eras-bias" in policies else None
+        freq = activation_frequency(trace.ids_TLK, m.num_experts) if any(p in NEEDS_PROFILE for p in policies) else None
         execute = lambda r: open_loop_row(trace, r, freq_LE=freq)  # noqa: E731
     else:
         from expertcache.cli.eval import freq_profile
         from expertcache.eval import prepare
         from expertcache.models import family_for, find_moe_layers
 
-        freq = freq_profile(args, RoutingConfig("eras-bias")) if "eras-bias" in policies else None
+        freq = freq_profile(args, RoutingConfig(NEEDS_PROFILE[0])) if any(p in NEEDS_PROFILE for p in policies) else None
         model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
                                  max_new_tokens=args.max_new_tokens)
         layer0 = find_moe_layers(model, family_for(model))[0]
@@ -133,7 +134,7 @@ def _run(args: argparse.Namespace) -> int:
         from expertcache.eval import ray_sweep
 
         if args.trace:
-            spec = ray_sweep.open_loop_spec(args.trace, need_freq="eras-bias" in policies, threads=args.threads)
+            spec = ray_sweep.open_loop_spec(args.trace, need_freq=any(p in NEEDS_PROFILE for p in policies), threads=args.threads)
         else:
             spec = ray_sweep.closed_loop_spec(model=str(args.model), task=args.task, data_dir=args.data_dir,
                                               limit=args.limit, shots=args.shots,

@@ -19,14 +19,14 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from expertcache.routing.registry import SPECS
 from expertcache.results import pyplot, save_figure
 from expertcache.routing import STRENGTH
 
 __all__ = ["group_rows", "pareto_front", "identical_points", "pareto_markdown", "plot_tradeoff", "plot_cache_sizes",
            "plot_raster", "plot_sensitivity", "strength_of", "policy_of", "slug"]
 
-POLICY_COLORS = {"original": "black", "prune": "tab:gray", "max-rank": "tab:orange", "cumsum": "tab:green",
-                 "cache-prior": "tab:purple", "eras-threshold": "tab:blue", "eras-bias": "tab:cyan"}
+POLICY_COLORS = {s.name: s.colour for s in SPECS.values()}  # routing/registry.py
 
 
 def _routing(row) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import statistics
 import numpy as np
 import torch
 
+from expertcache.routing.registry import NEEDS_PROFILE
 from expertcache.offload.runtime import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
 
@@ -138,7 +139,7 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
             routing, eviction = pset[name]
-            rt.configure(routing=routing, eviction=eviction, freq_LE=freq if routing.policy == "eras-bias" else None)
+            rt.configure(routing=routing, eviction=eviction, freq_LE=freq if routing.policy in NEEDS_PROFILE else None)
             prefetched = prefetch(rt) if prefetch is not None else 0
             r = rt.generate(prompt_BS, tokens, forced_BN=forced_BN)
             s = r["decode_stats"]

@@ -30,6 +30,7 @@ from expertcache.routing import kernels as _rk
 from expertcache.routing.config import STRENGTH, Router
 from expertcache.routing.controller import ControllerConfig, MissRateController
 from expertcache.routing.policies import _check
+from expertcache.routing.registry import STEERABLE
 
 __all__ = ["BudgetRouter", "attach", "wrap", "expert_bytes"]
 
@@ -40,8 +41,8 @@ class BudgetRouter:
 
     def __init__(self, base: Router, controller: MissRateController) -> None:
         policy = base.config.policy
-        if policy not in ("cache-prior", "eras-bias"):
-            raise ValueError(f"a miss-rate target controls cache-prior or eras-bias, not {policy!r}")
+        if policy not in STEERABLE:
+            raise ValueError(f"a miss-rate target controls {' or '.join(STEERABLE)}, not {policy!r}")
         self.base = base
         self.controller = controller
         self.config = base.config

@@ -14,32 +14,10 @@ import numpy as np
 import torch
 
 from expertcache.routing import kernels as _rk
+# policy names, strengths, default top-J, Cache-Prior's set: declared once, in routing/registry.py
+from expertcache.routing.registry import CACHE_PRIOR, DEFAULT_TOP_J, POLICIES, SPECS, STRENGTH  # noqa: F401
 from expertcache.routing.policies import (DeltaAvg, Selection, _check, prune_rank, scores_from_logits,
                                           topk_rank, weights_for)
-
-POLICIES = ("original", "prune", "max-rank", "cumsum", "cache-prior", "eras-threshold", "eras-bias", "cache-prior-cost")
-
-#: Cache-Prior and its cost-aware variant (λ, Δavg, top-J 1)
-CACHE_PRIOR = ("cache-prior", "cache-prior-cost")
-
-#: Which hyper-parameter is a policy's "strength" (0 = original routing), for sweeps and reports.
-STRENGTH = {
-    "original": None,
-    "prune": "h",
-    "max-rank": "m",
-    "cumsum": "p",
-    "cache-prior": "lam",
-    "eras-threshold": "alpha",
-    "eras-bias": "beta",
-    "cache-prior-cost": "lam",
-}
-
-
-#: top-J each policy uses when none is given: 001 keeps the original top-1 (max-rank, cumsum, cache-prior);
-#: 003's ERAS policies have no such guarantee (J = 0). Unused by original and prune (kept at 1 so that their
-#: result rows keep their config keys).
-DEFAULT_TOP_J = {p: 0 if p.startswith("eras-") else 1 for p in POLICIES}
-
 
 @dataclass(frozen=True)
 class RoutingConfig:
@@ -109,7 +87,7 @@ class RoutingConfig:
 
     @property
     def cache_aware(self) -> bool:
-        return self.policy not in ("original", "prune")
+        return SPECS[self.policy].code is not None
 
     def label(self) -> str:
         """Short human-readable label, e.g. ``cache-prior(lam=0.5,J=1)``."""
@@ -251,8 +229,8 @@ class Router:
         params = self._params.get(key)
         if params is None or params.profile is not self.freq_LE:  # a new ERAS profile rebuilds
             d = self.delta_for(layer) if c.policy in CACHE_PRIOR else None
-            strength = {"cache-prior": c.lam, "cache-prior-cost": c.lam, "cumsum": c.p,
-                        "eras-threshold": c.alpha}.get(c.policy, 0.0)
+            name = SPECS[c.policy].strength  # the kernel's strength slot: λ, p or α (ERAS-bias's β is its penalty)
+            strength = float(getattr(c, name)) if name in ("lam", "p", "alpha") else 0.0
             ip, fp = _rk.pack(c.policy, min(c.top_j, self.k), m=min(c.m, self.num_experts), strength=strength,
                               fixed=None if d is None else d.fixed, allowed=allowed)
             penalty = None

@@ -26,10 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from expertcache.routing.registry import SPECS, STEERABLE
+
 __all__ = ["ControllerConfig", "MissRateController", "DEFAULT_RANGE"]
 
 #: (s_min, s_max, s0) per policy: Cache-Prior λ ∈ [0, 1]; ERAS-bias β ≥ 0 (penalty in logit units).
-DEFAULT_RANGE = {"cache-prior": (1e-3, 1.0, 0.2), "eras-bias": (1e-3, 8.0, 1.0)}
+DEFAULT_RANGE = STEERABLE  # declared per policy in routing/registry.py (PolicySpec.steer)
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,8 @@ class ControllerConfig:
     @classmethod
     def for_policy(cls, policy: str, target: float, **kw) -> "ControllerConfig":
         if policy not in DEFAULT_RANGE:
-            raise ValueError(f"--target-miss-rate controls cache-prior (λ) or eras-bias (β), not {policy!r}")
+            raise ValueError(f"--target-miss-rate controls {' or '.join(f'{p} ({SPECS[p].strength})' for p in DEFAULT_RANGE)}, "
+                             f"not {policy!r}")
         s_min, s_max, s0 = DEFAULT_RANGE[policy]
         return cls(target=target, **{"s_min": s_min, "s_max": s_max, "s0": s0, **kw})
 

@@ -36,16 +36,14 @@ import numpy as np
 from expertcache import compiled
 from expertcache.compiled import jit as _jit
 from expertcache.compiled import jit_inline as _jit_inline
+# policy -> kernel code; policies whose keys read the router probabilities (``prob_E``): declared in the registry
+from expertcache.routing.registry import CODES, NEEDS_PROBS
 
 __all__ = ["AVAILABLE", "CODES", "NEEDS_PROBS", "OK", "NOT_FINITE", "token_keys", "select", "rank", "pack",
            "restrict_to_groups"]
 
 AVAILABLE = compiled.AVAILABLE
 
-#: policy -> kernel code
-CODES = {"cache-prior": 0, "max-rank": 1, "eras-bias": 2, "cumsum": 3, "eras-threshold": 4, "cache-prior-cost": 5}
-#: policies whose keys read the router probabilities (``prob_E``)
-NEEDS_PROBS = ("cumsum", "eras-threshold")
 
 OK, NOT_FINITE = 0, 1
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from expertcache.routing.registry import NEEDS_PROFILE
 from expertcache.cache import EVICTIONS
 from expertcache.routing import POLICIES, STRENGTH, Router, RoutingConfig
 
@@ -454,7 +455,7 @@ def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str
     stop = min(trace.num_tokens, start + steps)
     part = RoutingTrace(logits_TLE=np.asarray(trace.logits_TLE[start:stop]),
                         ids_TLK=np.asarray(trace.ids_TLK[start:stop]), meta=replace(meta, sequence_starts=[0]))
-    freq = activation_frequency(trace.ids_TLK, meta.num_experts) if routing.policy == "eras-bias" else None
+    freq = activation_frequency(trace.ids_TLK, meta.num_experts) if routing.policy in NEEDS_PROFILE else None
     res = simulate(part, routing, capacity, eviction=eviction, gamma=gamma, freq_LE=freq)
     served_TLK = np.asarray(res.ids_TLK)
     T, L, _ = served_TLK.shape
