@@ -71,7 +71,7 @@ class ModelEmbedder:
     name = "model"
 
     def __init__(self, model, tok) -> None:
-        self.emb = model.get_input_embeddings().weight.detach().float()
+        self.emb = model.get_input_embeddings().weight.detach().float().cpu()  # numpy rows, whatever the device
         self.tok = tok
         self.dim = int(self.emb.shape[1])
 

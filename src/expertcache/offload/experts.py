@@ -40,7 +40,7 @@ def expert_views(blob_u8: torch.Tensor, parts: ExpertParts, placement: Placement
     if quant is not None:
         at = placement.slot_offset(parts, 0)
         return unpack_expert(blob_u8[at:at + parts.nbytes], quant, dtype)
-    esize = torch.empty((), dtype=parts.dtype).element_size()
+    esize = parts.dtype.itemsize
     out = []
     for off, shape in parts.tensors().values():
         at = placement.slot_offset(parts, off * esize)

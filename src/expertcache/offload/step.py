@@ -48,7 +48,7 @@ def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: in
     if ids_TK.shape[0] == 1:
         return [e for e in ids_TK[0].tolist() if e >= 0]
     valid_TK = ids_TK >= 0
-    total_E = torch.zeros(num_experts, dtype=torch.float32).index_add_(
+    total_E = torch.zeros(num_experts, dtype=torch.float32, device="cpu").index_add_(
         0, ids_TK[valid_TK], w_TK.to("cpu").float()[valid_TK])
     return sorted(set(ids_TK[valid_TK].tolist()), key=lambda e: (-float(total_E[e]), e))
 
@@ -153,10 +153,11 @@ class LayerSteps:
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         one = ids_cpu_TK.shape[0] == 1
         k_of = {e: k for k, e in enumerate(ids_cpu_TK[0].tolist())} if one else None
+        zero = torch.zeros(1, dtype=torch.long, device=x_TD.device)  # index tensors on the compute device
 
         def compute(e: int, slot: int) -> None:
             if one:  # one token: no gather (same values as the general path)
-                tok, k_pos = _ZERO, torch.tensor([k_of[e]])
+                tok, k_pos = zero, torch.tensor([k_of[e]], device=x_TD.device)
                 x = x_TD
             else:
                 k_pos, tok = torch.where((ids_TK == e).T)  # transformers' order: by slot k, then token
@@ -332,5 +333,3 @@ class LayerSteps:
         st.prefetched += n
         return n
 
-
-_ZERO = torch.zeros(1, dtype=torch.long)

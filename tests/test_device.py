@@ -1,0 +1,78 @@
+"""Issue 23: every tensor a decode step of the offloaded runtime creates is made on the compute device.
+
+On the CPU the guard is :mod:`device_guard`: the step runs with the default device ``meta``, so a tensor
+created without naming its device (the bug that made every family fail at its first forward on CUDA) shows up
+as an op touching ``meta``. ``test_gpu.py`` runs the same steps on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from device_guard import record_step
+from expertcache.models.tiny import save_tiny
+from expertcache.offload import OffloadConfig, OffloadedModel
+from expertcache.routing import RoutingConfig
+
+ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: save_tiny(a, root / a, seed=4) for a in ARCHS}
+
+
+def decode_steps(rt, device="cpu", guard=record_step):
+    """Prefill 3 tokens (rows 1 and 2), then one guarded decode step each: the one-token path and the
+    union path. Returns the recorders."""
+    recs = []
+    for rows in (1, 2):
+        ids = torch.randint(3, 100, (rows, 4), generator=torch.Generator().manual_seed(rows)).to(device)
+        with torch.inference_mode():
+            past = rt.forward(ids[:, :3], DynamicCache(config=rt.config)).past_key_values
+        out, rec = guard(rt.forward, ids[:, 3:], past)
+        assert out.logits.device.type == torch.device(device).type
+        recs.append(rec)
+    return recs
+
+
+def _assert_clean(recs, what):
+    for rec in recs:
+        assert not rec.meta, f"{what}: tensors made without a device: {rec.meta[:3]}"
+        assert not rec.mixed, f"{what}: ops mixing devices: {rec.mixed[:3]}"
+
+
+# transformers' own PhiMoE rotary embedding (longrope) builds a tensor without a device and moves it itself:
+# not ours, and it fails under the meta default; test_gpu.py covers phimoe on CUDA
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "phimoe"])
+def test_decode_step_makes_no_tensor_off_device(tiny_dir, arch):
+    for routing, readers, prefetch, tier in ((RoutingConfig(), 0, 0, "host"),
+                                             (RoutingConfig("cache-prior", lam=0.5), 2, 2, "disk")):
+        rt = OffloadedModel.from_pretrained(tiny_dir[arch], OffloadConfig(tier=tier, io="cached", capacity=2,
+                                                                          readers=readers, prefetch=prefetch),
+                                            dtype=torch.float32, routing=routing)
+        _assert_clean(decode_steps(rt), f"{arch} {routing.policy} readers={readers} prefetch={prefetch}")
+        rt.close()
+
+
+def test_guard_catches_a_tensor_made_without_device():
+    """The guard itself: a CPU-default tensor next to a device tensor is reported."""
+    x = torch.ones(3)
+    _, rec = record_step(lambda: x + 1)
+    assert not rec.meta and rec.ops["aten.add"] == 1
+    _, rec = record_step(lambda: torch.zeros(3) * 2)
+    assert rec.meta
+
+
+def test_generate_and_sampling_stay_on_device(tiny_dir):
+    rt = OffloadedModel.from_pretrained(tiny_dir["olmoe"], OffloadConfig(tier="host", capacity=2, readers=0),
+                                        dtype=torch.float32)
+    with torch.inference_mode():
+        want = rt.generate(torch.tensor([[5, 6]]), 4, temperature=0.8, seed=3)["tokens"]
+    got, rec = record_step(rt.generate, torch.tensor([[5, 6]], device="cpu"), 4, temperature=0.8, seed=3)
+    assert torch.equal(got["tokens"], want)
+    _assert_clean([rec], "generate")
