@@ -76,3 +76,55 @@ def test_generate_and_sampling_stay_on_device(tiny_dir):
     got, rec = record_step(rt.generate, torch.tensor([[5, 6]], device="cpu"), 4, temperature=0.8, seed=3)
     assert torch.equal(got["tokens"], want)
     _assert_clean([rec], "generate")
+
+
+# -- --device on every command that runs a model ----------------------------------------------------
+
+MODEL_COMMANDS = (["generate", "hi"], ["bench", "--model", "granular"], ["eval", "--task", "wikitext"],
+                  ["serve", "--model", "granular"], ["sweep", "--out", "o"], ["sensitivity", "--out", "o"],
+                  ["mole", "generate", "m", "p"])
+
+
+def test_device_flag_on_every_model_command():
+    from expertcache.cli.main import build_parser
+
+    parser = build_parser()
+    for argv in MODEL_COMMANDS:
+        assert parser.parse_args(argv).device == "auto", argv
+        assert parser.parse_args(argv + ["--device", "CUDA:1"]).device == "cuda:1", argv
+        assert parser.parse_args(argv + ["--device", "cpu"]).device == "cpu", argv
+
+
+def test_resolve_device_auto_and_cpu():
+    from expertcache.cli.common import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device exists")
+@pytest.mark.parametrize("argv", [["generate", "hi", "--max-new-tokens", "2"],
+                                  ["bench", "--model", "granular", "--tokens", "2"],
+                                  ["eval", "--task", "wikitext", "--limit", "1"],
+                                  ["mole", "generate", "m", "p"]])
+@pytest.mark.parametrize("device,why", [("cuda", "--device cuda"), ("cuda:1", "--device cuda:1"),
+                                        ("bogus", "--device")])
+def test_device_without_cuda_is_one_line_exit_2(argv, device, why, capsys):
+    from expertcache.cli.main import main
+
+    assert main(argv + ["--device", device]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and why in err[0], err
+
+
+def test_lm_eval_adapter_refuses_a_missing_device():
+    pytest.importorskip("lm_eval")
+    from expertcache.integrations.lm_eval import ExpertCacheLM
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal where no CUDA device exists")
+    with pytest.raises(ValueError, match="--device cuda"):
+        ExpertCacheLM(pretrained="granular", device="cuda")
+    with pytest.raises(ValueError, match="--device"):
+        ExpertCacheLM(pretrained="granular", device="tpu")
+    assert ExpertCacheLM(pretrained="granular", device="cpu").device == torch.device("cpu")

@@ -113,8 +113,10 @@ def _run(args: argparse.Namespace) -> int:
         from expertcache.models import family_for, find_moe_layers
 
         freq = freq_profile(args, RoutingConfig("eras-bias")) if "eras-bias" in policies else None
+        from expertcache.cli.common import device_from_args
+
         model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
-                                 max_new_tokens=args.max_new_tokens)
+                                 max_new_tokens=args.max_new_tokens, device=device_from_args(args))
         layer0 = find_moe_layers(model, family_for(model))[0]
         source = dict(model=str(args.model), task=args.task, limit=args.limit, shots=args.shots,
                       max_new_tokens=args.max_new_tokens if args.task == "gsm8k" else None)
