@@ -29,8 +29,11 @@ decoding (one token per step) the live hit/miss counts equal :func:`expertcache.
 ``OSError``/``CheckpointError`` (naming the file) in the caller, never hangs, and leaves the runtime with
 empty caches (as after :meth:`configure`).
 
-GPU: with ``device='cuda'`` slots are CUDA memory; a reader reads into a pinned staging buffer of its own
-and copies to the slot. That path is written but untested here (no GPU).
+GPU: with ``device='cuda'`` slots are CUDA memory. A read is one ``non_blocking`` copy from pinned memory
+into the slot on the runtime's copy stream (host tier: the expert's pinned row; disk tier and host cache: the
+reader's pinned staging buffer after the read into it), ordered after the compute stream's earlier work on
+that slot and before its next use by per-slot CUDA events (:meth:`LayerSteps._cuda_job`). Written for
+issue 23 and covered by ``tests/test_gpu.py`` (``-m gpu``), not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -132,7 +135,11 @@ class OffloadedModel(LayerSteps):
         self.capacity = self.plan.slots
         self._mlps = mlps
         self._cuda = device.type == "cuda"
-        self._staging = threading.local()
+        self._staging = threading.local()  # CUDA: each reader's pinned staging buffer (disk tier, host cache)
+        # CUDA: reads copy on their own stream; per slot, the event its copy waits for and the one compute waits for
+        self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._slot_free: dict[int, object] = {}
+        self._slot_ready: dict[int, object] = {}
         self._make_pools(self.capacity)
         self._stock_routers = [m.router.forward for m in layers]
         self.routing = RoutingConfig()

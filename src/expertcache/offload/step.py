@@ -81,6 +81,9 @@ class LayerSteps:
         key = (st.moe.index, e)
         placement = self._placement[key]
         pool.placement[slot] = (key, placement, None)
+        if self._cuda:  # pragma: no cover - GPU only: the copy into the slot waits for the work queued on it so far
+            self._slot_free[slot] = free = torch.cuda.Event()
+            free.record(torch.cuda.current_stream(self.device))
         t0 = time.perf_counter()
         ticket = self.readers.submit(self._job(st, e, slot, placement), tag=(e, slot), done=done)
         if not self.readers.readers:  # serial: the read ran right here, on the compute thread
@@ -100,15 +103,45 @@ class LayerSteps:
             read = lambda buf: tier.read(parts, placement, buf)
         if not self._cuda:
             return lambda: read(dest)
+        return self._cuda_job(slot, dest, read, None if self.host is not None or not isinstance(tier, HostTier)
+                              else tier.rows[layer_id][e])
 
-        def cuda_job() -> int:  # pragma: no cover - GPU only: tier -> this reader's pinned staging buffer -> slot
-            staging = getattr(self._staging, "buf", None)
-            if staging is None:
-                staging = self._staging.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
-            n = read(staging)
-            dest.copy_(staging)
+    def _cuda_job(self, slot: int, dest: torch.Tensor, read: Callable, row: torch.Tensor | None
+                  ) -> Callable[[], int]:  # pragma: no cover - GPU only (tests/test_gpu.py)
+        """The read of one expert into CUDA slot ``slot``, overlapped (issue 23): on the runtime's copy stream,
+        after the compute stream's work queued before the read was issued (the slot's previous occupant may
+        still be in use there), one ``non_blocking`` copy from pinned memory into the slot -- the host tier's
+        pinned row itself, or (disk, host cache) this reader's pinned staging buffer after the read into it;
+        the slot's ready event is recorded after it, and the compute stream waits on that event before its
+        first use of the slot (:meth:`_ready`): no staging memcpy for the host tier, no host-side sync."""
+        stream, free = self._copy_stream, self._slot_free.pop(slot, None)  # None: not issued by _submit
+
+        def job() -> int:
+            t0 = time.perf_counter()
+            if row is not None:
+                src, n = row, row.numel()
+            else:
+                local = self._staging
+                if getattr(local, "buf", None) is None:
+                    local.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
+                    local.done = None
+                if local.done is not None:  # the previous copy out of this staging buffer has finished
+                    local.done.synchronize()
+                n = read(local.buf)
+                src = local.buf[:n]
+            ready = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                if free is not None:
+                    stream.wait_event(free)
+                dest[:n].copy_(src, non_blocking=True)
+                ready.record(stream)
+            if row is None:
+                self._staging.done = ready
+            else:  # the host tier's own counters (its read() is not called: the copy is issued here)
+                self.tier.stats.add(n, time.perf_counter() - t0)
+            self._slot_ready[slot] = ready
             return n
-        return cuda_job
+        return job
 
     def _wait(self, ticket: Ticket, swallow: bool = False) -> None:
         t0 = time.perf_counter()
@@ -275,6 +308,10 @@ class LayerSteps:
         t = st.pool.pending.pop(slot, None)
         if t is not None:
             self._wait(t)
+        if self._cuda:  # pragma: no cover - GPU only: compute after the slot's copy (a device-side wait)
+            ready = self._slot_ready.pop(slot, None)
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
         if on_ready is not None:
             on_ready(e, slot)
 
