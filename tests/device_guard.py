@@ -62,3 +62,38 @@ def record_step(fn, *args, **kwargs):
     with torch.inference_mode(), torch.device("meta"), rec:
         out = fn(*args, **kwargs)
     return out, rec
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops (by name) while :attr:`active`; :func:`count_moe_ops` switches it on inside MoE blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active:
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_moe_ops(blocks, fn, *args, **kwargs):
+    """(result of ``fn(*args, **kwargs)``, Counter of the aten ops run inside the modules ``blocks``: the MoE
+    blocks -- router, routing policy, cache step, expert compute and combine)."""
+    counter = OpCounter()
+
+    def on(mod, args):
+        counter.active = True
+
+    def off(mod, args, out):
+        counter.active = False
+
+    hooks = [h for b in blocks for h in (b.register_forward_pre_hook(on), b.register_forward_hook(off))]
+    try:
+        with torch.inference_mode(), counter:
+            out = fn(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, counter.ops

@@ -73,6 +73,7 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
             return torch.mv(down, act(gate) * up)[None]
         gate, up = F.linear(x_TD, gate_up).chunk(2, dim=-1)
         return F.linear(act(gate) * up, down)
+    linear.act = act  # the one-token step batches the activation over its experts (step.py _serve_one)
     return linear
 
 

@@ -140,6 +140,12 @@ class OffloadedModel(LayerSteps):
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._slot_free: dict[int, object] = {}
         self._slot_ready: dict[int, object] = {}
+        # the views of an expert in a slot depend on its layout there: one small id per distinct layout
+        sigs: dict[tuple, int] = {}
+        self._layout_of = {k: sigs.setdefault((tuple(p.at), tuple((r.dest, r.nbytes) for r in self._parts[k].reads),
+                                               tuple(self._parts[k].tensors().items()), self._parts[k].dtype),
+                                              len(sigs)) for k, p in self._placement.items()}
+        self.slots_stable = False  # set by each step before its first expert is computed (step.py)
         self._make_pools(self.capacity)
         self._stock_routers = [m.router.forward for m in layers]
         self.routing = RoutingConfig()
@@ -216,6 +222,7 @@ class OffloadedModel(LayerSteps):
         """One arena of C cache slots per layer plus one scratch slot and P spares shared by all layers."""
         self.arena = SlotArena(len(self.layers), capacity, self.slot_bytes, self.device, scratch=1,
                                spare=self.offload.prefetch)
+        self._slot_views: dict[int, dict[int, tuple]] = {}  # slot -> layout id -> the expert tensors' views
 
     def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
         """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency."""

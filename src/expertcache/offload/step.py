@@ -66,6 +66,11 @@ class LayerState:
     guess: list[int] | None = None  # the pending next-layer guess for this layer
     io_wait: float = 0.0  # seconds the compute thread waited for this layer's reads
 
+    @property
+    def act(self):
+        """The ``linear`` layout's activation (weights (gate_up [2F, D], down [D, F])); None for others."""
+        return getattr(self.mlp, "act", None)
+
 
 class LayerSteps:
     """The per-layer step of :class:`~expertcache.offload.runtime.OffloadedModel` (a mixin: it reads the
@@ -168,47 +173,113 @@ class LayerSteps:
         held = pool.placement.get(slot)
         if held is not None and held[0] == key and held[2] is not None:
             return held[2]
-        w = expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype, self.source.quant)
-        if self.source.quant is None:
+        if self.source.quant is not None:  # dequantised into new tensors: nothing to keep
+            return expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype, self.source.quant)
+        parts = self._parts[key]
+        if parts.dtype != self.dtype:  # converted copies, not views: made for this expert only
+            w = expert_views(pool.buffer[slot], parts, self._placement[key], self.dtype)
             pool.placement[slot] = (key, self._placement[key], w)
+            return w
+        # views depend only on the slot and the expert's layout in it (offsets, shapes, dtype): experts of one
+        # layout (every expert of the host tier) reuse the slot's views, no view ops per miss
+        sig = self._layout_of[key]
+        kept = self._slot_views.setdefault(slot, {})
+        w = kept.get(sig)
+        if w is None:
+            w = expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype)
+            if len(kept) >= 4:  # disk O_DIRECT placements vary with file alignment: keep a few per slot
+                kept.pop(next(iter(kept)))
+            kept[sig] = w
+        pool.placement[slot] = (key, self._placement[key], w)
         return w
 
     # -- the MoE step ----------------------------------------------------------------------------
 
     def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         st = self.states[index]
-        ids_cpu_TK = ids_TK.to("cpu")
-        order = union_order(ids_cpu_TK, w_TK, self.num_experts)
-        if self.record and ids_cpu_TK.shape[0] == 1:
+        ids_cpu_TK = ids_TK.to("cpu")  # the layer's one device -> host transfer: what the cache step needs
+        one = ids_cpu_TK.shape[0] == 1
+        if one:
+            row = ids_cpu_TK[0].tolist()
+            order = [e for e in row if e >= 0]
+        else:
+            order = union_order(ids_cpu_TK, w_TK, self.num_experts)
+        if self.record and one:
             st.steps.append(list(order))
         t0 = time.perf_counter()
         wait0 = self.io_wait_seconds
-        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        one = ids_cpu_TK.shape[0] == 1
-        k_of = {e: k for k, e in enumerate(ids_cpu_TK[0].tolist())} if one else None
-        zero = torch.zeros(1, dtype=torch.long, device=x_TD.device)  # index tensors on the compute device
+        if one:
+            final_TD = self._serve_one(st, x_TD, ids_TK, w_TK, order)
+        else:
+            final_TD = self._serve_many(st, x_TD, ids_TK, w_TK, order)
+        st.io_wait += self.io_wait_seconds - wait0
+        self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
+        return final_TD
 
-        def compute(e: int, slot: int) -> None:
-            if one:  # one token: no gather (same values as the general path)
-                tok, k_pos = zero, torch.tensor([k_of[e]], device=x_TD.device)
-                x = x_TD
-            else:
-                k_pos, tok = torch.where((ids_TK == e).T)  # transformers' order: by slot k, then token
-                x = x_TD[tok]
-            h = st.mlp(x, self._weights(st, e, slot))
-            out[e] = (tok, h * w_TK[tok, k_pos, None])
-
+    def _run_step(self, st: LayerState, order: list[int], compute, x_TD: torch.Tensor) -> None:
         try:
             self._step(st, order, compute, x_TD)
         except BaseException:
             self._fail()
             raise
-        st.io_wait += self.io_wait_seconds - wait0
+
+    def _serve_one(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
+                   order: list[int]) -> torch.Tensor:
+        """One token ([1, D]), ``linear`` layout: the experts' matrix-vector products (two ``mv`` each, exactly
+        the family's one-token MLP in :func:`~expertcache.offload.experts.expert_mlp`) with the activation
+        batched over the step's U experts, when the step reads no slot twice (:attr:`slots_stable`; else each
+        expert's MLP as its slot is ready, a scratch slot being reused for the next one; other layouts: the
+        family's MLP per expert). Then, batched: the routing weights and the combine -- in ascending expert
+        id, each output added to a zero row in turn, the sums of transformers' experts loop (``index_add_``
+        per expert), so the values are the per-expert path's bit for bit. About 3U + 14 tensor ops."""
+        x_D = x_TD[0]
+        act = st.act
+        h: dict[int, torch.Tensor] = {}
+        ws: dict[int, tuple[torch.Tensor, ...]] = {}
+
+        def compute(e: int, slot: int) -> None:
+            w = self._weights(st, e, slot)
+            if act is not None and self.slots_stable:  # (set by _step before its first on_ready)
+                ws[e] = w  # computed when the step ends, batched over its experts
+            elif act is not None:
+                gate_F, up_F = torch.mv(w[0], x_D).chunk(2)
+                h[e] = torch.mv(w[1], act(gate_F) * up_F)
+            else:
+                h[e] = st.mlp(x_TD, w)[0]
+
+        self._run_step(st, order, compute, x_TD)
+        if ws:  # the same matrix-vector products; act(gate) * up row-wise (elementwise: the same values)
+            es = sorted(ws)
+            gate_UF, up_UF = torch.stack([torch.mv(ws[e][0], x_D) for e in es]).chunk(2, dim=-1)
+            a_UF = act(gate_UF) * up_UF
+            h_UD = torch.stack([torch.mv(ws[e][1], a_F) for e, a_F in zip(es, a_UF.unbind(0))])
+        else:
+            es = sorted(h)
+            h_UD = torch.stack([h[e] for e in es])
+        # the routing weight of each expert, in ascending expert id (ids of one token are distinct; -1 sorts first)
+        perm_U = ids_TK[0].argsort()[len(ids_TK[0]) - len(es):]
+        hw_UD = (h_UD * w_TK[0, perm_U, None]).to(x_TD.dtype)
+        final_D = torch.zeros_like(x_D)
+        for hw_D in hw_UD.unbind(0):
+            final_D.add_(hw_D)
+        return final_D[None]
+
+    def _serve_many(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
+                    order: list[int]) -> torch.Tensor:
+        """T > 1 tokens: each expert's rows gathered and computed as its slot is ready; combined in ascending
+        expert id (transformers' order)."""
+        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def compute(e: int, slot: int) -> None:
+            k_pos, tok = torch.where((ids_TK == e).T)  # transformers' order: by slot k, then token
+            h = st.mlp(x_TD[tok], self._weights(st, e, slot))
+            out[e] = (tok, h * w_TK[tok, k_pos, None])
+
+        self._run_step(st, order, compute, x_TD)
         final_TD = torch.zeros_like(x_TD)
         for e in sorted(out):
             tok, h = out[e]
             final_TD.index_add_(0, tok, h.to(final_TD.dtype))
-        self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
         return final_TD
 
     def _fail(self) -> None:
@@ -230,6 +301,18 @@ class LayerSteps:
         if st.guess is not None:  # score the guess made for this step
             self.prefetch_stats.score(st.moe.index, st.guess, order)
             st.guess = None
+        slot_of = pool.slot_of
+        if all(e in slot_of for e in order):  # every request a hit: no read, no eviction, no slot changes hands
+            self.slots_stable = True
+            st.cache.access_step(order)
+            if self.host is not None:
+                self.host.touch(st.moe.index, order)
+            if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
+                self._guess_next(st.moe.index + 1, x_TD)
+            if on_ready is not None:
+                for e in order:
+                    self._ready(st, slot_of[e], on_ready, e)
+            return
         before = dict(pool.slot_of)
         hits = st.cache.access_step(list(order))
         if self.host is not None:  # fast hits refresh their host entries (the host level's LRU sees every use)
@@ -275,6 +358,9 @@ class LayerSteps:
             inflight[e] = slot
         if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
             self._guess_next(st.moe.index + 1, x_TD)
+        # no slot of this step is read into twice (no scratch rotation, no miss into a hit's slot): every
+        # expert's slot keeps its bytes until the step ends, so on_ready may compute from it later
+        self.slots_stable = not (deferred or on_scratch or waiting_scratch)
         if on_ready is not None:
             for e, hit in zip(order, hits):
                 if hit:
