@@ -128,3 +128,19 @@ def test_lm_eval_adapter_refuses_a_missing_device():
     with pytest.raises(ValueError, match="--device"):
         ExpertCacheLM(pretrained="granular", device="tpu")
     assert ExpertCacheLM(pretrained="granular", device="cpu").device == torch.device("cpu")
+
+
+def test_gpu_check_help_and_refusal_without_cuda():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    res = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "pytest -m gpu" in res.stdout
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal where no CUDA device exists")
+    res = subprocess.run([sys.executable, str(script), "--out-dir", "never-written"], capture_output=True, text=True)
+    assert res.returncode == 2 and not Path("never-written").exists()
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0]
