@@ -231,7 +231,7 @@ class OffloadedModel(LayerSteps):
         z_cpu_TE = z_TE.detach().to("cpu")
         zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
         if self.routing.cache_aware:
-            resident_TE = torch.tensor(self.states[m.index].cache.resident_mask(), device="cpu").expand_as(zr_TE)
+            resident_TE = torch.from_numpy(self.states[m.index].cache.resident_array()).expand_as(zr_TE)
         else:
             resident_TE = torch.ones_like(zr_TE, dtype=torch.bool)
         if allowed_TE is not None:
