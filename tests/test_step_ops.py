@@ -89,3 +89,55 @@ def test_bf16_compute_of_an_fp32_checkpoint_reads_each_experts_own_weights(tmp_p
     want = logits(None)
     for c in (1, 2):
         assert torch.equal(logits(c), want), c
+
+
+def test_hits_are_computed_while_the_misses_are_read(tmp_path):
+    """With reader threads, a step computes its hits while its misses are in flight (the overlap of
+    docs/ARCHITECTURE.md): here every read waits until the step has run an expert's activation (or 1 s), so a
+    step with a hit that computed only after its reads landed would be seen waiting out the timeout."""
+    import threading
+
+    from expertcache.models.tiny import save_tiny
+
+    path = save_tiny("olmoe", tmp_path / "olmoe", seed=4)
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=6, readers=2), dtype=torch.float32)
+    ids = torch.randint(3, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        past = rt.forward(ids[:, :1], DynamicCache(config=rt.config)).past_key_values
+    computed, timed_out, step = threading.Event(), set(), [0]
+    saved = [st.mlp.act for st in rt.states]
+    for st, act in zip(rt.states, saved):
+        st.mlp.act = lambda x, act=act: (computed.set(), act(x))[1]
+    job = rt._job
+
+    def slow_job(st, e, slot, placement):
+        read, at = job(st, e, slot, placement), step[0]
+
+        def run():
+            if not computed.wait(1):
+                timed_out.add(at)
+            return read()
+        return run
+
+    rt._job = slow_job
+    mixed = []  # steps (token, layer) with a hit and a miss
+    try:
+        with torch.inference_mode():
+            for t in range(1, ids.shape[1]):
+                s0 = [(c.hits, c.misses) for c in rt.cache_stats()]
+                def enter(mod, args, li=None, t=t):  # a new step: its reads wait for its own activations
+                    computed.clear()
+                    step[0] = (t, li)
+                hooks = [m.block.register_forward_pre_hook(lambda mod, a, li=li: enter(mod, a, li))
+                         for li, m in enumerate(rt.layers)]
+                past = rt.forward(ids[:, t:t + 1], past).past_key_values
+                for h in hooks:
+                    h.remove()
+                for li, (c, (h0, m0)) in enumerate(zip(rt.cache_stats(), s0)):
+                    if c.hits > h0 and c.misses > m0:
+                        mixed.append((t, li))
+    finally:
+        for st, act in zip(rt.states, saved):
+            st.mlp.act = act
+    assert mixed
+    assert not timed_out.intersection(mixed), sorted(timed_out.intersection(mixed))

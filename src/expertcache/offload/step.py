@@ -359,8 +359,11 @@ class LayerSteps:
         if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
             self._guess_next(st.moe.index + 1, x_TD)
         # no slot of this step is read into twice (no scratch rotation, no miss into a hit's slot): every
-        # expert's slot keeps its bytes until the step ends, so on_ready may compute from it later
-        self.slots_stable = not (deferred or on_scratch or waiting_scratch)
+        # expert's slot keeps its bytes until the step ends, so on_ready may compute from it later -- when no
+        # read is in flight either (serial reads are done already): else the hits are computed now, while the
+        # misses are read
+        self.slots_stable = not (deferred or on_scratch or waiting_scratch) and \
+            (not inflight or not self.readers.readers)
         if on_ready is not None:
             for e, hit in zip(order, hits):
                 if hit:
