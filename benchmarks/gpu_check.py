@@ -95,12 +95,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         return _fail(f"no CUDA device (torch {torch.__version__}, CUDA build: {torch.version.cuda}); run it on a "
                      "machine with a GPU")
-    from expertcache.cli.common import resolve_device
-    from expertcache.cli.main import UsageError
+    from expertcache.device import resolve_device
 
     try:
         device = resolve_device(args.device)
-    except (UsageError, argparse.ArgumentTypeError) as exc:
+    except ValueError as exc:
         return _fail(str(exc))
     if device.type != "cuda":
         return _fail(f"--device {args.device}: the GPU check needs a CUDA device")

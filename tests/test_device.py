@@ -96,7 +96,7 @@ def test_device_flag_on_every_model_command():
 
 
 def test_resolve_device_auto_and_cpu():
-    from expertcache.cli.common import resolve_device
+    from expertcache.device import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto") == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -144,3 +144,61 @@ def test_gpu_check_help_and_refusal_without_cuda():
     assert res.returncode == 2 and not Path("never-written").exists()
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0]
+
+
+class _FakeEvent:
+    """Stands in for ``torch.cuda.Event`` on the CPU: records which stream recorded it."""
+
+    log: list = []
+
+    def record(self, stream=None):
+        _FakeEvent.log.append(("record", id(self)))
+
+    def synchronize(self):
+        _FakeEvent.log.append(("synchronize", id(self)))
+
+
+class _FakeStream:
+    def wait_event(self, event):
+        _FakeEvent.log.append(("wait", id(event)))
+
+
+@pytest.mark.parametrize("tier,readers,host_memory", [("host", 0, None), ("host", 2, None), ("disk", 2, None),
+                                                      ("disk", 2, "64KiB")])
+def test_cuda_copy_path_runs_with_stand_in_streams(tiny_dir, monkeypatch, tier, readers, host_memory):
+    """The CUDA read path (step.py ``_cuda_job``: copy stream, per-slot events, pinned staging) cannot run here;
+    with stand-in streams and events it runs on CPU tensors: the same logits as the CPU path, every slot's
+    ready event waited for by the compute stream, every copy ordered after a free event."""
+    import contextlib
+
+    path = tiny_dir["olmoe"]
+    cfg = OffloadConfig(tier=tier, io="cached", capacity=2, readers=readers, prefetch=2, host_memory=host_memory)
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(4))
+
+    def logits(rt):
+        with torch.inference_mode():
+            out = rt.forward(ids[:, :2], DynamicCache(config=rt.config))
+            got, past = [out.logits], out.past_key_values
+            for t in range(2, ids.shape[1]):
+                out = rt.forward(ids[:, t:t + 1], past)
+                got.append(out.logits)
+                past = out.past_key_values
+        rt.close()
+        return torch.cat(got, 1)
+
+    want = logits(OffloadedModel.from_pretrained(path, cfg, dtype=torch.float32))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    rt = OffloadedModel.from_pretrained(path, cfg, dtype=torch.float32)
+    rt._cuda, rt._copy_stream = True, _FakeStream()
+    monkeypatch.setattr(rt, "_pinned_buffer", lambda n: torch.empty(n, dtype=torch.uint8))
+    _FakeEvent.log.clear()
+    assert torch.equal(logits(rt), want)
+    log = _FakeEvent.log
+    records = [i for k, i in log if k == "record"]
+    waits = [i for k, i in log if k == "wait"]
+    assert records and set(waits) <= set(records)
+    s = rt.stats()
+    assert s["misses"] > 0 and not rt._slot_free
+    assert s["bytes_read"] == s["expert_loads"] * rt.expert_bytes  # the host tier's copies are counted too

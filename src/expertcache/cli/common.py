@@ -362,14 +362,13 @@ DEVICE_HELP = ("compute device: auto (default) = cuda:0 when torch sees a CUDA d
 
 
 def device_spec(text: str) -> str:
-    """argparse type of ``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (syntax only; whether the device
-    exists is :func:`resolve_device`'s check)."""
-    t = text.strip().lower()
-    if t in ("auto", "cpu", "cuda"):
-        return t
-    if t.startswith("cuda:") and t[5:].isdigit():
-        return f"cuda:{int(t[5:])}"
-    raise argparse.ArgumentTypeError(f"{text!r} is not a device; choose auto, cpu, cuda or cuda:N")
+    """argparse type of ``--device`` (:func:`expertcache.device.parse_device`: syntax only)."""
+    from expertcache.device import DEVICE_CHOICES, parse_device
+
+    try:
+        return parse_device(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; choose {DEVICE_CHOICES}") from None
 
 
 def add_device_arg(parser) -> None:
@@ -378,34 +377,16 @@ def add_device_arg(parser) -> None:
                         help=DEVICE_HELP)
 
 
-def resolve_device(spec: str | None = "auto"):
-    """The ``torch.device`` of a ``--device`` value: ``auto`` = ``cuda:0`` when torch sees a CUDA device, else
-    ``cpu``. A CUDA device this torch build or machine does not have is a ``UsageError`` naming ``--device``
-    (one line, exit 2), raised before any model is loaded."""
-    import torch
-
-    from expertcache.cli.main import UsageError
-
-    spec = device_spec(spec or "auto") if not isinstance(spec, torch.device) else str(spec)
-    if spec == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    if spec == "cpu":
-        return torch.device("cpu")
-    if torch.version.cuda is None:
-        raise UsageError(f"--device {spec}: this torch build ({torch.__version__}) has no CUDA; use --device cpu "
-                         "or install a CUDA build of torch")
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n == 0:
-        raise UsageError(f"--device {spec}: torch sees no CUDA device (CUDA_VISIBLE_DEVICES, driver?); use "
-                         "--device cpu")
-    dev = torch.device("cuda:0" if spec == "cuda" else spec)
-    if dev.index >= n:
-        raise UsageError(f"--device {spec}: only {n} CUDA device(s) visible (cuda:0..cuda:{n - 1})")
-    return dev
-
-
 def device_from_args(args: argparse.Namespace):
-    """Resolve ``args.device`` in place (a ``torch.device``; its string in ``args.device``) and return it."""
-    dev = resolve_device(getattr(args, "device", "auto"))
+    """Resolve ``args.device`` (:func:`expertcache.device.resolve_device`) in place -- its string in
+    ``args.device`` -- and return the ``torch.device``. A device this machine lacks: one line naming
+    ``--device``, exit 2, before any model is loaded."""
+    from expertcache.cli.main import UsageError
+    from expertcache.device import resolve_device
+
+    try:
+        dev = resolve_device(getattr(args, "device", "auto"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     args.device = str(dev)
     return dev

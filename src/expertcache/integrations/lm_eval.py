@@ -101,11 +101,11 @@ class ExpertCacheLM(TemplateLM):
         if str(batch_size) not in ("1", "auto") and _num("batch_size", batch_size, int) != 1:
             raise ValueError(f"--batch_size {batch_size}: the expertcache model runs one request at a time "
                              "(its caches see one token stream); use --batch_size 1")
-        from expertcache.cli.common import resolve_device
-        try:  # lm-eval passes --device only when given: None = auto (the first CUDA device, else the CPU)
-            self._device = resolve_device(device or "auto")
-        except Exception as exc:  # UsageError (no such device) or ArgumentTypeError (not a device name)
-            raise ValueError(str(exc) if str(exc).startswith("--device") else f"--device {device}: {exc}") from None
+        from expertcache.device import resolve_device
+
+        # lm-eval passes --device only when given: None = auto (the first CUDA device, else the CPU); a device
+        # this machine lacks is a ValueError naming --device
+        self._device = resolve_device(device)
         torch.set_num_threads(_num("threads", threads, int) or 1)
         cap = capacity
         if isinstance(cap, str):

@@ -128,7 +128,7 @@ class LayerSteps:
             else:
                 local = self._staging
                 if getattr(local, "buf", None) is None:
-                    local.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
+                    local.buf = self._pinned_buffer(self.slot_bytes)
                     local.done = None
                 if local.done is not None:  # the previous copy out of this staging buffer has finished
                     local.done.synchronize()
@@ -147,6 +147,11 @@ class LayerSteps:
             self._slot_ready[slot] = ready
             return n
         return job
+
+    @staticmethod
+    def _pinned_buffer(nbytes: int) -> torch.Tensor:  # pragma: no cover - GPU only
+        """A reader's staging buffer: page-locked host memory (async copies to the device; O_DIRECT reads)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def _wait(self, ticket: Ticket, swallow: bool = False) -> None:
         t0 = time.perf_counter()
