@@ -146,6 +146,7 @@ class OffloadedModel(LayerSteps):
                                                tuple(self._parts[k].tensors().items()), self._parts[k].dtype),
                                               len(sigs)) for k, p in self._placement.items()}
         self.slots_stable = False  # set by each step before its first expert is computed (step.py)
+        self._routed_ids: tuple | None = None  # (ids on the device, the same ids on the host) of the last _route
         self._make_pools(self.capacity)
         self._stock_routers = [m.router.forward for m in layers]
         self.routing = RoutingConfig()
@@ -240,7 +241,9 @@ class OffloadedModel(LayerSteps):
             self.router.set_miss_costs(m.index, self.miss_costs(m.index))
         ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE), z_cpu_TE)
         w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK)
-        return w_TK.to(w0_TK.dtype).to(w0_TK.device), ids_TK.to(ids0_TK.device)
+        ids_dev_TK = ids_TK.to(ids0_TK.device)
+        self._routed_ids = (ids_dev_TK, ids_TK)  # the step reads the host copy back (no second device -> host)
+        return w_TK.to(w0_TK.dtype).to(w0_TK.device), ids_dev_TK
 
     def miss_costs(self, index: int) -> np.ndarray:
         """float32 [N]: the cost of loading each expert of layer ``index`` now, relative to the most expensive

@@ -202,7 +202,10 @@ class LayerSteps:
 
     def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         st = self.states[index]
-        ids_cpu_TK = ids_TK.to("cpu")  # the layer's one device -> host transfer: what the cache step needs
+        routed, self._routed_ids = self._routed_ids, None
+        # the layer's one device -> host transfer (what the cache step needs); none when the routing policy made
+        # these very ids on the host (cache-aware routing copied the logits instead)
+        ids_cpu_TK = routed[1] if routed is not None and routed[0] is ids_TK else ids_TK.to("cpu")
         one = ids_cpu_TK.shape[0] == 1
         if one:
             row = ids_cpu_TK[0].tolist()
