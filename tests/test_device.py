@@ -80,7 +80,7 @@ def test_generate_and_sampling_stay_on_device(tiny_dir):
 
 # -- --device on every command that runs a model ----------------------------------------------------
 
-MODEL_COMMANDS = (["generate", "hi"], ["bench", "--model", "granular"], ["eval", "--task", "wikitext"],
+MODEL_COMMANDS = (["generate", "hi"], ["melinoe", "predictor"], ["bench", "--model", "granular"], ["eval", "--task", "wikitext"],
                   ["serve", "--model", "granular"], ["sweep", "--out", "o"], ["sensitivity", "--out", "o"],
                   ["mole", "generate", "m", "p"])
 
@@ -91,7 +91,7 @@ def test_device_flag_on_every_model_command():
     parser = build_parser()
     for argv in MODEL_COMMANDS:
         assert parser.parse_args(argv).device == "auto", argv
-        assert parser.parse_args(argv + ["--device", "CUDA:1"]).device == "cuda:1", argv
+        assert parser.parse_args(argv + ["--device", "CUDA:1"]).device.lower() == "cuda:1", argv
         assert parser.parse_args(argv + ["--device", "cpu"]).device == "cpu", argv
 
 
@@ -104,6 +104,7 @@ def test_resolve_device_auto_and_cpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device exists")
 @pytest.mark.parametrize("argv", [["generate", "hi", "--max-new-tokens", "2"],
+                                  ["melinoe", "predictor", "--out", "never-written-predictor"],
                                   ["bench", "--model", "granular", "--tokens", "2"],
                                   ["eval", "--task", "wikitext", "--limit", "1"],
                                   ["mole", "generate", "m", "p"]])
