@@ -80,7 +80,7 @@ def test_generate_and_sampling_stay_on_device(tiny_dir):
 
 # -- --device on every command that runs a model ----------------------------------------------------
 
-MODEL_COMMANDS = (["generate", "hi"], ["melinoe", "predictor"], ["bench", "--model", "granular"], ["eval", "--task", "wikitext"],
+MODEL_COMMANDS = (["generate", "hi"], ["melinoe", "predictor"], ["melinoe", "finetune"], ["bench", "--model", "granular"], ["eval", "--task", "wikitext"],
                   ["serve", "--model", "granular"], ["sweep", "--out", "o"], ["sensitivity", "--out", "o"],
                   ["mole", "generate", "m", "p"])
 
@@ -105,6 +105,7 @@ def test_resolve_device_auto_and_cpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no CUDA device exists")
 @pytest.mark.parametrize("argv", [["generate", "hi", "--max-new-tokens", "2"],
                                   ["melinoe", "predictor", "--out", "never-written-predictor"],
+                                  ["melinoe", "finetune", "--out", "never-written-finetune"],
                                   ["bench", "--model", "granular", "--tokens", "2"],
                                   ["eval", "--task", "wikitext", "--limit", "1"],
                                   ["mole", "generate", "m", "p"]])
