@@ -283,6 +283,10 @@ class ExpertCache:
         """Residency as a list of N booleans (turn into a torch mask with ``torch.tensor``)."""
         return self.st_E[RESIDENT].astype(bool).tolist()
 
+    def resident_array(self) -> np.ndarray:
+        """Residency as a new bool [N] numpy array (``torch.from_numpy`` shares it: no per-element conversion)."""
+        return self.st_E[RESIDENT].astype(bool)
+
     def recency(self) -> list[tuple[int, int]]:
         """``(expert, load step)`` of the resident experts by ascending stamp (for LRU: least recent first)."""
         ids = np.flatnonzero(self.st_E[RESIDENT])

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from expertcache.cli.common import add_predictor_arg, check_output_path, nonneg_int, positive_int, predictor_from_args
+from expertcache.cli.common import add_predictor_arg, device_from_args, check_output_path, nonneg_int, positive_int, predictor_from_args
 from expertcache.cli.generate import add_offload_args, check_context, dtype_from_args, offload_from_args
 
 DESCRIPTION = """\
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.results import append_jsonl
 
     check_output_path(args.out, "--out")
+    device_from_args(args)  # a bad --device: one line, before anything loads
     if args.make_model:
         from expertcache.offload.make_model import make_bench_model
 
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     _print_resolved(path, args.policies)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     result = run_bench(path, offload, policies=args.policies, prompt_BS=prompt, tokens=args.tokens,
-                       repeats=args.repeats, dtype=dtype_from_args(args), forced_BN=forced,
+                       repeats=args.repeats, dtype=dtype_from_args(args), forced_BN=forced, device=args.device,
                        on_row=(lambda row: append_jsonl(args.out, row)) if args.out else None, log=log,
                        prefetch=_prefetcher(predictor, path, prompt))
     if args.json:

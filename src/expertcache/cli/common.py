@@ -365,3 +365,40 @@ def predictor_from_args(args):
     from expertcache.melinoe.predictor import Predictor
 
     return Predictor.load(args.predictor)
+
+
+# -- compute device (every command that runs a model) ---------------------------------------------
+
+DEVICE_HELP = ("compute device: auto (default) = cuda:0 when torch sees a CUDA device, else cpu; cpu; cuda; "
+               "cuda:N")
+
+
+def device_spec(text: str) -> str:
+    """argparse type of ``--device`` (:func:`expertcache.device.parse_device`: syntax only)."""
+    from expertcache.device import DEVICE_CHOICES, parse_device
+
+    try:
+        return parse_device(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; choose {DEVICE_CHOICES}") from None
+
+
+def add_device_arg(parser) -> None:
+    """``--device {auto,cpu,cuda,cuda:N}`` (default auto)."""
+    parser.add_argument("--device", default="auto", type=device_spec, metavar="{auto,cpu,cuda,cuda:N}",
+                        help=DEVICE_HELP)
+
+
+def device_from_args(args: argparse.Namespace):
+    """Resolve ``args.device`` (:func:`expertcache.device.resolve_device`) in place -- its string in
+    ``args.device`` -- and return the ``torch.device``. A device this machine lacks: one line naming
+    ``--device``, exit 2, before any model is loaded."""
+    from expertcache.cli.main import UsageError
+    from expertcache.device import resolve_device
+
+    try:
+        dev = resolve_device(getattr(args, "device", "auto"))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    args.device = str(dev)
+    return dev

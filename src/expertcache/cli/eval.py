@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-from expertcache.cli.common import (add_cache_args, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads,
+from expertcache.cli.common import (add_cache_args, add_device_arg, device_from_args, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads,
                                     check_input_file, check_output_path, check_target, nonneg_int, pct, positive_int,
                                     predictor_from_args, print_controller, print_resolved, routing_from_args,
                                     target_label)
@@ -43,6 +43,7 @@ def add_model_task_args(p: argparse.ArgumentParser, *, task_required: bool = Tru
                    "gsm8k generation, else all)")
     g.add_argument("--freq-from", default=None, help="eras-bias: trace to build the activation profile from")
     add_threads_arg(g)
+    add_device_arg(g)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.results import append_jsonl
 
     apply_threads(args, getattr(args, "model", None))
+    device = device_from_args(args)
     routing = routing_from_args(args)
     check_output_path(args.out, "--out")
     check_output_path(args.trace_out, "--trace-out")
@@ -142,12 +144,13 @@ def run(args: argparse.Namespace) -> int:
                    + ("" if not hook else f", target miss rate {args.target_miss_rate}" if args.target_miss_rate
                       is not None else f", target {args.target_bytes_per_token:g} expert bytes per token"))
     model, tok, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
-                             max_new_tokens=args.max_new_tokens)
+                             max_new_tokens=args.max_new_tokens, device=device)
     row = evaluate(model, task, routing, eviction=args.eviction, capacity=args.capacity, gamma=args.gamma,
                    initial=args.initial, seed=args.seed, between_sequences=args.between_sequences, scope=args.scope,
                    freq_LE=freq, replace_rank=args.replace_rank, progress=not args.no_progress,
                    trace_out=args.trace_out, model_name=args.model, prefetch=_prefetcher(predictor, model, tok),
                    router_hook=hook)
+    row["device"] = str(device)
     if args.json:
         print(json.dumps(row, sort_keys=True))
     else:

@@ -7,7 +7,7 @@ import json
 import sys
 
 from expertcache.cache import EVICTIONS
-from expertcache.cli.common import (add_predictor_arg, add_routing_args, add_threads_arg, apply_threads, memory_spec,
+from expertcache.cli.common import (add_device_arg, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads, device_from_args, memory_spec,
                                     nonneg_float, nonneg_int, positive_int, predictor_from_args, print_resolved,
                                     prompt_text, routing_from_args, unit_float)
 
@@ -66,6 +66,7 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                    "discounted counts, always admits)")
     g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma / gamma-admit cache in [0, 1] (default 0.9)")
     add_threads_arg(g)
+    add_device_arg(g)
 
 
 def _host_memory_spec(text: str) -> str:
@@ -90,6 +91,7 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     ``--prefetch`` without a count means K (read from ``path``'s config)."""
     from expertcache.offload import OffloadConfig
 
+    device_from_args(args)  # args.device: the resolved device (a bad --device fails here, before any load)
     apply_threads(args, path)
     prefetch = args.prefetch
     if prefetch == -1:
@@ -172,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.offload import OffloadedModel
     from expertcache.offload.runtime import resolve_model_path
 
+    device_from_args(args)  # a bad --device: one line, before anything loads
     routing = routing_from_args(args)
     path = resolve_model_path(args.model)
     ids, tok = load_prompt(path, args.prompt)
@@ -182,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     print_resolved("generate", routing, f", {args.eviction}")
     offload = offload_from_args(args, context=ids.shape[1] + args.max_new_tokens, path=path)
     rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args), routing=routing,
-                                        eviction=args.eviction, gamma=args.gamma)
+                                        eviction=args.eviction, gamma=args.gamma, device=args.device)
     out = sys.stdout
     shown = ""
     generated: list[int] = []

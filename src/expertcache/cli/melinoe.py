@@ -36,6 +36,7 @@ _FT_HELP = {
     "train_tokens": "training-split tokens to encode", "eval_tokens": "held-out tokens for the final evaluation",
     "log_every": "hard γ-cache misses logged every N steps", "ckpt_every": "resumable state every N steps",
     "threads": "torch threads", "save_dtype": "dtype of the merged checkpoint",
+    "device": "where the model trains: auto (cuda:0 if torch sees one, else cpu), cpu, cuda, cuda:N",
 }
 
 

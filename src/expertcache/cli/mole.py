@@ -15,7 +15,7 @@ import json
 import shlex
 import sys
 
-from expertcache.cli.common import add_threads_arg, apply_threads, config_from_args
+from expertcache.cli.common import add_device_arg, add_threads_arg, apply_threads, config_from_args, device_from_args
 
 
 def register(subparsers) -> None:
@@ -51,6 +51,7 @@ def register(subparsers) -> None:
     g.add_argument("--read-mode", choices=("mmap", "pread", "flash", "direct"), default="flash",
                    help="how table rows are read: flash/direct bypass the page cache (default: flash)")
     add_threads_arg(g)
+    add_device_arg(g)
     g.set_defaults(func=run_generate)
 
     v = sub.add_parser("eval", help="held-out perplexity, decode latency, bytes loaded per token (one JSON row)")
@@ -126,8 +127,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from expertcache.mole.bench import decode_n_tokens, load_any, prefill
 
     apply_threads(args, args.model_dir)
+    device = device_from_args(args)
     _check_model_dir(args.model_dir)
-    model = load_any(args.model_dir, args.read_mode)  # (also registers MoLE with the Auto classes)
+    model = load_any(args.model_dir, args.read_mode).to(device)  # (also registers MoLE with the Auto classes)
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     ids = tok.backend_tokenizer.encode(args.prompt, add_special_tokens=False).ids
     if not ids:
@@ -145,7 +147,7 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(tok.decode(new)[len(before):])
         sys.stdout.flush()
 
-    logits, cache = prefill(model, torch.tensor([ids]))
+    logits, cache = prefill(model, torch.tensor([ids], device=device))
     decode_n_tokens(model, logits, cache, args.max_new_tokens, on_token=on_token)
     sys.stdout.write("\n")
     table = getattr(getattr(model, "model", None), "table", None)

@@ -52,7 +52,10 @@ def run(args: argparse.Namespace) -> int:
     for m in modes:
         if m not in ("drop", "replace"):
             raise ValueError(f"unknown --mode {m!r}; use drop, replace or both")
-    model, _, task = prepare(args.model, "wikitext", data_dir=args.data_dir, limit=args.limit)
+    from expertcache.cli.common import device_from_args
+
+    model, _, task = prepare(args.model, "wikitext", data_dir=args.data_dir, limit=args.limit,
+                             device=device_from_args(args))
     from expertcache.models import family_for, find_moe_layers
 
     k = find_moe_layers(model, family_for(model))[0].top_k

@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"serve needs the 'serve' extra: pip install 'expertcache[serve]' ({exc})") from None
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    from expertcache.cli.common import device_from_args
+
+    device_from_args(args)  # a bad --device fails before the socket and the model
     from pathlib import Path
 
     for d in args.trace_dir:
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     context = int(getattr(config, "max_position_embeddings", 2048))
     offload = offload_from_args(args, context=context, batch=args.max_batch)
     rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args), routing=routing_from_args(args),
-                                        eviction=args.eviction, gamma=args.gamma)
+                                        eviction=args.eviction, gamma=args.gamma, device=args.device)
     tok = None
     if (path / "tokenizer.json").is_file():
         from expertcache.train.tokenizer import load_tokenizer

@@ -109,13 +109,14 @@ def _run(args: argparse.Namespace) -> int:
         freq = activation_frequency(trace.ids_TLK, m.num_experts) if any(p in NEEDS_PROFILE for p in policies) else None
         execute = lambda r: open_loop_row(trace, r, freq_LE=freq)  # noqa: E731
     else:
+        from expertcache.cli.common import device_from_args
         from expertcache.cli.eval import freq_profile
         from expertcache.eval import prepare
         from expertcache.models import family_for, find_moe_layers
 
         freq = freq_profile(args, RoutingConfig(NEEDS_PROFILE[0])) if any(p in NEEDS_PROFILE for p in policies) else None
         model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
-                                 max_new_tokens=args.max_new_tokens)
+                                 max_new_tokens=args.max_new_tokens, device=device_from_args(args))
         layer0 = find_moe_layers(model, family_for(model))[0]
         source = dict(model=str(args.model), task=args.task, limit=args.limit, shots=args.shots,
                       max_new_tokens=args.max_new_tokens if args.task == "gsm8k" else None)

@@ -41,12 +41,15 @@ def load_model_and_tokenizer(spec: str):
     return model, tok
 
 
-def prepare(model_spec: str, task: str, *, data_dir=None, limit: int | None = None, **task_kw):
-    """(model, tokenizer, task) ready for :func:`evaluate`."""
+def prepare(model_spec: str, task: str, *, data_dir=None, limit: int | None = None, device=None, **task_kw):
+    """(model, tokenizer, task) ready for :func:`evaluate`; the model on ``device`` (default: the CPU; the tasks
+    put their inputs on the model's device, routing decisions run on the CPU, see :mod:`expertcache.models.patch`)."""
     from expertcache.eval.data import resolve_eval_data_dir
 
     resolve_eval_data_dir(task, data_dir)  # a missing data folder fails before the model is loaded
     model, tok = load_model_and_tokenizer(model_spec)
+    if device is not None:
+        model.to(device)
     t = build_task(task, tok, context=context_length(model), data_dir=data_dir, limit=limit, **task_kw)
     return model, tok, t
 

@@ -77,7 +77,8 @@ class ExpertCacheLM(TemplateLM):
     beta, m, h, top_j, delta): the :class:`expertcache.routing.RoutingConfig`. capacity: experts per layer
     cache (count or fraction of N). eviction, scope ('all' | 'generation'), between_sequences ('carry' |
     'reset': per lm-eval request), freq_from: routing trace for the eras-bias profile. target_miss_rate: an
-    online controller sets the strength (cache-prior / eras-bias) to hold this miss rate. max_length: context
+    online controller sets the strength (cache-prior / eras-bias) to hold this miss rate. device (lm-eval's
+    ``--device``): auto (default: the first CUDA device, else the CPU), cpu, cuda or cuda:N. max_length: context
     (default the model's, capped at 1024); max_gen_toks: generation cap (default 256). batch_size must be 1
     (the caches see one token stream).
     """
@@ -100,8 +101,11 @@ class ExpertCacheLM(TemplateLM):
         if str(batch_size) not in ("1", "auto") and _num("batch_size", batch_size, int) != 1:
             raise ValueError(f"--batch_size {batch_size}: the expertcache model runs one request at a time "
                              "(its caches see one token stream); use --batch_size 1")
-        if device not in (None, "cpu"):  # lm-eval passes cuda:0 by default
-            log.info("expertcache lm-eval model runs on the CPU (ignoring --device %s)", device)
+        from expertcache.device import resolve_device
+
+        # lm-eval passes --device only when given: None = auto (the first CUDA device, else the CPU); a device
+        # this machine lacks is a ValueError naming --device
+        self._device = resolve_device(device)
         torch.set_num_threads(_num("threads", threads, int) or 1)
         cap = capacity
         if isinstance(cap, str):
@@ -118,6 +122,7 @@ class ExpertCacheLM(TemplateLM):
             self.model, self.tokenizer = load_model_and_tokenizer(str(pretrained))
         except FileNotFoundError as exc:
             raise FileNotFoundError(f"--model_args pretrained={pretrained}: {exc}") from None
+        self.model.to(self._device)
         self._max_length = _num("max_length", max_length, int) or context_length(self.model)
         self._max_gen_toks = _num("max_gen_toks", max_gen_toks, int) or 256
         self.patch = patch_model(self.model, self.routing, eviction=eviction, capacity=cap, scope=scope,
@@ -146,7 +151,7 @@ class ExpertCacheLM(TemplateLM):
 
     @property
     def device(self):
-        return torch.device("cpu")
+        return self._device
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
@@ -191,10 +196,10 @@ class ExpertCacheLM(TemplateLM):
         n = len(continuation_enc)
         if n == 0:
             return 0.0, True
-        inp = torch.tensor([whole[:-1]], dtype=torch.long)
+        inp = torch.tensor([whole[:-1]], dtype=torch.long, device=self._device)
         logits = self.model(input_ids=inp).logits[0, -n:].float()
         logp = torch.log_softmax(logits, dim=-1)
-        target = torch.tensor(whole[-n:], dtype=torch.long)
+        target = torch.tensor(whole[-n:], dtype=torch.long, device=self._device)
         ll = float(logp.gather(1, target[:, None]).sum())
         greedy = bool((logp.argmax(dim=-1) == target).all())
         self.patch.new_sequence()

@@ -75,6 +75,7 @@ class FinetuneConfig:
     ckpt_every: int = 50
     threads: int = 1
     save_dtype: str = "bfloat16"
+    device: str = "auto"  # where the model trains: auto (cuda:0 if torch sees one, else cpu), cpu, cuda, cuda:N
     extra: dict = field(default_factory=dict)
 
     def check(self) -> None:
@@ -93,6 +94,9 @@ class FinetuneConfig:
         if self.start not in ("fill", "uniform"):
             raise ValueError(f"--start must be 'fill' or 'uniform', got {self.start!r}")
         check_save_dtype(self.save_dtype, "--save-dtype")
+        from expertcache.device import resolve_device
+
+        resolve_device(self.device)  # a device this machine lacks: ValueError naming --device, before any load
         _check_out(self.out)
 
 
@@ -185,12 +189,12 @@ def _save_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer, me
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = {f"param/{n}": p.detach().contiguous() for n, p in trainable.items()}
+    tensors = {f"param/{n}": p.detach().contiguous().cpu() for n, p in trainable.items()}
     for n, p in trainable.items():
         st = opt.state.get(p, {})
         for key in ("exp_avg", "exp_avg_sq"):
             if key in st:
-                tensors[f"adam/{key}/{n}"] = st[key].contiguous()
+                tensors[f"adam/{key}/{n}"] = st[key].contiguous().cpu()
         if "step" in st:
             meta.setdefault("adam_steps", {})[n] = float(st["step"])
     save_file(tensors, str(tmp / "trainable.safetensors"))
@@ -210,9 +214,9 @@ def _load_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer) ->
                 raise ValueError(f"{state_dir}: resume state lacks {n} (different model or LoRA settings?)")
             p.copy_(tensors[key])
             if f"adam/exp_avg/{n}" in tensors:
-                opt.state[p] = {"step": torch.tensor(meta["adam_steps"][n]),
-                                "exp_avg": tensors[f"adam/exp_avg/{n}"].clone(),
-                                "exp_avg_sq": tensors[f"adam/exp_avg_sq/{n}"].clone()}
+                opt.state[p] = {"step": torch.tensor(meta["adam_steps"][n], device="cpu"),
+                                "exp_avg": tensors[f"adam/exp_avg/{n}"].to(p.device, copy=True),
+                                "exp_avg_sq": tensors[f"adam/exp_avg_sq/{n}"].to(p.device, copy=True)}
     return meta
 
 
@@ -256,7 +260,7 @@ def heldout_eval(model, stream: np.ndarray, seq_len: int, k: int, capacity: int,
     model.eval()
     try:
         for i in range(0, n, batch):
-            x = chunks[i:i + batch]
+            x = chunks[i:i + batch].to(next(model.parameters()).device)
             logits = model(input_ids=x, use_cache=False).logits.float()
             nll += float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                            x[:, 1:].reshape(-1), reduction="sum"))
@@ -290,7 +294,10 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     state_dir = out / "state"
-    model = load_model(src)
+    from expertcache.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    model = load_model(src).to(device)
     tok = AutoTokenizer.from_pretrained(src, local_files_only=True)
     k = int(getattr(model.config, "num_experts_per_tok"))
     pm, layers, trainable = build_trainable(model, cfg)
@@ -333,7 +340,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     for step in range(start, stop):
         for g in opt.param_groups:
             g["lr"] = cfg.lr * lr_factor(step, cfg.steps, cfg.warmup_ratio)
-        xy = torch.from_numpy(sample_batch(train_N, cfg.batch_size, cfg.seq_len, cfg.seed, step))
+        xy = torch.from_numpy(sample_batch(train_N, cfg.batch_size, cfg.seq_len, cfg.seed, step)).to(device)
         x, y = xy[:, :-1], xy[:, 1:]
         logits = pm(input_ids=x, use_cache=False).logits
         nll = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))

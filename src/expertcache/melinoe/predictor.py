@@ -71,7 +71,7 @@ class ModelEmbedder:
     name = "model"
 
     def __init__(self, model, tok) -> None:
-        self.emb = model.get_input_embeddings().weight.detach().float()
+        self.emb = model.get_input_embeddings().weight.detach().float().cpu()  # numpy rows, whatever the device
         self.tok = tok
         self.dim = int(self.emb.shape[1])
 
@@ -193,12 +193,12 @@ def collect(model, prompts: list[list[int]], cont_len: int, *, batch: int = 32, 
     ys, cs = [], []
     try:
         for i in tqdm(range(0, len(prompts), batch), desc="continuations", unit="batch", disable=not progress):
-            x = torch.tensor(prompts[i:i + batch], dtype=torch.long)
+            x = torch.tensor(prompts[i:i + batch], dtype=torch.long, device=next(model.parameters()).device)
             b, p = x.shape
             gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=cont_len,
                                  min_new_tokens=cont_len, do_sample=False, pad_token_id=model.config.eos_token_id)
             model(input_ids=gen, use_cache=False)  # router probabilities of every position, one pass
-            pr = tap.stacked(b, gen.shape[1])[0][:, :, p:]  # [B, L, G, E]
+            pr = tap.stacked(b, gen.shape[1])[0][:, :, p:].cpu()  # [B, L, G, E]
             ys.append(pr.mean(2).numpy())
             top = pr.topk(k, dim=-1).indices
             cnt = torch.zeros_like(pr).scatter_(-1, top, 1.0).sum(2)
@@ -250,6 +250,7 @@ class PredictorConfig:
     capacities: str = ""  # comma-separated C values to report (default: E/4 and E/2)
     seed: int = 0
     threads: int = 1
+    device: str = "auto"  # where the MoE model runs to collect its routing (the small MLP trains on the CPU)
 
     HELP = {
         "model": "MoE checkpoint whose routing is predicted (granular | coarse | folder)",
@@ -261,6 +262,8 @@ class PredictorConfig:
         "hidden": "MLP hidden width", "lr": "SGD learning rate", "momentum": "SGD momentum",
         "epochs": "training epochs", "batch_size": "batch size", "capacities": "C values to report, e.g. 8,16",
         "seed": "seed", "threads": "torch threads",
+        "device": "where the MoE model runs the continuations: auto (cuda:0 if torch sees one, else cpu), cpu, cuda, "
+                  "cuda:N",
     }
 
     def check(self) -> None:
@@ -274,6 +277,9 @@ class PredictorConfig:
         if self.embedder not in ("minilm", "model"):
             raise ValueError(f"--embedder must be minilm or model, got {self.embedder!r}")
         self.capacity_list(1 << 30)
+        from expertcache.device import resolve_device
+
+        resolve_device(self.device)  # a device this machine lacks: ValueError naming --device, before any load
         _check_out(self.out)
 
     def capacity_list(self, num_experts: int) -> list[int]:
@@ -329,7 +335,10 @@ def train_predictor(cfg: PredictorConfig, *, command: str = "", progress: bool =
     resolve_data_dir(cfg.data_dir)  # a missing corpus fails before the model is loaded
     torch.set_num_threads(cfg.threads)
     t0 = time.time()
+    from expertcache.device import resolve_device
+
     model, tok = load_model_and_tokenizer(cfg.model)
+    model.to(resolve_device(cfg.device))
     embedder = load_embedder(cfg.embedder, model, tok)  # fails early if the package is missing
     sets = {}
     for split, n in (("train", cfg.train_prompts), ("heldout", cfg.heldout_prompts)):

@@ -75,6 +75,13 @@ def order_by_logits(ids_TK: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
     """``ids_TK`` sorted by descending logit ``z_TE`` (stable; -1 slots last; :func:`expertcache.cache.base.
     order_steps`). Every supported model's combine weight is monotone in its own logit, so this is the
     descending-weight order the caches need (001 Sec. 4.2: the higher-weight expert is evicted first)."""
+    if ids_TK.shape[0] == 1 and ids_TK.device.type == "cpu" and z_TE.device.type == "cpu":
+        # one token (decoding): the same stable order with Python's sort, not six numpy calls per layer
+        ids = ids_TK[0].tolist()
+        z = z_TE[0].tolist()  # float32 (or bf16) values, exactly as floats
+        key = [-z[e] if e >= 0 else float("inf") for e in ids]
+        return torch.tensor([[ids[i] for i in sorted(range(len(ids)), key=key.__getitem__)]], dtype=ids_TK.dtype,
+                            device="cpu")
     ids = order_steps(ids_TK.detach().cpu().numpy(), z_TE.detach().float().cpu().numpy())
     return torch.from_numpy(np.ascontiguousarray(ids)).to(ids_TK.device)
 

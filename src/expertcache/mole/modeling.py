@@ -165,7 +165,7 @@ class MoleModel(MolePreTrainedModel):
         if self.is_table_form:
             if self.table is None:
                 raise RuntimeError("table-form MoLE model without a table: load it with load_table_model(dir)")
-            y_LUND = self.table.lookup(ids_U, positions=input_ids.numel()).to(e_BTD.dtype)  # all layers' rows of each distinct id, one read
+            y_LUND = self.table.lookup(ids_U, positions=input_ids.numel()).to(e_BTD.device, e_BTD.dtype)  # all layers' rows of each distinct id, one read
         else:
             e_UD = self.embed_tokens(ids_U)
         h_BTD = e_BTD

@@ -91,6 +91,8 @@ def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: 
         tickets.append(rt.readers.submit(rt._job(st, e, slot, rt._placement[(st.moe.index, e)])))
     for t in tickets:
         t.wait()
+    if rt.device.type == "cuda":  # pragma: no cover - GPU only: the copies are asynchronous (step.py _cuda_job)
+        torch.cuda.synchronize(rt.device)
     wall = time.perf_counter() - t0
     b = rt.tier.stats.bytes_read - stats0[0]
     rt.tier.stats.bytes_read, rt.tier.stats.seconds, rt.tier.stats.loads = stats0
@@ -102,16 +104,17 @@ def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: 
 
 def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None, prompt_BS: torch.Tensor,
               tokens: int = 32, repeats: int = 3, dtype=None, forced_BN: torch.Tensor | None = None, on_row=None,
-              log=print, prefetch=None) -> dict:
+              log=print, prefetch=None, device=None) -> dict:
     """Run the benchmark (see the module docstring). ``forced_BN``: teacher-forced decode tokens (the same for
     every policy) instead of greedy decoding. ``on_row(row)`` receives every JSONL row. ``prefetch(rt)`` (MELINOE):
-    called after each policy's fresh caches are set up, before decoding; returns the experts it loaded. Returns
+    called after each policy's fresh caches are set up, before decoding; returns the experts it loaded. ``device``:
+    the compute device (default CPU; every row records it). Returns
     ``{"summary": [...], "rows": [...], "config": ...}``.
 
     Each round measures, under the same machine conditions: the tier bandwidth (parallel and serial, 16
     random expert reads each) and every policy (order rotated per round). Only one runtime exists: the
     benchmark stays inside the memory plan (``--memory``)."""
-    rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype)
+    rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype, device=device)
     pset = policy_set(rt.top_k)
     names = list(policies or pset)
     unknown = [n for n in names if n not in pset]
@@ -161,7 +164,7 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
                        prefetch_precision=pf["precision"], prefetch_recall=pf["recall"],
                        prefetch_unused_bytes=pf["unused_bytes"],
                        prefetch_per_layer={str(i): v for i, v in pf["per_layer"].items()},
-                       threads=torch.get_num_threads(),
+                       threads=torch.get_num_threads(), device=str(rt.device),
                        config=rt.describe(), machine=machine_info(),
                        prefetched=prefetched)
             rows.append(row)

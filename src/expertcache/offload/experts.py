@@ -40,7 +40,7 @@ def expert_views(blob_u8: torch.Tensor, parts: ExpertParts, placement: Placement
     if quant is not None:
         at = placement.slot_offset(parts, 0)
         return unpack_expert(blob_u8[at:at + parts.nbytes], quant, dtype)
-    esize = torch.empty((), dtype=parts.dtype).element_size()
+    esize = parts.dtype.itemsize
     out = []
     for off, shape in parts.tensors().values():
         at = placement.slot_offset(parts, off * esize)
@@ -73,6 +73,7 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
             return torch.mv(down, act(gate) * up)[None]
         gate, up = F.linear(x_TD, gate_up).chunk(2, dim=-1)
         return F.linear(act(gate) * up, down)
+    linear.act = act  # the one-token step batches the activation over its experts (step.py _serve_one)
     return linear
 
 

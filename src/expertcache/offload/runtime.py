@@ -29,8 +29,11 @@ decoding (one token per step) the live hit/miss counts equal :func:`expertcache.
 ``OSError``/``CheckpointError`` (naming the file) in the caller, never hangs, and leaves the runtime with
 empty caches (as after :meth:`configure`).
 
-GPU: with ``device='cuda'`` slots are CUDA memory; a reader reads into a pinned staging buffer of its own
-and copies to the slot. That path is written but untested here (no GPU).
+GPU: with ``device='cuda'`` slots are CUDA memory. A read is one ``non_blocking`` copy from pinned memory
+into the slot on the runtime's copy stream (host tier: the expert's pinned row; disk tier and host cache: the
+reader's pinned staging buffer after the read into it), ordered after the compute stream's earlier work on
+that slot and before its next use by per-slot CUDA events (:meth:`LayerSteps._cuda_job`). Written for
+issue 23 and covered by ``tests/test_gpu.py`` (``-m gpu``), not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -132,7 +135,18 @@ class OffloadedModel(LayerSteps):
         self.capacity = self.plan.slots
         self._mlps = mlps
         self._cuda = device.type == "cuda"
-        self._staging = threading.local()
+        self._staging = threading.local()  # CUDA: each reader's pinned staging buffer (disk tier, host cache)
+        # CUDA: reads copy on their own stream; per slot, the event its copy waits for and the one compute waits for
+        self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._slot_free: dict[int, object] = {}
+        self._slot_ready: dict[int, object] = {}
+        # the views of an expert in a slot depend on its layout there: one small id per distinct layout
+        sigs: dict[tuple, int] = {}
+        self._layout_of = {k: sigs.setdefault((tuple(p.at), tuple((r.dest, r.nbytes) for r in self._parts[k].reads),
+                                               tuple(self._parts[k].tensors().items()), self._parts[k].dtype),
+                                              len(sigs)) for k, p in self._placement.items()}
+        self.slots_stable = False  # set by each step before its first expert is computed (step.py)
+        self._routed_ids: tuple | None = None  # (ids on the device, the same ids on the host) of the last _route
         self._make_pools(self.capacity)
         self._stock_routers = [m.router.forward for m in layers]
         self.routing = RoutingConfig()
@@ -209,6 +223,7 @@ class OffloadedModel(LayerSteps):
         """One arena of C cache slots per layer plus one scratch slot and P spares shared by all layers."""
         self.arena = SlotArena(len(self.layers), capacity, self.slot_bytes, self.device, scratch=1,
                                spare=self.offload.prefetch)
+        self._slot_views: dict[int, dict[int, tuple]] = {}  # slot -> layout id -> the expert tensors' views
 
     def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor, *,
                commit: bool = True):
@@ -220,7 +235,7 @@ class OffloadedModel(LayerSteps):
         z_cpu_TE = z_TE.detach().to("cpu")
         zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
         if self.routing.cache_aware:
-            resident_TE = torch.tensor(self.states[m.index].cache.resident_mask()).expand_as(zr_TE)
+            resident_TE = torch.from_numpy(self.states[m.index].cache.resident_array()).expand_as(zr_TE)
         else:
             resident_TE = torch.ones_like(zr_TE, dtype=torch.bool)
         if allowed_TE is not None:
@@ -229,7 +244,9 @@ class OffloadedModel(LayerSteps):
             self.router.set_miss_costs(m.index, self.miss_costs(m.index))
         ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE, commit=commit), z_cpu_TE)
         w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK)
-        return w_TK.to(w0_TK.dtype).to(w0_TK.device), ids_TK.to(ids0_TK.device)
+        ids_dev_TK = ids_TK.to(ids0_TK.device)
+        self._routed_ids = (ids_dev_TK, ids_TK)  # the step reads the host copy back (no second device -> host)
+        return w_TK.to(w0_TK.dtype).to(w0_TK.device), ids_dev_TK
 
     def miss_costs(self, index: int) -> np.ndarray:
         """float32 [N]: the cost of loading each expert of layer ``index`` now, relative to the most expensive

@@ -48,7 +48,7 @@ def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: in
     if ids_TK.shape[0] == 1:
         return [e for e in ids_TK[0].tolist() if e >= 0]
     valid_TK = ids_TK >= 0
-    total_E = torch.zeros(num_experts, dtype=torch.float32).index_add_(
+    total_E = torch.zeros(num_experts, dtype=torch.float32, device="cpu").index_add_(
         0, ids_TK[valid_TK], w_TK.to("cpu").float()[valid_TK])
     return sorted(set(ids_TK[valid_TK].tolist()), key=lambda e: (-float(total_E[e]), e))
 
@@ -66,6 +66,11 @@ class LayerState:
     guess: list[int] | None = None  # the pending next-layer guess for this layer
     io_wait: float = 0.0  # seconds the compute thread waited for this layer's reads
 
+    @property
+    def act(self):
+        """The ``linear`` layout's activation (weights (gate_up [2F, D], down [D, F])); None for others."""
+        return getattr(self.mlp, "act", None)
+
 
 class LayerSteps:
     """The per-layer step of :class:`~expertcache.offload.runtime.OffloadedModel` (a mixin: it reads the
@@ -81,6 +86,9 @@ class LayerSteps:
         key = (st.moe.index, e)
         placement = self._placement[key]
         pool.placement[slot] = (key, placement, None)
+        if self._cuda:  # pragma: no cover - GPU only: the copy into the slot waits for the work queued on it so far
+            self._slot_free[slot] = free = torch.cuda.Event()
+            free.record(torch.cuda.current_stream(self.device))
         t0 = time.perf_counter()
         ticket = self.readers.submit(self._job(st, e, slot, placement), tag=(e, slot), done=done)
         if not self.readers.readers:  # serial: the read ran right here, on the compute thread
@@ -100,15 +108,50 @@ class LayerSteps:
             read = lambda buf: tier.read(parts, placement, buf)
         if not self._cuda:
             return lambda: read(dest)
+        return self._cuda_job(slot, dest, read, None if self.host is not None or not isinstance(tier, HostTier)
+                              else tier.rows[layer_id][e])
 
-        def cuda_job() -> int:  # pragma: no cover - GPU only: tier -> this reader's pinned staging buffer -> slot
-            staging = getattr(self._staging, "buf", None)
-            if staging is None:
-                staging = self._staging.buf = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=True)
-            n = read(staging)
-            dest.copy_(staging)
+    def _cuda_job(self, slot: int, dest: torch.Tensor, read: Callable, row: torch.Tensor | None
+                  ) -> Callable[[], int]:  # pragma: no cover - GPU only (tests/test_gpu.py)
+        """The read of one expert into CUDA slot ``slot``, overlapped (issue 23): on the runtime's copy stream,
+        after the compute stream's work queued before the read was issued (the slot's previous occupant may
+        still be in use there), one ``non_blocking`` copy from pinned memory into the slot -- the host tier's
+        pinned row itself, or (disk, host cache) this reader's pinned staging buffer after the read into it;
+        the slot's ready event is recorded after it, and the compute stream waits on that event before its
+        first use of the slot (:meth:`_ready`): no staging memcpy for the host tier, no host-side sync."""
+        stream, free = self._copy_stream, self._slot_free.pop(slot, None)  # None: not issued by _submit
+
+        def job() -> int:
+            t0 = time.perf_counter()
+            if row is not None:
+                src, n = row, row.numel()
+            else:
+                local = self._staging
+                if getattr(local, "buf", None) is None:
+                    local.buf = self._pinned_buffer(self.slot_bytes)
+                    local.done = None
+                if local.done is not None:  # the previous copy out of this staging buffer has finished
+                    local.done.synchronize()
+                n = read(local.buf)
+                src = local.buf[:n]
+            ready = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                if free is not None:
+                    stream.wait_event(free)
+                dest[:n].copy_(src, non_blocking=True)
+                ready.record(stream)
+            if row is None:
+                self._staging.done = ready
+            else:  # the host tier's own counters (its read() is not called: the copy is issued here)
+                self.tier.stats.add(n, time.perf_counter() - t0)
+            self._slot_ready[slot] = ready
             return n
-        return cuda_job
+        return job
+
+    @staticmethod
+    def _pinned_buffer(nbytes: int) -> torch.Tensor:  # pragma: no cover - GPU only
+        """A reader's staging buffer: page-locked host memory (async copies to the device; O_DIRECT reads)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def _wait(self, ticket: Ticket, swallow: bool = False) -> None:
         t0 = time.perf_counter()
@@ -135,46 +178,116 @@ class LayerSteps:
         held = pool.placement.get(slot)
         if held is not None and held[0] == key and held[2] is not None:
             return held[2]
-        w = expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype, self.source.quant)
-        if self.source.quant is None:
+        if self.source.quant is not None:  # dequantised into new tensors: nothing to keep
+            return expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype, self.source.quant)
+        parts = self._parts[key]
+        if parts.dtype != self.dtype:  # converted copies, not views: made for this expert only
+            w = expert_views(pool.buffer[slot], parts, self._placement[key], self.dtype)
             pool.placement[slot] = (key, self._placement[key], w)
+            return w
+        # views depend only on the slot and the expert's layout in it (offsets, shapes, dtype): experts of one
+        # layout (every expert of the host tier) reuse the slot's views, no view ops per miss
+        sig = self._layout_of[key]
+        kept = self._slot_views.setdefault(slot, {})
+        w = kept.get(sig)
+        if w is None:
+            w = expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype)
+            if len(kept) >= 4:  # disk O_DIRECT placements vary with file alignment: keep a few per slot
+                kept.pop(next(iter(kept)))
+            kept[sig] = w
+        pool.placement[slot] = (key, self._placement[key], w)
         return w
 
     # -- the MoE step ----------------------------------------------------------------------------
 
     def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         st = self.states[index]
-        ids_cpu_TK = ids_TK.to("cpu")
-        order = union_order(ids_cpu_TK, w_TK, self.num_experts)
-        if self.record and ids_cpu_TK.shape[0] == 1:
+        routed, self._routed_ids = self._routed_ids, None
+        # the layer's one device -> host transfer (what the cache step needs); none when the routing policy made
+        # these very ids on the host (cache-aware routing copied the logits instead)
+        ids_cpu_TK = routed[1] if routed is not None and routed[0] is ids_TK else ids_TK.to("cpu")
+        one = ids_cpu_TK.shape[0] == 1
+        if one:
+            row = ids_cpu_TK[0].tolist()
+            order = [e for e in row if e >= 0]
+        else:
+            order = union_order(ids_cpu_TK, w_TK, self.num_experts)
+        if self.record and one:
             st.steps.append(list(order))
         t0 = time.perf_counter()
         wait0 = self.io_wait_seconds
-        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        one = ids_cpu_TK.shape[0] == 1
-        k_of = {e: k for k, e in enumerate(ids_cpu_TK[0].tolist())} if one else None
+        if one:
+            final_TD = self._serve_one(st, x_TD, ids_TK, w_TK, order)
+        else:
+            final_TD = self._serve_many(st, x_TD, ids_TK, w_TK, order)
+        st.io_wait += self.io_wait_seconds - wait0
+        self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
+        return final_TD
 
-        def compute(e: int, slot: int) -> None:
-            if one:  # one token: no gather (same values as the general path)
-                tok, k_pos = _ZERO, torch.tensor([k_of[e]])
-                x = x_TD
-            else:
-                k_pos, tok = torch.where((ids_TK == e).T)  # transformers' order: by slot k, then token
-                x = x_TD[tok]
-            h = st.mlp(x, self._weights(st, e, slot))
-            out[e] = (tok, h * w_TK[tok, k_pos, None])
-
+    def _run_step(self, st: LayerState, order: list[int], compute, x_TD: torch.Tensor) -> None:
         try:
             self._step(st, order, compute, x_TD)
         except BaseException:
             self._fail()
             raise
-        st.io_wait += self.io_wait_seconds - wait0
+
+    def _serve_one(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
+                   order: list[int]) -> torch.Tensor:
+        """One token ([1, D]), ``linear`` layout: the experts' matrix-vector products (two ``mv`` each, exactly
+        the family's one-token MLP in :func:`~expertcache.offload.experts.expert_mlp`) with the activation
+        batched over the step's U experts, when the step reads no slot twice (:attr:`slots_stable`; else each
+        expert's MLP as its slot is ready, a scratch slot being reused for the next one; other layouts: the
+        family's MLP per expert). Then, batched: the routing weights and the combine -- in ascending expert
+        id, each output added to a zero row in turn, the sums of transformers' experts loop (``index_add_``
+        per expert), so the values are the per-expert path's bit for bit. About 3U + 14 tensor ops."""
+        x_D = x_TD[0]
+        act = st.act
+        h: dict[int, torch.Tensor] = {}
+        ws: dict[int, tuple[torch.Tensor, ...]] = {}
+
+        def compute(e: int, slot: int) -> None:
+            w = self._weights(st, e, slot)
+            if act is not None and self.slots_stable:  # (set by _step before its first on_ready)
+                ws[e] = w  # computed when the step ends, batched over its experts
+            elif act is not None:
+                gate_F, up_F = torch.mv(w[0], x_D).chunk(2)
+                h[e] = torch.mv(w[1], act(gate_F) * up_F)
+            else:
+                h[e] = st.mlp(x_TD, w)[0]
+
+        self._run_step(st, order, compute, x_TD)
+        if ws:  # the same matrix-vector products; act(gate) * up row-wise (elementwise: the same values)
+            es = sorted(ws)
+            gate_UF, up_UF = torch.stack([torch.mv(ws[e][0], x_D) for e in es]).chunk(2, dim=-1)
+            a_UF = act(gate_UF) * up_UF
+            h_UD = torch.stack([torch.mv(ws[e][1], a_F) for e, a_F in zip(es, a_UF.unbind(0))])
+        else:
+            es = sorted(h)
+            h_UD = torch.stack([h[e] for e in es])
+        # the routing weight of each expert, in ascending expert id (ids of one token are distinct; -1 sorts first)
+        perm_U = ids_TK[0].argsort()[len(ids_TK[0]) - len(es):]
+        hw_UD = (h_UD * w_TK[0, perm_U, None]).to(x_TD.dtype)
+        final_D = torch.zeros_like(x_D)
+        for hw_D in hw_UD.unbind(0):
+            final_D.add_(hw_D)
+        return final_D[None]
+
+    def _serve_many(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
+                    order: list[int]) -> torch.Tensor:
+        """T > 1 tokens: each expert's rows gathered and computed as its slot is ready; combined in ascending
+        expert id (transformers' order)."""
+        out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def compute(e: int, slot: int) -> None:
+            k_pos, tok = torch.where((ids_TK == e).T)  # transformers' order: by slot k, then token
+            h = st.mlp(x_TD[tok], self._weights(st, e, slot))
+            out[e] = (tok, h * w_TK[tok, k_pos, None])
+
+        self._run_step(st, order, compute, x_TD)
         final_TD = torch.zeros_like(x_TD)
         for e in sorted(out):
             tok, h = out[e]
             final_TD.index_add_(0, tok, h.to(final_TD.dtype))
-        self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
         return final_TD
 
     def _fail(self) -> None:
@@ -196,6 +309,18 @@ class LayerSteps:
         if st.guess is not None:  # score the guess made for this step
             self.prefetch_stats.score(st.moe.index, st.guess, order)
             st.guess = None
+        slot_of = pool.slot_of
+        if all(e in slot_of for e in order):  # every request a hit: no read, no eviction, no slot changes hands
+            self.slots_stable = True
+            st.cache.access_step(order)
+            if self.host is not None:
+                self.host.touch(st.moe.index, order)
+            if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
+                self._guess_next(st.moe.index + 1, x_TD)
+            if on_ready is not None:
+                for e in order:
+                    self._ready(st, slot_of[e], on_ready, e)
+            return
         before = dict(pool.slot_of)
         hits = st.cache.access_step(list(order))
         if self.host is not None:  # fast hits refresh their host entries (the host level's LRU sees every use)
@@ -241,6 +366,12 @@ class LayerSteps:
             inflight[e] = slot
         if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
             self._guess_next(st.moe.index + 1, x_TD)
+        # no slot of this step is read into twice (no scratch rotation, no miss into a hit's slot): every
+        # expert's slot keeps its bytes until the step ends, so on_ready may compute from it later -- when no
+        # read is in flight either (serial reads are done already): else the hits are computed now, while the
+        # misses are read
+        self.slots_stable = not (deferred or on_scratch or waiting_scratch) and \
+            (not inflight or not self.readers.readers)
         if on_ready is not None:
             for e, hit in zip(order, hits):
                 if hit:
@@ -274,6 +405,10 @@ class LayerSteps:
         t = st.pool.pending.pop(slot, None)
         if t is not None:
             self._wait(t)
+        if self._cuda:  # pragma: no cover - GPU only: compute after the slot's copy (a device-side wait)
+            ready = self._slot_ready.pop(slot, None)
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
         if on_ready is not None:
             on_ready(e, slot)
 
@@ -332,5 +467,3 @@ class LayerSteps:
         st.prefetched += n
         return n
 
-
-_ZERO = torch.zeros(1, dtype=torch.long)

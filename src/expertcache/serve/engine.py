@@ -257,7 +257,8 @@ class Engine:
         t0 = time.perf_counter()
         dev = self.rt.device
         with torch.inference_mode():
-            out = self.rt.model(input_ids=ids_BS.to(dev), past_key_values=past, use_cache=True, attention_mask=mask_BL,
+            out = self.rt.model(input_ids=ids_BS.to(dev), past_key_values=past, use_cache=True,
+                              attention_mask=None if mask_BL is None else mask_BL.to(dev),
                                 position_ids=None if pos_BS is None else pos_BS.to(dev))
         dt = time.perf_counter() - t0
         s1 = self.rt.stats()

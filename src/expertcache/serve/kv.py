@@ -54,9 +54,10 @@ def drop_rows(cache, mask_BL: torch.Tensor, keep: list[int]) -> tuple[object, to
         return None, None
     if len(keep) == mask_BL.shape[0] and keep == list(range(len(keep))):
         return cache, mask_BL
-    idx = torch.tensor(keep, dtype=torch.long)
-    cache.batch_select_indices(idx)
-    return trim_left(cache, mask_BL[idx])
+    layers = _layers(cache)
+    dev = layers[0].keys.device if layers else mask_BL.device  # the KV rows live on the compute device
+    cache.batch_select_indices(torch.tensor(keep, dtype=torch.long, device=dev))
+    return trim_left(cache, mask_BL[torch.tensor(keep, dtype=torch.long, device=mask_BL.device)])
 
 
 def trim_left(cache, mask_BL: torch.Tensor) -> tuple[object, torch.Tensor]:

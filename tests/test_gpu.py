@@ -1,0 +1,178 @@
+"""Issue 23: the CPU invariants of the offloaded runtime, on a CUDA device (``-m gpu``; skipped without one --
+``benchmarks/gpu_check.py`` runs them). Written from the CPU tests (test_offload.py, test_runtime_overlap.py,
+test_device.py); not yet run on a GPU when written (no GPU was available).
+
+- logits equal stock transformers on the same device (float tolerance) for all eight families at C = 1, 2
+  and N, with 0 and 2 reader threads, prefetch off and on, host and disk tiers, batch 1 (one-token path) and 2
+  (union path);
+- live hit/miss/eviction counts equal ``sim.replay`` of the recorded ids;
+- a decode step makes no tensor off the device (``device_guard``) and mixes no devices in one op;
+- CPU and GPU greedy tokens are equal on the shipped models;
+- ``expertcache generate --device cuda`` runs, and bench rows record the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from device_guard import record_step
+from expertcache.models.tiny import save_tiny
+from expertcache.offload import OffloadConfig, OffloadedModel
+from expertcache.routing import RoutingConfig
+from expertcache.sim import replay
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("one_torch_thread")]
+
+ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss")
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: save_tiny(a, root / a, seed=4) for a in ARCHS}
+
+
+def _rt(path, capacity, *, tier="host", readers=0, prefetch=0, **kw):
+    cfg = OffloadConfig(tier=tier, io="cached" if tier == "disk" else "direct", capacity=capacity, readers=readers,
+                        prefetch=prefetch)
+    return OffloadedModel.from_pretrained(path, cfg, dtype=torch.float32, device=DEV, **kw)
+
+
+def _offloaded_logits(rt, ids_BS, prefill):
+    with torch.inference_mode():
+        out = rt.forward(ids_BS[:, :prefill], DynamicCache(config=rt.config))
+        logits, past = [out.logits], out.past_key_values
+        for t in range(prefill, ids_BS.shape[1]):
+            out = rt.forward(ids_BS[:, t:t + 1], past)
+            logits.append(out.logits)
+            past = out.past_key_values
+    return torch.cat(logits, dim=1)
+
+
+def _stock_logits(path, ids_BS):
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEV).eval()
+    with torch.inference_mode():
+        return ref(input_ids=ids_BS.to(DEV)).logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_equal_stock_transformers_on_the_device(tiny_dir, arch):
+    path = tiny_dir[arch]
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    want = _stock_logits(path, ids)
+    probe = _rt(path, 1)
+    n, k = probe.num_experts, probe.top_k
+    probe.close()
+    for tier in ("host", "disk"):
+        for readers, prefetch in ((0, 0), (2, 0), (2, k)):
+            rt = _rt(path, 1, tier=tier, readers=readers, prefetch=prefetch)
+            for c in sorted({1, 2, n}):
+                what = f"{arch} {tier} C={c} readers={readers} prefetch={prefetch}"
+                rt.configure(capacity=c)
+                got = _offloaded_logits(rt, ids, 3)  # batch 2: union steps
+                assert got.device.type == "cuda"
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=what + " batch 2")
+                rt.configure()
+                got1 = _offloaded_logits(rt, ids[:1], 1)  # batch 1: one token per step
+                torch.testing.assert_close(got1, want[:1], rtol=1e-5, atol=1e-5, msg=what + " batch 1")
+            rt.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("policy,eviction", [(RoutingConfig("cache-prior", lam=0.5), "lru"), (RoutingConfig(), "lfu")])
+def test_live_counts_equal_replay_on_the_device(tiny_dir, tier, policy, eviction):
+    rt = _rt(tiny_dir["olmoe"], 3, tier=tier, readers=2, prefetch=2, routing=policy, eviction=eviction, record=True)
+    rt.generate(torch.tensor([[5]]), 25)
+    sim = replay(rt.recorded_ids_TLK(), rt.num_experts, 3, eviction=eviction)
+    for a, b in zip(rt.cache_stats(), sim.per_layer):
+        assert (a.hits, a.misses, a.evictions) == (b.hits, b.misses, b.evictions)
+    rt.close()
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "phimoe"])  # see test_device.py
+def test_decode_step_stays_on_the_device(tiny_dir, arch):
+    from test_device import decode_steps
+
+    for routing, readers, prefetch in ((RoutingConfig(), 0, 0), (RoutingConfig("cache-prior", lam=0.5), 2, 2)):
+        rt = _rt(tiny_dir[arch], 2, readers=readers, prefetch=prefetch, routing=routing)
+        for rec in decode_steps(rt, device=DEV):
+            assert not rec.meta, rec.meta[:3]
+            assert not rec.mixed, rec.mixed[:3]
+        rt.close()
+
+
+def test_generate_and_sampling_on_the_device(tiny_dir):
+    rt = _rt(tiny_dir["olmoe"], 2)
+    out, rec = record_step(rt.generate, torch.tensor([[5, 6]], device="cpu"), 6, temperature=0.8, seed=3)
+    assert not rec.meta and not rec.mixed
+    cpu = OffloadedModel.from_pretrained(tiny_dir["olmoe"], OffloadConfig(tier="host", capacity=2, readers=0),
+                                         dtype=torch.float32)
+    with torch.inference_mode():
+        want = cpu.generate(torch.tensor([[5, 6]]), 6, temperature=0.8, seed=3)["tokens"]
+    assert torch.equal(out["tokens"], want)  # sampling draws on the CPU from the same generator
+
+
+@pytest.mark.parametrize("name", ["granular", "coarse"])
+def test_cpu_and_gpu_greedy_tokens_equal_on_shipped_models(name):
+    from expertcache.cli.generate import load_prompt
+    from expertcache.offload.runtime import resolve_model_path
+
+    path = resolve_model_path(name)
+    ids, _ = load_prompt(path, "The package manager installs")
+    toks = {}
+    for dev in ("cpu", DEV):
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8, readers=2),
+                                            dtype=torch.float32, device=dev)
+        toks[dev] = rt.generate(ids, 48)["tokens"]
+        rt.close()
+    assert torch.equal(toks["cpu"], toks[DEV])
+
+
+def test_serve_engine_batches_on_the_device():
+    """The serve engine's batches, padding masks and KV row selection on the device: prompts of different
+    lengths decoded together give each its lone CPU tokens."""
+    import threading
+
+    from expertcache.serve.engine import Engine, Request, SamplingParams
+    from expertcache.train.tokenizer import load_tokenizer
+    from expertcache.offload.runtime import resolve_model_path
+
+    path = resolve_model_path("granular")
+    tok = load_tokenizer(path)
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8), dtype=torch.float32, device=DEV)
+    engine = Engine(rt, tok, max_batch=4, prefill_chunk=4)  # chunked: rows join the batch at different lengths
+    prompts = [list(range(10, 15)), list(range(20, 26)), list(range(30, 40))]
+    done, events = {}, [threading.Event() for _ in prompts]
+    for i, p in enumerate(prompts):
+        def cb(kind, payload, i=i):
+            if kind in ("done", "error"):
+                done[i] = payload
+                events[i].set()
+        engine.submit(Request(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), cb))
+    engine.start()
+    try:
+        for e in events:
+            assert e.wait(120)
+    finally:
+        engine.shutdown(0)
+    cpu = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8), dtype=torch.float32)
+    for i, p in enumerate(prompts):
+        assert done[i]["token_ids"] == cpu.generate(torch.tensor([p]), 6)["tokens"][0].tolist(), i
+
+
+def test_cli_generate_and_bench_on_cuda(tmp_path, capsys):
+    import json
+
+    from expertcache.cli.main import main
+
+    assert main(["generate", "hello", "--max-new-tokens", "4", "--device", "cuda", "--cache-experts", "4"]) == 0
+    out = tmp_path / "rows.jsonl"
+    assert main(["bench", "--model", "granular", "--tokens", "4", "--repeats", "1", "--policies", "original+lru",
+                 "--device", "cuda", "--cache-experts", "8", "--out", str(out)]) == 0
+    row = json.loads(out.read_text().splitlines()[0])
+    assert row["device"].startswith("cuda") and row["config"]["device"].startswith("cuda")
