@@ -71,6 +71,7 @@ if [[ "$BENCH" == 1 ]]; then
     "${PY[@]}" benchmarks/bench_offload.py --only granular --tokens 32 --repeats 1 --out "$B/offload.jsonl"
   done
   "${PY[@]}" benchmarks/bench_offload.py --only ppl --out "$B/offload.jsonl"
+  "${PY[@]}" benchmarks/bench_overhead.py --tokens 32 --rounds 5 --out "$B/overhead.jsonl"
   "${PY[@]}" benchmarks/bench_liveview.py --runs 15 --tokens 64 --out "$B/liveview.jsonl"
   "${PY[@]}" benchmarks/bench_budget.py --repeats 5 --out "$B/budget.jsonl"
   "${PY[@]}" benchmarks/bench_serve.py --model granular --concurrency 1 4 16 32 --tokens 32 --rounds 2 --repeats 2 \
@@ -83,6 +84,7 @@ if [[ "$BENCH" == 1 ]]; then
    python benchmarks/bench_peers.py compute ...             # all-resident, against llama.cpp
    expertcache bench --model .../olmoe-1b-7b-L4-e1 ...      # the runtime against its physical floor
    python benchmarks/bench_serve.py --model .../olmoe-1b-7b-L4-e1 ...   # serving the OLMoE-shape model
+   python benchmarks/gpu_check.py --out-dir gpu-report       # the GPU table (a CUDA device)
    python benchmarks/bench_melinoe.py ...                   # MELINOE (after `expertcache melinoe finetune`)
    python benchmarks/bench_tiers_project.py ...             # tiers projected onto 12 MiB experts
    python benchmarks/budget_report.py ...                   # miss-rate controller against fixed strengths
