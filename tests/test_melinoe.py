@@ -361,3 +361,21 @@ def test_eval_with_predictor_counts_prefetches(tmp_path, monkeypatch):
     assert rows["prefetch"]["quality"] == pytest.approx(rows["none"]["quality"])
     miss = lambda r: r["miss_rate"]
     assert miss(rows["prefetch"]) <= miss(rows["none"])
+    # transfers count every load: demand misses + prefetch loads (caches reset empty per item, so each item's
+    # prefetch loads its C experts in each of the 4 layers)
+    assert rows["prefetch"]["prefetched"] == 3 * 4 * 8
+    for r in rows.values():
+        assert r["transfers"] == r["misses"] + r.get("prefetched", 0)
+        assert r["transfers_per_token_layer"] == pytest.approx(r["transfers"] / (3 * 32 * 4))
+    # the MELINOE report row (benchmarks/bench_melinoe.py) counts them too
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_melinoe", Path(__file__).parents[1] / "benchmarks" /
+                                                  "bench_melinoe.py")
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    rep = bm.closed_loop(model, tok, task, RoutingConfig(), "lru", 8, p, 8)
+    assert rep["misses"] == rows["prefetch"]["misses"] and rep["prefetched"] == 96
+    assert rep["transfers_per_token_layer"] * 3 * 32 * 4 == pytest.approx(rep["misses"] + 96)
+    assert rep["transfers_per_token_layer"] > rep["demand_misses_per_token_layer"]

@@ -174,6 +174,9 @@ def print_table(row: dict, label: str, file=sys.stdout) -> None:
     if row.get("generation_miss_rate") is not None:
         line += f"   generation-only miss rate {pct(row['generation_miss_rate'])}"
     print(line, file=file)
+    if "transfers_per_token_layer" in row:
+        print(f"transfers {row['transfers_per_token_layer']:.3f} per token per layer ({row['misses']} demand misses"
+              + (f" + {row['prefetched']} --predictor prefetch loads" if row.get("prefetched") else "") + ")", file=file)
     if row.get("controller"):
         print_controller(row["controller"], file)
 

@@ -106,6 +106,9 @@ def evaluate(model, task: Task, routing: RoutingConfig, *, eviction: str = "lru"
                task_metrics=out, seconds=time.perf_counter() - t0)
     if pre is not None:
         row.update(pre.summary())
+    # every expert load: demand misses and (MELINOE --predictor) prefetch loads; per token per MoE layer
+    row["transfers"] = int(row["misses"]) + int(row.get("prefetched", 0))
+    row["transfers_per_token_layer"] = row["transfers"] / max(1, row["tokens"] * meta.num_layers)
     if hasattr(hooked, "state"):
         row["controller"] = hooked.state()
     return row
