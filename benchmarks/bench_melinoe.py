@@ -9,8 +9,9 @@ preset), closed loop (:func:`expertcache.eval.evaluate` on the patched model), a
 
 **Transfers always include the prefetch loads**: transfers per token per layer = (demand misses + predictor
 prefetch loads) / (tokens · L) -- the eval row's ``transfers_per_token_layer``. A prefetch row also carries
-``net_transfers`` (its transfers minus the same checkpoint's ``original+lru`` transfers: negative = prefetch saves
-loads) and the predictor's held-out top-C recall against the frequency prior (from ``melinoe predictor``'s report).
+``net_transfers_per_token_layer`` (its transfers minus the same requests' misses without prefetching -- the same
+checkpoint's ``original+lru`` row: negative = prefetch saves loads) and the predictor's held-out top-C recall
+against the frequency prior (from ``melinoe predictor``'s report).
 
 Sequences: consecutive ``--seq``-token chunks of the held-out documents of corpus-debian-docs (joined), one
 sequence per chunk, caches reset between sequences (004 measures per sequence); the predictor sees each chunk's
@@ -60,10 +61,15 @@ def closed_loop(model, tok, task, routing, eviction, capacity, predictor=None, p
     row = evaluate(model, task, routing, eviction=eviction, capacity=capacity, gamma=gamma,
                    between_sequences="reset", prefetch=pre)
     layers = len(row["config"]["moe_layers"])
-    return dict(ppl=row["quality"], transfers_per_token_layer=row["transfers_per_token_layer"],
-                demand_misses_per_token_layer=row["misses"] / (row["tokens"] * layers), misses=row["misses"],
-                prefetched=row.get("prefetched", 0), transfers=row["transfers"], tokens=row["tokens"],
-                layers=layers, items=row["task_metrics"]["items"])
+    out = dict(ppl=row["quality"], transfers_per_token_layer=row["transfers_per_token_layer"],
+               demand_misses_per_token_layer=row["misses"] / (row["tokens"] * layers), misses=row["misses"],
+               prefetched=row.get("prefetched", 0), transfers=row["transfers"], tokens=row["tokens"],
+               layers=layers, items=row["task_metrics"]["items"])
+    if "net_transfers" in row:  # prefetch: against the same requests replayed without it
+        out.update(net_transfers_per_token_layer=row["net_transfers"] / (row["tokens"] * layers),
+                   misses_without_prefetch=row["misses_without_prefetch"],
+                   **{k: row[k] for k in ("predictor_recall", "prior_recall", "predictor_beats_prior") if k in row})
+    return out
 
 
 def _named(specs: list[str], flag: str) -> dict[str, str]:
@@ -88,16 +94,6 @@ def recipe_of(path: str) -> dict:
     return dict(preset=c.get("preset", "fast"), lambda_cs=c.get("lambda_cs"), lambda_rm=c.get("lambda_rm"),
                 steps=s.get("steps_done"), lr=c.get("lr"), seq_len=c.get("seq_len"), lora_r=c.get("lora_r"),
                 train_tokens=c.get("train_tokens"), wall_s=s.get("wall_s"))
-
-
-def predictor_quality(pred, capacity: int) -> dict:
-    """The predictor's held-out top-C recall and the frequency prior's, from its training report."""
-    rep = pred.meta.get("heldout_report", {}).get("topc", {}).get(str(capacity))
-    if rep is None:
-        return {}
-    return dict(predictor_recall=rep["predictor"]["recall"], prior_recall=rep["prior"]["recall"],
-                oracle_recall=rep["oracle"]["recall"],
-                predictor_beats_prior=rep["predictor"]["recall"] > rep["prior"]["recall"])
 
 
 def main(argv=None) -> int:
@@ -168,11 +164,9 @@ def main(argv=None) -> int:
                 p = preds[ck]
                 r = closed_loop(model, tok, task, RoutingConfig(), "lru", c, p,
                                 int(p.meta.get("config", {}).get("prompt_len", 32)))
-                r["net_transfers_per_token_layer"] = r["transfers_per_token_layer"] - plain["transfers_per_token_layer"]
-                r["demand_saved_per_token_layer"] = (plain["demand_misses_per_token_layer"]
-                                                     - r["demand_misses_per_token_layer"])
-                record(policy="original+lru+prefetch", lam=0.0, eviction="lru", prefetch=True, **meta,
-                       **predictor_quality(p, c), **r)
+                # original routing: the replay without prefetch is the plain LRU run (same requests)
+                assert r["misses_without_prefetch"] == plain["misses"], (r["misses_without_prefetch"], plain["misses"])
+                record(policy="original+lru+prefetch", lam=0.0, eviction="lru", prefetch=True, **meta, **r)
     log(f"done in {time.time() - t0:.0f} s")
     if args.figure:
         plot_frontier(rows, args.figure)

@@ -379,3 +379,7 @@ def test_eval_with_predictor_counts_prefetches(tmp_path, monkeypatch):
     assert rep["misses"] == rows["prefetch"]["misses"] and rep["prefetched"] == 96
     assert rep["transfers_per_token_layer"] * 3 * 32 * 4 == pytest.approx(rep["misses"] + 96)
     assert rep["transfers_per_token_layer"] > rep["demand_misses_per_token_layer"]
+    # net transfers: against the same requests without prefetching (original routing: the plain run's misses)
+    assert rep["misses_without_prefetch"] == rows["none"]["misses"]
+    assert rows["prefetch"]["net_transfers"] == rows["prefetch"]["transfers"] - rows["none"]["misses"]
+    assert {"predictor_recall", "prior_recall", "predictor_beats_prior"} <= set(rows["prefetch"])

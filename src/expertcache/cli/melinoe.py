@@ -93,7 +93,11 @@ def run_predictor(args) -> int:
     cfg.check()  # --out included, before the model loads
     report = train_predictor(cfg, command="expertcache " + shlex.join(sys.argv[1:]), progress=not args.no_progress)
     for c, r in sorted(report["topc"].items(), key=lambda kv: int(kv[0])):
+        gap = r["predictor"]["recall"] - r["prior"]["recall"]
         print(f"C={c}: predictor precision {r['predictor']['precision']:.3f} recall {r['predictor']['recall']:.3f}"
-              f"   frequency prior precision {r['prior']['precision']:.3f} recall {r['prior']['recall']:.3f}")
+              f"   frequency prior precision {r['prior']['precision']:.3f} recall {r['prior']['recall']:.3f}   "
+              + (f"the predictor beats the prior by {gap:.3f}" if gap > 0 else
+                 f"the predictor does NOT beat the frequency prior ({gap:+.3f}): prefetching its Top-C saves no more "
+                 "than a fixed set of the most used experts would"))
     print(f"wrote {cfg.out}")
     return 0
