@@ -110,6 +110,9 @@ def main(argv=None) -> int:
     ap.add_argument("--base-lams", default="0.1,0.2,0.3,0.5", help="cache-prior λ on the base (default 0.1-0.5)")
     ap.add_argument("--tuned-lams", default="0.1,0.2", help="cache-prior λ on fine-tuned checkpoints")
     ap.add_argument("--gamma", type=float, default=0.9, help="γ of the γ cache (default 0.9)")
+    ap.add_argument("--skip-base", action="store_true",
+                    help="no base-model rows (they are in --out already from an earlier run with the same --seq, "
+                         "--sequences and --capacities)")
     ap.add_argument("--out", required=True, help="JSONL output (appended)")
     ap.add_argument("--figure", default=None, help="frontier PNG (default: none)")
     args = ap.parse_args(argv)
@@ -151,6 +154,8 @@ def main(argv=None) -> int:
 
     for c in caps:
         for ck, (model, _) in models.items():
+            if ck == "base" and args.skip_base:
+                continue
             meta = dict(checkpoint=ck, recipe=recipe_of(tuned[ck]) if ck in tuned else {}, capacity=c)
             lams = args.base_lams if ck == "base" else args.tuned_lams
             plain = closed_loop(model, tok, task, RoutingConfig(), "lru", c, gamma=args.gamma)
@@ -168,6 +173,8 @@ def main(argv=None) -> int:
                 assert r["misses_without_prefetch"] == plain["misses"], (r["misses_without_prefetch"], plain["misses"])
                 record(policy="original+lru+prefetch", lam=0.0, eviction="lru", prefetch=True, **meta, **r)
     log(f"done in {time.time() - t0:.0f} s")
+    if args.skip_base:  # the report needs the base rows: read them all back
+        rows = [json.loads(l) for l in open(args.out) if l.strip()]
     if args.figure:
         plot_frontier(rows, args.figure)
     print(markdown_rows(rows))
