@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-base", action="store_true",
                     help="no base-model rows (they are in --out already from an earlier run with the same --seq, "
                          "--sequences and --capacities)")
+    ap.add_argument("--lams-only", action="store_true",
+                    help="only the cache-prior rows (extend an earlier run's λ sweep in the same --out)")
     ap.add_argument("--out", required=True, help="JSONL output (appended)")
     ap.add_argument("--figure", default=None, help="frontier PNG (default: none)")
     args = ap.parse_args(argv)
@@ -158,14 +160,15 @@ def main(argv=None) -> int:
                 continue
             meta = dict(checkpoint=ck, recipe=recipe_of(tuned[ck]) if ck in tuned else {}, capacity=c)
             lams = args.base_lams if ck == "base" else args.tuned_lams
-            plain = closed_loop(model, tok, task, RoutingConfig(), "lru", c, gamma=args.gamma)
-            record(policy="original+lru", lam=0.0, eviction="lru", prefetch=False, **meta, **plain)
-            record(policy="original+gamma", lam=0.0, eviction="gamma", prefetch=False, **meta,
-                   **closed_loop(model, tok, task, RoutingConfig(), "gamma", c, gamma=args.gamma))
+            if not args.lams_only:
+                plain = closed_loop(model, tok, task, RoutingConfig(), "lru", c, gamma=args.gamma)
+                record(policy="original+lru", lam=0.0, eviction="lru", prefetch=False, **meta, **plain)
+                record(policy="original+gamma", lam=0.0, eviction="gamma", prefetch=False, **meta,
+                       **closed_loop(model, tok, task, RoutingConfig(), "gamma", c, gamma=args.gamma))
             for lam in [float(x) for x in lams.split(",") if x.strip()]:
                 record(policy=f"cache-prior(λ={lam:g})+lru", lam=lam, eviction="lru", prefetch=False, **meta,
                        **closed_loop(model, tok, task, RoutingConfig(policy="cache-prior", lam=lam), "lru", c))
-            if ck in preds:
+            if ck in preds and not args.lams_only:
                 p = preds[ck]
                 r = closed_loop(model, tok, task, RoutingConfig(), "lru", c, p,
                                 int(p.meta.get("config", {}).get("prompt_len", 32)))
@@ -173,7 +176,7 @@ def main(argv=None) -> int:
                 assert r["misses_without_prefetch"] == plain["misses"], (r["misses_without_prefetch"], plain["misses"])
                 record(policy="original+lru+prefetch", lam=0.0, eviction="lru", prefetch=True, **meta, **r)
     log(f"done in {time.time() - t0:.0f} s")
-    if args.skip_base:  # the report needs the base rows: read them all back
+    if args.skip_base or args.lams_only:  # the report needs every row: read them all back
         rows = [json.loads(l) for l in open(args.out) if l.strip()]
     if args.figure:
         plot_frontier(rows, args.figure)
@@ -206,6 +209,9 @@ def markdown_rows(rows: list[dict]) -> str:
     out = []
     for c in sorted({r["capacity"] for r in rows}):
         rs = [r for r in rows if r["capacity"] == c]
+        cks = list(dict.fromkeys(r["checkpoint"] for r in rs))
+        rs.sort(key=lambda r: (cks.index(r["checkpoint"]), r["prefetch"], r["policy"] != "original+lru",
+                               r["policy"] != "original+gamma", r["lam"]))
         ref = next(r for r in rs if r["checkpoint"] == "base" and r["policy"] == "original+lru")
         out.append(f"\n**{ref['model']}, C = {c}**: {ref['sequences']} held-out sequences × {ref['seq']} tokens, "
                    "caches reset per sequence; transfers = (demand misses + prefetch loads) / (tokens · layers)\n")
