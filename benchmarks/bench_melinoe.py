@@ -235,8 +235,9 @@ def markdown_rows(rows: list[dict]) -> str:
                 and r["transfers_per_token_layer"] * 2 <= ref["transfers_per_token_layer"]]
         out.append(f"Target (fine-tuned, ≤ +2 % ppl, ≥ 2× fewer transfers than base+LRU): "
                    + (", ".join(f"{r['checkpoint']} {r['policy']}" for r in hits) if hits else "**none**"))
+        out.append("\nEach fine-tuned point against base + Cache-Prior at the same perplexity (its λ curve, interpolated):\n")
         for r in rs:
-            if r["checkpoint"] == "base" or not r["policy"].startswith("cache-prior"):
+            if r["checkpoint"] == "base" or r["prefetch"]:
                 continue
             bt = base_transfers_at(rows, c, r["ppl"])
             out.append(f"- {r['checkpoint']} {r['policy']} at ppl {r['ppl']:.2f}: {r['transfers_per_token_layer']:.3f}; "
@@ -252,7 +253,7 @@ def plot_frontier(rows: list[dict], path: str) -> Path:
 
     plt = pyplot()
     caps = sorted({r["capacity"] for r in rows})
-    fig, axes = plt.subplots(1, len(caps), figsize=(6.4 * len(caps), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(caps), figsize=(9.6 * len(caps), 5.0), squeeze=False)
     for ax, c in zip(axes[0], caps):
         rs = [r for r in rows if r["capacity"] == c]
         ref = next(r for r in rs if r["checkpoint"] == "base" and r["policy"] == "original+lru")
@@ -282,7 +283,7 @@ def plot_frontier(rows: list[dict], path: str) -> Path:
         ax.set_title(f"{ref['model']}, C = {c}: {ref['sequences']} × {ref['seq']}-token held-out sequences",
                      fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, loc="upper right")
+        ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return save_figure(fig, path, dpi=120)
 
 
