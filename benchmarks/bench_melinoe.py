@@ -263,7 +263,8 @@ def plot_frontier(rows: list[dict], path: str) -> Path:
                          if r["checkpoint"] == ck and r["eviction"] == "lru" and not r["prefetch"])
             rec = next((r.get("recipe") for r in rs if r["checkpoint"] == ck), None) or {}
             label = ("base + Cache-Prior (λ 0 → max), training-free" if ck == "base"
-                     else f"{ck}: {rec.get('preset', '?')} λ_cs {rec.get('lambda_cs')} + LRU → Cache-Prior")
+                     else f"{ck}: {rec.get('preset', '?')} λ_cs {rec.get('lambda_cs')} λ_rm {rec.get('lambda_rm')} "
+                          f"{rec.get('seq_len')}-token windows, {rec.get('steps')} steps + LRU → Cache-Prior")
             ax.plot([t for _, t, _ in cur], [p for _, _, p in cur], "-o", color=color, ms=4, lw=1.6 if ck == "base"
                     else 1.1, label=label)
             for lam, t, p in cur:
