@@ -221,8 +221,8 @@ def markdown_rows(rows: list[dict]) -> str:
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in rs:
             rec = r.get("recipe") or {}
-            recipe = ("–" if not rec else f"{rec.get('preset')} λ_cs {rec.get('lambda_cs')} {rec.get('steps')} steps "
-                      f"lr {rec.get('lr'):g}")
+            recipe = ("–" if not rec else f"{rec.get('preset')} λ_cs {rec.get('lambda_cs')} λ_rm {rec.get('lambda_rm')} "
+                      f"{rec.get('steps')} × {rec.get('seq_len')} tokens lr {rec.get('lr'):g}")
             pf = r["prefetched"] / (r["tokens"] * r["layers"])
             net = f"{r['net_transfers_per_token_layer']:+.3f}" if "net_transfers_per_token_layer" in r else ""
             rec_s = (f"{r['predictor_recall']:.3f} / {r['prior_recall']:.3f}" if "predictor_recall" in r else "")
