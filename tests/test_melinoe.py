@@ -160,6 +160,10 @@ def test_presets_fill_what_the_flags_leave():
 
     got = finetune_config(build_parser().parse_args(["melinoe", "finetune", "--preset", "004", "--steps", "5"]))
     assert (got.steps, got.lr, got.lora_r, got.seq_len) == (5, 1e-4, 32, 256)
+    # without --steps the 004 preset runs 3 epochs of the token budget given
+    got = finetune_config(build_parser().parse_args(["melinoe", "finetune", "--preset", "004",
+                                                     "--train-tokens", "400000"]))
+    assert got.steps == 586 == math.ceil(3 * 400000 / (8 * 256))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -121,6 +121,7 @@ def _check_out(out: str) -> None:
 # Named recipes. Each value: (value, why). ``fast`` is the recipe the shipped results were made with; ``004`` is
 # 004 Table 7 (Dolly-15k column, OLMoE), kept as is wherever it applies to the shipped 4-layer, D = 144 models.
 _004_TOKENS = 2_000_000
+_004_EPOCHS = 3
 PRESETS: dict[str, dict[str, tuple[object, str]]] = {
     "fast": {
         "steps": (400, "400 × 8 × 128 = 0.4 M tokens: ≈ 10 min of one shared CPU core"),
@@ -135,8 +136,9 @@ PRESETS: dict[str, dict[str, tuple[object, str]]] = {
         "train_tokens": (2_000_000, "-"),
     },
     "004": {
-        "steps": (math.ceil(3 * _004_TOKENS / (8 * 256)),
-                  "3 epochs (004 Table 7, Dolly) over train_tokens at 8 × 256 tokens per step"),
+        "steps": (math.ceil(_004_EPOCHS * _004_TOKENS / (8 * 256)),
+                  "3 epochs (004 Table 7, Dolly) over train_tokens at batch_size × seq_len tokens per step "
+                  "(recomputed from the train_tokens, batch_size and seq_len given unless --steps is)"),
         "batch_size": (8, "004 Table 7 gives none; 8 sequences"),
         "seq_len": (256, "004: 512 max tokens; the shipped models have max_position_embeddings = 256"),
         "lr": (1e-4, "004: 1e-5 = 1/40 of OLMoE-1B-7B's pre-training peak lr (4e-4); the shipped granular model "
@@ -161,6 +163,8 @@ def apply_preset(cfg: FinetuneConfig, explicit: set[str] | frozenset[str] = froz
     for name, (value, _) in PRESETS[cfg.preset].items():
         if name not in explicit:
             setattr(cfg, name, value)
+    if cfg.preset == "004" and "steps" not in explicit:  # 3 epochs of whatever token budget and batch are chosen
+        cfg.steps = max(1, math.ceil(_004_EPOCHS * cfg.train_tokens / (cfg.batch_size * cfg.seq_len)))
     return cfg
 
 
