@@ -208,12 +208,15 @@ def test_prefetches_show_as_prefetched_not_as_demand_misses(server):
     rt, eng = server.app.state.engine.rt, server.app.state.engine
     lis = Listener(server)
     absent = [e for e in range(rt.num_experts) if e not in rt.states[0].cache][:3]
+    before = dict(_lv(server)["tap"].totals)
     with eng._lock:  # the engine is idle and cannot start a forward meanwhile
         assert eng.in_flight() == 0 and rt.prefetch(0, absent) == 3
     _complete(server, n=2)
     f = next(f for f in lis.close(1) if f["type"] == "step")
     ly = f["layers"][0]
     assert ly["prefetched"] == sorted(absent)
+    t = f["totals"]  # the totals' transfers count the prefetch loads too
+    assert t["prefetched"] - before["prefetched"] == 3 and t["transfers"] == t["misses"] + t["prefetched"]
     assert not set(absent) & set(ly["miss"])  # loaded ahead: a request for them is a hit, not a miss
     assert all(not x["prefetched"] for x in f["layers"][1:])
     _reset(server)

@@ -91,13 +91,79 @@ def test_cache_sim_loss_has_a_gradient_on_the_router(mode):
     tap = _RouterTap(layers)
     x = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     model(input_ids=x, use_cache=False)
-    pf, _ = tap.stacked(2, 24)
+    pf = tap.stacked(2, 24)
     loss = cache_sim_loss(pf, layers[0].top_k, 4, 0.9, request=mode)
     loss.backward()
     for m in layers:
         g = m.router.weight.grad
         assert g is not None and float(g.abs().sum()) > 0
     tap.remove()
+
+
+def test_rank_match_base_is_the_base_models_own_forward():
+    """p_b of L_rm is what the base model routes on the same tokens: equal to a second, independent full forward
+    of a freshly loaded base (its router logits from transformers' output_router_logits, no hooks), also when
+    the fine-tuned routers have moved -- where the frozen base router applied to the fine-tuned hidden states
+    (the earlier p_b) differs from layer 1 on."""
+    pytest.importorskip("peft")
+    from expertcache.assets import shipped_model_dir
+    from expertcache.melinoe.finetune import BaseRouting, FinetuneConfig, _RouterTap, build_trainable, step_losses
+    from expertcache.models import load_model
+
+    src = shipped_model_dir("granular")
+    cfg = FinetuneConfig(lora_r=2, lora_alpha=1.0)
+    pm, layers, _ = build_trainable(load_model(src), cfg)
+    base_w = [m.router.weight.detach().clone() for m in layers]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a fine-tuned model whose routing differs from the base's
+        for m in layers:
+            m.router.weight.add_(0.3 * torch.randn(m.router.weight.shape, generator=g))
+    inputs = []
+    handles = [m.router.register_forward_hook(lambda mod, a, o: inputs.append(a[0].detach())) for m in layers]
+    tap, base = _RouterTap(layers), BaseRouting(load_model(src))
+    xy = torch.randint(3, 8000, (2, 25), generator=g)
+    x, y = xy[:, :-1], xy[:, 1:]
+    res = step_losses(pm, tap, base, x, y, cfg, 8, 8)
+    for h in handles:
+        h.remove()
+    ref = load_model(src)(input_ids=x, use_cache=False, output_router_logits=True).router_logits
+    want = torch.stack([torch.softmax(r.float(), -1).view(2, 24, -1) for r in ref], dim=1)
+    assert res["pb"].shape == want.shape == (2, 4, 24, 32)
+    assert torch.allclose(res["pb"], want, atol=1e-5)
+    assert res["rm"].item() == pytest.approx(float(rank_match_loss(res["pf"], want, cfg.rho)), rel=1e-5)
+    assert not torch.allclose(res["pf"], want, atol=1e-3)  # the fine-tuned routing did move
+    # the earlier p_b: base router weights on the fine-tuned hidden states -- equal in layer 0 only
+    old = torch.stack([torch.softmax(h.reshape(-1, w.shape[1]) @ w.T, -1).view(2, 24, -1)
+                       for h, w in zip(inputs, base_w)], dim=1)
+    assert torch.allclose(old[:, 0], want[:, 0], atol=1e-5)
+    assert not torch.allclose(old[:, 1:], want[:, 1:], atol=1e-3)
+    tap.remove()
+    base.remove()
+
+
+def test_presets_fill_what_the_flags_leave():
+    from expertcache.cli.main import build_parser
+    from expertcache.melinoe.finetune import PRESETS, FinetuneConfig, apply_preset
+
+    cfg = apply_preset(FinetuneConfig(preset="004"))
+    assert (cfg.lr, cfg.lambda_cs, cfg.lambda_rm, cfg.lora_r, cfg.lora_alpha, cfg.warmup_ratio) == (
+        1e-4, 0.5, 0.1, 32, 16.0, 0.03)  # 004 Table 7 (lr scaled: see PRESETS["004"]["lr"])
+    assert cfg.steps * cfg.batch_size * cfg.seq_len >= 3 * cfg.train_tokens  # 3 epochs
+    assert all(why for rec in PRESETS.values() for _, why in rec.values())  # every value says why
+    fast = FinetuneConfig()  # the dataclass defaults are the fast preset
+    assert all(getattr(fast, k) == v for k, (v, _) in PRESETS["fast"].items())
+    assert apply_preset(FinetuneConfig(preset="004", lr=0.5), {"lr"}).lr == 0.5
+    with pytest.raises(ValueError, match="--preset"):
+        apply_preset(FinetuneConfig(preset="paper"))
+    # the CLI: --preset 004 with --steps 5 keeps the 5 and takes the rest from the preset
+    from expertcache.cli.melinoe import finetune_config
+
+    got = finetune_config(build_parser().parse_args(["melinoe", "finetune", "--preset", "004", "--steps", "5"]))
+    assert (got.steps, got.lr, got.lora_r, got.seq_len) == (5, 1e-4, 32, 256)
+    # without --steps the 004 preset runs 3 epochs of the token budget given
+    got = finetune_config(build_parser().parse_args(["melinoe", "finetune", "--preset", "004",
+                                                     "--train-tokens", "400000"]))
+    assert got.steps == 586 == math.ceil(3 * 400000 / (8 * 256))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,3 +365,25 @@ def test_eval_with_predictor_counts_prefetches(tmp_path, monkeypatch):
     assert rows["prefetch"]["quality"] == pytest.approx(rows["none"]["quality"])
     miss = lambda r: r["miss_rate"]
     assert miss(rows["prefetch"]) <= miss(rows["none"])
+    # transfers count every load: demand misses + prefetch loads (caches reset empty per item, so each item's
+    # prefetch loads its C experts in each of the 4 layers)
+    assert rows["prefetch"]["prefetched"] == 3 * 4 * 8
+    for r in rows.values():
+        assert r["transfers"] == r["misses"] + r.get("prefetched", 0)
+        assert r["transfers_per_token_layer"] == pytest.approx(r["transfers"] / (3 * 32 * 4))
+    # the MELINOE report row (benchmarks/bench_melinoe.py) counts them too
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_melinoe", Path(__file__).parents[1] / "benchmarks" /
+                                                  "bench_melinoe.py")
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    rep = bm.closed_loop(model, tok, task, RoutingConfig(), "lru", 8, p, 8)
+    assert rep["misses"] == rows["prefetch"]["misses"] and rep["prefetched"] == 96
+    assert rep["transfers_per_token_layer"] * 3 * 32 * 4 == pytest.approx(rep["misses"] + 96)
+    assert rep["transfers_per_token_layer"] > rep["demand_misses_per_token_layer"]
+    # net transfers: against the same requests without prefetching (original routing: the plain run's misses)
+    assert rep["misses_without_prefetch"] == rows["none"]["misses"]
+    assert rows["prefetch"]["net_transfers"] == rows["prefetch"]["transfers"] - rows["none"]["misses"]
+    assert {"predictor_recall", "prior_recall", "predictor_beats_prior"} <= set(rows["prefetch"])

@@ -178,6 +178,17 @@ def print_table(row: dict, label: str, file=sys.stdout) -> None:
     if row.get("generation_miss_rate") is not None:
         line += f"   generation-only miss rate {pct(row['generation_miss_rate'])}"
     print(line, file=file)
+    if "transfers_per_token_layer" in row:
+        print(f"transfers {row['transfers_per_token_layer']:.3f} per token per layer ({row['misses']} demand misses"
+              + (f" + {row['prefetched']} --predictor prefetch loads" if row.get("prefetched") else "") + ")", file=file)
+    if "net_transfers" in row:
+        verdict = "saved" if row["net_transfers"] < 0 else "cost"
+        line = (f"predictor prefetch {verdict} {abs(row['net_transfers'])} transfers against the same requests without "
+                f"it ({row['misses_without_prefetch']} misses)")
+        if row.get("predictor_recall") is not None:
+            line += (f"; held-out top-C recall {row['predictor_recall']:.3f} vs the frequency prior's "
+                     f"{row['prior_recall']:.3f}")
+        print(line, file=file)
     if row.get("controller"):
         print_controller(row["controller"], file)
 

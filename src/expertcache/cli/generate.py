@@ -214,7 +214,12 @@ def run(args: argparse.Namespace) -> int:
                prefill_s=r["prefill_s"], decode_s=r["decode_s"], decode_tok_s=tok_s, hit_rate=s["hit_rate"],
                decode_hit_rate=d["hit_rate"], bytes_read=s["bytes_read"], misses=s["misses"],
                io_wait_s=s["io_wait_seconds"], prefetch=s["prefetch"], prefetched=s["prefetched"], tiers=s["tiers"],
+               transfers=s["expert_loads"],  # every expert load: demand misses + --predictor prefetch loads
                threads=args.threads, config=rt.describe())
+    if predictor is not None:
+        from expertcache.melinoe.prefetch import predictor_recall
+
+        row.update(predictor_recall(predictor, rt.capacity))
     if args.json:
         print(json.dumps(row), file=sys.stderr)
     else:

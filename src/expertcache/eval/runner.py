@@ -109,6 +109,14 @@ def evaluate(model, task: Task, routing: RoutingConfig, *, eviction: str = "lru"
                task_metrics=out, seconds=time.perf_counter() - t0)
     if pre is not None:
         row.update(pre.summary())
+    # every expert load: demand misses and (MELINOE --predictor) prefetch loads; per token per MoE layer
+    row["transfers"] = int(row["misses"]) + int(row.get("prefetched", 0))
+    row["transfers_per_token_layer"] = row["transfers"] / max(1, row["tokens"] * meta.num_layers)
+    if pre is not None:  # what prefetching earned: the same selections replayed without the prefetched sets
+        plain = replay(trace.ids_TLK, meta.num_experts, patch.capacity, eviction=eviction, gamma=gamma, initial=init,
+                       seed=seed, sequence_starts=meta.sequence_starts, between_sequences=between_sequences)
+        row["misses_without_prefetch"] = int(plain.overall.misses)
+        row["net_transfers"] = row["transfers"] - row["misses_without_prefetch"]  # < 0: prefetch saved loads
     if hasattr(hooked, "state"):
         row["controller"] = hooked.state()
     return row

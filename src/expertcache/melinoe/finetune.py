@@ -12,8 +12,15 @@ Trainable (004: "the router weights and gate projection ... LoRA on the MLP up a
   peft targets a *whole* parameter, so the LoRA on the fused ``gate_up_proj`` also covers the gate rows
   (which train in full anyway); ``down_proj`` is the down projection.
 
-The frozen base router (a copy of each router weight at the start) gives p_b on the same router inputs as
-the fine-tuned router (one forward pass per step, not a second model).
+p_b in L_rm is the *base model's own routing* on the same tokens (004 Eq. 5: the base model's router
+distribution): a separate frozen copy of the base checkpoint runs its own forward under ``no_grad`` each step
+(:class:`BaseRouting`). peft's ``disable_adapter()`` would not give it: the routers and the gate projection are
+trained in full, outside the adapters. (Applying the frozen base *router* to the fine-tuned model's hidden
+states, as an earlier version did, is a different distribution from layer 1 on: the hidden states entering
+layer ℓ > 0 already carry the fine-tuned routing of the layers below.)
+
+Recipes: :data:`PRESETS` (``--preset``) -- ``fast`` (a few hundred CPU steps, the shipped recipe) and ``004``
+(004 Table 7, each value scaled to the shipped models only where it cannot apply as is, with the reason).
 
 Run folder (``out``): ``state/`` (resumable: ``trainable.safetensors`` with the trainable tensors and the AdamW
 moments, ``state.json`` with the step, the log and the config -- safetensors + JSON only), ``log.jsonl``,
@@ -40,32 +47,34 @@ from expertcache.results import atomic_write_bytes, pyplot, save_figure, save_np
 from expertcache.train.configs import check_positive, check_save_dtype
 from expertcache.train.loop import publish_folder
 
-__all__ = ["FinetuneConfig", "finetune", "lr_factor", "plot_losses", "TOKENIZER_FILES"]
+__all__ = ["FinetuneConfig", "PRESETS", "apply_preset", "BaseRouting", "step_losses", "finetune", "lr_factor",
+           "plot_losses", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 @dataclass
 class FinetuneConfig:
-    """Defaults: 004 Table 7 (Dolly column) scaled to the shipped 4-layer, D = 144 models -- see docs/MELINOE.md."""
+    """Defaults: the ``fast`` preset (:data:`PRESETS`); ``--preset 004`` gives 004 Table 7 -- see docs/MELINOE.md."""
 
     model: str = "granular"
     out: str = "runs/melinoe-granular"
     data_dir: str | None = None
-    steps: int = 300
+    preset: str = "fast"
+    steps: int = 400
     batch_size: int = 8
     seq_len: int = 128
-    lr: float = 5e-3            # 004: 1e-5 for 7-47B models over 3 epochs; a few hundred steps here need more
+    lr: float = 5e-3
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    lambda_cs: float = 0.5
+    lambda_cs: float = 1.0
     lambda_rm: float = 0.1
     gamma: float = 0.9
     rho: float = 0.1
     capacity: int = 0           # 0: E/4 (004: C = E/4)
-    lora_r: int = 8             # 004: 32 at D = 2048-4096; the shipped models have D = 144
-    lora_alpha: float = 4.0     # 004: α/r = 16/32
+    lora_r: int = 8
+    lora_alpha: float = 4.0
     request: str = "st"
     start: str = "fill"
     seed: int = 0
@@ -93,6 +102,8 @@ class FinetuneConfig:
             raise ValueError(f"--request must be 'st' or 'masked', got {self.request!r}")
         if self.start not in ("fill", "uniform"):
             raise ValueError(f"--start must be 'fill' or 'uniform', got {self.start!r}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         check_save_dtype(self.save_dtype, "--save-dtype")
         from expertcache.device import resolve_device
 
@@ -111,6 +122,56 @@ def _check_out(out: str) -> None:
         raise ValueError(f"--out {out}: {parent} is not writable")
 
 
+# Named recipes. Each value: (value, why). ``fast`` is the recipe the shipped results were made with; ``004`` is
+# 004 Table 7 (Dolly-15k column, OLMoE), kept as is wherever it applies to the shipped 4-layer, D = 144 models.
+_004_TOKENS = 2_000_000
+_004_EPOCHS = 3
+PRESETS: dict[str, dict[str, tuple[object, str]]] = {
+    "fast": {
+        "steps": (400, "400 × 8 × 128 = 0.4 M tokens: ≈ 10 min of one shared CPU core"),
+        "batch_size": (8, "-"),
+        "seq_len": (128, "short windows: 4× cheaper steps than 004's 512 (256 at most here)"),
+        "lr": (5e-3, "50× the 004-scaled 1e-4, so that 400 steps move the routers"),
+        "warmup_ratio": (0.03, "004 Table 7"),
+        "lambda_cs": (1.0, "2× 004's 0.5: at 0.5 and 300 steps the locality gain was 1.33×"),
+        "lambda_rm": (0.1, "004 Table 7"),
+        "lora_r": (8, "a quarter of 004's 32 (cheaper steps)"),
+        "lora_alpha": (4.0, "α/r = 0.5 as in 004 (16/32)"),
+        "train_tokens": (2_000_000, "-"),
+    },
+    "004": {
+        "steps": (math.ceil(_004_EPOCHS * _004_TOKENS / (8 * 256)),
+                  "3 epochs (004 Table 7, Dolly) over train_tokens at batch_size × seq_len tokens per step "
+                  "(recomputed from the train_tokens, batch_size and seq_len given unless --steps is)"),
+        "batch_size": (8, "004 Table 7 gives none; 8 sequences"),
+        "seq_len": (256, "004: 512 max tokens; the shipped models have max_position_embeddings = 256"),
+        "lr": (1e-4, "004: 1e-5 = 1/40 of OLMoE-1B-7B's pre-training peak lr (4e-4); the shipped granular model "
+                     "was pre-trained at 4e-3, so the same ratio gives 1e-4 (1e-5 would leave a 7 M model unmoved)"),
+        "warmup_ratio": (0.03, "004 Table 7"),
+        "lambda_cs": (0.5, "004 Table 7"),
+        "lambda_rm": (0.1, "004 Table 7"),
+        "lora_r": (32, "004 Table 7 (applies: 32 < D = 144 and < F = 104/416)"),
+        "lora_alpha": (16.0, "004 Table 7"),
+        "train_tokens": (_004_TOKENS, "the first 2 M tokens of the shuffled training split, of the order of "
+                                      "Dolly-15k's size (15 k examples, most far below 512 tokens)"),
+    },
+}
+PRESET_FIELDS = tuple(PRESETS["fast"])
+
+
+def apply_preset(cfg: FinetuneConfig, explicit: set[str] | frozenset[str] = frozenset()) -> FinetuneConfig:
+    """Set ``cfg``'s recipe fields from ``PRESETS[cfg.preset]``, except those named in ``explicit`` (flags the
+    user gave); γ, ρ and C are 004's in both presets (the dataclass defaults)."""
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {cfg.preset!r}")
+    for name, (value, _) in PRESETS[cfg.preset].items():
+        if name not in explicit:
+            setattr(cfg, name, value)
+    if cfg.preset == "004" and "steps" not in explicit:  # 3 epochs of whatever token budget and batch are chosen
+        cfg.steps = max(1, math.ceil(_004_EPOCHS * cfg.train_tokens / (cfg.batch_size * cfg.seq_len)))
+    return cfg
+
+
 def lr_factor(step: int, steps: int, warmup_ratio: float) -> float:
     """Linear schedule: linear warm-up over ``warmup_ratio·steps`` steps, then linear decay to 0."""
     warm = max(1, math.ceil(warmup_ratio * steps))
@@ -120,32 +181,60 @@ def lr_factor(step: int, steps: int, warmup_ratio: float) -> float:
 
 
 class _RouterTap:
-    """Forward hooks on the routers: the fine-tuned p_f and the frozen base p_b per MoE layer."""
+    """Forward hooks on the routers: the router probabilities p of every MoE layer's last call."""
 
     def __init__(self, layers) -> None:
         self.layers = layers
-        self.base_w = [m.router.weight.detach().clone() for m in layers]
-        self.p_f: list[torch.Tensor | None] = [None] * len(layers)
-        self.p_b: list[torch.Tensor | None] = [None] * len(layers)
+        self.p: list[torch.Tensor | None] = [None] * len(layers)
         self.handles = [m.router.register_forward_hook(self._hook(i)) for i, m in enumerate(layers)]
 
     def _hook(self, i):
         def hook(module, args, output):
-            h = args[0].reshape(-1, self.base_w[i].shape[1])
             logits = output[0] if isinstance(output, tuple) else output
-            self.p_f[i] = torch.softmax(logits.float(), dim=-1)
-            with torch.no_grad():
-                self.p_b[i] = torch.softmax((h @ self.base_w[i].T.to(h.dtype)).float(), dim=-1)
+            self.p[i] = torch.softmax(logits.float(), dim=-1)
         return hook
 
-    def stacked(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pf = torch.stack([p.view(b, t, -1) for p in self.p_f], dim=1)  # [B, L, T, E]
-        pb = torch.stack([p.view(b, t, -1) for p in self.p_b], dim=1)
-        return pf, pb
+    def stacked(self, b: int, t: int) -> torch.Tensor:
+        """``[B, L, T, E]`` router probabilities of the last forward (B sequences of T tokens)."""
+        return torch.stack([p.view(b, t, -1) for p in self.p], dim=1)
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+class BaseRouting:
+    """p_b of L_rm: the frozen base model's own router distributions on the same tokens (004 Eq. 5) -- a
+    separate copy of the base checkpoint, no gradient, its own forward per step."""
+
+    def __init__(self, base_model) -> None:
+        from expertcache.models.adapters import family_for, find_moe_layers
+
+        self.model = base_model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tap = _RouterTap(find_moe_layers(self.model, family_for(self.model)))
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.model(input_ids=x, use_cache=False)
+        return self.tap.stacked(x.shape[0], x.shape[1])
+
+    def remove(self) -> None:
+        self.tap.remove()
+
+
+def step_losses(pm, tap: _RouterTap, base: BaseRouting, x: torch.Tensor, y: torch.Tensor, cfg: FinetuneConfig,
+                k: int, capacity: int) -> dict:
+    """One training step's forward: L = L_nll + λ_cs L_cs + λ_rm L_rm on ``x`` -> ``y``; returns the losses
+    (tensors) and the router distributions ``pf`` (fine-tuned, with gradient) and ``pb`` (base, frozen)."""
+    logits = pm(input_ids=x, use_cache=False).logits
+    nll = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    pf = tap.stacked(x.shape[0], x.shape[1])
+    pb = base(x)
+    l_cs = cache_sim_loss(pf, k, capacity, cfg.gamma, start=cfg.start, request=cfg.request)
+    l_rm = rank_match_loss(pf, pb, cfg.rho)
+    return dict(loss=nll + cfg.lambda_cs * l_cs + cfg.lambda_rm * l_rm, nll=nll, cs=l_cs, rm=l_rm, pf=pf, pb=pb)
 
 
 def build_trainable(model, cfg: FinetuneConfig):
@@ -265,7 +354,7 @@ def heldout_eval(model, stream: np.ndarray, seq_len: int, k: int, capacity: int,
             nll += float(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                            x[:, 1:].reshape(-1), reduction="sum"))
             cnt += x[:, 1:].numel()
-            pf, _ = tap.stacked(x.shape[0], x.shape[1])
+            pf = tap.stacked(x.shape[0], x.shape[1])
             miss += hard_misses(pf, k, capacity, gamma) * x.shape[0]
             steps += x.shape[0]
     finally:
@@ -319,7 +408,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rows: list[dict] = []
     start = 0
-    tap = _RouterTap(layers)  # takes the base routers (L_rm's reference): before a resume loads the tuned ones
+    tap = _RouterTap(layers)  # the tuned model's router probabilities (p of L_cs and L_rm)
     if (state_dir / "state.json").exists():
         meta = _load_state(state_dir, trainable, opt)
         if meta["config"]["model"] != cfg.model or meta["config"]["lora_r"] != cfg.lora_r:
@@ -327,6 +416,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
                              "use another --out")
         start, rows = meta["step"], meta["rows"]
         print(f"resuming {out} at step {start}", file=sys.stderr)
+    base = BaseRouting(load_model(src).to(device))  # p_b: the base model's own routing (a second, frozen copy)
     pm.train()
     t0 = time.time()
     from tqdm import tqdm
@@ -342,12 +432,8 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
             g["lr"] = cfg.lr * lr_factor(step, cfg.steps, cfg.warmup_ratio)
         xy = torch.from_numpy(sample_batch(train_N, cfg.batch_size, cfg.seq_len, cfg.seed, step)).to(device)
         x, y = xy[:, :-1], xy[:, 1:]
-        logits = pm(input_ids=x, use_cache=False).logits
-        nll = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        pf, pb = tap.stacked(x.shape[0], x.shape[1])
-        l_cs = cache_sim_loss(pf, k, capacity, cfg.gamma, start=cfg.start, request=cfg.request)
-        l_rm = rank_match_loss(pf, pb, cfg.rho)
-        loss = nll + cfg.lambda_cs * l_cs + cfg.lambda_rm * l_rm
+        res = step_losses(pm, tap, base, x, y, cfg, k, capacity)
+        loss, nll, l_cs, l_rm, pf = res["loss"], res["nll"], res["cs"], res["rm"], res["pf"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(trainable.values()), cfg.grad_clip)
@@ -363,6 +449,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
             save(step + 1)
     bar.close()
     tap.remove()
+    base.remove()
     save(stop)
     atomic_write_bytes(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
     if rows:

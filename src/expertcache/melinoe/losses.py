@@ -24,7 +24,7 @@ K) and treated as a constant.
 L_cs = 1/(L T) Σ_ℓ Σ_t ⟨r^(ℓ,t), 1 - c^(ℓ,t)⟩ (Eq. 4), averaged over the batch.
 
 L_rm = 1/(L T) Σ_ℓ Σ_t Σ_{i,j} 1{p_b,i > p_b,j} [ρ - (p_f,i - p_f,j)]_+ (Eq. 5, 12), averaged over the batch;
-p_b is the frozen base router's distribution (no gradient).
+p_b is the base model's own router distribution on the same tokens (a frozen copy's forward; no gradient).
 """
 
 from __future__ import annotations

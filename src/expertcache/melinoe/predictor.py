@@ -198,7 +198,7 @@ def collect(model, prompts: list[list[int]], cont_len: int, *, batch: int = 32, 
             gen = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=cont_len,
                                  min_new_tokens=cont_len, do_sample=False, pad_token_id=model.config.eos_token_id)
             model(input_ids=gen, use_cache=False)  # router probabilities of every position, one pass
-            pr = tap.stacked(b, gen.shape[1])[0][:, :, p:].cpu()  # [B, L, G, E]
+            pr = tap.stacked(b, gen.shape[1])[:, :, p:].cpu()  # [B, L, G, E]
             ys.append(pr.mean(2).numpy())
             top = pr.topk(k, dim=-1).indices
             cnt = torch.zeros_like(pr).scatter_(-1, top, 1.0).sum(2)

@@ -1,6 +1,8 @@
 """MELINOE's post-deployment step (004 Sec. 3.2): before decoding, load the Top-C experts of the predictor's
 output per layer (a batch pools its rows' predictions, 004 Sec. 4). Prefetch loads are counted apart from
-demand misses: the cache statistics (accesses, hits, misses, bytes) are those of the demand requests only.
+demand misses -- the cache statistics (accesses, hits, misses) are those of the demand requests -- and every
+report adds them back: transfers = demand misses + prefetch loads (eval rows: ``transfers``,
+``transfers_per_token_layer``, and ``net_transfers`` against the same requests replayed without prefetching).
 
 - offloaded runtime (``generate``, ``bench``): :func:`prefetch_runtime` calls the public
   :meth:`OffloadedModel.prefetch` per layer;
@@ -14,7 +16,8 @@ import numpy as np
 
 from expertcache.cache import ExpertCache
 
-__all__ = ["check_compatible", "prefetch_cache", "prefetch_runtime", "item_prompt_texts", "PatchPrefetcher"]
+__all__ = ["check_compatible", "prefetch_cache", "prefetch_runtime", "item_prompt_texts", "PatchPrefetcher",
+           "predictor_recall"]
 
 
 def check_compatible(predictor, num_layers: int, num_experts: int, where: str = "the model") -> None:
@@ -80,4 +83,15 @@ class PatchPrefetcher:
             self.loaded += cache.prefetch(np.argsort(-pred[li], kind="stable")[:c].tolist())
 
     def summary(self) -> dict:
-        return dict(prefetched=self.loaded, prefetched_items=self.items)
+        out = dict(prefetched=self.loaded, prefetched_items=self.items)
+        return {**out, **predictor_recall(self.predictor, self._patch.capacity)}
+
+
+def predictor_recall(predictor, capacity: int) -> dict:
+    """The predictor's held-out top-C recall at ``capacity`` against the frequency prior's (from its training
+    report, ``melinoe predictor``); empty when it was not measured at that C."""
+    rep = predictor.meta.get("heldout_report", {}).get("topc", {}).get(str(capacity))
+    if rep is None:
+        return {}
+    return dict(predictor_recall=rep["predictor"]["recall"], prior_recall=rep["prior"]["recall"],
+                predictor_beats_prior=bool(rep["predictor"]["recall"] > rep["prior"]["recall"]))

@@ -157,6 +157,8 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
                        prompt_tokens=int(prompt_BS.shape[1]), forced=forced_BN is not None,
                        tok_s=n * prompt_BS.shape[0] / r["decode_s"],
                        s_per_token=per_tok, hit_rate=s["hit_rate"], misses_per_token=s["misses"] / n,
+                       # every decode-time expert load plus the --predictor prefetch loads made for this sequence
+                       transfers_per_token=(s["misses"] + prefetched) / n,
                        bytes_per_token=bytes_tok, io_s_per_token=s["io_seconds"] / n,
                        io_wait_s_per_token=s["io_wait_seconds"] / n, t_compute=t_compute,
                        floor_s_per_token=floor, floor_ratio=per_tok / floor, serial_s_per_token=serial,
@@ -177,7 +179,8 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
     for name in names:
         rs = [r for r in rows if r["name"] == name]
         med = {k: statistics.median(r[k] for r in rs) for k in
-               ("tok_s", "s_per_token", "hit_rate", "misses_per_token", "bytes_per_token", "t_compute",
+               ("tok_s", "s_per_token", "hit_rate", "misses_per_token", "transfers_per_token", "bytes_per_token",
+                "t_compute",
                 "floor_s_per_token", "floor_ratio", "serial_s_per_token", "serial_ratio", "bandwidth",
                 "serial_bandwidth", "io_wait_s_per_token")}
         for k in ("prefetch_precision", "prefetch_recall"):
@@ -193,15 +196,16 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
 def table(result: dict) -> str:
     """Markdown table of a :func:`run_bench` result (medians)."""
     lines = ["| policy | routing | tok/s | × original+LRU | hit rate | MiB read/token | ms/token | compute ms/token | "
-             "floor ms/token | measured/floor | serial ms/token | measured/serial | prefetch P / R |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "floor ms/token | measured/floor | serial ms/token | measured/serial | prefetch P / R | "
+             "transfers/token (misses + prefetch loads) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in result["summary"]:
         sp = "" if s["speedup_vs_lru"] is None else f"{s['speedup_vs_lru']:.2f}"
         pr = "–" if s["prefetch_precision"] is None else f"{s['prefetch_precision']:.2f} / {s['prefetch_recall']:.2f}"
         lines.append(f"| {s['name']} | {s['routing']}+{s['eviction']} | {s['tok_s']:.2f} | {sp} | {s['hit_rate']:.3f} | "
                      f"{s['bytes_per_token'] / 2**20:.1f} | {s['s_per_token'] * 1e3:.1f} | {s['t_compute'] * 1e3:.1f} | "
                      f"{s['floor_s_per_token'] * 1e3:.1f} | {s['floor_ratio']:.2f} | {s['serial_s_per_token'] * 1e3:.1f} | "
-                     f"{s['serial_ratio']:.2f} | {pr} |")
+                     f"{s['serial_ratio']:.2f} | {pr} | {s['transfers_per_token']:.2f} |")
     return "\n".join(lines)
 
 

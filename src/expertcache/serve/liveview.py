@@ -139,7 +139,7 @@ class Tap:
         self.rt, self.broker, self.control = rt, broker, control
         self._acc = self._empty()
         self.seq = 0
-        self.totals = dict(tokens=0, hits=0, misses=0, bytes_read=0, forwards=0, decode_tokens=0,
+        self.totals = dict(tokens=0, hits=0, misses=0, prefetched=0, bytes_read=0, forwards=0, decode_tokens=0,
                            decode_bytes=0, decode_seconds=0.0)
         self._recent: collections.deque = collections.deque(maxlen=32)
         orig_step = rt._step
@@ -151,7 +151,9 @@ class Tap:
         def prefetch(*args, **kwargs):  # marks the cache steps of OffloadedModel.prefetch (not demand misses)
             self._in_prefetch = True
             try:
-                return orig_prefetch(*args, **kwargs)
+                loaded = orig_prefetch(*args, **kwargs)
+                self.totals["prefetched"] += int(loaded)  # loads too: counted in the totals' transfers
+                return loaded
             finally:
                 self._in_prefetch = False
 
@@ -265,6 +267,7 @@ class Tap:
         frame = dict(type="step", seq=self.seq, time=time.time(), phase="decode" if rows else "prefill", rows=rows,
                      tokens=tokens, seconds=seconds, hits=h, misses=m, bytes_read=b, layers=layers,
                      totals=dict(t, hit_rate=(t["hits"] / acc_n) if acc_n else None,
+                                 transfers=t["misses"] + t["prefetched"],
                                  bytes_per_token=(t["decode_bytes"] / t["decode_tokens"]) if t["decode_tokens"]
                                  else None,
                                  tok_s=(sum(n for n, _ in self._recent) / n_s) if n_s > 0 else None),
