@@ -165,3 +165,21 @@ def test_an_unknown_eviction_code_raises():
 
     with pytest.raises(ValueError, match="unknown eviction code 7"):
         Toy(8, 4)
+
+
+def test_new_sequence_hooks_run_after_the_reset(tmp_path):
+    """Observers of the end of a sequence register a hook (no method replaced); hooks run after the caches
+    were reset, in registration order."""
+    from expertcache.models import load_model
+    from expertcache.models.patch import patch_model
+
+    model = load_model(save_tiny("olmoe", tmp_path / "m", seed=1))
+    patch = patch_model(model, RoutingConfig(), capacity=2)
+    seen = []
+    patch.on_new_sequence(lambda: seen.append(("a", [len(c.resident()) for c in patch.caches])))
+    patch.on_new_sequence(lambda: seen.append(("b", None)))
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]))
+    patch.new_sequence()
+    assert seen == [("a", [0] * len(patch.layers)), ("b", None)]
+    assert "new_sequence" not in vars(patch)

@@ -63,12 +63,7 @@ class PatchPrefetcher:
         if patch.capacity is None:
             raise ValueError("--predictor needs an expert cache (a capacity)")
         self._patch = patch
-        stock = patch.new_sequence
-
-        def new_sequence():
-            stock()
-            self._load_next()
-        patch.new_sequence = new_sequence
+        patch.on_new_sequence(self._load_next)
         self._load_next()
         return self
 

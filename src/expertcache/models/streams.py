@@ -79,10 +79,19 @@ class CacheStreams:
 
     def new_sequence(self) -> None:
         """End the current sequence(s): close their recording; with ``between_sequences='reset'`` also
-        start fresh caches."""
+        start fresh caches; then call the hooks of :meth:`on_new_sequence` in the order they were added."""
         self._finish_recording()
         if self.between_sequences == "reset":
             self.reset_caches()
+        for hook in getattr(self, "_sequence_hooks", ()):
+            hook()
+
+    def on_new_sequence(self, hook) -> None:
+        """Call ``hook()`` at the end of every :meth:`new_sequence` (e.g. a prefetcher loading the next item's
+        experts into the fresh caches): the named seam for observers, instead of replacing the method."""
+        if not hasattr(self, "_sequence_hooks"):
+            self._sequence_hooks = []
+        self._sequence_hooks.append(hook)
 
     def stats(self):
         """Cache statistics so far as an :class:`expertcache.sim.SimResult` (``per_layer`` CacheStats,
