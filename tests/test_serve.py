@@ -556,3 +556,90 @@ def test_non_streaming_client_that_gives_up_is_cancelled(server):
                    json={"model": "granular", "prompt": "The kernel", "max_tokens": 200, "ignore_eos": True})
     _wait(lambda: eng.totals["cancelled"] == cancelled0 + 1, what="the abandoned request to be cancelled")
     _wait(lambda: eng.batch_size() == 0, what="its row to leave")
+
+
+# ---------------------------------------------------------------------------------------------
+# the documented start commands (issue 24)
+
+
+def _documented_serve_commands() -> list[tuple[str, str]]:
+    """(where, command) of every `expertcache serve ...` line in README.md, docs/SERVE.md and `serve --help`."""
+    import shlex
+    from pathlib import Path
+
+    from expertcache.cli.main import build_parser
+
+    root = Path(__file__).resolve().parent.parent
+    sources = {"README.md": (root / "README.md").read_text(), "docs/SERVE.md": (root / "docs/SERVE.md").read_text()}
+    sub = next(a for a in build_parser("serve")._actions if a.dest == "command")
+    sources["serve --help"] = sub.choices["serve"].format_help()
+    out = []
+    for where, text in sources.items():
+        for line in text.splitlines():
+            line = line.strip()
+            if line.startswith("expertcache serve ") or line == "expertcache serve":
+                out.append((where, " ".join(shlex.split(line.split("#")[0]))))
+    return out
+
+
+def test_the_docs_list_their_serve_commands():
+    where = {w for w, _ in _documented_serve_commands()}
+    assert where == {"README.md", "docs/SERVE.md", "serve --help"}
+
+
+@pytest.mark.parametrize("where,command", _documented_serve_commands())
+def test_documented_serve_commands_start(where, command):
+    """Each documented start command, as printed (PATH = the shipped granular checkpoint; the port made
+    ephemeral), starts, answers /health and a completion on loopback, and stops on SIGTERM."""
+    import shlex
+
+    argv = shlex.split(command)[2:]
+    argv = [str(resolve_model_path("granular")) if a == "PATH" else a for a in argv]
+    if "--port" in argv:
+        argv[argv.index("--port") + 1] = "0"
+    else:
+        argv += ["--port", "0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("EXPERTCACHE_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", *argv, "--threads", "1"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "on http://127.0.0.1:" in line, f"{where}: `{command}` did not start: {line}{proc.stderr.read()}"
+        url = re.search(r" on (http://\S+)/v1", line).group(1)
+        assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": "granular", "prompt": "The kernel", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_memory_budget_too_small_for_the_batch_says_what_fits(capsys):
+    from expertcache.cli.main import main
+
+    assert main(["serve", "--port", "0", "--memory", "8MiB", "--max-batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    # independent arithmetic: the KV cache of one row of the whole context (2 · layers · kv heads · head dim ·
+    # context · 2 bytes of bf16); 8 rows need 7 rows more than one row's minimum
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(resolve_model_path("granular"))
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    row = 2 * cfg.num_hidden_layers * heads * (cfg.hidden_size // cfg.num_attention_heads) * \
+        cfg.max_position_embeddings * 2
+    m = re.search(r"--max-batch 8 needs at least ([\d.]+) MiB \(([\d.]+) KiB of KV cache per row\); 8.00 MiB holds "
+                  r"--max-batch (\d+) at most", err)
+    assert m, err
+    assert float(m.group(2)) == pytest.approx(row / 1024, abs=0.01)
+    need8, fits = float(m.group(1)) * 2 ** 20, int(m.group(3))
+    need1 = need8 - 7 * row
+    assert need1 + (fits - 1) * row <= 8 * 2 ** 20 < need1 + fits * row
+    assert main(["serve", "--port", "0", "--memory", "8MiB", "--max-batch", str(fits), "--max-prompt-tokens",
+                 "999"]) == 2  # the batch fits; the next check (context) speaks
+    assert "--max-prompt-tokens 999" in capsys.readouterr().err
