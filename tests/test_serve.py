@@ -11,6 +11,7 @@ total router weight.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -643,3 +644,99 @@ def test_a_memory_budget_too_small_for_the_batch_says_what_fits(capsys):
     assert main(["serve", "--port", "0", "--memory", "8MiB", "--max-batch", str(fits), "--max-prompt-tokens",
                  "999"]) == 2  # the batch fits; the next check (context) speaks
     assert "--max-prompt-tokens 999" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# authentication, origin, content type (issue 24)
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def keyed(tok):
+    engine = Engine(_runtime(), tok, max_batch=4, max_queue=8).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok, api_key=KEY)).start()
+    yield srv
+    srv.stop()
+    engine.shutdown(0)
+
+
+def test_api_key_is_required_on_every_v1_route_and_the_openai_client_sends_it(keyed):
+    good = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    r = good.completions.create(model="granular", prompt="The kernel", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    assert good.models.retrieve("granular").id == "granular"
+    for wrong in ("sk-test-0123456788", "x", KEY + "0"):
+        bad = openai.OpenAI(base_url=keyed.url + "/v1", api_key=wrong, max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model="granular", prompt="The kernel", max_tokens=3)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    routes = [("GET", "/v1/models"), ("GET", "/v1/models/granular"), ("POST", "/v1/completions"),
+              ("POST", "/v1/chat/completions"), ("GET", "/v1/expertcache/config"),
+              ("POST", "/v1/expertcache/config"), ("POST", "/v1/expertcache/replay"),
+              ("GET", "/v1/expertcache/traces"), ("GET", "/v1/expertcache/stats"), ("GET", "/v1/expertcache/events"),
+              ("GET", "/v1/nothing")]
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+            r = httpx.request(method, keyed.url + path, json={}, headers=headers, timeout=30)
+            assert r.status_code == 401, (method, path, headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+    # the event stream (EventSource cannot send headers) also takes ?api_key=, no other route does
+    assert httpx.get(keyed.url + "/v1/expertcache/config?api_key=" + KEY).status_code == 401
+    with httpx.stream("GET", keyed.url + "/v1/expertcache/events?api_key=" + KEY, timeout=30) as r:
+        assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
+    # outside /v1: the page, health and metrics stay open (no secrets, probes need them)
+    for path in ("/", "/health", "/metrics", "/static/app.js"):
+        assert httpx.get(keyed.url + path).status_code == 200, path
+
+
+def test_cross_origin_and_non_json_posts_are_refused_even_without_a_key(server):
+    url = server.url + "/v1/expertcache/config"
+    before = httpx.get(url).json()
+    body = json.dumps({"policy": "cache-prior", "lam": 0.9})
+    for origin in ("http://evil.example", "http://127.0.0.1:1", "null", "http://localhost:" + str(server.port)):
+        r = httpx.post(url, content=body, headers={"Content-Type": "application/json", "Origin": origin})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", (origin, r.text)
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {} if ctype is None else {"Content-Type": ctype}
+        for path in ("/v1/expertcache/config", "/v1/expertcache/replay", "/v1/completions"):
+            r = httpx.post(server.url + path, content=body, headers=headers)
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (ctype, path)
+    assert httpx.get(url).json() == before  # nothing changed
+    # the same origin (as the page sends it) and non-browser clients (no Origin) are served
+    same = httpx.post(url, content=json.dumps({"policy": "original"}),
+                      headers={"Content-Type": "application/json; charset=utf-8", "Origin": server.url})
+    assert same.status_code == 200, same.text
+    assert httpx.post(url, json={"policy": "original"}).status_code == 200
+
+
+def test_origin_check_compares_with_the_host_the_server_is_addressed_as():
+    from expertcache.serve.app import origin_allowed
+
+    assert origin_allowed(None, "127.0.0.1:8000")
+    assert origin_allowed("http://127.0.0.1:8000", "127.0.0.1:8000")
+    assert origin_allowed("http://Example.com", "example.com:80")
+    assert origin_allowed("https://example.com", "example.com")
+    assert not origin_allowed("http://example.com:8000", "example.com")
+    assert not origin_allowed("http://127.0.0.1:8001", "127.0.0.1:8000")
+    assert not origin_allowed("null", "127.0.0.1:8000")
+    assert not origin_allowed("http://127.0.0.1:8000", None)
+
+
+def test_api_key_from_the_environment_and_a_warning_for_a_public_bind_without_one(capsys, monkeypatch):
+    from expertcache.cli.main import main
+    from expertcache.cli.serve import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2") and not is_loopback("::")
+    # the warning comes before the long load; --max-prompt-tokens 999 then stops the start (exit 2)
+    monkeypatch.delenv("EXPERTCACHE_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0", "--max-prompt-tokens", "999"]) == 2
+    err = capsys.readouterr().err
+    assert "warning: listening on 0.0.0.0 without an API key" in err and "--max-prompt-tokens 999" in err
+    monkeypatch.setenv("EXPERTCACHE_API_KEY", KEY)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0", "--max-prompt-tokens", "999"]) == 2
+    assert "warning" not in capsys.readouterr().err
+    assert main(["serve", "--api-key", "two words"]) == 2
+    assert "--api-key" in capsys.readouterr().err

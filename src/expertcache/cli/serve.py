@@ -93,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         sock = bind(args.host, args.port)
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    if api_key is None and not is_loopback(args.host):
+        print(f"expertcache serve: warning: listening on {args.host} without an API key: anyone who can reach "
+              f"this port can use and reconfigure the server (set --api-key or ${API_KEY_ENV})", file=sys.stderr,
+              flush=True)
     tune_malloc()
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     context = int(getattr(config, "max_position_embeddings", 2048))
@@ -117,10 +121,6 @@ def run(args: argparse.Namespace) -> int:
                      trace_dirs=tuple(args.trace_dir), api_key=api_key, max_request_bytes=args.max_request_bytes,
                      max_prompt_tokens=args.max_prompt_tokens)
     host, port = sock.getsockname()[:2]
-    if api_key is None and not is_loopback(args.host):
-        print(f"expertcache serve: warning: listening on {args.host} without an API key: anyone who can reach "
-              f"this port can use and reconfigure the server (set --api-key or ${API_KEY_ENV})", file=sys.stderr,
-              flush=True)
     print(f"expertcache serve: {name} [{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, "
           f"{rt.routing.label()}+{rt.eviction}, max batch {args.max_batch}, context {context}] on "
           f"http://{host}:{port}/v1 (live view: http://{host}:{port}/)", file=sys.stderr, flush=True)
