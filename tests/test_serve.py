@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -740,3 +741,124 @@ def test_api_key_from_the_environment_and_a_warning_for_a_public_bind_without_on
     assert "warning" not in capsys.readouterr().err
     assert main(["serve", "--api-key", "two words"]) == 2
     assert "--api-key" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# limits: request bytes, prompt tokens, nothing blocks the event loop (issue 24)
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the texts it is asked to tokenise."""
+
+    def __init__(self, tok):
+        self._tok, self.calls = tok, []
+
+    def __call__(self, text, **kw):
+        self.calls.append(len(text))
+        return self._tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.fixture(scope="module")
+def limited(tok):
+    counting = CountingTokenizer(tok)
+    engine = Engine(_runtime(), tok, max_batch=4, max_queue=8, prefill_chunk=16).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=counting, max_request_bytes=1 << 20,
+                                  max_prompt_tokens=200)).start()
+    srv.tokenizer = counting
+    yield srv
+    srv.stop()
+    engine.shutdown(0)
+
+
+def test_request_bytes_and_prompt_tokens_are_limited_before_tokenisation(limited):
+    url = limited.url + "/v1/completions"
+    big = {"model": "granular", "prompt": "x" * (1 << 20)}
+    r = httpx.post(url, json=big, timeout=30)  # Content-Length over the limit: refused before it is read
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: counted while read
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 65536):
+            yield data[i:i + 65536]
+
+    r = httpx.post(url, content=chunked(), headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+    calls = len(limited.tokenizer.calls)
+    # a text that cannot fit 200 tokens (each token covers at most the vocabulary's longest piece): no tokenising
+    longest = max(len(t) for t in limited.tokenizer.get_vocab())
+    r = httpx.post(url, json={"model": "granular", "prompt": "a" * (200 * longest + 1)}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt" and len(limited.tokenizer.calls) == calls
+    r = httpx.post(url, json={"model": "granular", "prompt": list(range(1, 202))}, timeout=30)
+    assert r.status_code == 400 and "at most 200 prompt tokens" in r.json()["error"]["message"]
+    # a text short enough in characters but over 200 tokens: tokenised, then refused; 200 tokens are served
+    words = "the cat sat on a mat " * 60
+    ids = limited.tokenizer._tok(words).input_ids
+    assert len(ids) > 200 and len(words) <= 200 * longest
+    r = httpx.post(url, json={"model": "granular", "prompt": words}, timeout=30)
+    assert r.status_code == 400 and "at most 200 prompt tokens" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "granular", "prompt": ids[:200], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 200
+    r = httpx.post(limited.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "granular", "messages": [{"role": "user", "content": "b" * 20000}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages" and len(limited.tokenizer.calls) == calls + 1
+
+
+def test_a_1mb_prompt_does_not_delay_other_streams_beyond_a_prefill_chunk(limited):
+    """A running stream's inter-token gaps while large requests arrive (a 1 MB text, a 1 MB list of ids, a
+    200-token prompt prefilled in chunks of 16) stay within a bound made of the stream's own median gap and
+    the longest measured prefill chunk; tokenising the 1 MB text on the event loop took ~2 s here."""
+    eng = _engine(limited)
+    _wait(lambda: eng.in_flight() == 0, what="an idle engine")
+    chunk_s = []
+    orig = eng._prefill_chunk
+
+    def timed(r, n):
+        t0 = time.perf_counter()
+        orig(r, n)
+        chunk_s.append(time.perf_counter() - t0)
+
+    eng._prefill_chunk = timed
+    arrivals: list[float] = []
+    marks = {}
+    try:  # the chunk time, measured alone (a stalled loop or GIL would inflate it during the test)
+        r = httpx.post(limited.url + "/v1/completions", json={"model": "granular", "prompt": [9] * 200,
+                                                              "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200 and len(chunk_s) == 13, (r.text, chunk_s)
+        chunk_ref = max(chunk_s)
+        chunk_s.clear()
+        with httpx.stream("POST", limited.url + "/v1/completions", timeout=120,
+                          json={"model": "granular", "prompt": "The kernel", "max_tokens": 240, "stream": True,
+                                "ignore_eos": True, "temperature": 0}) as r:
+            def big_requests():
+                time.sleep(1.0)
+                marks["t0"] = time.perf_counter()
+                text = "the cat sat on a mat " * (1_000_000 // 21)
+                for body in ({"model": "granular", "prompt": text},
+                             {"model": "granular", "prompt": [7] * 200_000},
+                             {"model": "granular", "prompt": [7] * 200, "max_tokens": 1}):
+                    resp = httpx.post(limited.url + "/v1/completions", json=body, timeout=60)
+                    marks.setdefault("status", []).append(resp.status_code)
+                marks["t1"] = time.perf_counter()
+
+            th = threading.Thread(target=big_requests)
+            th.start()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"text"' in line:
+                    arrivals.append(time.perf_counter())
+            th.join(60)
+    finally:
+        eng._prefill_chunk = orig
+    assert marks["status"] == [400, 400, 200]
+    assert len(chunk_s) >= 200 // 16, chunk_s  # the 200-token prompt really went in chunks
+    gaps = np.diff(arrivals)
+    base = float(np.median(gaps))
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= marks["t0"] and a <= marks["t1"]]
+    assert during, "the stream ended before the large requests arrived"
+    bound = 4 * (base + chunk_ref)
+    assert max(during) <= bound, f"a gap of {max(during):.3f} s while large requests arrived (median gap " \
+                                 f"{base:.3f} s, longest prefill chunk alone {chunk_ref:.3f} s)"

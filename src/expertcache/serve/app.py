@@ -181,7 +181,8 @@ class Validator:
     def _too_long(self, n: int, what: str, param: str, approx: bool = False) -> ServeError:
         return ServeError(400, f"the prompt has {'more than ' if approx else ''}{n} {what}; this server takes at "
                                f"most {self.max_prompt_tokens} prompt tokens (the model's context is "
-                               f"{self.context}; --max-prompt-tokens)", param=param, code="context_length_exceeded")
+                               f"{self.context}: prompt + max_tokens must fit; --max-prompt-tokens)", param=param,
+                          code="context_length_exceeded")
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
         lim = self.max_prompt_tokens
@@ -219,10 +220,6 @@ class Validator:
             raise _bad("messages" if chat else "prompt", "the prompt is empty")
         P = len(prompt_ids)
         if self.max_prompt_tokens is not None and P > self.max_prompt_tokens:
-            if self.context is not None and P >= self.context:
-                raise ServeError(400, f"the prompt has {P} tokens; the model's context is {self.context} tokens "
-                                      "(prompt + max_tokens must fit)", param="messages" if chat else "prompt",
-                                 code="context_length_exceeded")
             raise self._too_long(P, "tokens", "messages" if chat else "prompt")
         room = (self.context - P) if self.context is not None else 1 << 30
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
