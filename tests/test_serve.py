@@ -862,3 +862,75 @@ def test_a_1mb_prompt_does_not_delay_other_streams_beyond_a_prefill_chunk(limite
     bound = 4 * (base + chunk_ref)
     assert max(during) <= bound, f"a gap of {max(during):.3f} s while large requests arrived (median gap " \
                                  f"{base:.3f} s, longest prefill chunk alone {chunk_ref:.3f} s)"
+
+
+# ---------------------------------------------------------------------------------------------
+# per-request original routing: reproducible rows inside a cache-aware batch (issue 24)
+
+
+def test_route_rows_picks_original_or_the_policy_per_token(tok):
+    from expertcache.routing import RoutingConfig
+
+    rt = _runtime()
+    rt.configure(routing=RoutingConfig(policy="cache-prior", lam=1.0))
+    engine = Engine(rt, tok)
+    m = rt.layers[0]
+    g = torch.Generator().manual_seed(0)
+    z_TE = torch.randn(6, rt.num_experts, generator=g)
+    w0_TK, ids0_TK = torch.topk(torch.softmax(z_TE, -1), rt.top_k, dim=-1)
+    rt.states[0].cache.access_step(list(range(rt.capacity)))  # a residency the policy steers towards
+    w_pol, ids_pol = engine._policy_route(m, z_TE, w0_TK, ids0_TK)
+    assert not torch.equal(ids_pol, ids0_TK)  # λ = 1 really changes selections
+    mask = torch.tensor([True, False, True, False, False, True])
+    engine._original_T = mask
+    w, ids = rt._route(m, z_TE, w0_TK, ids0_TK)  # the runtime calls the engine's per-row routing
+    engine._original_T = None
+    assert torch.equal(ids[mask], ids0_TK[mask]) and torch.equal(w[mask], w0_TK[mask])
+    assert torch.equal(ids[~mask], ids_pol[~mask]) and torch.equal(w[~mask], w_pol[~mask])
+
+
+def test_original_rows_are_seed_reproducible_while_cache_aware_rows_run(tok):
+    """Under Cache-Prior (λ 0.5, C = N/4) a request with "expertcache": {"policy": "original"} gives the same
+    sampled tokens as `OffloadedModel.generate` with original routing and that seed, alone and while other
+    (cache-aware) requests share its decode steps and change the cache."""
+    from expertcache.routing import RoutingConfig
+
+    rt = _runtime()
+    rt.configure(routing=RoutingConfig(policy="cache-prior", lam=0.5))
+    engine = Engine(rt, tok, max_batch=8).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok)).start()
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    prompt = "To configure the network"
+    pinned = dict(model="granular", prompt=prompt, max_tokens=24, temperature=0.9, seed=11,
+                  extra_body={"expertcache": {"policy": "original"}, "return_token_ids": True, "ignore_eos": True})
+    try:
+        ref = _runtime().generate(tok(prompt, return_tensors="pt").input_ids, 24, temperature=0.9,
+                                  seed=11)["tokens"][0].tolist()
+        alone = c.completions.create(**pinned).model_extra["expertcache"]
+        assert alone["token_ids"] == ref and alone["policy"].startswith("cache-prior")
+        outs, runs = {}, []
+        for round_ in range(2):
+            def other(i):
+                outs[(round_, i)] = c.completions.create(model="granular", prompt=PROMPTS[i], max_tokens=30,
+                                                         temperature=1.0, extra_body={"ignore_eos": True})
+
+            others = [threading.Thread(target=other, args=(i,)) for i in range(4)]
+            for t in others:
+                t.start()
+            _wait(lambda: engine.batch_size() >= 2, what="other rows decoding")
+            runs.append(c.completions.create(**pinned).model_extra["expertcache"])
+            for t in others:
+                t.join(120)
+        assert len(outs) == 8
+        assert max(r["mean_batch"] for r in runs) > 1.5  # it really shared decode steps with the others
+        assert [r["token_ids"] for r in runs] == [ref, ref]
+    finally:
+        srv.stop()
+        engine.shutdown(0)
+
+
+def test_the_routing_override_is_validated(server):
+    for ec, param in (({"policy": "cache-prior"}, "expertcache.policy"), ("original", "expertcache"),
+                      ({"lam": 0.5}, "expertcache.lam"), ({"policy": 3}, "expertcache.policy")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": "granular", "prompt": "x", "expertcache": ec})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (ec, r.text)
