@@ -376,6 +376,10 @@ def test_queue_full_gets_429_and_shutdown_503(tok):
         _wait(lambda: engine.queue_length() == 2, what="two waiting requests")
         r = httpx.post(srv.url + "/v1/completions", json={"model": "granular", "prompt": "The", "max_tokens": 4})
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert int(r.headers["retry-after"]) >= 1
+        with pytest.raises(openai.RateLimitError):  # the client sees it as OpenAI's 429
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(
+                model="granular", prompt="The", max_tokens=4)
         begin_shutdown(srv.app, 0)
         for t in threads:
             t.join(30)
@@ -934,3 +938,87 @@ def test_the_routing_override_is_validated(server):
                       ({"lam": 0.5}, "expertcache.lam"), ({"policy": 3}, "expertcache.policy")):
         r = httpx.post(server.url + "/v1/completions", json={"model": "granular", "prompt": "x", "expertcache": ec})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (ec, r.text)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI conformance (issue 24)
+
+UNSUPPORTED = [  # (field, values refused whatever their type)
+    ("logprobs", [1, 0, 2, True, "yes", [1], {"a": 1}, 1.5]),
+    ("echo", [1, 0, True, "true", [True]]),
+    ("top_logprobs", [0, 1, 5, True, "2"]),
+    ("response_format", [{"type": "json_object"}, "json", 1, []]),
+    ("best_of", [2, 0, "1", True, 1.5]),
+    ("suffix", ["x", "", 0]),
+    ("logit_bias", [{"50256": -100}, [], 0]),
+    ("presence_penalty", [0.5, "0", True]),
+    ("tools", [[{"type": "function"}], {}, "x"]),
+    ("functions", [[{"name": "f"}]]),
+    ("audio", [{"voice": "alloy"}]),
+    ("prediction", [{"type": "content", "content": "x"}]),
+    ("store", [True, 1]),
+    ("bogus_field", [1, None, "x"]),
+]
+
+
+@pytest.mark.parametrize("field,values", UNSUPPORTED, ids=[f for f, _ in UNSUPPORTED])
+def test_unsupported_fields_get_400_naming_them_whatever_the_value_type(server, field, values):
+    for route, base in (("/v1/completions", {"model": "granular", "prompt": "x", "max_tokens": 1}),
+                        ("/v1/chat/completions", {"model": "granular", "max_tokens": 1,
+                                                  "messages": [{"role": "user", "content": "x"}]})):
+        for v in values:
+            r = httpx.post(server.url + route, json={**base, field: v}, timeout=30)
+            assert r.status_code == 400, (route, field, v, r.text)
+            err = r.json()["error"]
+            assert err["param"] == field and field in err["message"], (route, field, v, err)
+
+
+def test_default_values_of_unsupported_fields_are_honoured(client):
+    for extra in ({"logprobs": None}, {"echo": False}, {"best_of": 1}, {"logit_bias": {}}, {"user": "u-1"},
+                  {"presence_penalty": 0, "frequency_penalty": 0.0}):
+        r = client.completions.create(model="granular", prompt="The", max_tokens=1, extra_body=extra)
+        assert r.choices[0].logprobs is None
+    r = client.chat.completions.create(model="granular", max_tokens=1, messages=[{"role": "user", "content": "x"}],
+                                       logprobs=False, response_format={"type": "text"}, store=False,
+                                       tool_choice="none", user="u-1", service_tier="auto")
+    assert r.choices[0].finish_reason in ("stop", "length")
+    from expertcache.serve.app import SUPPORTED_FIELDS, _DEFAULT_ONLY
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "SERVE.md")).read()
+    for f in set(SUPPORTED_FIELDS["completions"]) | set(SUPPORTED_FIELDS["chat"]) | set(_DEFAULT_ONLY):
+        assert f"`{f}`" in doc, f"docs/SERVE.md does not list {f}"
+
+
+def test_models_retrieve(server, client):
+    m = client.models.retrieve("granular")
+    assert m.id == "granular" and m.object == "model" and m.owned_by == "expertcache"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    r = httpx.get(server.url + "/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_new_connections_while_draining_get_a_503_body(tok):
+    engine = Engine(_runtime(), tok, max_batch=2).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok), grace_s=30).start()
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"model": "granular", "prompt": "The kernel", "max_tokens": 120, "stream": True,
+                                "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            srv.server.handle_exit(15, None)  # SIGTERM: drain
+            _wait(lambda: srv.app.state.shutting_down, what="draining")
+            for _ in range(3):  # new connections are still accepted, and told
+                with httpx.Client() as fresh:
+                    x = fresh.post(srv.url + "/v1/completions", json={"model": "granular", "prompt": "The"})
+                    assert x.status_code == 503 and x.json()["error"]["code"] == "shutting_down", x.text
+                    assert fresh.get(srv.url + "/health").status_code == 503
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]  # the running one finished
+        srv.thread.join(30)
+        assert not srv.thread.is_alive()  # then the server stopped by itself
+    finally:
+        srv.stop()
+        engine.shutdown(0)
