@@ -1022,3 +1022,20 @@ def test_new_connections_while_draining_get_a_503_body(tok):
     finally:
         srv.stop()
         engine.shutdown(0)
+
+
+def test_unknown_paths_do_not_grow_the_metrics(server):
+    def series():
+        return [ln for ln in httpx.get(server.url + "/metrics").text.splitlines()
+                if ln.startswith("expertcache_requests_total")]
+
+    for i in range(3):
+        httpx.get(server.url + f"/v1/nothing-{i}")
+        httpx.post(server.url + f"/nothing-{i}", content=b"x")
+    before = len(series())
+    for i in range(3, 40):
+        assert httpx.get(server.url + f"/v1/nothing-{i}").status_code == 404
+        assert httpx.post(server.url + f"/nothing-{i}", content=b"x").status_code == 415
+        assert httpx.get(server.url + f"/v1/models/m-{i}").status_code == 404
+    assert len(series()) <= before + 1  # one "/v1/models/{id}" 404 series at most, not one per path
+    assert not any("nothing-" in ln for ln in series())

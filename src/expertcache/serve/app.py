@@ -487,25 +487,34 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
     app.state.api_key_required = api_key is not None
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes,
                        query_key_paths=("/v1/expertcache/events",),
-                       on_refused=lambda route, status: metrics.requests.labels(route, str(status)).inc())
+                       on_refused=lambda route, status: metrics.requests.labels(route_label(route), str(status)).inc())
     created = int(time.time())
 
     def err(e: ServeError, route: str) -> JSONResponse:
         metrics.requests.labels(route, str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    def route_label(path: str) -> str:
+        """The metrics label of a path: a route's own path, else one label for all others (a client must not
+        grow the metrics, and the server's memory, by asking for ever new paths)."""
+        if path in known_paths:
+            return path
+        return "/v1/models/{id}" if path.startswith("/v1/models/") else "(other)"
+
+    known_paths: set = set()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc):
         return err(ServeError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None),
-                   request.url.path)
+                   route_label(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc):
-        return err(ServeError(400, f"invalid request: {exc.errors()[:1]}"), request.url.path)
+        return err(ServeError(400, f"invalid request: {exc.errors()[:1]}"), route_label(request.url.path))
 
     @app.exception_handler(Exception)
     async def _any(request, exc):  # pragma: no cover - a bug; still an OpenAI-style body
-        return err(ServeError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
+        return err(ServeError(500, f"internal error: {type(exc).__name__}: {exc}"), route_label(request.url.path))
 
     def policy() -> dict:
         return dict(policy=rt.routing.label(), eviction=rt.eviction, capacity=rt.capacity,
@@ -688,6 +697,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
         from expertcache.serve.liveview import install_liveview
 
         install_liveview(app, engine, metrics, trace_dirs=trace_dirs)
+    known_paths.update(r.path for r in app.routes if "{" not in getattr(r, "path", "{"))
     return app
 
 
