@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -55,7 +56,7 @@ def start_server(model: str, policy: str, capacity: int, max_batch: int, io: str
     if " on http://" not in line:
         proc.kill()
         raise RuntimeError(f"server did not start: {line}{proc.stderr.read()[-2000:]}")
-    url = line.rsplit(" on ", 1)[1].strip().removesuffix("/v1")
+    url = re.search(r" on (http://\S+)/v1", line).group(1)  # the API base; the live view's URL may follow
     return proc, url, line.strip()
 
 
@@ -154,9 +155,12 @@ def soak(proc, url: str, model: str, prompts: list, a, base: dict) -> dict:
                     with lock:
                         counts["requests"] += 1
                         counts["tokens"] += r["tokens"]
-                except Exception:  # noqa: BLE001 - counted
+                except Exception as exc:  # noqa: BLE001 - counted, the first one printed
                     with lock:
                         counts["errors"] += 1
+                        if counts["errors"] == 1:
+                            print(f"soak: a request failed: {exc!r}", file=sys.stderr)
+                    time.sleep(0.1)
                 k += 1
 
     threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(a.clients)]

@@ -165,21 +165,20 @@ class Validator:
     tokenizer's longest tokens is refused before it is tokenised (exact: it cannot tokenise shorter)."""
 
     def __init__(self, model_ids: list[str], tokenizer, context: int | None, vocab: int,
-                 max_prompt_tokens: int | None = None, routing_label=None) -> None:
+                 max_prompt_tokens: int | None = None) -> None:
         self.model_ids, self.tok, self.context, self.vocab = model_ids, tokenizer, context, vocab
         limit = (context - 1) if context is not None else None
         if max_prompt_tokens is not None:
             limit = max_prompt_tokens if limit is None else min(limit, max_prompt_tokens)
         self.max_prompt_tokens = limit
-        self.routing_label = routing_label
         self.max_token_chars = None  # an upper bound on the characters one token covers (None: unknown)
         if tokenizer is not None:
             backend = getattr(tokenizer, "backend_tokenizer", None)
             if backend is not None and backend.normalizer is None:  # no normalizer: pieces are text verbatim
                 self.max_token_chars = max(len(t) for t in tokenizer.get_vocab())
 
-    def _too_long(self, n: int, what: str, param: str, approx: bool = False) -> ServeError:
-        return ServeError(400, f"the prompt has {'more than ' if approx else ''}{n} {what}; this server takes at "
+    def _too_long(self, n: int, what: str, param: str) -> ServeError:
+        return ServeError(400, f"the prompt has {n} {what}; this server takes at "
                                f"most {self.max_prompt_tokens} prompt tokens (the model's context is "
                                f"{self.context}: prompt + max_tokens must fit; --max-prompt-tokens)", param=param,
                           code="context_length_exceeded")
