@@ -11,17 +11,13 @@ import time
 __all__ = ["serve_forever", "ServerThread", "bind", "tune_malloc"]
 
 
-def tune_malloc(threshold: int = 1 << 16, arenas: int = 2) -> bool:
+def tune_malloc(threshold: int = 1 << 16) -> bool:
     """glibc only: serve allocations of ``threshold`` bytes or more from mmap (``M_MMAP_THRESHOLD``), so the
     KV tensors a server keeps re-allocating (rows join and leave, every decode step grows the cache by
     ``torch.cat``) go back to the OS when freed instead of staying in the heap once glibc's dynamic threshold
     has risen. Measured in-process on the granular model (16 rows × 32 tokens per round): RSS 526 → 541 MiB
-    then flat with it, 543 → 561 MiB and still rising without. And at most ``arenas`` malloc arenas
-    (``M_ARENA_MAX``; glibc's default is 8 per core): the server's threads (event loop, engine, the workers
-    that parse and tokenise requests) otherwise each get an arena whose freed memory stays fragmented.
-    Measured (issue 24, 8-minute 16-client soak, granular, Cache-Prior): RSS after warm-up +1.99 % with
-    steps late in the run without the arena bound, +0.02 % (flat, 13 MiB lower) with 2 arenas. Call it
-    before the threads start. True if applied."""
+    then flat with it, 543 → 561 MiB and still rising without. The HTTP server's RSS still grows, sub-linearly
+    (BENCHMARKS.md, serving section). True if applied."""
     import ctypes
     import ctypes.util
 
@@ -30,8 +26,7 @@ def tune_malloc(threshold: int = 1 << 16, arenas: int = 2) -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        ok = bool(libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD = -3
-        return bool(libc.mallopt(-8, int(arenas))) and ok  # M_ARENA_MAX = -8
+        return bool(libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD = -3
     except (OSError, AttributeError):
         return False
 
