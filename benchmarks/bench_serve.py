@@ -13,6 +13,11 @@ token chunks) p50/p95, the expert-cache hit rate of the level's requests (their 
   python benchmarks/bench_serve.py --model ~/.cache/expertcache/bench-models/olmoe-1b-7b-L4-e1 \\
       --concurrency 1 4 16 --tokens 16 --rounds 1 --out benchmarks/results/serve.jsonl
   python benchmarks/bench_serve.py --model granular --rss-tokens 10000 --out benchmarks/results/serve.jsonl
+  python benchmarks/bench_serve.py --soak 600 --warmup 60 --clients 16 --out benchmarks/results/serve-soak.jsonl
+
+``--soak S``: ``--clients`` closed-loop streaming clients for S seconds; the server's RSS is sampled every
+``--sample`` seconds; reported: RSS at the end of ``--warmup`` (median of its last 3 samples) and at the end
+(median of the last 3), the growth between them in %, and the slope after warm-up (MiB/min, least squares).
 
 Loopback only; every loop is bounded; servers are stopped with SIGTERM (killed if they hang).
 """
@@ -24,6 +29,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -50,7 +56,7 @@ def start_server(model: str, policy: str, capacity: int, max_batch: int, io: str
     if " on http://" not in line:
         proc.kill()
         raise RuntimeError(f"server did not start: {line}{proc.stderr.read()[-2000:]}")
-    url = line.rsplit(" on ", 1)[1].strip().removesuffix("/v1")
+    url = re.search(r" on (http://\S+)/v1", line).group(1)  # the API base; the live view's URL may follow
     return proc, url, line.strip()
 
 
@@ -134,6 +140,55 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def soak(proc, url: str, model: str, prompts: list, a, base: dict) -> dict:
+    """``a.clients`` closed-loop clients for ``a.soak`` seconds; RSS sampled every ``a.sample`` seconds."""
+    stop = threading.Event()
+    counts = {"requests": 0, "tokens": 0, "errors": 0}
+    lock = threading.Lock()
+
+    def client_loop(i: int):
+        k = 0
+        with httpx.Client() as client:
+            while not stop.is_set():
+                try:
+                    r = one_request(client, url, model, prompts[(i + k) % len(prompts)], a.tokens)
+                    with lock:
+                        counts["requests"] += 1
+                        counts["tokens"] += r["tokens"]
+                except Exception as exc:  # noqa: BLE001 - counted, the first one printed
+                    with lock:
+                        counts["errors"] += 1
+                        if counts["errors"] == 1:
+                            print(f"soak: a request failed: {exc!r}", file=sys.stderr)
+                    time.sleep(0.1)
+                k += 1
+
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(a.clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    samples = []
+    while (now := time.perf_counter() - t0) < a.soak:
+        samples.append((round(now, 1), rss_kib(proc.pid), counts["tokens"]))
+        time.sleep(a.sample)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    warm = [s for s in samples if s[0] <= a.warmup][-3:]
+    last = samples[-3:]
+    rss_warm = float(np.median([s[1] for s in warm])) / 1024
+    rss_end = float(np.median([s[1] for s in last])) / 1024
+    after = [s for s in samples if s[0] >= a.warmup]
+    slope = float(np.polyfit([s[0] / 60 for s in after], [s[1] / 1024 for s in after], 1)[0]) if len(after) > 2 else None
+    row = dict(base, kind="serve-soak", clients=a.clients, soak_s=a.soak, warmup_s=a.warmup, **counts,
+               rss_warm_mib=rss_warm, rss_end_mib=rss_end, growth_pct=100 * (rss_end - rss_warm) / rss_warm,
+               slope_mib_per_min=slope, samples=samples)
+    print(f"soak {a.soak:g} s, {a.clients} clients: {counts['requests']} requests, {counts['tokens']} tokens, "
+          f"{counts['errors']} errors; RSS after {a.warmup:g} s warm-up {rss_warm:.1f} MiB, at the end {rss_end:.1f} "
+          f"MiB: {row['growth_pct']:+.2f} % (slope {slope if slope is None else round(slope, 3)} MiB/min)")
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="granular")
@@ -148,8 +203,15 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=128, help="the server's --prefill-chunk (default 128)")
     ap.add_argument("--rss-tokens", type=int, default=0,
                     help="instead of the levels: serve this many tokens at 16 clients and sample the server's RSS")
+    ap.add_argument("--soak", type=float, default=0, metavar="S",
+                    help="instead of the levels: --clients clients for S seconds, RSS growth after --warmup")
+    ap.add_argument("--warmup", type=float, default=60, help="soak: seconds before the RSS baseline (default 60)")
+    ap.add_argument("--clients", type=int, default=16, help="soak: concurrent clients (default 16)")
+    ap.add_argument("--sample", type=float, default=5, help="soak: RSS sampling period in seconds (default 5)")
     ap.add_argument("--out", default=None, help="append JSONL rows here")
     a = ap.parse_args(argv)
+    if a.soak and a.soak <= a.warmup:
+        ap.error("--soak must be longer than --warmup")
 
     from transformers import AutoConfig
 
@@ -171,7 +233,15 @@ def main(argv=None) -> int:
     extra = ["--tier", a.tier, "--prefill-chunk", str(a.prefill_chunk)]
     base.update(tier=a.tier, prefill_chunk=a.prefill_chunk)
     rows = []
-    if a.rss_tokens:
+    if a.soak:
+        policy = a.policies[0]
+        proc, url, banner = start_server(a.model, policy, capacity, a.max_batch, a.io, extra)
+        print(banner, file=sys.stderr)
+        try:
+            rows.append(soak(proc, url, name, prompts, a, dict(base, policy=policy)))
+        finally:
+            print(stop_server(proc)[-300:], file=sys.stderr)
+    elif a.rss_tokens:
         policy = a.policies[0]
         proc, url, banner = start_server(a.model, policy, capacity, a.max_batch, a.io, extra)
         try:

@@ -297,7 +297,8 @@ def test_bad_configurations_get_400_naming_the_field_and_change_nothing(server, 
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"]
     assert httpx.get(server.url + "/v1/expertcache/config").json() == before
-    r = httpx.post(server.url + "/v1/expertcache/config", content=b"{not json")
+    r = httpx.post(server.url + "/v1/expertcache/config", content=b"{not json",
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
 
 
@@ -587,3 +588,193 @@ def test_browser_trace_replays_on_the_grid(page):
     assert "miss rate" in page.find_element(By.ID, "replay-status").text
     page.find_element(By.ID, "tab-live").click()
     assert not _console_errors(page)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 24: the layout at 1280 px, refused values, per-tab errors, client tok/s, the API key, other origins
+
+
+def _severe(drv):
+    return [e for e in drv.get_log("browser") if e["level"] == "SEVERE"]
+
+
+@pytest.mark.browser
+def test_browser_grid_fits_1280px_up_to_64_experts_then_wraps_with_the_label(page):
+    page.set_window_size(1280, 800)
+    try:
+        js = """
+          buildGrid(4, arguments[0]);
+          const W = document.documentElement.clientWidth;
+          return Array.from(document.querySelectorAll('#grid .layer')).map(row => {
+            const cells = Array.from(row.querySelectorAll('.cell'));
+            const label = row.querySelector('.name');
+            return {tops: [...new Set(cells.map(c => Math.round(c.getBoundingClientRect().top)))].length,
+                    right: Math.max(...cells.map(c => c.getBoundingClientRect().right)), W: W,
+                    minWidth: Math.min(...cells.map(c => c.getBoundingClientRect().width)),
+                    label: label.textContent, labelVisible: label.getBoundingClientRect().width > 0,
+                    n: cells.length};
+          });"""
+        for n in (32, 64):
+            rows = page.execute_script(js, n)
+            assert len(rows) == 4
+            for r in rows:
+                assert r["n"] == n and r["tops"] == 1, (n, r)  # one line per layer
+                assert r["right"] <= r["W"] and r["minWidth"] >= 3, (n, r)  # inside the window, visible cells
+                assert r["labelVisible"] and r["label"].startswith("layer ")
+        assert page.execute_script("return document.documentElement.scrollWidth <= "
+                                   "document.documentElement.clientWidth")
+        for r in page.execute_script(js, 128):  # above 64: lines of 64, the label kept
+            assert r["n"] == 128 and r["tops"] == 2 and r["labelVisible"] and r["right"] <= r["W"], r
+    finally:
+        page.execute_script("buildGrid(state.config.moe_layers, state.config.num_experts)")
+        page.set_window_size(1440, 900)
+
+
+@pytest.mark.browser
+def test_browser_refused_values_reset_and_each_tab_keeps_its_own_error(page, server):
+    from selenium.webdriver.common.by import By
+
+    _reset(server)
+    page.find_element(By.ID, "tab-live").click()
+    cap = page.find_element(By.ID, "capacity")
+    page.execute_script("arguments[0].value = '99'; arguments[0].dispatchEvent(new Event('change'));", cap)
+    _poll(lambda: "capacity" in page.find_element(By.ID, "config-error").text, "the live error")
+    assert cap.get_attribute("value") == str(C)  # the refused value went back to what the server uses
+    live_error = page.find_element(By.ID, "config-error").text
+    page.find_element(By.ID, "tab-replay").click()
+    assert page.find_element(By.ID, "config-error").text == ""  # the live tab's error stays with it
+    _poll(lambda: page.find_elements(By.CSS_SELECTOR, "#trace-select option"), "the trace list")
+    page.execute_script("arguments[0].value = '99'", cap)
+    page.find_element(By.ID, "replay-load").click()
+    _poll(lambda: "capacity" in page.find_element(By.ID, "config-error").text, "the replay error")
+    assert cap.get_attribute("value") == str(C)
+    steps = page.find_element(By.ID, "replay-steps")
+    last_good = page.execute_script("return state.replayAccepted ? String(state.replayAccepted.steps) : '128'")
+    steps.clear()
+    steps.send_keys("5000")
+    page.find_element(By.ID, "replay-load").click()
+    _poll(lambda: "steps" in page.find_element(By.ID, "config-error").text, "the replay's steps error")
+    replay_error = page.find_element(By.ID, "config-error").text
+    assert steps.get_attribute("value") == last_good  # back to the last accepted replay's (or the default)
+    page.find_element(By.ID, "replay-load").click()  # the next replay works with the reset values
+    _poll(lambda: "miss rate" in page.find_element(By.ID, "replay-status").text, "the next replay")
+    assert page.find_element(By.ID, "config-error").text == ""
+    page.find_element(By.ID, "tab-live").click()
+    assert page.find_element(By.ID, "config-error").text == live_error != replay_error
+    page.find_element(By.ID, "tab-replay").click()
+    assert page.find_element(By.ID, "config-error").text == ""  # the replay tab's error was cleared by its success
+    page.find_element(By.ID, "tab-live").click()
+    errors = _severe(page)
+    assert all("400" in e["message"] for e in errors), errors  # the refused requests, nothing else
+
+
+@pytest.mark.browser
+def test_browser_shows_the_clients_own_tok_s_next_to_the_engines(page, server):
+    from selenium.webdriver.common.by import By
+
+    page.find_element(By.ID, "tab-live").click()
+    n = page.find_element(By.ID, "max-tokens")
+    n.clear()
+    n.send_keys("24")
+    page.find_element(By.ID, "generate").click()
+    _poll(lambda: page.execute_script("return document.body.dataset.generating") == "0"
+          and "tokens" in page.find_element(By.ID, "gen-status").text, "the generation")
+    client = float(page.find_element(By.ID, "client-tok-s").text)
+    engine = float(page.find_element(By.ID, "tok-s").text)
+    assert client > 0 and engine > 0
+    assert "this page" in page.find_element(By.ID, "client-tok-s").find_element(By.XPATH, "..").text
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    tok = load_tokenizer(resolve_model_path("granular"))
+    rt = OffloadedModel.from_pretrained("granular", OffloadConfig(io="cached", capacity=C))
+    engine = Engine(rt, tok, max_batch=2, max_queue=4).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok, api_key="k-123")).start()
+    yield srv
+    srv.stop()
+    engine.shutdown(0)
+
+
+@pytest.mark.browser
+def test_browser_live_view_asks_for_the_api_key_and_works_with_it(browser, keyed_server):
+    from selenium.webdriver.common.by import By
+
+    browser.get(keyed_server.url + "/")
+    _poll(lambda: browser.find_element(By.ID, "auth").is_displayed(), "the key prompt")
+    assert browser.execute_script("return document.body.dataset.ready") is None
+    box = browser.find_element(By.ID, "api-key")
+    box.send_keys("wrong")
+    browser.find_element(By.ID, "auth-ok").click()
+    _poll(lambda: "refused" in browser.find_element(By.ID, "auth-msg").text, "the refusal")
+    box.clear()
+    box.send_keys("k-123")
+    browser.find_element(By.ID, "auth-ok").click()
+    _poll(lambda: browser.execute_script("return document.body.dataset.ready") == "1", "the page to start")
+    _poll(lambda: browser.find_element(By.ID, "conn").text == "live", "the event stream (key as ?api_key=)")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#grid .cell")) == 4 * 32
+    n = browser.find_element(By.ID, "max-tokens")
+    n.clear()
+    n.send_keys("8")
+    browser.find_element(By.ID, "generate").click()
+    _poll(lambda: "tokens" in browser.find_element(By.ID, "gen-status").text, "a generation with the key")
+    assert len(browser.find_element(By.ID, "output").text) > 0
+    errors = _severe(browser)
+    assert errors and all("401" in e["message"] for e in errors), errors  # only the refused key's requests
+
+
+ATTACK_PAGE = """<!doctype html><html><body><script>
+(async () => {
+  const target = location.hash.slice(1), out = {};
+  const body = JSON.stringify({policy: "original", capacity: 2});
+  try {  // a "simple" request: no preflight, the browser sends it (and its Origin) as is
+    await fetch(target + "/v1/expertcache/config", {method: "POST", mode: "no-cors", body: body,
+      headers: {"Content-Type": "text/plain"}});
+    out.simple = "sent";
+  } catch (e) { out.simple = "failed: " + e; }
+  try {  // JSON: needs a CORS preflight the server does not grant
+    const r = await fetch(target + "/v1/expertcache/config", {method: "POST", body: body,
+      headers: {"Content-Type": "application/json"}});
+    out.json = "status " + r.status;
+  } catch (e) { out.json = "failed"; }
+  try {
+    await fetch(target + "/v1/expertcache/replay", {method: "POST", mode: "no-cors", body: body,
+      headers: {"Content-Type": "text/plain"}});
+  } catch (e) {}
+  document.body.dataset.done = JSON.stringify(out);
+})();
+</script></body></html>"""
+
+
+@pytest.mark.browser
+def test_browser_a_page_of_another_origin_cannot_steer_the_server(browser, server, tmp_path):
+    import functools
+    import http.server
+
+    _reset(server)
+    before = httpx.get(server.url + "/v1/expertcache/config").json()
+    (tmp_path / "attack.html").write_text(ATTACK_PAGE)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a, **k: None
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # another loopback port: another origin
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    refused0 = _refused(server)
+    try:
+        browser.get(f"http://127.0.0.1:{other.server_address[1]}/attack.html#{server.url}")
+        done = _poll(lambda: browser.execute_script("return document.body.dataset.done"), "the attack page")
+    finally:
+        other.shutdown()
+        other.server_close()
+    out = json.loads(done)
+    assert out["json"] == "failed", out  # the preflight is not granted
+    after = httpx.get(server.url + "/v1/expertcache/config").json()
+    assert after["capacity"] == before["capacity"] == C and after["routing"] == before["routing"]
+    assert after["version"] == before["version"]
+    _wait(lambda: _refused(server) >= refused0 + 2, what="the refusals to be counted")  # config + replay: 403
+    _severe(browser)
+
+
+def _refused(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("expertcache_requests_total") and 'status="403"' in line)

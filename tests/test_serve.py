@@ -11,6 +11,7 @@ total router weight.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -374,6 +376,10 @@ def test_queue_full_gets_429_and_shutdown_503(tok):
         _wait(lambda: engine.queue_length() == 2, what="two waiting requests")
         r = httpx.post(srv.url + "/v1/completions", json={"model": "granular", "prompt": "The", "max_tokens": 4})
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        assert int(r.headers["retry-after"]) >= 1
+        with pytest.raises(openai.RateLimitError):  # the client sees it as OpenAI's 429
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).completions.create(
+                model="granular", prompt="The", max_tokens=4)
         begin_shutdown(srv.app, 0)
         for t in threads:
             t.join(30)
@@ -556,3 +562,480 @@ def test_non_streaming_client_that_gives_up_is_cancelled(server):
                    json={"model": "granular", "prompt": "The kernel", "max_tokens": 200, "ignore_eos": True})
     _wait(lambda: eng.totals["cancelled"] == cancelled0 + 1, what="the abandoned request to be cancelled")
     _wait(lambda: eng.batch_size() == 0, what="its row to leave")
+
+
+# ---------------------------------------------------------------------------------------------
+# the documented start commands (issue 24)
+
+
+def _documented_serve_commands() -> list[tuple[str, str]]:
+    """(where, command) of every `expertcache serve ...` line in README.md, docs/SERVE.md and `serve --help`."""
+    import shlex
+    from pathlib import Path
+
+    from expertcache.cli.main import build_parser
+
+    root = Path(__file__).resolve().parent.parent
+    sources = {"README.md": (root / "README.md").read_text(), "docs/SERVE.md": (root / "docs/SERVE.md").read_text()}
+    sub = next(a for a in build_parser("serve")._actions if a.dest == "command")
+    sources["serve --help"] = sub.choices["serve"].format_help()
+    out = []
+    for where, text in sources.items():
+        for line in text.splitlines():
+            line = line.strip()
+            if line.startswith("expertcache serve ") or line == "expertcache serve":
+                out.append((where, " ".join(shlex.split(line.split("#")[0]))))
+    return out
+
+
+def test_the_docs_list_their_serve_commands():
+    where = {w for w, _ in _documented_serve_commands()}
+    assert where == {"README.md", "docs/SERVE.md", "serve --help"}
+
+
+@pytest.mark.parametrize("where,command", _documented_serve_commands())
+def test_documented_serve_commands_start(where, command):
+    """Each documented start command, as printed (PATH = the shipped granular checkpoint; the port made
+    ephemeral), starts, answers /health and a completion on loopback, and stops on SIGTERM."""
+    import shlex
+
+    argv = shlex.split(command)[2:]
+    argv = [str(resolve_model_path("granular")) if a == "PATH" else a for a in argv]
+    if "--port" in argv:
+        argv[argv.index("--port") + 1] = "0"
+    else:
+        argv += ["--port", "0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("EXPERTCACHE_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", *argv, "--threads", "1"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "on http://127.0.0.1:" in line, f"{where}: `{command}` did not start: {line}{proc.stderr.read()}"
+        url = re.search(r" on (http://\S+)/v1", line).group(1)
+        assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": "granular", "prompt": "The kernel", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_memory_budget_too_small_for_the_batch_says_what_fits(capsys):
+    from expertcache.cli.main import main
+
+    assert main(["serve", "--port", "0", "--memory", "8MiB", "--max-batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    # independent arithmetic: the KV cache of one row of the whole context (2 · layers · kv heads · head dim ·
+    # context · 2 bytes of bf16); 8 rows need 7 rows more than one row's minimum
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(resolve_model_path("granular"))
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    row = 2 * cfg.num_hidden_layers * heads * (cfg.hidden_size // cfg.num_attention_heads) * \
+        cfg.max_position_embeddings * 2
+    m = re.search(r"--max-batch 8 needs at least ([\d.]+) MiB \(([\d.]+) KiB of KV cache per row\); 8.00 MiB holds "
+                  r"--max-batch (\d+) at most", err)
+    assert m, err
+    assert float(m.group(2)) == pytest.approx(row / 1024, abs=0.01)
+    need8, fits = float(m.group(1)) * 2 ** 20, int(m.group(3))
+    need1 = need8 - 7 * row
+    assert need1 + (fits - 1) * row <= 8 * 2 ** 20 < need1 + fits * row
+    assert main(["serve", "--port", "0", "--memory", "8MiB", "--max-batch", str(fits), "--max-prompt-tokens",
+                 "999"]) == 2  # the batch fits; the next check (context) speaks
+    assert "--max-prompt-tokens 999" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# authentication, origin, content type (issue 24)
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def keyed(tok):
+    engine = Engine(_runtime(), tok, max_batch=4, max_queue=8).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok, api_key=KEY)).start()
+    yield srv
+    srv.stop()
+    engine.shutdown(0)
+
+
+def test_api_key_is_required_on_every_v1_route_and_the_openai_client_sends_it(keyed):
+    good = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    r = good.completions.create(model="granular", prompt="The kernel", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    assert good.models.retrieve("granular").id == "granular"
+    for wrong in ("sk-test-0123456788", "x", KEY + "0"):
+        bad = openai.OpenAI(base_url=keyed.url + "/v1", api_key=wrong, max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model="granular", prompt="The kernel", max_tokens=3)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    routes = [("GET", "/v1/models"), ("GET", "/v1/models/granular"), ("POST", "/v1/completions"),
+              ("POST", "/v1/chat/completions"), ("GET", "/v1/expertcache/config"),
+              ("POST", "/v1/expertcache/config"), ("POST", "/v1/expertcache/replay"),
+              ("GET", "/v1/expertcache/traces"), ("GET", "/v1/expertcache/stats"), ("GET", "/v1/expertcache/events"),
+              ("GET", "/v1/nothing")]
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+            r = httpx.request(method, keyed.url + path, json={}, headers=headers, timeout=30)
+            assert r.status_code == 401, (method, path, headers, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+    # the event stream (EventSource cannot send headers) also takes ?api_key=, no other route does
+    assert httpx.get(keyed.url + "/v1/expertcache/config?api_key=" + KEY).status_code == 401
+    with httpx.stream("GET", keyed.url + "/v1/expertcache/events?api_key=" + KEY, timeout=30) as r:
+        assert r.status_code == 200 and next(r.iter_lines()).startswith("data: ")
+    # outside /v1: the page, health and metrics stay open (no secrets, probes need them)
+    for path in ("/", "/health", "/metrics", "/static/app.js"):
+        assert httpx.get(keyed.url + path).status_code == 200, path
+
+
+def test_cross_origin_and_non_json_posts_are_refused_even_without_a_key(server):
+    url = server.url + "/v1/expertcache/config"
+    before = httpx.get(url).json()
+    body = json.dumps({"policy": "cache-prior", "lam": 0.9})
+    for origin in ("http://evil.example", "http://127.0.0.1:1", "null", "http://localhost:" + str(server.port)):
+        r = httpx.post(url, content=body, headers={"Content-Type": "application/json", "Origin": origin})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "cross_origin", (origin, r.text)
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {} if ctype is None else {"Content-Type": ctype}
+        for path in ("/v1/expertcache/config", "/v1/expertcache/replay", "/v1/completions"):
+            r = httpx.post(server.url + path, content=body, headers=headers)
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (ctype, path)
+    assert httpx.get(url).json() == before  # nothing changed
+    # the same origin (as the page sends it) and non-browser clients (no Origin) are served
+    same = httpx.post(url, content=json.dumps({"policy": "original"}),
+                      headers={"Content-Type": "application/json; charset=utf-8", "Origin": server.url})
+    assert same.status_code == 200, same.text
+    assert httpx.post(url, json={"policy": "original"}).status_code == 200
+
+
+def test_origin_check_compares_with_the_host_the_server_is_addressed_as():
+    from expertcache.serve.app import origin_allowed
+
+    assert origin_allowed(None, "127.0.0.1:8000")
+    assert origin_allowed("http://127.0.0.1:8000", "127.0.0.1:8000")
+    assert origin_allowed("http://Example.com", "example.com:80")
+    assert origin_allowed("https://example.com", "example.com")
+    assert not origin_allowed("http://example.com:8000", "example.com")
+    assert not origin_allowed("http://127.0.0.1:8001", "127.0.0.1:8000")
+    assert not origin_allowed("null", "127.0.0.1:8000")
+    assert not origin_allowed("http://127.0.0.1:8000", None)
+
+
+def test_api_key_from_the_environment_and_a_warning_for_a_public_bind_without_one(capsys, monkeypatch):
+    from expertcache.cli.main import main
+    from expertcache.cli.serve import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.2") and not is_loopback("::")
+    # the warning comes before the long load; --max-prompt-tokens 999 then stops the start (exit 2)
+    monkeypatch.delenv("EXPERTCACHE_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0", "--max-prompt-tokens", "999"]) == 2
+    err = capsys.readouterr().err
+    assert "warning: listening on 0.0.0.0 without an API key" in err and "--max-prompt-tokens 999" in err
+    monkeypatch.setenv("EXPERTCACHE_API_KEY", KEY)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0", "--max-prompt-tokens", "999"]) == 2
+    assert "warning" not in capsys.readouterr().err
+    assert main(["serve", "--api-key", "two words"]) == 2
+    assert "--api-key" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# limits: request bytes, prompt tokens, nothing blocks the event loop (issue 24)
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the texts it is asked to tokenise."""
+
+    def __init__(self, tok):
+        self._tok, self.calls = tok, []
+
+    def __call__(self, text, **kw):
+        self.calls.append(len(text))
+        return self._tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.fixture(scope="module")
+def limited(tok):
+    counting = CountingTokenizer(tok)
+    engine = Engine(_runtime(), tok, max_batch=4, max_queue=8, prefill_chunk=16).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=counting, max_request_bytes=1 << 20,
+                                  max_prompt_tokens=200)).start()
+    srv.tokenizer = counting
+    yield srv
+    srv.stop()
+    engine.shutdown(0)
+
+
+def test_request_bytes_and_prompt_tokens_are_limited_before_tokenisation(limited):
+    url = limited.url + "/v1/completions"
+    big = {"model": "granular", "prompt": "x" * (1 << 20)}
+    r = httpx.post(url, json=big, timeout=30)  # Content-Length over the limit: refused before it is read
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: counted while read
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 65536):
+            yield data[i:i + 65536]
+
+    r = httpx.post(url, content=chunked(), headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+    calls = len(limited.tokenizer.calls)
+    # a text that cannot fit 200 tokens (each token covers at most the vocabulary's longest piece): no tokenising
+    longest = max(len(t) for t in limited.tokenizer.get_vocab())
+    r = httpx.post(url, json={"model": "granular", "prompt": "a" * (200 * longest + 1)}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt" and len(limited.tokenizer.calls) == calls
+    r = httpx.post(url, json={"model": "granular", "prompt": list(range(1, 202))}, timeout=30)
+    assert r.status_code == 400 and "at most 200 prompt tokens" in r.json()["error"]["message"]
+    # a text short enough in characters but over 200 tokens: tokenised, then refused; 200 tokens are served
+    words = "the cat sat on a mat " * 60
+    ids = limited.tokenizer._tok(words).input_ids
+    assert len(ids) > 200 and len(words) <= 200 * longest
+    r = httpx.post(url, json={"model": "granular", "prompt": words}, timeout=30)
+    assert r.status_code == 400 and "at most 200 prompt tokens" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "granular", "prompt": ids[:200], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 200
+    r = httpx.post(limited.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "granular", "messages": [{"role": "user", "content": "b" * 20000}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages" and len(limited.tokenizer.calls) == calls + 1
+
+
+def test_a_1mb_prompt_does_not_delay_other_streams_beyond_a_prefill_chunk(limited):
+    """A running stream's inter-token gaps while large requests arrive (a 1 MB text, a 1 MB list of ids, a
+    200-token prompt prefilled in chunks of 16) stay within a bound made of the stream's own median gap and
+    the longest measured prefill chunk; tokenising the 1 MB text on the event loop took ~2 s here."""
+    eng = _engine(limited)
+    _wait(lambda: eng.in_flight() == 0, what="an idle engine")
+    chunk_s = []
+    orig = eng._prefill_chunk
+
+    def timed(r, n):
+        t0 = time.perf_counter()
+        orig(r, n)
+        chunk_s.append(time.perf_counter() - t0)
+
+    eng._prefill_chunk = timed
+    arrivals: list[float] = []
+    marks = {}
+    try:  # the chunk time, measured alone (a stalled loop or GIL would inflate it during the test)
+        r = httpx.post(limited.url + "/v1/completions", json={"model": "granular", "prompt": [9] * 200,
+                                                              "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200 and len(chunk_s) == 13, (r.text, chunk_s)
+        chunk_ref = max(chunk_s)
+        chunk_s.clear()
+        with httpx.stream("POST", limited.url + "/v1/completions", timeout=120,
+                          json={"model": "granular", "prompt": "The kernel", "max_tokens": 240, "stream": True,
+                                "ignore_eos": True, "temperature": 0}) as r:
+            def big_requests():
+                time.sleep(1.0)
+                marks["t0"] = time.perf_counter()
+                text = "the cat sat on a mat " * (1_000_000 // 21)
+                for body in ({"model": "granular", "prompt": text},
+                             {"model": "granular", "prompt": [7] * 200_000},
+                             {"model": "granular", "prompt": [7] * 200, "max_tokens": 1}):
+                    resp = httpx.post(limited.url + "/v1/completions", json=body, timeout=60)
+                    marks.setdefault("status", []).append(resp.status_code)
+                marks["t1"] = time.perf_counter()
+
+            th = threading.Thread(target=big_requests)
+            th.start()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"text"' in line:
+                    arrivals.append(time.perf_counter())
+            th.join(60)
+    finally:
+        eng._prefill_chunk = orig
+    assert marks["status"] == [400, 400, 200]
+    assert len(chunk_s) >= 200 // 16, chunk_s  # the 200-token prompt really went in chunks
+    gaps = np.diff(arrivals)
+    base = float(np.median(gaps))
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= marks["t0"] and a <= marks["t1"]]
+    assert during, "the stream ended before the large requests arrived"
+    bound = 4 * (base + chunk_ref)
+    assert max(during) <= bound, f"a gap of {max(during):.3f} s while large requests arrived (median gap " \
+                                 f"{base:.3f} s, longest prefill chunk alone {chunk_ref:.3f} s)"
+
+
+# ---------------------------------------------------------------------------------------------
+# per-request original routing: reproducible rows inside a cache-aware batch (issue 24)
+
+
+def test_route_rows_picks_original_or_the_policy_per_token(tok):
+    from expertcache.routing import RoutingConfig
+
+    rt = _runtime()
+    rt.configure(routing=RoutingConfig(policy="cache-prior", lam=1.0))
+    engine = Engine(rt, tok)
+    m = rt.layers[0]
+    g = torch.Generator().manual_seed(0)
+    z_TE = torch.randn(6, rt.num_experts, generator=g)
+    w0_TK, ids0_TK = torch.topk(torch.softmax(z_TE, -1), rt.top_k, dim=-1)
+    rt.states[0].cache.access_step(list(range(rt.capacity)))  # a residency the policy steers towards
+    w_pol, ids_pol = engine._policy_route(m, z_TE, w0_TK, ids0_TK)
+    assert not torch.equal(ids_pol, ids0_TK)  # λ = 1 really changes selections
+    mask = torch.tensor([True, False, True, False, False, True])
+    engine._original_T = mask
+    w, ids = rt._route(m, z_TE, w0_TK, ids0_TK)  # the runtime calls the engine's per-row routing
+    engine._original_T = None
+    assert torch.equal(ids[mask], ids0_TK[mask]) and torch.equal(w[mask], w0_TK[mask])
+    assert torch.equal(ids[~mask], ids_pol[~mask]) and torch.equal(w[~mask], w_pol[~mask])
+
+
+def test_original_rows_are_seed_reproducible_while_cache_aware_rows_run(tok):
+    """Under Cache-Prior (λ 0.5, C = N/4) a request with "expertcache": {"policy": "original"} gives the same
+    sampled tokens as `OffloadedModel.generate` with original routing and that seed, alone and while other
+    (cache-aware) requests share its decode steps and change the cache."""
+    from expertcache.routing import RoutingConfig
+
+    rt = _runtime()
+    rt.configure(routing=RoutingConfig(policy="cache-prior", lam=0.5))
+    engine = Engine(rt, tok, max_batch=8).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok)).start()
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    prompt = "To configure the network"
+    pinned = dict(model="granular", prompt=prompt, max_tokens=24, temperature=0.9, seed=11,
+                  extra_body={"expertcache": {"policy": "original"}, "return_token_ids": True, "ignore_eos": True})
+    try:
+        ref = _runtime().generate(tok(prompt, return_tensors="pt").input_ids, 24, temperature=0.9,
+                                  seed=11)["tokens"][0].tolist()
+        alone = c.completions.create(**pinned).model_extra["expertcache"]
+        assert alone["token_ids"] == ref and alone["policy"].startswith("cache-prior")
+        outs, runs = {}, []
+        for round_ in range(2):
+            def other(i):
+                outs[(round_, i)] = c.completions.create(model="granular", prompt=PROMPTS[i], max_tokens=30,
+                                                         temperature=1.0, extra_body={"ignore_eos": True})
+
+            others = [threading.Thread(target=other, args=(i,)) for i in range(4)]
+            for t in others:
+                t.start()
+            _wait(lambda: engine.batch_size() >= 2, what="other rows decoding")
+            runs.append(c.completions.create(**pinned).model_extra["expertcache"])
+            for t in others:
+                t.join(120)
+        assert len(outs) == 8
+        assert max(r["mean_batch"] for r in runs) > 1.5  # it really shared decode steps with the others
+        assert [r["token_ids"] for r in runs] == [ref, ref]
+    finally:
+        srv.stop()
+        engine.shutdown(0)
+
+
+def test_the_routing_override_is_validated(server):
+    for ec, param in (({"policy": "cache-prior"}, "expertcache.policy"), ("original", "expertcache"),
+                      ({"lam": 0.5}, "expertcache.lam"), ({"policy": 3}, "expertcache.policy")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": "granular", "prompt": "x", "expertcache": ec})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (ec, r.text)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAI conformance (issue 24)
+
+UNSUPPORTED = [  # (field, values refused whatever their type)
+    ("logprobs", [1, 0, 2, True, "yes", [1], {"a": 1}, 1.5]),
+    ("echo", [1, 0, True, "true", [True]]),
+    ("top_logprobs", [0, 1, 5, True, "2"]),
+    ("response_format", [{"type": "json_object"}, "json", 1, []]),
+    ("best_of", [2, 0, "1", True, 1.5]),
+    ("suffix", ["x", "", 0]),
+    ("logit_bias", [{"50256": -100}, [], 0]),
+    ("presence_penalty", [0.5, "0", True]),
+    ("tools", [[{"type": "function"}], {}, "x"]),
+    ("functions", [[{"name": "f"}]]),
+    ("audio", [{"voice": "alloy"}]),
+    ("prediction", [{"type": "content", "content": "x"}]),
+    ("store", [True, 1]),
+    ("bogus_field", [1, None, "x"]),
+]
+
+
+@pytest.mark.parametrize("field,values", UNSUPPORTED, ids=[f for f, _ in UNSUPPORTED])
+def test_unsupported_fields_get_400_naming_them_whatever_the_value_type(server, field, values):
+    for route, base in (("/v1/completions", {"model": "granular", "prompt": "x", "max_tokens": 1}),
+                        ("/v1/chat/completions", {"model": "granular", "max_tokens": 1,
+                                                  "messages": [{"role": "user", "content": "x"}]})):
+        for v in values:
+            r = httpx.post(server.url + route, json={**base, field: v}, timeout=30)
+            assert r.status_code == 400, (route, field, v, r.text)
+            err = r.json()["error"]
+            assert err["param"] == field and field in err["message"], (route, field, v, err)
+
+
+def test_default_values_of_unsupported_fields_are_honoured(client):
+    for extra in ({"logprobs": None}, {"echo": False}, {"best_of": 1}, {"logit_bias": {}}, {"user": "u-1"},
+                  {"presence_penalty": 0, "frequency_penalty": 0.0}):
+        r = client.completions.create(model="granular", prompt="The", max_tokens=1, extra_body=extra)
+        assert r.choices[0].logprobs is None
+    r = client.chat.completions.create(model="granular", max_tokens=1, messages=[{"role": "user", "content": "x"}],
+                                       logprobs=False, response_format={"type": "text"}, store=False,
+                                       tool_choice="none", user="u-1", service_tier="auto")
+    assert r.choices[0].finish_reason in ("stop", "length")
+    from expertcache.serve.app import SUPPORTED_FIELDS, _DEFAULT_ONLY
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "SERVE.md")).read()
+    for f in set(SUPPORTED_FIELDS["completions"]) | set(SUPPORTED_FIELDS["chat"]) | set(_DEFAULT_ONLY):
+        assert f"`{f}`" in doc, f"docs/SERVE.md does not list {f}"
+
+
+def test_models_retrieve(server, client):
+    m = client.models.retrieve("granular")
+    assert m.id == "granular" and m.object == "model" and m.owned_by == "expertcache"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    r = httpx.get(server.url + "/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_new_connections_while_draining_get_a_503_body(tok):
+    engine = Engine(_runtime(), tok, max_batch=2).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok), grace_s=30).start()
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                          json={"model": "granular", "prompt": "The kernel", "max_tokens": 120, "stream": True,
+                                "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            srv.server.handle_exit(15, None)  # SIGTERM: drain
+            _wait(lambda: srv.app.state.shutting_down, what="draining")
+            for _ in range(3):  # new connections are still accepted, and told
+                with httpx.Client() as fresh:
+                    x = fresh.post(srv.url + "/v1/completions", json={"model": "granular", "prompt": "The"})
+                    assert x.status_code == 503 and x.json()["error"]["code"] == "shutting_down", x.text
+                    assert fresh.get(srv.url + "/health").status_code == 503
+            rest = [ln for ln in lines if ln.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]  # the running one finished
+        srv.thread.join(30)
+        assert not srv.thread.is_alive()  # then the server stopped by itself
+    finally:
+        srv.stop()
+        engine.shutdown(0)
+
+
+def test_unknown_paths_do_not_grow_the_metrics(server):
+    def series():
+        return [ln for ln in httpx.get(server.url + "/metrics").text.splitlines()
+                if ln.startswith("expertcache_requests_total")]
+
+    for i in range(3):
+        httpx.get(server.url + f"/v1/nothing-{i}")
+        httpx.post(server.url + f"/nothing-{i}", content=b"x")
+    before = len(series())
+    for i in range(3, 40):
+        assert httpx.get(server.url + f"/v1/nothing-{i}").status_code == 404
+        assert httpx.post(server.url + f"/nothing-{i}", content=b"x").status_code == 415
+        assert httpx.get(server.url + f"/v1/models/m-{i}").status_code == 404
+    assert len(series()) <= before + 1  # one "/v1/models/{id}" 404 series at most, not one per path
+    assert not any("nothing-" in ln for ln in series())

@@ -8,13 +8,18 @@ import sys
 from expertcache.cli.common import add_routing_args, nonneg_float, nonneg_int, positive_int, routing_from_args
 from expertcache.cli.generate import add_offload_args, add_routing_alias, dtype_from_args, offload_from_args
 
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+API_KEY_ENV = "EXPERTCACHE_API_KEY"
+
 DESCRIPTION = """\
 Serve the model over the OpenAI API (/v1/models, /v1/completions, /v1/chat/completions with stream: true,
 /health, /metrics). Requests are batched continuously: they join and leave the running batch between decode
 steps; every MoE layer of a decode step serves the union of the rows' experts from the one shared expert
-cache. Loopback only by default. See docs/SERVE.md.
+cache. Loopback only by default; --api-key (or $EXPERTCACHE_API_KEY) requires `Authorization: Bearer KEY` on
+every /v1/* route. --memory also holds the KV cache of --max-batch rows of the full context (8 rows of the
+shipped models: 4.5 MiB). See docs/SERVE.md.
 
-  expertcache serve --memory 8MiB --policy cache-prior --lam 0.5 --port 8000
+  expertcache serve --memory 12MiB --policy cache-prior --lam 0.2 --max-batch 8 --port 8000
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "granular", "prompt": "The kernel", "max_tokens": 32, "temperature": 0}'
 """
@@ -39,6 +44,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--trace-dir", action="append", default=[], metavar="DIR",
                    help="a folder of routing traces (*.trace.safetensors) the live view's replay may open, besides "
                         "the shipped ones (repeatable)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1/* route (default: $EXPERTCACHE_API_KEY; "
+                        "none: no authentication, loopback only is advised)")
+    s.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                   help="larger request bodies get 413 before they are read (default: 1 MiB)")
+    s.add_argument("--max-prompt-tokens", type=positive_int, default=None, metavar="N",
+                   help="longer prompts get 400 (default and upper bound: the model's context - 1); a text "
+                        "that cannot fit is refused before it is tokenised")
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_offload_args(p)
     add_routing_args(p)
@@ -65,9 +78,14 @@ def run(args: argparse.Namespace) -> int:
     for d in args.trace_dir:
         if not Path(d).is_dir():
             raise UsageError(f"--trace-dir {d}: not a folder")
+    import os
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key)):
+        raise UsageError("--api-key must be a non-empty string without spaces")
     from transformers import AutoConfig
 
-    from expertcache.offload import OffloadedModel
+    from expertcache.offload import BudgetError, OffloadedModel
     from expertcache.offload.runtime import resolve_model_path
     from expertcache.serve.app import create_app
     from expertcache.serve.engine import Engine
@@ -78,12 +96,23 @@ def run(args: argparse.Namespace) -> int:
         sock = bind(args.host, args.port)
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+    if api_key is None and not is_loopback(args.host):
+        print(f"expertcache serve: warning: listening on {args.host} without an API key: anyone who can reach "
+              f"this port can use and reconfigure the server (set --api-key or ${API_KEY_ENV})", file=sys.stderr,
+              flush=True)
     tune_malloc()
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     context = int(getattr(config, "max_position_embeddings", 2048))
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens >= context:
+        raise UsageError(f"--max-prompt-tokens {args.max_prompt_tokens}: the model's context is {context} tokens "
+                         f"(at most {context - 1}, leaving room for one new token)")
     offload = offload_from_args(args, context=context, batch=args.max_batch)
-    rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args), routing=routing_from_args(args),
-                                        eviction=args.eviction, gamma=args.gamma, device=args.device)
+    try:
+        rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args),
+                                            routing=routing_from_args(args), eviction=args.eviction, gamma=args.gamma,
+                                            device=args.device)
+    except BudgetError as exc:
+        raise UsageError(f"{exc}; {what_fits(args, path, context)}") from None
     tok = None
     if (path / "tokenizer.json").is_file():
         from expertcache.train.tokenizer import load_tokenizer
@@ -93,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(rt, tok, max_batch=args.max_batch, max_queue=args.max_queue,
                     prefill_chunk=args.prefill_chunk).start()
     app = create_app(engine, name, tokenizer=tok, aliases=(str(args.model),) if str(args.model) != name else (),
-                     trace_dirs=tuple(args.trace_dir))
+                     trace_dirs=tuple(args.trace_dir), api_key=api_key, max_request_bytes=args.max_request_bytes,
+                     max_prompt_tokens=args.max_prompt_tokens)
     host, port = sock.getsockname()[:2]
     print(f"expertcache serve: {name} [{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, "
           f"{rt.routing.label()}+{rt.eviction}, max batch {args.max_batch}, context {context}] on "
@@ -105,3 +135,37 @@ def run(args: argparse.Namespace) -> int:
         print(f"expertcache serve: stopped: {summary['finished']} request(s) finished, {summary['cancelled']} "
               f"cancelled", file=sys.stderr, flush=True)
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def what_fits(args, path, context: int) -> str:
+    """What this --memory holds instead: the largest --max-batch (the KV cache reserves --max-batch rows of the
+    whole context), or the memory --max-batch rows need. Plans a one-row runtime to read the sizes."""
+    from expertcache.offload import BudgetError, OffloadedModel
+    from expertcache.offload.budget import MINIMUM, format_bytes, parse_bytes
+
+    need_1 = None
+    try:
+        one = OffloadedModel.from_pretrained(path, offload_from_args(args, context=context, batch=1),
+                                             dtype=dtype_from_args(args))
+        plan = one._plan()
+        need_1, kv_row = plan.minimum, plan.kv_bytes
+    except BudgetError:
+        pass
+    if need_1 is None:
+        return "it cannot hold even one row of the context: give more --memory"
+    budget = parse_bytes(args.memory) if args.memory is not None else MINIMUM
+    need = need_1 + (args.max_batch - 1) * kv_row
+    fits = 1 + (budget - need_1) // kv_row if budget != MINIMUM else 1
+    return (f"--max-batch {args.max_batch} needs at least {format_bytes(need)} ({format_bytes(kv_row)} of KV "
+            f"cache per row); {format_bytes(budget)} holds --max-batch {fits} at most")

@@ -8,19 +8,33 @@ pydantic) so that every bad field gets a 400 naming it; every 4xx/5xx body is Op
 Extensions: every response (and the last stream chunk) carries an ``expertcache`` object — the request's share
 of expert-cache hits, misses and bytes read (see the engine docstring), the policy, eviction and C; with
 ``"return_token_ids": true`` it also lists the generated token ids; ``"ignore_eos": true`` decodes past the
-end-of-text token (fixed lengths for benchmarks).
+end-of-text token (fixed lengths for benchmarks); ``"expertcache": {"policy": "original"}`` routes that request's
+rows with original top-K inside the shared batch (seed-reproducible output, see docs/SERVE.md).
+
+Guards (:class:`Guard`, before any route runs): ``api_key`` requires ``Authorization: Bearer KEY`` on every
+``/v1/*`` route (constant-time compare; the live view's event stream may pass it as ``?api_key=``); every POST
+must be ``Content-Type: application/json`` (415) and, when a browser sends ``Origin``, come from the origin
+the server is addressed as (``Host``; 403), so a page of another site can neither steer nor use the server;
+bodies over ``max_request_bytes`` get 413 before they are read. Prompts longer than ``max_prompt_tokens`` get
+400, a text that cannot fit before it is tokenised; parsing and tokenising run in a worker thread, never on
+the event loop.
 """
 
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
 
 from expertcache.serve.engine import Engine, QueueFull, Request, SamplingParams, ShuttingDown
 
-__all__ = ["create_app", "ServeError", "SHIPPED_CHAT_TEMPLATE", "render_chat"]
+__all__ = ["create_app", "ServeError", "SHIPPED_CHAT_TEMPLATE", "render_chat", "Guard", "SUPPORTED_FIELDS",
+           "DEFAULT_MAX_REQUEST_BYTES"]
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 # The shipped models were trained on plain text and have no chat template: this one (documented in
 # docs/SERVE.md) writes each message as "Role: content" paragraphs and ends with "Assistant:".
@@ -32,12 +46,15 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 class ServeError(Exception):
     """An error with an HTTP status and an OpenAI error body."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-             499: "request_cancelled", 503: "server_error", 500: "server_error"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+             404: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+             429: "rate_limit_error", 499: "request_cancelled", 503: "server_error", 500: "server_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
@@ -72,6 +89,68 @@ class Parsed:
     return_token_ids: bool
 
 
+# Request fields of the OpenAI API reference (completions; chat completions) and what this server does with
+# them. Supported: honoured. Every other field is accepted only with the value that means "the default
+# behaviour" (what the server does anyway), else 400 naming it; a field in neither list is 400 too.
+SUPPORTED_FIELDS = {
+    "completions": ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
+                    "stream_options", "user", "return_token_ids", "ignore_eos", "expertcache"),
+    "chat": ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
+             "stream", "stream_options", "user", "return_token_ids", "ignore_eos", "expertcache"),
+}
+_DEFAULT_ONLY = {  # field: (values meaning the default behaviour, what to say)
+    "logprobs": ((None, False), "log probabilities are not returned by this server"),
+    "top_logprobs": ((None,), "log probabilities are not returned by this server"),
+    "echo": ((None, False), "echoing the prompt is not supported"),
+    "best_of": ((None, 1), "only best_of = 1 is supported"),
+    "suffix": ((None,), "suffix (insertion) is not supported"),
+    "logit_bias": ((None, {}), "logit_bias is not supported"),
+    "presence_penalty": ((None, 0, 0.0), "only 0 is supported"),
+    "frequency_penalty": ((None, 0, 0.0), "only 0 is supported"),
+    "tools": ((None, []), "tool calls are not supported"),
+    "tool_choice": ((None, "none"), "tool calls are not supported"),
+    "parallel_tool_calls": ((None, True, False), ""),  # without tools: nothing to do either way
+    "functions": ((None, []), "function calls are not supported"),
+    "function_call": ((None, "none"), "function calls are not supported"),
+    "response_format": ((None, {"type": "text"}), "only {\"type\": \"text\"} is supported"),
+    "modalities": ((None, ["text"]), "only [\"text\"] is supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "reasoning_effort": ((None,), "this model does not reason"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "store": ((None, False), "stored completions are not supported"),
+    "metadata": ((None, {}), "metadata is only stored with store, which is not supported"),
+    "service_tier": ((None, "auto", "default"), "only auto / default"),
+    "prompt_cache_key": ((None,), "not supported"),
+    "safety_identifier": ((None,), "not supported"),
+    "verbosity": ((None,), "not supported"),
+}
+
+
+def _same(a, b) -> bool:
+    """JSON equality with types (True is not 1, 1.0 is 1 only for numbers)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b and (isinstance(a, (int, float)) == isinstance(b, (int, float)))
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """400 naming the first field that is neither supported nor given its default-behaviour value."""
+    supported = SUPPORTED_FIELDS["chat" if chat else "completions"]
+    for k in body:
+        if k in supported:
+            continue
+        if k in _DEFAULT_ONLY:
+            ok, why = _DEFAULT_ONLY[k]
+            v = body[k]
+            if any(_same(v, x) for x in ok):
+                continue
+            raise ServeError(400, f"{k}: {json.dumps(v)[:40]} is not supported by this server ({why})", param=k,
+                             code="unsupported_parameter")
+        raise ServeError(400, f"{k}: unknown field for {'/v1/chat/completions' if chat else '/v1/completions'} "
+                              f"(supported: {', '.join(supported)})", param=k, code="unknown_parameter")
+
+
 def render_chat(messages: list[dict], tokenizer) -> tuple[str, bool]:
     """(prompt text, uses the shipped fallback template)."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
@@ -81,24 +160,51 @@ def render_chat(messages: list[dict], tokenizer) -> tuple[str, bool]:
 
 
 class Validator:
-    """Turns a JSON body into prompt ids and :class:`SamplingParams`, or raises :class:`ServeError` (400/404)."""
+    """Turns a JSON body into prompt ids and :class:`SamplingParams`, or raises :class:`ServeError` (400/404).
+    ``max_prompt_tokens`` (default: context - 1) bounds the prompt; a text longer than that many of the
+    tokenizer's longest tokens is refused before it is tokenised (exact: it cannot tokenise shorter)."""
 
-    def __init__(self, model_ids: list[str], tokenizer, context: int | None, vocab: int) -> None:
+    def __init__(self, model_ids: list[str], tokenizer, context: int | None, vocab: int,
+                 max_prompt_tokens: int | None = None) -> None:
         self.model_ids, self.tok, self.context, self.vocab = model_ids, tokenizer, context, vocab
+        limit = (context - 1) if context is not None else None
+        if max_prompt_tokens is not None:
+            limit = max_prompt_tokens if limit is None else min(limit, max_prompt_tokens)
+        self.max_prompt_tokens = limit
+        self.max_token_chars = None  # an upper bound on the characters one token covers (None: unknown)
+        if tokenizer is not None:
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            if backend is not None and backend.normalizer is None:  # no normalizer: pieces are text verbatim
+                self.max_token_chars = max(len(t) for t in tokenizer.get_vocab())
 
-    def encode(self, text: str) -> list[int]:
+    def _too_long(self, n: int, what: str, param: str) -> ServeError:
+        return ServeError(400, f"the prompt has {n} {what}; this server takes at "
+                               f"most {self.max_prompt_tokens} prompt tokens (the model's context is "
+                               f"{self.context}: prompt + max_tokens must fit; --max-prompt-tokens)", param=param,
+                          code="context_length_exceeded")
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
         from expertcache.inputs import check_text
 
         try:
-            check_text(text, "prompt")  # invalid UTF-8 / a lone surrogate: 400 naming it, not a 500 from the tokenizer
+            check_text(text, param)  # invalid UTF-8 / a lone surrogate: 400 naming it, not a 500 from the tokenizer
         except ValueError as exc:
-            raise _bad("prompt", str(exc).removeprefix("prompt: ")) from None
+            raise _bad(param, str(exc).removeprefix(f"{param}: ")) from None
+        lim = self.max_prompt_tokens
         if self.tok is None:
+            words = text.split()
+            if lim is not None and len(words) > lim:
+                raise self._too_long(len(words), "token ids", param)
             try:
-                return [int(x) for x in text.split()]
+                return [int(x) for x in words]
             except ValueError:
                 raise _bad("prompt", "this model has no tokenizer: give space-separated token ids") from None
-        return self.tok(text).input_ids
+        if lim is not None and self.max_token_chars is not None and len(text) > lim * self.max_token_chars:
+            raise ServeError(400, f"the prompt has {len(text)} characters, more than {lim} tokens of at most "
+                                  f"{self.max_token_chars} characters each; this server takes at most {lim} prompt "
+                                  f"tokens (the model's context is {self.context}; --max-prompt-tokens)",
+                             param=param, code="context_length_exceeded")
+        return self.tok(text, verbose=False).input_ids
 
     def parse(self, body, chat: bool) -> Parsed:
         if not isinstance(body, dict):
@@ -109,6 +215,7 @@ class Validator:
         if model not in self.model_ids:
             raise ServeError(404, f"the model {model!r} does not exist; this server serves {self.model_ids}",
                              param="model", code="model_not_found")
+        check_fields(body, chat)
         extra_stop: list[str] = []
         if chat:
             prompt_ids, extra_stop = self._chat(body.get("messages"))
@@ -117,10 +224,8 @@ class Validator:
         if not prompt_ids:
             raise _bad("messages" if chat else "prompt", "the prompt is empty")
         P = len(prompt_ids)
-        if self.context is not None and P >= self.context:
-            raise ServeError(400, f"the prompt has {P} tokens; the model's context is {self.context} tokens "
-                                  "(prompt + max_tokens must fit)", param="messages" if chat else "prompt",
-                             code="context_length_exceeded")
+        if self.max_prompt_tokens is not None and P > self.max_prompt_tokens:
+            raise self._too_long(P, "tokens", "messages" if chat else "prompt")
         room = (self.context - P) if self.context is not None else 1 << 30
         key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _num(body, key, room if chat else min(16, room), 1, 1 << 31, integer=True)
@@ -144,29 +249,48 @@ class Validator:
             raise _bad("stop", "must be a string or a list of at most 4 strings")
         if any(s == "" for s in stop):
             raise _bad("stop", "stop strings must not be empty")
-        for k in ("presence_penalty", "frequency_penalty"):
-            if _num(body, k, 0.0, -2.0, 2.0) != 0:
-                raise _bad(k, "is not supported (only 0)")
-        for k in ("logprobs", "echo", "logit_bias", "tools", "best_of", "suffix", "top_logprobs"):
-            v = body.get(k)
-            if v not in (None, False, 0, 1) or (k in ("logprobs", "echo") and v is True) or \
-                    (k == "best_of" and v not in (None, 1)):
-                raise _bad(k, "is not supported by this server")
+        if body.get("user") is not None and not isinstance(body["user"], str):
+            raise _bad("user", "must be a string")
         stream = body.get("stream", False)
         if not isinstance(stream, bool) and stream is not None:
             raise _bad("stream", "must be a boolean")
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
             raise _bad("stream_options", "must be an object")
+        for k in so:
+            if k != "include_usage":
+                raise _bad(f"stream_options.{k}", "unknown field (supported: include_usage)")
+        if not isinstance(so.get("include_usage", False), bool):
+            raise _bad("stream_options.include_usage", "must be a boolean")
         rti = body.get("return_token_ids", False)
         ignore_eos = body.get("ignore_eos", False)
         for k, v in (("return_token_ids", rti), ("ignore_eos", ignore_eos)):
             if not isinstance(v, bool):
                 raise _bad(k, "must be a boolean")
+        routing = self._routing(body.get("expertcache"))
         params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), top_p=float(top_p),
                                 seed=seed, stop=list(stop) + [s for s in extra_stop if s not in stop],
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, routing=routing)
         return Parsed(prompt_ids, params, bool(stream), bool(so.get("include_usage", False)), rti)
+
+    @staticmethod
+    def _routing(ec) -> str | None:
+        """The per-request routing override: ``{"policy": "original"}`` (or the server's own: no override)."""
+        if ec is None:
+            return None
+        if not isinstance(ec, dict):
+            raise _bad("expertcache", "must be an object, e.g. {\"policy\": \"original\"}")
+        for k in ec:
+            if k != "policy":
+                raise _bad(f"expertcache.{k}", "unknown field (supported: policy)")
+        pol = ec.get("policy")
+        if pol is None:
+            return None
+        if pol != "original":
+            raise _bad("expertcache.policy", f"only \"original\" can be chosen per request, got "
+                                             f"{json.dumps(pol)[:40]} (the server's policy is set with "
+                                             "POST /v1/expertcache/config)")
+        return pol
 
     def _prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -174,6 +298,8 @@ class Validator:
         if isinstance(prompt, str):
             return self.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
+                raise self._too_long(len(prompt), "token ids", "prompt")
             if any(not 0 <= t < self.vocab for t in prompt):
                 raise _bad("prompt", f"token ids must be in [0, {self.vocab})")
             return list(prompt)
@@ -196,7 +322,7 @@ class Validator:
                 raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
             clean.append({"role": m["role"], "content": c})
         text, fallback = render_chat(clean, self.tok)
-        return self.encode(text), ([SHIPPED_CHAT_STOP] if fallback else [])
+        return self.encode(text, "messages"), ([SHIPPED_CHAT_STOP] if fallback else [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,14 +376,105 @@ class Metrics:
 
 
 # ---------------------------------------------------------------------------------------------
+# guards: authentication, origin, content type, body size
+
+
+def _host_of(netloc: str, scheme: str) -> str:
+    """``netloc`` lower-cased without the scheme's default port."""
+    netloc = netloc.lower().strip()
+    default = {"http": ":80", "https": ":443"}.get(scheme)
+    return netloc[:-len(default)] if default and netloc.endswith(default) else netloc
+
+
+def origin_allowed(origin: str | None, host: str | None, scheme: str = "http") -> bool:
+    """A browser request's ``Origin`` is the origin the server is addressed as (``Host``). No Origin (a
+    non-browser client, or a same-origin GET): allowed."""
+    if origin is None:
+        return True
+    if not host or origin == "null":
+        return False
+    parts = urlsplit(origin)
+    return bool(parts.netloc) and _host_of(parts.netloc, parts.scheme) == _host_of(host, scheme)
+
+
+class Guard:
+    """ASGI middleware run before any route: see the module docstring. Refusals are OpenAI error bodies."""
+
+    def __init__(self, app, *, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 query_key_paths: tuple[str, ...] = (), on_refused=None) -> None:
+        self.app, self.max_request_bytes = app, max_request_bytes
+        self.api_key = None if api_key is None else api_key.encode()
+        self.query_key_paths = set(query_key_paths)
+        self.on_refused = on_refused
+
+    def _key_ok(self, scope, headers: dict) -> bool:
+        auth = headers.get(b"authorization", b"")
+        given = auth[7:].strip() if auth[:7].lower() == b"bearer " else None
+        if given is None and scope["path"] in self.query_key_paths:  # EventSource cannot send headers
+            q = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
+            given = q[0].encode("latin-1", "replace") if q else None
+        return given is not None and hmac.compare_digest(given, self.api_key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {}
+        for k, v in scope["headers"]:
+            headers.setdefault(k.lower(), v)
+        path = scope["path"]
+        e = None
+        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")) and scope["method"] != "OPTIONS" \
+                and not self._key_ok(scope, headers):
+            e = ServeError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' (the server's --api-key)",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        elif scope["method"] == "POST":
+            origin = headers.get(b"origin")
+            ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            length = headers.get(b"content-length")
+            if not origin_allowed(None if origin is None else origin.decode("latin-1"),
+                                  headers.get(b"host", b"").decode("latin-1"), scope.get("scheme", "http")):
+                e = ServeError(403, f"cross-origin request refused: Origin {origin.decode('latin-1')[:80]} is not "
+                                    "this server", code="cross_origin")
+            elif ctype != b"application/json":
+                e = ServeError(415, f"Content-Type must be application/json, got {ctype.decode('latin-1')[:60]!r}",
+                               code="unsupported_media_type")
+            elif length is not None and (not length.isdigit() or int(length) > self.max_request_bytes):
+                e = ServeError(413, f"the request body has {length.decode('latin-1')[:20]} bytes; this server takes "
+                                    f"at most {self.max_request_bytes} (--max-request-bytes)",
+                               code="request_too_large")
+        if e is None:
+            return await self.app(scope, receive, send)
+        from fastapi.responses import JSONResponse
+
+        if self.on_refused is not None:
+            self.on_refused(path, e.status)
+        await JSONResponse(e.body(), status_code=e.status, headers=e.headers)(scope, receive, send)
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The body, or 413 as soon as it exceeds ``limit`` bytes (a chunked body has no Content-Length)."""
+    parts, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise ServeError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)",
+                             code="request_too_large")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
 # the app
 
 
 def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[str, ...] = (),
-               metrics: Metrics | None = None, liveview: bool = True, trace_dirs: tuple = ()):
+               metrics: Metrics | None = None, liveview: bool = True, trace_dirs: tuple = (),
+               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_prompt_tokens: int | None = None):
     """FastAPI app serving ``engine`` under the model name ``model_id`` (``aliases`` are accepted too).
     ``liveview`` adds the page at ``/`` and its routes (:mod:`expertcache.serve.liveview`; ``trace_dirs``: more
-    routing traces the replay may open).
+    routing traces the replay may open). ``api_key``, ``max_request_bytes``, ``max_prompt_tokens``: the guards
+    and limits of the module docstring.
     ``app.state.shutting_down`` (set by :func:`begin_shutdown`) makes new requests 503."""
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
@@ -268,28 +485,41 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
     engine.metrics = metrics
     rt = engine.rt
     vocab = int(rt.config.vocab_size)
-    validator = Validator([model_id, *aliases], tokenizer, engine.context, vocab)
+    validator = Validator([model_id, *aliases], tokenizer, engine.context, vocab, max_prompt_tokens)
     app = FastAPI(title="expertcache", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.shutting_down = False
+    app.state.api_key_required = api_key is not None
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes,
+                       query_key_paths=("/v1/expertcache/events",),
+                       on_refused=lambda route, status: metrics.requests.labels(route_label(route), str(status)).inc())
     created = int(time.time())
 
     def err(e: ServeError, route: str) -> JSONResponse:
         metrics.requests.labels(route, str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    def route_label(path: str) -> str:
+        """The metrics label of a path: a route's own path, else one label for all others (a client must not
+        grow the metrics, and the server's memory, by asking for ever new paths)."""
+        if path in known_paths:
+            return path
+        return "/v1/models/{id}" if path.startswith("/v1/models/") else "(other)"
+
+    known_paths: set = set()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc):
         return err(ServeError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None),
-                   request.url.path)
+                   route_label(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc):
-        return err(ServeError(400, f"invalid request: {exc.errors()[:1]}"), request.url.path)
+        return err(ServeError(400, f"invalid request: {exc.errors()[:1]}"), route_label(request.url.path))
 
     @app.exception_handler(Exception)
     async def _any(request, exc):  # pragma: no cover - a bug; still an OpenAI-style body
-        return err(ServeError(500, f"internal error: {type(exc).__name__}: {exc}"), request.url.path)
+        return err(ServeError(500, f"internal error: {type(exc).__name__}: {exc}"), route_label(request.url.path))
 
     def policy() -> dict:
         return dict(policy=rt.routing.label(), eviction=rt.eviction, capacity=rt.capacity,
@@ -324,21 +554,40 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
         metrics.on_queue(engine.queue_length(), engine.batch_size())
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_object() -> dict:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "expertcache",
+                "expertcache": policy()}
+
     @app.get("/v1/models")
     async def models():
         metrics.requests.labels("/v1/models", "200").inc()
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "expertcache", "expertcache": policy()}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model_retrieve(name: str):
+        if name not in validator.model_ids:
+            return err(ServeError(404, f"the model {name!r} does not exist; this server serves "
+                                       f"{validator.model_ids}", param="model", code="model_not_found"),
+                       "/v1/models/{id}")
+        metrics.requests.labels("/v1/models/{id}", "200").inc()
+        return model_object()
+
+    def parse_request(raw: bytes, chat: bool) -> Parsed:
+        """JSON, validation and tokenisation: run in a worker thread (a large body never blocks the loop)."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ServeError(400, f"the request body is not valid JSON: {str(exc)[:200]}",
+                             code="invalid_json") from None
+        return validator.parse(body, chat)
 
     async def handle(request: HTTPRequest, chat: bool):
         route = request.url.path
-        raw = await request.body()
         try:
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise ServeError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-            p = validator.parse(body, chat)
+            if app.state.shutting_down:
+                raise ServeError(503, "the server is shutting down", code="shutting_down")
+            raw = await read_body(request, max_request_bytes)
+            p = await asyncio.to_thread(parse_request, raw, chat)
             if app.state.shutting_down:
                 raise ServeError(503, "the server is shutting down", code="shutting_down")
         except ServeError as e:
@@ -357,7 +606,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
         try:
             engine.submit(req)
         except QueueFull as e:
-            return err(ServeError(429, str(e), code="queue_full"), route)
+            return err(ServeError(429, str(e), code="queue_full", headers={"Retry-After": "1"}), route)
         except ShuttingDown as e:
             return err(ServeError(503, str(e), code="shutting_down"), route)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -453,6 +702,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
         from expertcache.serve.liveview import install_liveview
 
         install_liveview(app, engine, metrics, trace_dirs=trace_dirs)
+    known_paths.update(r.path for r in app.routes if "{" not in getattr(r, "path", "{"))
     return app
 
 

@@ -21,6 +21,12 @@ So a running row waits for at most ``prefill_chunk`` prompt tokens of prefill be
 Every MoE layer of the decode forward is one step of the runtime's **shared** expert cache: the union of the B rows' experts, ordered by
 total router weight (see ``docs/SERVE.md``).
 
+**Per-row routing.** A request with ``SamplingParams.routing = "original"`` has its tokens routed with
+original top-K inside the shared forward while the other rows follow the server's policy: the engine wraps
+the runtime's ``_route`` (on the instance) and, for each forward, picks per token between the policy's
+selection and the original one (:meth:`Engine._route_rows`). Such a row's tokens depend on its own prompt and
+seed only (not on the cache other requests fill), so they are reproducible; the cache it hits is still shared.
+
 Statistics per request: each forward's hits, misses and bytes read (deltas of ``OffloadedModel.stats()``)
 are charged to the rows of that forward in equal shares (a prefill chunk: all to its request), so the sums
 over requests equal the runtime's totals.
@@ -59,6 +65,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # keep going after the end-of-text token (benchmarks: fixed lengths)
+    routing: str | None = None  # "original": this request's rows use original top-K whatever the server's policy
 
 
 def sample_next(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
@@ -153,6 +160,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.totals = dict(finished=0, cancelled=0, packed_prefills=0, packed_prompts=0)
         self.error: BaseException | None = None
+        self._original_T: torch.Tensor | None = None  # per token of the running forward: route it original
+        self._policy_route = runtime._route
+        runtime._route = self._route_rows
 
     # -- called from other threads -------------------------------------------------------------------
 
@@ -251,15 +261,32 @@ class Engine:
         if self.metrics is not None:
             self.metrics.on_queue(len(self._waiting), len(self._rows))
 
-    def _forward(self, ids_BS, past, mask_BL=None, pos_BS=None):
-        """One model forward: (logits [B, S, V], the KV cache, seconds, the runtime's stats delta)."""
+    def _route_rows(self, m, z_TE, w0_TK, ids0_TK, **kw):
+        """The runtime's routing, per token: original top-K for the tokens of rows that asked for it
+        (``_original_T``), the server's policy for the others (ranked against the same shared residency)."""
+        mask_T = self._original_T
+        if mask_T is None or self.rt.routing.policy == "original" or mask_T.shape[0] != ids0_TK.shape[0]:
+            return self._policy_route(m, z_TE, w0_TK, ids0_TK, **kw)
+        if bool(mask_T.all()):
+            return w0_TK, ids0_TK
+        w_TK, ids_TK = self._policy_route(m, z_TE, w0_TK, ids0_TK, **kw)
+        keep_T1 = mask_T.to(ids_TK.device)[:, None]
+        return torch.where(keep_T1, w0_TK, w_TK), torch.where(keep_T1, ids0_TK, ids_TK)
+
+    def _forward(self, ids_BS, past, mask_BL=None, pos_BS=None, original_BS=None):
+        """One model forward: (logits [B, S, V], the KV cache, seconds, the runtime's stats delta).
+        ``original_BS`` (bool, optional): tokens to route with original top-K (per-request override)."""
+        self._original_T = None if original_BS is None or not bool(original_BS.any()) else original_BS.reshape(-1)
         s0 = self.rt.stats()
         t0 = time.perf_counter()
         dev = self.rt.device
-        with torch.inference_mode():
-            out = self.rt.model(input_ids=ids_BS.to(dev), past_key_values=past, use_cache=True,
-                              attention_mask=None if mask_BL is None else mask_BL.to(dev),
-                                position_ids=None if pos_BS is None else pos_BS.to(dev))
+        try:
+            with torch.inference_mode():
+                out = self.rt.model(input_ids=ids_BS.to(dev), past_key_values=past, use_cache=True,
+                                    attention_mask=None if mask_BL is None else mask_BL.to(dev),
+                                    position_ids=None if pos_BS is None else pos_BS.to(dev))
+        finally:
+            self._original_T = None
         dt = time.perf_counter() - t0
         s1 = self.rt.stats()
         delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "bytes_read")}
@@ -304,8 +331,10 @@ class Engine:
         lens = [len(r.prompt_ids) for r in group]
         ids_1T = torch.tensor([[t for r in group for t in r.prompt_ids]])
         pos_1T = torch.cat([torch.arange(n) for n in lens])[None]
+        orig_1T = torch.tensor([[r.params.routing == "original" for r in group for _ in r.prompt_ids]])
         with packed_segments(lens):
-            logits_1TV, kv, dt, delta = self._forward(ids_1T, DynamicCache(config=self.rt.config), pos_BS=pos_1T)
+            logits_1TV, kv, dt, delta = self._forward(ids_1T, DynamicCache(config=self.rt.config), pos_BS=pos_1T,
+                                                      original_BS=orig_1T)
         self._charge(group, delta, shared=False, weights=lens)
         self.totals["packed_prefills"] += 1
         self.totals["packed_prompts"] += len(group)
@@ -328,7 +357,8 @@ class Engine:
         if r.past is None:
             r.past = DynamicCache(config=self.rt.config)
         chunk = r.prompt_ids[r.prefilled:r.prefilled + n]
-        logits_1SV, r.past, dt, delta = self._forward(torch.tensor([chunk]), r.past)
+        orig = torch.full((1, len(chunk)), r.params.routing == "original")
+        logits_1SV, r.past, dt, delta = self._forward(torch.tensor([chunk]), r.past, original_BS=orig)
         r.prefilled += len(chunk)
         self._charge([r], delta, shared=False)
         if self.metrics is not None:  # the last chunk yields the request's first token
@@ -358,7 +388,9 @@ class Engine:
         pos_B1 = self._kv.positions_B1() if padded else None
         mask = self._kv.step_mask()  # grows the mask every step; only a padded batch passes it to the model
         # no padding: exactly OffloadedModel.generate's call (positions from the cache length)
-        logits_B1V, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask if padded else None, pos_B1)
+        orig_B1 = torch.tensor([[r.params.routing == "original"] for r in rows])
+        logits_B1V, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask if padded else None, pos_B1,
+                                                              orig_B1)
         self._charge(rows, delta, shared=True)
         for i, r in enumerate(rows):
             tok = sample_next(logits_B1V[i, -1], r.params, r.gen)

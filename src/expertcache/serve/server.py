@@ -44,20 +44,35 @@ def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 def _server(app, *, log_level: str, grace_s: float):
     """A uvicorn server for ``app`` that shuts down gracefully: on the first SIGTERM/SIGINT new requests get
-    503, waiting ones are cancelled, running ones get ``grace_s`` to finish (then are cancelled), uvicorn waits
-    for their connections, then returns normally (the signal is handled, not re-raised)."""
+    503 (the server keeps accepting connections to say so), waiting ones are cancelled, running ones get
+    ``grace_s`` to finish (then are cancelled); once none is left uvicorn stops listening, waits for their
+    connections, then returns normally (the signal is handled, not re-raised). A second signal stops at once."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             from expertcache.serve.app import begin_shutdown
 
-            if not app.state.shutting_down:
-                n = begin_shutdown(app, grace_s)
-                print(f"expertcache serve: shutting down: {app.state.engine.in_flight()} running request(s) get up "
-                      f"to {grace_s:g} s to finish, {n} waiting request(s) cancelled (503)", file=sys.stderr,
-                      flush=True)
-            super().handle_exit(sig, frame)
+            if app.state.shutting_down:  # the second signal: stop listening now
+                super().handle_exit(sig, frame)
+                self._captured_signals.clear()
+                return
+            n = begin_shutdown(app, grace_s)
+            print(f"expertcache serve: shutting down: {app.state.engine.in_flight()} running request(s) get up "
+                  f"to {grace_s:g} s to finish, {n} waiting request(s) cancelled (503)", file=sys.stderr,
+                  flush=True)
+            self._captured_signals.clear()
+            threading.Thread(target=self._drain_then_exit, args=(sig, frame), daemon=True,
+                             name="expertcache-drain").start()
+
+        def _drain_then_exit(self, sig, frame) -> None:
+            """Keep answering (503 for new requests) until the engine has nothing in flight, then let uvicorn
+            stop (the engine cancels what is left after ``grace_s``; one more second for their last events)."""
+            eng = app.state.engine
+            deadline = time.monotonic() + grace_s + 1.0
+            while (eng.in_flight() or eng.queue_length()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            uvicorn.Server.handle_exit(self, sig, frame)
             self._captured_signals.clear()
 
     return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 5, lifespan="off",

@@ -8,7 +8,43 @@ const state = {
   mode: "live", config: null, model: null, cells: [], N: 0, L: 0,
   pending: null, drawn: 0, frames: 0, dropped: 0, abort: null,
   replay: null, replayPos: 0, replayTimer: null,
+  errors: { live: "", replay: "" },  // each tab keeps its own error line
+  accepted: null,                     // the control values last accepted (refused ones reset to these)
+  events: null,
 };
+const MAX_COLS = 64;  // experts per grid line; more wrap onto further lines (the layer label stays)
+
+// ---- the API key (a server started with --api-key): kept for this tab only ------------------
+const KEY_STORE = "expertcache-api-key";
+const auth = { key: sessionStorage.getItem(KEY_STORE) || "" };
+function api(url, opts = {}) {  // fetch with the key as the OpenAI clients send it
+  const headers = Object.assign({}, opts.headers || {});
+  if (auth.key) headers["Authorization"] = "Bearer " + auth.key;
+  return fetch(url, Object.assign({}, opts, { headers }));
+}
+function askKey(message) {  // resolves once a key is entered
+  $("auth").classList.remove("hidden"); $("auth-msg").textContent = message;
+  $("api-key").focus();
+  return new Promise((resolve) => {
+    $("auth-form").onsubmit = (ev) => {
+      ev.preventDefault();
+      auth.key = $("api-key").value.trim(); sessionStorage.setItem(KEY_STORE, auth.key);
+      $("auth").classList.add("hidden"); resolve();
+    };
+  });
+}
+async function apiJSON(url) {  // GET with the key; asks for it while the server answers 401
+  for (;;) {
+    const r = await api(url);
+    if (r.status !== 401) return r.json();
+    await askKey(auth.key ? "That API key was refused; enter the server's --api-key:" :
+      "This server needs an API key (its --api-key):");
+  }
+}
+function setError(mode, msg) {
+  state.errors[mode] = msg || "";
+  if (state.mode === mode) $("config-error").textContent = state.errors[mode];
+}
 const STRENGTH_RANGE = {  // [min, max, step] of each policy's strength parameter
   lam: [0, 1, 0.05], p: [0, 1, 0.05], alpha: [0, 1, 0.05], beta: [0, 5, 0.1], m: [0, 8, 1], h: [1, 8, 1],
 };
@@ -30,6 +66,7 @@ function buildGrid(L, N) {
     const row = document.createElement("div"); row.className = "layer";
     const name = document.createElement("span"); name.className = "name"; name.textContent = "layer " + l;
     const cells = document.createElement("div"); cells.className = "cells";
+    cells.style.setProperty("--cols", Math.min(N, MAX_COLS));
     const arr = [];
     for (let e = 0; e < N; e++) {
       const c = document.createElement("i"); c.className = "cell"; c.title = `layer ${l}, expert ${e}`;
@@ -79,7 +116,9 @@ function draw() {  // at most once per animation frame: the newest frame wins, n
 
 // ---- events from the server ----------------------------------------------------------------
 function connectEvents() {
-  const es = new EventSource("/v1/expertcache/events");
+  if (state.events) state.events.close();
+  const es = new EventSource("/v1/expertcache/events" + (auth.key ? "?api_key=" + encodeURIComponent(auth.key) : ""));
+  state.events = es;
   es.onopen = () => { $("conn").textContent = "live"; $("conn").className = "badge ok"; };
   es.onerror = () => { $("conn").textContent = "reconnecting…"; $("conn").className = "badge bad"; };
   es.onmessage = (ev) => {
@@ -121,6 +160,18 @@ function setStrengthControl(policy, routing, topK) {
 const STRENGTH_NAMES = { original: null, prune: "h", "max-rank": "m", cumsum: "p", "cache-prior": "lam",
   "eras-threshold": "alpha", "eras-bias": "beta" };
 
+function resetControls(v) {  // the controls show ``v`` (values the server accepted)
+  if (!v) return;
+  if ([...$("policy").options].some((o) => o.value === v.policy)) $("policy").value = v.policy;
+  setStrengthControl(v.policy, v.routing, v.top_k);
+  $("top-j").value = v.top_j; $("eviction").value = v.eviction; $("capacity").value = v.capacity;
+}
+
+function acceptedFrom(c) {
+  return { policy: c.routing.policy, routing: c.routing, top_j: c.routing.top_j, eviction: c.eviction,
+    capacity: c.capacity, top_k: c.top_k };
+}
+
 function showConfig(c) {
   state.config = c;
   $("config").textContent = JSON.stringify({ label: c.label, routing: c.routing, eviction: c.eviction,
@@ -133,6 +184,7 @@ function showConfig(c) {
   setStrengthControl(c.routing.policy, c.routing, c.top_k);
   $("top-j").value = c.routing.top_j; $("top-j").max = c.top_k;
   $("capacity").value = c.capacity; $("capacity").max = c.num_experts;
+  state.accepted = acceptedFrom(c);
 }
 
 function controlBody() {
@@ -146,23 +198,28 @@ function controlBody() {
 
 async function postConfig() {
   if (state.mode !== "live") return;
-  $("config-error").textContent = "";
-  const r = await fetch("/v1/expertcache/config", { method: "POST", headers: { "Content-Type": "application/json" },
+  setError("live", "");
+  const r = await api("/v1/expertcache/config", { method: "POST", headers: { "Content-Type": "application/json" },
     body: JSON.stringify(controlBody()) });
-  const j = await r.json();
-  if (!r.ok) { $("config-error").textContent = j.error ? j.error.message : "error " + r.status; return; }
+  const j = await r.json().catch(() => ({}));
+  if (!r.ok) {  // refused: nothing changed on the server, so the controls go back to what it uses
+    setError("live", j.error ? j.error.message : "error " + r.status);
+    resetControls(state.accepted);
+    return;
+  }
   showConfig(j);
 }
 
 // ---- the prompt ----------------------------------------------------------------------------
 async function generate() {
   if (!state.model) return;
-  $("output").textContent = ""; $("gen-status").textContent = "generating…";
+  $("output").textContent = ""; $("gen-status").textContent = "generating…"; $("client-tok-s").textContent = "–";
   $("generate").disabled = true; $("stop").disabled = false;
   document.body.dataset.generating = "1";
   const ctl = new AbortController(); state.abort = ctl;
   try {
-    const r = await fetch("/v1/completions", { method: "POST", signal: ctl.signal,
+    const t0 = performance.now(); let tFirst = null, pieces = 0;
+    const r = await api("/v1/completions", { method: "POST", signal: ctl.signal,
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ model: state.model, prompt: $("prompt").value, stream: true,
         max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value) }) });
@@ -182,8 +239,17 @@ async function generate() {
         const j = JSON.parse(data);
         if (j.error) { $("gen-status").textContent = j.error.message; continue; }
         const ch = j.choices && j.choices[0];
-        if (ch && ch.text) $("output").textContent += ch.text;
+        if (ch && ch.text) {
+          $("output").textContent += ch.text;
+          const now = performance.now();
+          if (tFirst == null) tFirst = now; else pieces++;  // tokens after the first, over the time since it
+          if (now > tFirst) $("client-tok-s").textContent = (1000 * pieces / (now - tFirst)).toFixed(1);
+        }
         if (j.expertcache) {
+          const n = j.usage.completion_tokens, now = performance.now();  // exact count at the end
+          if (tFirst != null && n > 1 && now > tFirst) $("client-tok-s").textContent = (1000 * (n - 1) / (now - tFirst)).toFixed(1);
+          document.body.dataset.clientTokS = $("client-tok-s").textContent;
+          document.body.dataset.ttftMs = tFirst == null ? "" : String(Math.round(tFirst - t0));
           const e = j.expertcache;
           $("gen-status").textContent = `${j.usage.completion_tokens} tokens · ${ch.finish_reason} · this request: ` +
             `hit rate ${pct(e.hit_rate)}, ${fmtBytes(e.bytes_read)} read · ${e.policy}+${e.eviction}, C=${e.capacity}`;
@@ -201,19 +267,30 @@ async function generate() {
 
 // ---- replay --------------------------------------------------------------------------------
 async function loadTraces() {
-  const r = await fetch("/v1/expertcache/traces"); const j = await r.json();
+  const j = await apiJSON("/v1/expertcache/traces");
   fillSelect($("trace-select"), j.traces.map((t) => t.name), null);
 }
 
 async function replayLoad() {
   replayPause();
-  $("replay-status").textContent = "simulating…"; $("config-error").textContent = "";
+  $("replay-status").textContent = "simulating…"; setError("replay", "");
   const body = Object.assign(controlBody(), { trace: $("trace-select").value,
     start: Number($("replay-start").value), steps: Number($("replay-steps").value) });
-  const r = await fetch("/v1/expertcache/replay", { method: "POST", headers: { "Content-Type": "application/json" },
+  const r = await api("/v1/expertcache/replay", { method: "POST", headers: { "Content-Type": "application/json" },
     body: JSON.stringify(body) });
-  const j = await r.json();
-  if (!r.ok) { $("replay-status").textContent = ""; $("config-error").textContent = j.error.message; return; }
+  const j = await r.json().catch(() => ({}));
+  if (!r.ok) {  // the refused value goes back to the last accepted one: the next Load works
+    $("replay-status").textContent = "";
+    setError("replay", j.error ? j.error.message : "error " + r.status);
+    const p = j.error && j.error.param;
+    if (p === "start") $("replay-start").value = state.replayAccepted ? state.replayAccepted.start : 0;
+    else if (p === "steps") $("replay-steps").value = state.replayAccepted ? state.replayAccepted.steps : 128;
+    else if (p !== "trace") resetControls(state.replayAccepted ? state.replayAccepted.controls : state.accepted);
+    return;
+  }
+  state.replayAccepted = { start: body.start, steps: body.steps, controls: { policy: body.policy,
+    routing: Object.assign({ policy: body.policy }, j.config.routing), top_j: body.top_j, eviction: body.eviction,
+    capacity: body.capacity, top_k: j.trace.top_k } };
   state.replay = j; state.replayPos = 0;
   buildGrid(j.trace.num_layers, j.trace.num_experts);
   $("replay-pos").max = j.frames.length - 1; $("replay-pos").disabled = false;
@@ -251,6 +328,7 @@ function replayPause() {
 
 function setMode(mode) {
   state.mode = mode;
+  $("config-error").textContent = state.errors[mode];
   for (const b of document.querySelectorAll(".tab")) b.classList.toggle("active", b.dataset.mode === mode);
   $("pane-live").classList.toggle("hidden", mode !== "live");
   $("pane-replay").classList.toggle("hidden", mode !== "replay");
@@ -287,8 +365,8 @@ async function init() {
   $("replay-play").onclick = () => (state.replayTimer ? replayPause() : replayPlay());
   $("replay-next").onclick = () => { replayPause(); if (state.replay) showReplayFrame(Math.min(state.replayPos + 1, state.replay.frames.length - 1)); };
   $("replay-pos").oninput = () => { replayPause(); showReplayFrame(Number($("replay-pos").value)); };
-  const [models, config] = await Promise.all([fetch("/v1/models").then((r) => r.json()),
-    fetch("/v1/expertcache/config").then((r) => r.json())]);
+  const models = await apiJSON("/v1/models");  // asks for the API key first if the server needs one
+  const config = await apiJSON("/v1/expertcache/config");
   state.model = models.data[0].id;
   $("model").textContent = `${state.model} · ${config.moe_layers} MoE layers × ${config.num_experts} experts, K=${config.top_k}`;
   showConfig(config);
