@@ -187,9 +187,9 @@ class Validator:
         from expertcache.inputs import check_text
 
         try:
-            check_text(text, param)  # invalid UTF-8 / a lone surrogate: 400 naming it, not a 500 from the tokenizer
+            check_text(text, "prompt")  # invalid UTF-8 / a lone surrogate: 400 naming it, not a 500 from the tokenizer
         except ValueError as exc:
-            raise _bad(param, str(exc).removeprefix(f"{param}: ")) from None
+            raise _bad(param, str(exc)) from None
         lim = self.max_prompt_tokens
         if self.tok is None:
             words = text.split()
