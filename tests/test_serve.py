@@ -863,7 +863,10 @@ def test_a_1mb_prompt_does_not_delay_other_streams_beyond_a_prefill_chunk(limite
     base = float(np.median(gaps))
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= marks["t0"] and a <= marks["t1"]]
     assert during, "the stream ended before the large requests arrived"
-    bound = 4 * (base + chunk_ref)
+    # 4 x (median gap + one chunk), with a 0.3 s floor for scheduling noise on a shared 2-core machine (a GIL-held
+    # JSON parse of the 1 MB body in the worker thread, other jobs): the regression this guards, work on the event
+    # loop, stalled every stream for 1.3-2 s
+    bound = max(4 * (base + chunk_ref), 0.3)
     assert max(during) <= bound, f"a gap of {max(during):.3f} s while large requests arrived (median gap " \
                                  f"{base:.3f} s, longest prefill chunk alone {chunk_ref:.3f} s)"
 
