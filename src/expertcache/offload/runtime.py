@@ -229,7 +229,8 @@ class OffloadedModel(LayerSteps):
                commit: bool = True):
         """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency.
         ``commit=False``: an observer's call (the next-layer guess), which leaves the router's running state
-        (Cache-Prior's Δavg, a budget controller) as it was (:meth:`Router.rank`)."""
+        (Cache-Prior's Δavg, a budget controller) as it was (:meth:`Router.rank`) and reads the ids only: the
+        weights returned are then the stock ones, and the next step's ids are not touched."""
         if self.routing.policy == "original":
             return w0_TK, ids0_TK
         z_cpu_TE = z_TE.detach().to("cpu")
@@ -243,6 +244,8 @@ class OffloadedModel(LayerSteps):
         if self.routing.policy == "cache-prior-cost":
             self.router.set_miss_costs(m.index, self.miss_costs(m.index))
         ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE, commit=commit), z_cpu_TE)
+        if not commit:
+            return w0_TK, ids_TK.to(ids0_TK.device)
         w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK)
         ids_dev_TK = ids_TK.to(ids0_TK.device)
         self._routed_ids = (ids_dev_TK, ids_TK)  # the step reads the host copy back (no second device -> host)
@@ -257,7 +260,7 @@ class OffloadedModel(LayerSteps):
         if self.host is not None:
             host_s, disk_s = self.host.miss_costs(self.expert_bytes)
             cost_E[self.host.resident_mask(index)] = min(1.0, host_s / disk_s)
-        cost_E[np.asarray(self.states[index].cache.resident_mask(), dtype=bool)] = 0.0
+        cost_E[self.states[index].cache.resident_array()] = 0.0
         return cost_E
 
     def _make_router_forward(self, m: MoELayer, stock):

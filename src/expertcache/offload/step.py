@@ -300,6 +300,11 @@ class LayerSteps:
             st.cache = make_cache(self.eviction, self.num_experts, self.capacity, gamma=self.gamma,
                                   expert_bytes=self.expert_bytes)
 
+    def _guess_after(self, st: LayerState, x_TD: torch.Tensor | None) -> None:
+        """The next MoE layer's guess from this step's input, once this step's reads are issued (prefetch on)."""
+        if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
+            self._guess_next(st.moe.index + 1, x_TD)
+
     def _step(self, st: LayerState, order: list[int], on_ready: Callable[[int, int], None] | None,
               x_TD: torch.Tensor | None = None) -> None:
         """Serve one cache step for the requested ids ``order`` (descending weight): bookkeeping, all misses
@@ -315,8 +320,7 @@ class LayerSteps:
             st.cache.access_step(order)
             if self.host is not None:
                 self.host.touch(st.moe.index, order)
-            if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
-                self._guess_next(st.moe.index + 1, x_TD)
+            self._guess_after(st, x_TD)
             if on_ready is not None:
                 for e in order:
                     self._ready(st, slot_of[e], on_ready, e)
@@ -364,8 +368,7 @@ class LayerSteps:
                 continue
             self._submit(st, e, slot, done)
             inflight[e] = slot
-        if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
-            self._guess_next(st.moe.index + 1, x_TD)
+        self._guess_after(st, x_TD)
         # no slot of this step is read into twice (no scratch rotation, no miss into a hit's slot): every
         # expert's slot keeps its bytes until the step ends, so on_ready may compute from it later -- when no
         # read is in flight either (serial reads are done already): else the hits are computed now, while the
