@@ -63,3 +63,19 @@ def toy_data_dir(tmp_path_factory) -> str:
     from expertcache.eval.synthetic import write_toy_data
 
     return str(write_toy_data(tmp_path_factory.mktemp("toy-data")))
+
+
+def decode_logits(rt, ids_BS, prefill: int = 1):
+    """Logits [B, S, V] of every position of ``ids_BS`` through a runtime (an ``OffloadedModel``): a prefill of
+    ``prefill`` tokens into a fresh KV cache, then the rest teacher-forced, one token per forward."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        out = rt.forward(ids_BS[:, :prefill], DynamicCache(config=rt.config))
+        logits, past = [out.logits], out.past_key_values
+        for t in range(prefill, ids_BS.shape[1]):
+            out = rt.forward(ids_BS[:, t:t + 1], past)
+            logits.append(out.logits)
+            past = out.past_key_values
+    return torch.cat(logits, dim=1)

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from device_guard import record_step
+from conftest import decode_logits
 from expertcache.models.tiny import save_tiny
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
@@ -178,15 +179,9 @@ def test_cuda_copy_path_runs_with_stand_in_streams(tiny_dir, monkeypatch, tier, 
     ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(4))
 
     def logits(rt):
-        with torch.inference_mode():
-            out = rt.forward(ids[:, :2], DynamicCache(config=rt.config))
-            got, past = [out.logits], out.past_key_values
-            for t in range(2, ids.shape[1]):
-                out = rt.forward(ids[:, t:t + 1], past)
-                got.append(out.logits)
-                past = out.past_key_values
+        got = decode_logits(rt, ids, 2)
         rt.close()
-        return torch.cat(got, 1)
+        return got
 
     want = logits(OffloadedModel.from_pretrained(path, cfg, dtype=torch.float32))
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)

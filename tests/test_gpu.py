@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 from device_guard import record_step
 from expertcache.models.tiny import save_tiny
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
 from expertcache.sim import replay
+from conftest import decode_logits as _offloaded_logits
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -42,16 +43,6 @@ def _rt(path, capacity, *, tier="host", readers=0, prefetch=0, **kw):
                         prefetch=prefetch)
     return OffloadedModel.from_pretrained(path, cfg, dtype=torch.float32, device=DEV, **kw)
 
-
-def _offloaded_logits(rt, ids_BS, prefill):
-    with torch.inference_mode():
-        out = rt.forward(ids_BS[:, :prefill], DynamicCache(config=rt.config))
-        logits, past = [out.logits], out.past_key_values
-        for t in range(prefill, ids_BS.shape[1]):
-            out = rt.forward(ids_BS[:, t:t + 1], past)
-            logits.append(out.logits)
-            past = out.past_key_values
-    return torch.cat(logits, dim=1)
 
 
 def _stock_logits(path, ids_BS):

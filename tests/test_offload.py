@@ -22,6 +22,7 @@ from expertcache.offload.quant import QuantLayout, pack_expert, unpack_expert
 from expertcache.offload.store import DiskTier, direct_io_supported
 from expertcache.offload.writer import write_safetensors
 from expertcache.routing import RoutingConfig
+from conftest import decode_logits as _offloaded_logits
 from expertcache.sim import replay
 
 ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "phimoe",
@@ -58,16 +59,6 @@ def _reference_logits(path, ids_BS):
     with torch.no_grad():
         return ref(ids_BS).logits
 
-
-def _offloaded_logits(rt: OffloadedModel, ids_BS: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Logits of every position: prefill ``prefill`` tokens, then decode the rest one per forward."""
-    out = rt.forward(ids_BS[:, :prefill])
-    logits, past = [out.logits], out.past_key_values
-    for t in range(prefill, ids_BS.shape[1]):
-        out = rt.forward(ids_BS[:, t:t + 1], past)
-        logits.append(out.logits)
-        past = out.past_key_values
-    return torch.cat(logits, dim=1)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

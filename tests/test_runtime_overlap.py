@@ -17,6 +17,7 @@ from expertcache.offload.ioqueue import IOQueue
 from expertcache.models.tiny import save_tiny
 from expertcache.routing import RoutingConfig
 from expertcache.sim import replay
+from conftest import decode_logits as _logits
 
 ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss")
 
@@ -34,15 +35,6 @@ def _rt(path, capacity, **kw):
                prefetch=kw.pop("prefetch", 0))
     return OffloadedModel.from_pretrained(path, OffloadConfig(**cfg), dtype=kw.pop("dtype", torch.float32), **kw)
 
-
-def _logits(rt, ids_BS, prefill):
-    out = rt.forward(ids_BS[:, :prefill])
-    logits, past = [out.logits], out.past_key_values
-    for t in range(prefill, ids_BS.shape[1]):
-        out = rt.forward(ids_BS[:, t:t + 1], past)
-        logits.append(out.logits)
-        past = out.past_key_values
-    return torch.cat(logits, dim=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

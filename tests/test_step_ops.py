@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from device_guard import count_moe_ops
+from conftest import decode_logits
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.offload.make_model import make_bench_model
 from expertcache.routing import RoutingConfig
@@ -77,14 +78,7 @@ def test_bf16_compute_of_an_fp32_checkpoint_reads_each_experts_own_weights(tmp_p
         rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=c, readers=0),
                                             dtype=torch.bfloat16)
         assert rt._parts[(0, 0)].dtype == torch.float32
-        with torch.inference_mode():
-            out = rt.forward(ids[:, :1], DynamicCache(config=rt.config))
-            got, past = [out.logits], out.past_key_values
-            for t in range(1, ids.shape[1]):
-                out = rt.forward(ids[:, t:t + 1], past)
-                got.append(out.logits)
-                past = out.past_key_values
-        return torch.cat(got, 1)
+        return decode_logits(rt, ids, 1)
 
     want = logits(None)
     for c in (1, 2):

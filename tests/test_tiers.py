@@ -18,6 +18,7 @@ from expertcache.models import load_model
 from expertcache.models.tiny import save_tiny
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.routing import Router, RoutingConfig
+from conftest import decode_logits as _logits
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -33,15 +34,6 @@ def _rt(path, capacity, host=None, *, readers=2, routing=None, io="cached", reco
     rt.configure(record=record)
     return rt
 
-
-def _logits(rt, ids_BS, prefill=1):
-    out = rt.forward(ids_BS[:, :prefill])
-    logits, past = [out.logits], out.past_key_values
-    for t in range(prefill, ids_BS.shape[1]):
-        out = rt.forward(ids_BS[:, t:t + 1], past)
-        logits.append(out.logits)
-        past = out.past_key_values
-    return torch.cat(logits, dim=1)
 
 
 def _ids(n=24, seed=1):
