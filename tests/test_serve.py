@@ -11,6 +11,7 @@ total router weight.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -392,15 +393,27 @@ def test_queue_full_gets_429_and_shutdown_503(tok):
         srv.stop()
 
 
-@pytest.mark.slow
-def test_sigterm_finishes_running_requests_and_says_so(tmp_path):
+@contextlib.contextmanager
+def _serve_process(argv, what="serve"):
+    """``expertcache serve *argv`` in a subprocess (one torch thread, no API key from the environment): yields
+    (the process, the API base ``http://127.0.0.1:PORT/v1`` read from its banner); killed if still running."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", "--port", "0", "--io", "cached",
-                             "--cache-experts", "8", "--threads", "1"], stderr=subprocess.PIPE, text=True, env=env)
+    env.pop("EXPERTCACHE_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", *argv], stderr=subprocess.PIPE,
+                            text=True, env=env)
     try:
         line = proc.stderr.readline()
-        assert "on http://127.0.0.1:" in line, line
-        url = re.search(r" on (http://\S+/v1)", line).group(1)  # the API base (a live-view URL may follow)
+        assert "on http://127.0.0.1:" in line, f"{what} did not start: {line}{proc.stderr.read()}"
+        yield proc, re.search(r" on (http://\S+/v1)", line).group(1)  # the API base (a live-view URL may follow)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_running_requests_and_says_so(tmp_path):
+    with _serve_process(["--port", "0", "--io", "cached", "--cache-experts", "8", "--threads", "1"]) as (proc, url):
         c = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
         stream = c.completions.create(model="granular", prompt="The kernel", max_tokens=60, temperature=0,
                                       stream=True)
@@ -412,10 +425,6 @@ def test_sigterm_finishes_running_requests_and_says_so(tmp_path):
         assert proc.wait(60) == 0
         err = proc.stderr.read()
         assert "shutting down: 1 running request(s)" in err and "1 request(s) finished, 0 cancelled" in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_failing_model_gives_every_request_a_500_body_and_health_says_failed(tok):
@@ -530,14 +539,9 @@ def test_cli_serves_a_checkpoint_path_without_tokenizer(tmp_path):
     from expertcache.models.tiny import save_tiny
 
     path = save_tiny("olmoe", tmp_path / "tiny-olmoe", seed=3)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", "--model", str(path), "--port", "0",
-                             "--io", "cached", "--cache-experts", "2", "--dtype", "float32"], stderr=subprocess.PIPE,
-                            text=True, env=env)
-    try:
-        line = proc.stderr.readline()
-        assert "on http://127.0.0.1:" in line, line
-        c = openai.OpenAI(base_url=re.search(r" on (http://\S+/v1)", line).group(1), api_key="x", max_retries=0, timeout=60)
+    argv = ["--model", str(path), "--port", "0", "--io", "cached", "--cache-experts", "2", "--dtype", "float32"]
+    with _serve_process(argv) as (proc, url):
+        c = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
         assert [m.id for m in c.models.list().data] == ["tiny-olmoe"]
         r = c.completions.create(model="tiny-olmoe", prompt=[1, 2, 3, 4], max_tokens=5, temperature=0,
                                  extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -547,10 +551,6 @@ def test_cli_serves_a_checkpoint_path_without_tokenizer(tmp_path):
             c.completions.create(model="tiny-olmoe", prompt="hello", max_tokens=2)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_non_streaming_client_that_gives_up_is_cancelled(server):
@@ -605,24 +605,14 @@ def test_documented_serve_commands_start(where, command):
         argv[argv.index("--port") + 1] = "0"
     else:
         argv += ["--port", "0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    env.pop("EXPERTCACHE_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", *argv, "--threads", "1"],
-                            stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = proc.stderr.readline()
-        assert "on http://127.0.0.1:" in line, f"{where}: `{command}` did not start: {line}{proc.stderr.read()}"
-        url = re.search(r" on (http://\S+)/v1", line).group(1)
+    with _serve_process([*argv, "--threads", "1"], what=f"{where}: `{command}`") as (proc, api):
+        url = api.removesuffix("/v1")
         assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"model": "granular", "prompt": "The kernel", "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_memory_budget_too_small_for_the_batch_says_what_fits(capsys):
