@@ -819,3 +819,23 @@ def test_stdout_closed_early_or_full_is_one_line(env, how):
     assert code == 2 and "Traceback" not in err and "Exception ignored" not in err, err
     lines = [line for line in err.splitlines() if "error:" in line]
     assert len(lines) == 1 and "error: stdout:" in lines[0], err
+
+
+@pytest.mark.parametrize("argv,culprit", [
+    (["serve", "--max-request-bytes", "0"], "--max-request-bytes"),
+    (["serve", "--max-prompt-tokens", "-1"], "--max-prompt-tokens"),
+    (["serve", "--max-prompt-tokens", "100000"], "--max-prompt-tokens 100000"),
+    (["serve", "--api-key", ""], "--api-key"),
+    (["serve", "--device", "cuda:7"], "--device"),
+    (["generate", "--device", "bogus", "hi"], "--device"),
+    (["bench", "--device", "cuda", "--tokens", "2"], "--device"),
+    (["melinoe", "finetune", "--preset", "bogus", "--out", "x"], "--preset"),
+])
+def test_flags_added_this_round_name_a_bad_value(argv, culprit, capsys):
+    """The serve limits and key, --device and MELINOE's --preset: one line naming the flag, exit 2, before a model
+    loads (a CUDA device is refused on a machine without one; tests/test_gpu.py covers the others)."""
+    import torch
+
+    if "cuda" in " ".join(argv) and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the device may exist")
+    _check(argv, culprit, capsys)
