@@ -429,6 +429,10 @@ def _chromium():
 
 @pytest.fixture(scope="module")
 def browser():
+    yield from _browser()
+
+
+def _browser(*extra: str):
     binary, driver_path = _chromium(), shutil.which("chromedriver")
     missing = [n for n, p in (("chromium", binary), ("chromedriver", driver_path)) if p is None]
     try:
@@ -445,7 +449,7 @@ def browser():
     opts = webdriver.ChromeOptions()
     opts.binary_location = binary
     for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1440,900",
-              "--no-first-run", "--disable-extensions", "--disable-background-networking"):
+              "--no-first-run", "--disable-extensions", "--disable-background-networking", *extra):
         opts.add_argument(a)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     drv = webdriver.Chrome(options=opts, service=Service(driver_path))
@@ -778,3 +782,48 @@ def _refused(server) -> float:
     text = httpx.get(server.url + "/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("expertcache_requests_total") and 'status="403"' in line)
+
+
+# ---------------------------------------------------------------------------------------------
+# DNS rebinding (issue 24): Chromium resolves rebind.test to 127.0.0.1, as an attacker's DNS would
+
+
+@pytest.fixture(scope="module")
+def rebinding_browser():
+    yield from _browser("--host-resolver-rules=MAP rebind.test 127.0.0.1")
+
+
+REBIND_PAGE_JS = """
+const done = arguments[arguments.length - 1];
+fetch('/v1/expertcache/config', {method: 'POST', headers: {'Content-Type': 'application/json'},
+                                body: JSON.stringify({policy: 'original'})})
+  .then(r => r.text().then(t => done(JSON.stringify({status: r.status, body: t}))))
+  .catch(e => done(JSON.stringify({status: 'failed', body: String(e)})));
+"""
+
+
+@pytest.mark.browser
+def test_browser_dns_rebinding_reaches_nothing_on_a_loopback_server(rebinding_browser, server):
+    """A page loaded as http://rebind.test:PORT/ is same-origin with the server it was re-pointed at: the
+    Origin check alone lets its script POST. The loopback Host list (what `expertcache serve` sets) refuses
+    the page and the script; the unlisted test server shows the name really reaches 127.0.0.1."""
+    from expertcache.cli.serve import allowed_hosts
+
+    drv = rebinding_browser
+    tok = load_tokenizer(resolve_model_path("granular"))
+    rt = OffloadedModel.from_pretrained("granular", OffloadConfig(io="cached", capacity=C))
+    engine = Engine(rt, tok, max_batch=2, max_queue=4).start()
+    guarded = ServerThread(create_app(engine, "granular", tokenizer=tok,
+                                      allowed_hosts=allowed_hosts("127.0.0.1", []))).start()
+    try:
+        before = httpx.get(guarded.url + "/v1/expertcache/config").json()
+        drv.get(f"http://rebind.test:{guarded.port}/")
+        assert "host_not_allowed" in drv.page_source
+        out = json.loads(drv.execute_async_script(REBIND_PAGE_JS))
+        assert out["status"] == 403 and "host_not_allowed" in out["body"], out
+        assert httpx.get(guarded.url + "/v1/expertcache/config").json() == before
+    finally:
+        guarded.stop()
+        engine.shutdown(0)
+    drv.get(f"http://rebind.test:{server.port}/")  # the control: no list, the rebound name gets the page
+    _poll(lambda: drv.execute_script("return document.body.dataset.ready") == "1", "the unguarded page")

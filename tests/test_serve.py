@@ -719,6 +719,72 @@ def test_origin_check_compares_with_the_host_the_server_is_addressed_as():
     assert not origin_allowed("http://127.0.0.1:8000", None)
 
 
+def test_host_allow_list_names():
+    from expertcache.cli.serve import allowed_hosts
+    from expertcache.serve.app import host_allowed
+
+    loop = allowed_hosts("127.0.0.1", [])
+    for ok in ("127.0.0.1:8000", "localhost:8000", "LOCALHOST", "[::1]:8000", "::1", "127.0.0.2:1", "a.localhost:80",
+               "localhost.:8000"):
+        assert host_allowed(ok, loop), ok
+    for bad in ("evil.example:8000", "127.0.0.1.evil.example", "localhost.evil.example:8000", "[::2]:8000", "", None,
+                "10.0.0.1:8000", "0.0.0.0:8000"):
+        assert not host_allowed(bad, loop), bad
+    assert host_allowed("box.lan:8000", allowed_hosts("127.0.0.1", ["box.lan"]))
+    assert host_allowed("anything:1", allowed_hosts("127.0.0.1", ["*"]))
+    assert allowed_hosts("0.0.0.0", []) is None  # exposed on purpose: any name (docs: use a key)
+    assert host_allowed("box.lan:8000", None)
+    assert not host_allowed("other.lan", allowed_hosts("0.0.0.0", ["box.lan"]))
+
+
+def test_dns_rebinding_is_refused_on_every_route_of_a_loopback_server(tok):
+    """DNS rebinding: a page of evil.example, its name re-pointed at 127.0.0.1, sends Host and Origin
+    evil.example:PORT -- same-origin for the browser and for the Origin check. The loopback server's Host
+    list refuses it on every route; the same request to a server without the list goes through."""
+    from expertcache.cli.serve import allowed_hosts
+
+    engine = Engine(_runtime(), tok, max_batch=2, max_queue=4).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok,
+                                  allowed_hosts=allowed_hosts("127.0.0.1", []))).start()
+    try:
+        host = f"evil.example:{srv.port}"
+        rebound = {"Host": host, "Origin": f"http://{host}", "Content-Type": "application/json"}
+        before = httpx.get(srv.url + "/v1/expertcache/config").json()
+        for method, path in [("GET", "/"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                             ("GET", "/v1/expertcache/config"), ("POST", "/v1/expertcache/config"),
+                             ("POST", "/v1/completions"), ("GET", "/v1/expertcache/events")]:
+            r = httpx.request(method, srv.url + path, headers=rebound, timeout=30,
+                              content=json.dumps({"policy": "original"}) if method == "POST" else None)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", (method, path, r.text)
+            assert "evil.example" in r.json()["error"]["message"]
+        assert httpx.get(srv.url + "/v1/expertcache/config").json() == before
+        ok = httpx.post(srv.url + "/v1/completions", timeout=60, headers={"Host": f"localhost:{srv.port}"},
+                        json={"model": "granular", "prompt": "The kernel", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+    finally:
+        srv.stop()
+        engine.shutdown(0)
+    # the control: without the list (a server exposed on purpose), the rebound request is served
+    engine = Engine(_runtime(), tok, max_batch=2, max_queue=4).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok)).start()
+    try:
+        host = f"evil.example:{srv.port}"
+        r = httpx.post(srv.url + "/v1/expertcache/config", content=json.dumps({"policy": "original"}),
+                       headers={"Host": host, "Origin": f"http://{host}", "Content-Type": "application/json"})
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+        engine.shutdown(0)
+
+
+def test_allowed_host_flag_is_checked_before_the_load(capsys):
+    from expertcache.cli.main import main
+
+    for bad in ("http://box.lan", "a b", "", "box.lan/x"):
+        assert main(["serve", "--port", "0", "--allowed-host", bad]) == 2
+        assert "--allowed-host" in capsys.readouterr().err
+
+
 def test_api_key_from_the_environment_and_a_warning_for_a_public_bind_without_one(capsys, monkeypatch):
     from expertcache.cli.main import main
     from expertcache.cli.serve import is_loopback

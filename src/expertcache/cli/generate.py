@@ -50,9 +50,10 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--io", choices=IO_MODES, default=default_io,
                    help=f"disk reads: direct (O_DIRECT), fadvise (drop page cache first), cached (default: {default_io})")
     d = OffloadConfig()
-    g.add_argument("--readers", type=nonneg_int, default=d.readers,
+    g.add_argument("--readers", type=nonneg_int, default=None,
                    help=f"reader threads issuing expert reads in parallel with compute (0 = serial reads on the "
-                        f"compute thread; default: {d.readers})")
+                        f"compute thread; default: 0 with --tier host on a CPU, where a read is a memory copy shorter "
+                        f"than a thread hand-off, else {d.PARALLEL_READERS})")
     g.add_argument("--prefetch", type=int, nargs="?", const=-1, default=d.prefetch, metavar="P",
                    help="next-layer speculative prefetch into P spare slots shared by all layers (counted in the "
                         "memory plan; --prefetch alone: P = 2K); default: off")

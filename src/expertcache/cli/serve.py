@@ -52,6 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-prompt-tokens", type=positive_int, default=None, metavar="N",
                    help="longer prompts get 400 (default and upper bound: the model's context - 1); a text "
                         "that cannot fit is refused before it is tokenised")
+    s.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a Host name clients may address this server as, besides localhost, 127.0.0.1 and ::1 "
+                        "(repeatable; '*' = any). On loopback every other Host is refused (403), which stops DNS "
+                        "rebinding; on another --host the check applies only when this is given")
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_offload_args(p)
     add_routing_args(p)
@@ -83,13 +87,16 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key)):
         raise UsageError("--api-key must be a non-empty string without spaces")
+    for name in args.allowed_host:
+        if name != "*" and (not name.strip() or any(c.isspace() or c in "/@?#" for c in name)):
+            raise UsageError(f"--allowed-host {name!r}: give a host name or address (no scheme, path or spaces)")
     from transformers import AutoConfig
 
     from expertcache.offload import BudgetError, OffloadedModel
     from expertcache.offload.runtime import resolve_model_path
     from expertcache.serve.app import create_app
     from expertcache.serve.engine import Engine
-    from expertcache.serve.server import bind, serve_forever, tune_malloc
+    from expertcache.serve.server import bind, serve_forever, start_malloc_trimmer, tune_malloc
 
     path = resolve_model_path(args.model)
     try:  # the port before the long load: a taken port fails in a second
@@ -101,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
               f"this port can use and reconfigure the server (set --api-key or ${API_KEY_ENV})", file=sys.stderr,
               flush=True)
     tune_malloc()
+    start_malloc_trimmer()
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     context = int(getattr(config, "max_position_embeddings", 2048))
     if args.max_prompt_tokens is not None and args.max_prompt_tokens >= context:
@@ -123,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
                     prefill_chunk=args.prefill_chunk).start()
     app = create_app(engine, name, tokenizer=tok, aliases=(str(args.model),) if str(args.model) != name else (),
                      trace_dirs=tuple(args.trace_dir), api_key=api_key, max_request_bytes=args.max_request_bytes,
+                     allowed_hosts=allowed_hosts(args.host, args.allowed_host),
                      max_prompt_tokens=args.max_prompt_tokens)
     host, port = sock.getsockname()[:2]
     print(f"expertcache serve: {name} [{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, "
@@ -135,6 +144,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"expertcache serve: stopped: {summary['finished']} request(s) finished, {summary['cancelled']} "
               f"cancelled", file=sys.stderr, flush=True)
     return 0
+
+
+def allowed_hosts(host: str, extra: list[str]) -> tuple[str, ...] | None:
+    """The Host names the server answers to: on loopback, localhost / 127.0.0.1 / ::1 plus ``extra``
+    (--allowed-host); elsewhere None (any) unless ``extra`` names some."""
+    from expertcache.serve.app import LOOPBACK_HOSTS
+
+    if is_loopback(host) or extra:
+        return (*LOOPBACK_HOSTS, host.strip("[]"), *extra)
+    return None
 
 
 def is_loopback(host: str) -> bool:

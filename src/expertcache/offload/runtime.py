@@ -90,6 +90,8 @@ class OffloadedModel(LayerSteps):
         self.num_experts = layers[0].num_experts
         self.top_k = layers[0].top_k
         self.renormalize = bool(family.renormalize(layers[0].router))
+        if offload.readers is None:  # recorded resolved: rows and descriptions name the threads that ran
+            offload = self.offload = dataclasses.replace(offload, readers=offload.default_readers(device))
         if offload.prefetch < 0 or offload.readers < 0:
             raise ValueError(f"prefetch and readers must be >= 0, got {offload.prefetch}, {offload.readers}")
         if offload.quant:

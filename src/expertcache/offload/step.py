@@ -219,7 +219,7 @@ class LayerSteps:
         if one:
             final_TD = self._serve_one(st, x_TD, ids_TK, w_TK, order)
         else:
-            final_TD = self._serve_many(st, x_TD, ids_TK, w_TK, order)
+            final_TD = self._serve_many(st, x_TD, ids_TK, w_TK, order, ids_cpu_TK)
         st.io_wait += self.io_wait_seconds - wait0
         self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
         return final_TD
@@ -273,15 +273,25 @@ class LayerSteps:
         return final_D[None]
 
     def _serve_many(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
-                    order: list[int]) -> torch.Tensor:
+                    order: list[int], ids_cpu_TK: torch.Tensor) -> torch.Tensor:
         """T > 1 tokens: each expert's rows gathered and computed as its slot is ready; combined in ascending
-        expert id (transformers' order)."""
+        expert id (transformers' order). The (slot k, token) pairs of every expert come from one stable sort
+        of the ids, slot-major -- for each expert the pairs ``torch.where((ids_TK == e).T)`` gives, in its
+        order -- so a step costs the expert MLPs plus a gather and a scale per expert."""
+        t_count = ids_TK.shape[0]
+        flat_cpu = ids_cpu_TK.T.reshape(-1)  # position p = k * T + t: by slot k, then token
+        pos = torch.argsort(flat_cpu, stable=True)
+        ends = torch.bincount(flat_cpu + 1, minlength=self.num_experts + 1).cumsum(0).tolist()  # -1 sorts first
+        pos = pos.to(ids_TK.device)
+        tok_all = pos % t_count
+        w_all = w_TK.T.reshape(-1)[pos]
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def compute(e: int, slot: int) -> None:
-            k_pos, tok = torch.where((ids_TK == e).T)  # transformers' order: by slot k, then token
+            a, b = ends[e], ends[e + 1]
+            tok = tok_all[a:b]
             h = st.mlp(x_TD[tok], self._weights(st, e, slot))
-            out[e] = (tok, h * w_TK[tok, k_pos, None])
+            out[e] = (tok, h * w_all[a:b, None])
 
         self._run_step(st, order, compute, x_TD)
         final_TD = torch.zeros_like(x_TD)

@@ -15,8 +15,10 @@ Guards (:class:`Guard`, before any route runs): ``api_key`` requires ``Authoriza
 ``/v1/*`` route (constant-time compare; the live view's event stream may pass it as ``?api_key=``); every POST
 must be ``Content-Type: application/json`` (415) and, when a browser sends ``Origin``, come from the origin
 the server is addressed as (``Host``; 403), so a page of another site can neither steer nor use the server;
-bodies over ``max_request_bytes`` get 413 before they are read. Prompts longer than ``max_prompt_tokens`` get
-400, a text that cannot fit before it is tokenised; parsing and tokenising run in a worker thread, never on
+with ``allowed_hosts`` (what ``expertcache serve`` sets when it listens on loopback) every request's ``Host`` must
+name one of them (403), so a site whose DNS name is re-pointed at 127.0.0.1 (DNS rebinding: its pages then
+count as same-origin) reaches nothing; bodies over ``max_request_bytes`` get 413 before they are read.
+Prompts longer than ``max_prompt_tokens`` get 400, a text that cannot fit before it is tokenised; parsing and tokenising run in a worker thread, never on
 the event loop.
 """
 
@@ -32,7 +34,7 @@ from urllib.parse import parse_qs, urlsplit
 from expertcache.serve.engine import Engine, QueueFull, Request, SamplingParams, ShuttingDown
 
 __all__ = ["create_app", "ServeError", "SHIPPED_CHAT_TEMPLATE", "render_chat", "Guard", "SUPPORTED_FIELDS",
-           "DEFAULT_MAX_REQUEST_BYTES"]
+           "DEFAULT_MAX_REQUEST_BYTES", "LOOPBACK_HOSTS", "host_allowed"]
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
@@ -397,12 +399,45 @@ def origin_allowed(origin: str | None, host: str | None, scheme: str = "http") -
     return bool(parts.netloc) and _host_of(parts.netloc, parts.scheme) == _host_of(host, scheme)
 
 
+#: the names a loopback server answers to by default: a browser resolves them to this machine itself
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def host_allowed(host: str | None, allowed: tuple[str, ...] | None) -> bool:
+    """Whether the ``Host`` header ``host`` (``name[:port]``, ``[v6][:port]``) names one of ``allowed``
+    (None or ``"*"`` among them: any). ``localhost`` admits ``*.localhost`` too (RFC 6761: browsers resolve it
+    to loopback themselves) and ``127.0.0.1`` the whole 127.0.0.0/8; a missing Host is refused."""
+    if allowed is None or "*" in allowed:
+        return True
+    if not host:
+        return False
+    h = host.strip().lower()
+    if h.startswith("["):
+        name = h[1:h.find("]")] if "]" in h else h[1:]
+    else:
+        name = h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+    name = name.rstrip(".")
+    names = {a.lower().strip("[]") for a in allowed}
+    if name in names or ("localhost" in names and name.endswith(".localhost")):
+        return True
+    if "127.0.0.1" in names:
+        import ipaddress
+
+        try:
+            return ipaddress.ip_address(name) in ipaddress.ip_network("127.0.0.0/8")
+        except ValueError:
+            return False
+    return False
+
+
 class Guard:
     """ASGI middleware run before any route: see the module docstring. Refusals are OpenAI error bodies."""
 
     def __init__(self, app, *, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 query_key_paths: tuple[str, ...] = (), on_refused=None) -> None:
+                 query_key_paths: tuple[str, ...] = (), on_refused=None,
+                 allowed_hosts: tuple[str, ...] | None = None) -> None:
         self.app, self.max_request_bytes = app, max_request_bytes
+        self.allowed_hosts = None if allowed_hosts is None else tuple(allowed_hosts)
         self.api_key = None if api_key is None else api_key.encode()
         self.query_key_paths = set(query_key_paths)
         self.on_refused = on_refused
@@ -423,7 +458,12 @@ class Guard:
             headers.setdefault(k.lower(), v)
         path = scope["path"]
         e = None
-        if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")) and scope["method"] != "OPTIONS" \
+        host = headers.get(b"host", b"").decode("latin-1")
+        if not host_allowed(host, self.allowed_hosts):
+            e = ServeError(403, f"Host {host[:80]!r} is not a name this server answers to (it listens on loopback: "
+                                "use localhost or 127.0.0.1, or start it with --allowed-host NAME)",
+                           code="host_not_allowed")
+        elif self.api_key is not None and (path == "/v1" or path.startswith("/v1/")) and scope["method"] != "OPTIONS" \
                 and not self._key_ok(scope, headers):
             e = ServeError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' (the server's --api-key)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -470,11 +510,11 @@ async def read_body(request, limit: int) -> bytes:
 def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[str, ...] = (),
                metrics: Metrics | None = None, liveview: bool = True, trace_dirs: tuple = (),
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               max_prompt_tokens: int | None = None):
+               max_prompt_tokens: int | None = None, allowed_hosts: tuple[str, ...] | None = None):
     """FastAPI app serving ``engine`` under the model name ``model_id`` (``aliases`` are accepted too).
     ``liveview`` adds the page at ``/`` and its routes (:mod:`expertcache.serve.liveview`; ``trace_dirs``: more
-    routing traces the replay may open). ``api_key``, ``max_request_bytes``, ``max_prompt_tokens``: the guards
-    and limits of the module docstring.
+    routing traces the replay may open). ``api_key``, ``max_request_bytes``, ``max_prompt_tokens``,
+    ``allowed_hosts`` (None: any Host): the guards and limits of the module docstring.
     ``app.state.shutting_down`` (set by :func:`begin_shutdown`) makes new requests 503."""
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
@@ -491,7 +531,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
     app.state.shutting_down = False
     app.state.api_key_required = api_key is not None
     app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes,
-                       query_key_paths=("/v1/expertcache/events",),
+                       query_key_paths=("/v1/expertcache/events",), allowed_hosts=allowed_hosts,
                        on_refused=lambda route, status: metrics.requests.labels(route_label(route), str(status)).inc())
     created = int(time.time())
 

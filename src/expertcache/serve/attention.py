@@ -14,7 +14,7 @@ query/key/value columns with no mask, as that prompt's lone prefill does, so the
 loads of one MoE step per layer while each computes what it would alone.
 
 So for a *batched decode step* (B > 1 rows, one query token each, a padding mask) this attention function
-slices each row's real key/value columns (``[1, H, L_b, d]``, contiguous, as a lone row's cache is) and calls
+slices each row's real key/value columns (``[1, H, L_b, d]``: the last L_b, a view) and calls
 the model's own attention function (sdpa or eager) on that row with no mask, as the lone decode does. Every
 other call (prefill, batch 1, no mask) goes straight to the model's own function. B small calls per layer cost
 little next to the expert reads; the rest of the step (projections, router, experts, lm_head) stays batched.
@@ -62,13 +62,14 @@ def _make(base_name: str):
             return torch.cat(outs, dim=1), None
         if attention_mask is None or B == 1 or q != 1:
             return base(module, query_BHqd, key_BHLd, value_BHLd, attention_mask, **kwargs)
+        m_BL = attention_mask[:, 0, -1]  # sdpa masks are bool (True = attend); additive ones are 0 where kept
+        keep_BL = m_BL if m_BL.dtype == torch.bool else m_BL == 0
+        # left padding (serve/kv.py): a row's real columns are its last L_b; one host transfer for all rows
+        starts = (keep_BL.shape[1] - keep_BL.sum(dim=1)).tolist()
         outs = []
-        for b in range(B):
-            m_L = attention_mask[b, 0, -1]  # sdpa masks are bool (True = attend); additive ones are 0 where kept
-            keep_L = m_L if m_L.dtype == torch.bool else m_L == 0
-            cols_L = torch.nonzero(keep_L).flatten()
-            out_1qHd, _ = base(module, query_BHqd[b:b + 1], key_BHLd[b:b + 1, :, cols_L],
-                               value_BHLd[b:b + 1, :, cols_L], None, **kwargs)
+        for b, a in enumerate(starts):
+            out_1qHd, _ = base(module, query_BHqd[b:b + 1], key_BHLd[b:b + 1, :, a:], value_BHLd[b:b + 1, :, a:],
+                               None, **kwargs)
             outs.append(out_1qHd)
         return torch.cat(outs, dim=0), None
 
