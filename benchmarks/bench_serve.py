@@ -140,8 +140,13 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def thread_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
 def soak(proc, url: str, model: str, prompts: list, a, base: dict) -> dict:
-    """``a.clients`` closed-loop clients for ``a.soak`` seconds; RSS sampled every ``a.sample`` seconds."""
+    """``a.clients`` closed-loop clients for ``a.soak`` seconds; RSS sampled every ``a.sample`` seconds.
+    Samples: (seconds, RSS KiB, tokens served so far, the server's threads)."""
     stop = threading.Event()
     counts = {"requests": 0, "tokens": 0, "errors": 0}
     lock = threading.Lock()
@@ -169,7 +174,7 @@ def soak(proc, url: str, model: str, prompts: list, a, base: dict) -> dict:
         t.start()
     samples = []
     while (now := time.perf_counter() - t0) < a.soak:
-        samples.append((round(now, 1), rss_kib(proc.pid), counts["tokens"]))
+        samples.append((round(now, 1), rss_kib(proc.pid), counts["tokens"], thread_count(proc.pid)))
         time.sleep(a.sample)
     stop.set()
     for t in threads:
@@ -182,10 +187,11 @@ def soak(proc, url: str, model: str, prompts: list, a, base: dict) -> dict:
     slope = float(np.polyfit([s[0] / 60 for s in after], [s[1] / 1024 for s in after], 1)[0]) if len(after) > 2 else None
     row = dict(base, kind="serve-soak", clients=a.clients, soak_s=a.soak, warmup_s=a.warmup, **counts,
                rss_warm_mib=rss_warm, rss_end_mib=rss_end, growth_pct=100 * (rss_end - rss_warm) / rss_warm,
-               slope_mib_per_min=slope, samples=samples)
+               slope_mib_per_min=slope, threads_warm=warm[-1][3], threads_end=last[-1][3], samples=samples)
     print(f"soak {a.soak:g} s, {a.clients} clients: {counts['requests']} requests, {counts['tokens']} tokens, "
           f"{counts['errors']} errors; RSS after {a.warmup:g} s warm-up {rss_warm:.1f} MiB, at the end {rss_end:.1f} "
-          f"MiB: {row['growth_pct']:+.2f} % (slope {slope if slope is None else round(slope, 3)} MiB/min)")
+          f"MiB: {row['growth_pct']:+.2f} % (slope {slope if slope is None else round(slope, 3)} MiB/min); server threads "
+          f"{row['threads_warm']} -> {row['threads_end']}")
     return row
 
 

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.offload.runtime import resolve_model_path
     from expertcache.serve.app import create_app
     from expertcache.serve.engine import Engine
-    from expertcache.serve.server import bind, serve_forever, start_malloc_trimmer, tune_malloc
+    from expertcache.serve.server import bind, serve_forever, tune_malloc
 
     path = resolve_model_path(args.model)
     try:  # the port before the long load: a taken port fails in a second
@@ -108,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
               f"this port can use and reconfigure the server (set --api-key or ${API_KEY_ENV})", file=sys.stderr,
               flush=True)
     tune_malloc()
-    start_malloc_trimmer()
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     context = int(getattr(config, "max_position_embeddings", 2048))
     if args.max_prompt_tokens is not None and args.max_prompt_tokens >= context:

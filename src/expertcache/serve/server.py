@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-__all__ = ["serve_forever", "ServerThread", "bind", "tune_malloc", "start_malloc_trimmer"]
+__all__ = ["serve_forever", "ServerThread", "bind", "tune_malloc"]
 
 
 def tune_malloc(threshold: int = 1 << 16) -> bool:
@@ -29,34 +29,6 @@ def tune_malloc(threshold: int = 1 << 16) -> bool:
         return bool(libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD = -3
     except (OSError, AttributeError):
         return False
-
-
-def start_malloc_trimmer(period_s: float = 20.0) -> bool:
-    """glibc only: a daemon thread that calls ``malloc_trim(0)`` every ``period_s`` seconds, handing the free
-    pages inside the heaps back to the OS. A server's threads (the engine, the event loop, the tokenising
-    workers, the readers) each allocate from their own glibc arena; freed blocks there are reused only by that
-    arena, so under a steady load RSS creeps in steps as arenas fragment (a 16-client soak: +1.99 % over 8
-    minutes, flat with ``MALLOC_ARENA_MAX=2``, which must be set before the process starts). Trimming returns
-    those pages whatever the arena count; one call takes about a millisecond and blocks no request (each
-    arena is locked only while it is trimmed). True if started."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name or sys.platform != "linux":
-        return False
-    try:
-        trim = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return False
-
-    def loop() -> None:
-        while True:
-            time.sleep(period_s)
-            trim(0)
-
-    threading.Thread(target=loop, name="expertcache-malloc-trim", daemon=True).start()
-    return True
 
 
 def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
