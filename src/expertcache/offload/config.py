@@ -18,8 +18,9 @@ class OffloadConfig:
     :func:`~expertcache.offload.quant.default_group`). context, batch: the KV cache the budget reserves.
     readers: reader threads of the I/O queue (0 = every read on the compute thread, serial; None =
     :meth:`default_readers`). prefetch: spare slots shared by all layers for next-layer speculative prefetch
-    (0 = off; they are part of the memory plan). host_memory: with ``tier='disk'``, the budget (bytes or '64MiB') of a host-RAM cache of expert bytes between the fast slots
-    and the disk (:mod:`~expertcache.offload.tiers`; None or 0 = none, every miss reads the disk).
+    (0 = off; they are part of the memory plan). host_memory: with ``tier='disk'``, the budget (bytes or
+    '64MiB') of a host-RAM cache of expert bytes between the fast slots and the disk
+    (:mod:`~expertcache.offload.tiers`; None or 0 = none, every miss reads the disk).
     """
 
     tier: str = "disk"
