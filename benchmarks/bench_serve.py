@@ -207,6 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--io", default="direct", choices=("direct", "fadvise", "cached"))
     ap.add_argument("--tier", default="disk", choices=("disk", "host"), help="where the experts live (default disk)")
     ap.add_argument("--prefill-chunk", type=int, default=128, help="the server's --prefill-chunk (default 128)")
+    ap.add_argument("--prefill-delay", type=float, nargs="+", default=None, metavar="F",
+                    help="the server's --prefill-delay (default: the server's); several values are compared as "
+                         "separate policies (e.g. cache-prior@2), interleaved")
     ap.add_argument("--rss-tokens", type=int, default=0,
                     help="instead of the levels: serve this many tokens at 16 clients and sample the server's RSS")
     ap.add_argument("--soak", type=float, default=0, metavar="S",
@@ -271,18 +274,22 @@ def main(argv=None) -> int:
             print(stop_server(proc)[-300:], file=sys.stderr)
     else:
         per: dict[tuple[str, int], list[dict]] = {}
+        variants = [(p, p, None) for p in a.policies] if a.prefill_delay is None else \
+            [(f"{p}@{d:g}", p, d) for p in a.policies for d in a.prefill_delay]
         for rep in range(a.repeats):
-            for policy in a.policies:
-                proc, url, banner = start_server(a.model, policy, capacity, a.max_batch, a.io, extra)
+            for label, policy, delay in variants:
+                more = [] if delay is None else ["--prefill-delay", str(delay)]
+                proc, url, banner = start_server(a.model, policy, capacity, a.max_batch, a.io, extra + more)
                 print(banner, file=sys.stderr)
                 try:
                     run_level(url, name, prompts, 2, 1, min(8, a.tokens))  # warm-up (compiles, first reads)
                     for c in a.concurrency:
                         lv = run_level(url, name, prompts, c, a.rounds, a.tokens)
-                        lv.update(base, kind="serve", policy=policy, repeat=rep)
-                        per.setdefault((policy, c), []).append(lv)
+                        lv.update(base, kind="serve", policy=policy, repeat=rep, prefill_delay=delay,
+                                  rounds=a.rounds, max_batch=a.max_batch)
+                        per.setdefault((label, c), []).append(lv)
                         rows.append(lv)
-                        print(f"  {policy:12s} c={c:3d}: {lv['agg_tok_s']:7.2f} tok/s, TTFT p50 {lv['ttft_p50']:.3f} "
+                        print(f"  {label:12s} c={c:3d}: {lv['agg_tok_s']:7.2f} tok/s, TTFT p50 {lv['ttft_p50']:.3f} "
                               f"p95 {lv['ttft_p95']:.3f} s, ITL p50 {lv['itl_p50']:.3f} p95 {lv['itl_p95']:.3f} s, "
                               f"hit {lv['hit_rate']:.3f}, batch {lv['mean_batch']:.1f}", file=sys.stderr)
                 finally:
@@ -292,7 +299,7 @@ def main(argv=None) -> int:
         print("| policy | clients | aggregate tok/s | × 1 client | TTFT p50 / p95 (s) | ITL p50 / p95 (s) | hit rate | "
               "mean batch |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        for policy in a.policies:
+        for policy, _, _ in variants:
             one = None
             for c in a.concurrency:
                 m = {k: float(np.median([r[k] for r in per[(policy, c)]])) for k in

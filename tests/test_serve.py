@@ -507,6 +507,51 @@ def test_prefill_budget_bounds_the_stall_and_short_prompts_are_one_forward(tok):
     assert done[2]["completion_tokens"] == 6 and done[2]["prompt_tokens"] == 20
 
 
+def _submit(engine, ids, max_tokens, done, events, key):
+    events[key] = threading.Event()
+
+    def cb(kind, payload):
+        if kind in ("done", "error"):
+            done[key] = payload
+            events[key].set()
+    engine.submit(Request(ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), cb))
+
+
+def test_prefill_delay_packs_prompts_that_arrive_one_by_one_while_rows_decode(tok):
+    ids = [tok(t).input_ids for t in PROMPTS[:4]]
+    engine = Engine(_runtime(), tok, max_batch=4, prefill_delay=1e6).start()  # held until the batch is full
+    done, events = {}, {}
+    try:
+        _submit(engine, ids[0], 60, done, events, 0)
+        _wait(lambda: engine.batch_size() == 1, what="the first row decoding")
+        p0, n0 = engine.totals["packed_prefills"], engine.totals["packed_prompts"]
+        for i in (1, 2, 3):  # one by one, decode steps apart
+            _submit(engine, ids[i], 8, done, events, i)
+            time.sleep(0.05)
+        for e in events.values():
+            assert e.wait(60)
+    finally:
+        engine.shutdown(0)
+    assert (engine.totals["packed_prefills"] - p0, engine.totals["packed_prompts"] - n0) == (1, 3)
+    for i in (1, 2, 3):  # each what it generates alone
+        assert done[i]["token_ids"] == _runtime().generate(torch.tensor([ids[i]]), 8)["tokens"][0].tolist()
+
+
+def test_a_held_prompt_starts_once_it_waited_its_delay(tok):
+    ids = [tok(t).input_ids for t in PROMPTS[:2]]
+    engine = Engine(_runtime(), tok, max_batch=4, prefill_delay=2.0).start()
+    done, events = {}, {}
+    try:
+        _submit(engine, ids[0], 200, done, events, 0)
+        _wait(lambda: engine.batch_size() == 1, what="the first row decoding")
+        _submit(engine, ids[1], 4, done, events, 1)
+        assert events[1].wait(60)
+        assert not events[0].is_set()  # not starved until the running row finished: served beside it
+    finally:
+        engine.shutdown(0)
+    assert done[1]["completion_tokens"] == 4
+
+
 def test_packed_prefill_of_several_prompts_gives_each_its_lone_tokens(tok):
     rt = _runtime()
     engine = Engine(rt, tok, max_batch=8, prefill_chunk=128)  # submitted before start: admitted together

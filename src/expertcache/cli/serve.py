@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--prefill-chunk", type=positive_int, default=128,
                    help="prompt tokens prefilled between two decode steps at most: the stall a new request puts "
                         "on running rows (default: 128)")
+    s.add_argument("--prefill-delay", type=nonneg_float, default=0.0, metavar="F",
+                   help="while rows decode, hold a new prompt until it waited F × the last prefill's time, so "
+                        "prompts arriving one by one share one packed prefill (as vLLM's scheduler delay factor; "
+                        "default: 0, prefill at once)")
     s.add_argument("--shutdown-grace", type=nonneg_float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM before they are cancelled (default: 30)")
     s.add_argument("--trace-dir", action="append", default=[], metavar="DIR",
@@ -127,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         tok = load_tokenizer(path)
     name = args.served_model_name or (args.model if args.model in ("granular", "coarse") else path.name)
     engine = Engine(rt, tok, max_batch=args.max_batch, max_queue=args.max_queue,
-                    prefill_chunk=args.prefill_chunk).start()
+                    prefill_chunk=args.prefill_chunk, prefill_delay=args.prefill_delay).start()
     app = create_app(engine, name, tokenizer=tok, aliases=(str(args.model),) if str(args.model) != name else (),
                      trace_dirs=tuple(args.trace_dir), api_key=api_key, max_request_bytes=args.max_request_bytes,
                      allowed_hosts=allowed_hosts(args.host, args.allowed_host),

@@ -128,14 +128,19 @@ class Engine:
     """Owns the model. ``max_batch`` running rows, ``max_queue`` waiting requests (beyond: :class:`QueueFull`),
     ``prefill_chunk`` prompt tokens per iteration at most. ``rowwise_attention`` installs
     :mod:`expertcache.serve.attention` on the runtime's model (batched decode attention per row);
-    ``pack_prefill`` prefills several short prompts in one packed forward. ``tokenizer`` decodes text (None:
+    ``pack_prefill`` prefills several short prompts in one packed forward. ``prefill_delay`` (a factor, as
+    vLLM's ``scheduler_delay_factor``): while rows are decoding, a new prompt waits until it is older than
+    ``prefill_delay`` × the last prefill's seconds (or the batch is full, or the waiting prompts fill a
+    chunk), so that prompts arriving one by one share one packed prefill -- one set of expert loads and one
+    forward -- instead of a forward each between decode steps; 0 prefills at once. ``tokenizer`` decodes text (None:
     token ids as text, space separated). ``metrics`` (optional) gets ``on_step(rows, tokens, seconds, delta_stats)`` and
     ``on_queue(n)``."""
 
     def __init__(self, runtime, tokenizer=None, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 128,
-                 metrics=None, rowwise_attention: bool = True, pack_prefill: bool = True) -> None:
-        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
-            raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue >= 0")
+                 metrics=None, rowwise_attention: bool = True, pack_prefill: bool = True,
+                 prefill_delay: float = 0.0) -> None:
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 1 or not prefill_delay >= 0:
+            raise ValueError("max_batch and prefill_chunk must be >= 1, max_queue and prefill_delay >= 0")
         self.rt = runtime
         if rowwise_attention:  # a row decodes bit-identically alone and inside a padded batch (attention.py)
             from expertcache.serve.attention import install_rowwise_attention
@@ -146,6 +151,8 @@ class Engine:
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
         self.pack_prefill = pack_prefill and rowwise_attention
+        self.prefill_delay = float(prefill_delay)
+        self._last_prefill_s = 0.0
         self.metrics = metrics
         self.context = int(getattr(runtime.config, "max_position_embeddings", 0) or 0) or None
         eos = getattr(runtime.config, "eos_token_id", None)
@@ -307,6 +314,18 @@ class Engine:
         if not self._prefilling:
             return
         head = self._prefilling[0]
+        if self.prefill_delay and self._rows and head.prefilled == 0 and self.pack_prefill \
+                and len(self._rows) + len(self._prefilling) < self.max_batch \
+                and sum(len(r.prompt_ids) for r in self._prefilling) < budget \
+                and time.perf_counter() - head.t_submit < self.prefill_delay * self._last_prefill_s:
+            return  # held: prompts arriving meanwhile join its packed prefill; the rows decode on
+        t0 = time.perf_counter()
+        try:
+            self._prefill_next(head, budget)
+        finally:
+            self._last_prefill_s = time.perf_counter() - t0
+
+    def _prefill_next(self, head: Request, budget: int) -> None:
         if head.prefilled > 0 or len(head.prompt_ids) > budget:
             self._prefill_chunk(head, min(len(head.prompt_ids) - head.prefilled, budget))
             return
