@@ -142,6 +142,35 @@ def test_a_removed_observer_is_not_called(olmoe_dir):
         rt.add_step_observer(None)
 
 
+def test_an_observer_that_raises_changes_no_state(olmoe_dir):
+    """An observer's exception reaches the caller of the forward, after the step it observed is complete: the
+    caches keep what that step made (a failed read, by contrast, restarts them empty)."""
+    rt = _rt(olmoe_dir)
+    decode_logits(rt, _ids(4), prefill=1)
+    seen = []
+
+    def boom(ev):
+        seen.append(ev)
+        raise RuntimeError("observer failed")
+
+    h = rt.add_step_observer(boom)
+    s0 = rt.stats()
+    with pytest.raises(RuntimeError, match="observer failed"):
+        decode_logits(rt, _ids(2, seed=9), prefill=1)
+    h.remove()
+    ev = seen[-1]
+    assert ev.resident and tuple(sorted(rt.states[ev.layer].cache.resident())) == ev.resident
+    assert rt.stats()["accesses"] == s0["accesses"] + len(ev.order)  # the observed step is counted, none reset
+    # the first guess of a forward is reported before its layer's step (a forward pre-hook)
+    h = rt.add_prefetch_observer(boom)
+    resident = [sorted(st.cache.resident()) for st in rt.states]
+    with pytest.raises(RuntimeError, match="observer failed"):
+        decode_logits(rt, _ids(2, seed=9), prefill=1)
+    h.remove()
+    assert seen[-1].kind == "guess" and [sorted(st.cache.resident()) for st in rt.states] == resident
+    assert all(resident)
+
+
 def test_the_row_router_routes_every_forward_and_guess(olmoe_dir):
     """``set_row_router``: called once per MoE layer per forward (commit) and per next-layer guess (no commit);
     passing the policy through changes nothing; returning the stock selection routes as ``original`` does

@@ -15,8 +15,10 @@ Contract: an observer runs on the compute thread, in the middle of the forward; 
 runtime's state (caches, slots, router, configuration) nor call the runtime's entry points
 (``forward``, ``prefetch``, ``configure``...), and it gets copies: tuples of ints and cloned tensors, which it may
 keep. What an observer does cannot change a decision: with or without observers, the same tokens give
-the same logits and statistics (``tests/test_observers.py``). An observer that raises propagates the
-error to the caller of the forward (nothing is swallowed).
+the same logits and statistics (``tests/test_observers.py``). Events are delivered once the runtime's state
+is final for what they report (a step's event after the step, outside its failure handling; a guess's after
+the step that made it, the first layer's at once): an observer that raises propagates the error to the caller
+of the forward, and the runtime's caches, slots and statistics stay as the observed work left them.
 
 ``when`` (optional, a no-argument callable) is asked first, and the event is built only when it returns
 true (e.g. the live view observes only while a page subscribes). Without observers the runtime pays one

@@ -153,6 +153,7 @@ class OffloadedModel(LayerSteps):
         self.slots_stable = False  # set by each step before its first expert is computed (step.py)
         self._routed_ids: tuple | None = None  # (ids on the device, the same ids on the host) of the last routing
         self._row_router: Callable | None = None  # set_row_router
+        self._guess_events: list[tuple] = []  # next-layer guesses made in the running step, for the observers
         self._make_pools(self.capacity)
         self._stock_routers = [m.router.forward for m in layers]
         self.routing = RoutingConfig()

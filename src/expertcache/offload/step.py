@@ -228,10 +228,21 @@ class LayerSteps(RuntimeObservers):
 
     def _run_step(self, st: LayerState, order: list[int], compute, x_TD: torch.Tensor) -> None:
         try:
-            self._step(st, order, compute, x_TD)
+            seen = self._step(st, order, compute, x_TD)
         except BaseException:
+            self._guess_events.clear()
             self._fail()
             raise
+        # the observers after the step, outside its failure handling: an observer's error changes no state
+        guesses = self._take_guesses() if self._guess_events else ()
+        if seen is not None:
+            self._notify_step(st.moe.index, "demand", order, *seen)
+        for index, ids, issued in guesses:
+            self._notify_prefetch(index, "guess", ids, issued)
+
+    def _take_guesses(self) -> list[tuple]:
+        guesses, self._guess_events = self._guess_events, []
+        return guesses
 
     def _serve_one(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
                    order: list[int]) -> torch.Tensor:
@@ -308,11 +319,11 @@ class LayerSteps(RuntimeObservers):
             self._guess_next(st.moe.index + 1, x_TD)
 
     def _step(self, st: LayerState, order: list[int], on_ready: Callable[[int, int], None] | None,
-              x_TD: torch.Tensor | None = None, kind: str = "demand") -> None:
+              x_TD: torch.Tensor | None = None) -> tuple | None:
         """Serve one cache step for the requested ids ``order`` (descending weight): bookkeeping, all misses
         issued at once, the next layer's guess, hits computed (``on_ready(e, slot)``) while the misses are in
-        flight, then each miss handed to ``on_ready`` as it lands. Then the step observers see it
-        (:class:`~expertcache.offload.observe.StepEvent` of ``kind``: ``"demand"`` or ``"prefetch"``)."""
+        flight, then each miss handed to ``on_ready`` as it lands. Returns (hits, resident before, resident
+        after) for the step observers when there are any (the caller reports it), else None."""
         pool = st.pool
         if st.guess is not None:  # score the guess made for this step
             self.prefetch_stats.score(st.moe.index, st.guess, order)
@@ -329,8 +340,8 @@ class LayerSteps(RuntimeObservers):
                     self._ready(st, slot_of[e], on_ready, e)
             if self._step_observers:
                 resident = st.cache.resident()
-                self._notify_step(st.moe.index, kind, order, [True] * len(order), resident, resident)
-            return
+                return [True] * len(order), resident, resident
+            return None
         before = dict(pool.slot_of)
         hits = st.cache.access_step(list(order))
         if self.host is not None:  # fast hits refresh their host entries (the host level's LRU sees every use)
@@ -410,7 +421,8 @@ class LayerSteps(RuntimeObservers):
         self.arena.busy.clear()
         assert set(pool.slot_of) == set(after), (sorted(pool.slot_of), sorted(after))
         if self._step_observers:
-            self._notify_step(st.moe.index, kind, order, hits, before, after)
+            return hits, before, after
+        return None
 
     def _ready(self, st: LayerState, slot: int, on_ready, e: int) -> None:
         t = st.pool.pending.pop(slot, None)
@@ -441,8 +453,8 @@ class LayerSteps(RuntimeObservers):
         pool = st.pool
         want = [e for e in ids if e not in st.cache and e not in pool.prefetched]
         if not want:
-            if self._prefetch_observers:
-                self._notify_prefetch(index, "guess", ids, ())
+            if self._prefetch_observers:  # reported after the step that made it (_run_step, _guess_first)
+                self._guess_events.append((index, ids, []))
             return
         ps = self.prefetch_stats
         issued = []
@@ -453,7 +465,7 @@ class LayerSteps(RuntimeObservers):
             ps.bytes += self.expert_bytes
             issued.append(e)
         if self._prefetch_observers:
-            self._notify_prefetch(index, "guess", ids, issued)
+            self._guess_events.append((index, ids, issued))
 
     def _guess_first(self, decoder_layer: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the first MoE layer's decoder layer: with prefetch on, guess that layer's experts
@@ -466,6 +478,8 @@ class LayerSteps(RuntimeObservers):
             return
         with torch.inference_mode():
             self._guess_next(0, first_layer_input(decoder_layer, h))
+        for index, ids, issued in (self._take_guesses() if self._guess_events else ()):
+            self._notify_prefetch(index, "guess", ids, issued)
 
     def prefetch(self, index: int, experts: Iterable[int]) -> int:
         """Load ``experts`` of MoE layer ``index`` ahead of use (e.g. from a predictor). Each load is a cache
@@ -476,17 +490,22 @@ class LayerSteps(RuntimeObservers):
         guess, st.guess = st.guess, None
         experts = list(experts)
         loaded: list[int] = []
+        steps: list[tuple] = []
 
         def load(ids: list[int]) -> None:
             loaded.extend(ids)
             try:
-                self._step(st, ids, lambda e, slot: None, kind="prefetch")
+                seen = self._step(st, ids, lambda e, slot: None)
             except BaseException:
                 self._fail()
                 raise
+            if seen is not None:
+                steps.append((list(ids), seen))
         n = st.cache.prefetch(experts, load)
         st.guess = guess
         st.prefetched += n
+        for ids, seen in steps:  # the observers once the runtime's state is final
+            self._notify_step(index, "prefetch", ids, *seen)
         if self._prefetch_observers:
             self._notify_prefetch(index, "explicit", experts, loaded)
         return n
