@@ -3,6 +3,7 @@ entry point (Router.rank against a live cache, the fused loop of the patch), mak
 token-by-token oracles in tests/oracles.py (ids sorted by descending logit, then served)."""
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -271,13 +272,21 @@ def test_patched_model_fast_paths_equal_the_per_token_reference(arch, cfg, monke
     torch.testing.assert_close(fast[True][0], fast[False][0], rtol=1e-5, atol=1e-6)
 
 
-def test_fused_loop_declares_the_kernels_it_inlines():
-    """numba's disk cache keys the fused loop on models/fused.py alone: an edit to the kernels it inlines must
-    come with a new _DEPENDS_ON there, or a stale compiled loop would run."""
+def test_fused_loop_is_cached_under_the_digest_of_the_kernels_it_inlines():
+    """numba's disk cache keys a function by its own file; the fused loop inlines the kernels of routing/kernels.py
+    and cache/base.py, so its cache entries are stamped with the digest of the modules fused.py imports
+    (computed, expertcache.compiled), which include both: an edit there makes the compiled loop stale
+    (tests/test_compiled.py shows it on a package of its own)."""
+    from expertcache import compiled
     from expertcache.models import fused
 
-    assert fused._DEPENDS_ON == fused.kernel_sources_digest(), (
-        f"update expertcache/models/fused.py: _DEPENDS_ON = {fused.kernel_sources_digest()!r}")
+    root = Path(compiled.__file__).parent
+    deps = {p.relative_to(root).as_posix() for p in compiled.dependency_files(fused.__name__)}
+    assert {"routing/kernels.py", "cache/base.py"} <= deps
+    if compiled.AVAILABLE:
+        for loop in fused._KEYED_SERVE:
+            stamp = loop._cache._cache_file._source_stamp
+            assert stamp[1:] == ("expertcache-deps", compiled.dependency_digest(fused.__name__)), stamp
 
 
 def test_rank_raises_for_nan_and_selects_inf_and_batches():

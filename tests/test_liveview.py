@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -178,6 +179,34 @@ def test_event_frames_follow_the_schema_and_add_up_to_the_requests_statistics(se
     t = frames[-1]["totals"]
     assert t["hit_rate"] == pytest.approx(t["hits"] / (t["hits"] + t["misses"]))
     assert t["bytes_per_token"] == pytest.approx(t["decode_bytes"] / t["decode_tokens"]) and t["tok_s"] > 0
+
+
+def test_frames_equal_an_independent_runtime_on_the_same_tokens(server):
+    """From empty caches (original routing, LRU, C = 8), the frames of one request -- what the live view's hooks
+    observed -- equal what a separate runtime records for the same prompt and tokens, with no live view: per
+    layer, each decode step's requested ids (its recorded steps), the hits and misses summed over the frames
+    (its cache statistics) and the residency after the last step."""
+    httpx.post(server.url + "/v1/expertcache/config", json={"capacity": C - 1})
+    _reset(server)  # a cache-size change restarts the caches empty
+    rt = server.app.state.engine.rt
+    assert all(not st.cache.resident() for st in rt.states)
+    prompt = [17, 305, 44, 1020, 9, 77, 512]
+    lis = Listener(server)
+    out = _complete(server, prompt=prompt, n=10, ignore_eos=True)
+    toks = out["expertcache"]["token_ids"]
+    frames = [f for f in lis.close(len(toks)) if f["type"] == "step"][:len(toks)]
+    assert [f["phase"] for f in frames] == ["prefill"] + ["decode"] * (len(toks) - 1)
+    ref = OffloadedModel.from_pretrained("granular", OffloadConfig(io="cached", capacity=C), record=True)
+    ref.generate(torch.tensor([prompt]), len(toks), forced_BN=torch.tensor([toks]))
+    rec = ref.recorded_ids_TLK()
+    assert rec.shape[0] == len(toks) - 1
+    for li, st in enumerate(ref.states):
+        assert [f["layers"][li]["requested"] for f in frames[1:]] == rec[:, li].tolist()
+        cs = st.cache.stats
+        assert sum(len(f["layers"][li]["hit"]) for f in frames) == cs.hits
+        assert sum(len(f["layers"][li]["miss"]) for f in frames) == cs.misses
+        assert frames[-1]["layers"][li]["resident"] == sorted(st.cache.resident())
+    ref.close()
 
 
 def test_original_routing_shadow_rate(server):

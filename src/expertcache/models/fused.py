@@ -21,20 +21,8 @@ from expertcache.routing import kernels as rk
 
 __all__ = ["keyed_serve"]
 
-#: sha256 (first 16 hex digits) of routing/kernels.py + cache/base.py, whose functions the loop below inlines.
-#: numba's on-disk cache only notices edits to *this* file, so an edit there must change this line (a test
-#: checks it); otherwise a stale compiled loop would be loaded.
-_DEPENDS_ON = "8a695c058fa30655"
-
-
-def kernel_sources_digest() -> str:
-    """The digest _DEPENDS_ON must equal (see there)."""
-    import hashlib
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    data = (root / "routing" / "kernels.py").read_bytes() + (root / "cache" / "base.py").read_bytes()
-    return hashlib.sha256(data).hexdigest()[:16]
+# The loop below inlines functions of routing/kernels.py and cache/base.py; its disk cache is keyed by those files
+# too (expertcache.compiled: the digest of every module this one imports), so an edit there recompiles it.
 
 
 def _keyed_serve_for(code):

@@ -88,7 +88,7 @@ def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: 
         st, slot = dests[i % depth]
         e = rng.randrange(rt.num_experts)
         st.pool.placement.pop(slot, None)  # the slot no longer holds what its cached views describe
-        tickets.append(rt.readers.submit(rt._job(st, e, slot, rt._placement[(st.moe.index, e)])))
+        tickets.append(rt.readers.submit(rt.read_job(st.moe.index, e, slot)))
     for t in tickets:
         t.wait()
     if rt.device.type == "cuda":  # pragma: no cover - GPU only: the copies are asynchronous (step.py _cuda_job)

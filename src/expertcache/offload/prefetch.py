@@ -73,7 +73,7 @@ def guess_next_layer(rt, index: int, x_TD: torch.Tensor) -> list[int]:
     """Distinct expert ids (routing order) that MoE layer ``index`` of runtime ``rt`` would select for
     ``x_TD`` [T, D] -- the hidden state entering the previous MoE layer's experts. Pure: no cache, router or
     policy state changes."""
-    z_TE, w0_TK, ids_TK = rt._stock_routers[index](x_TD)
+    z_TE, w0_TK, ids_TK = rt.stock_route(index, x_TD)
     if rt.routing.policy != "original":
-        _, ids_TK = rt._route(rt.states[index].moe, z_TE, w0_TK, ids_TK, commit=False)
+        _, ids_TK = rt.route(rt.layers[index], z_TE, w0_TK, ids_TK, commit=False)
     return [e for e in dict.fromkeys(ids_TK.reshape(-1).tolist()) if e >= 0]

@@ -29,6 +29,11 @@ decoding (one token per step) the live hit/miss counts equal :func:`expertcache.
 ``OSError``/``CheckpointError`` (naming the file) in the caller, never hangs, and leaves the runtime with
 empty caches (as after :meth:`configure`).
 
+Observing (:mod:`~expertcache.offload.observe`): step, prefetch and router observers see each cache step, each
+read ahead and each routing as frozen events and cannot change a decision; :meth:`OffloadedModel.set_row_router`
+is the one seam that may change the routing (the serve engine's per-request override). No other module
+replaces a method of the runtime.
+
 GPU: with ``device='cuda'`` slots are CUDA memory. A read is one ``non_blocking`` copy from pinned memory
 into the slot on the runtime's copy stream (host tier: the expert's pinned row; disk tier and host cache: the
 reader's pinned staging buffer after the read into it), ordered after the compute stream's earlier work on
@@ -148,7 +153,9 @@ class OffloadedModel(LayerSteps):
                                                tuple(self._parts[k].tensors().items()), self._parts[k].dtype),
                                               len(sigs)) for k, p in self._placement.items()}
         self.slots_stable = False  # set by each step before its first expert is computed (step.py)
-        self._routed_ids: tuple | None = None  # (ids on the device, the same ids on the host) of the last _route
+        self._routed_ids: tuple | None = None  # (ids on the device, the same ids on the host) of the last routing
+        self._row_router: Callable | None = None  # set_row_router
+        self._guess_events: list[tuple] = []  # next-layer guesses made in the running step, for the observers
         self._make_pools(self.capacity)
         self._stock_routers = [m.router.forward for m in layers]
         self.routing = RoutingConfig()
@@ -227,8 +234,39 @@ class OffloadedModel(LayerSteps):
                                spare=self.offload.prefetch)
         self._slot_views: dict[int, dict[int, tuple]] = {}  # slot -> layout id -> the expert tensors' views
 
-    def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor, *,
-               commit: bool = True):
+    def route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor, *,
+              commit: bool = True):
+        """(weights [T, K], ids [T, K]) that MoE layer ``m`` computes with for the stock router's output
+        (logits ``z_TE``, weights ``w0_TK``, ids ``ids0_TK``): the row router's (:meth:`set_row_router`) if one
+        is set, else the routing policy's (:meth:`route_policy`). ``commit=False``: see :meth:`route_policy`."""
+        rows = self._row_router
+        if rows is not None:
+            return rows(m, z_TE, w0_TK, ids0_TK, commit=commit)
+        return self.route_policy(m, z_TE, w0_TK, ids0_TK, commit=commit)
+
+    def set_row_router(self, fn: Callable | None) -> None:
+        """Route through ``fn(m, z_TE, w0_TK, ids0_TK, *, commit)`` instead of the routing policy (None: the
+        policy again). The seam of a caller that routes some rows differently (the serve engine's per-request
+        ``"policy": "original"``). Contract: ``fn`` returns (weights [T, K], ids [T, K]) on the devices and
+        dtypes of ``w0_TK``/``ids0_TK``; it may call :meth:`route_policy` (at most once per call, passing
+        ``commit`` on) and use the stock ``w0_TK``/``ids0_TK``; with ``commit=False`` (the next-layer guess) it
+        must change nothing. It is called on the compute thread for every forward and guess at every layer."""
+        if fn is not None and not callable(fn):
+            raise TypeError(f"a row router must be callable, got {fn!r}")
+        self._row_router = fn
+
+    def stock_route(self, index: int, x_TD: torch.Tensor):
+        """(logits [T, E], weights [T, K], ids [T, K]) of MoE layer ``index``'s own router for ``x_TD``, without
+        the routing policy and without a cache step (the next-layer guess's first half)."""
+        return self._stock_routers[index](x_TD)
+
+    def read_job(self, index: int, e: int, slot: int) -> Callable[[], int]:
+        """The read of expert ``e`` of MoE layer ``index`` into ``slot``, as a reader thread runs it (returns the
+        bytes read); not queued and not booked in any cache (the bandwidth probe of ``offload/bench.py``)."""
+        return self._job(self.states[index], e, slot, self._placement[(index, e)])
+
+    def route_policy(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor, *,
+                     commit: bool = True):
         """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency.
         ``commit=False``: an observer's call (the next-layer guess), which leaves the router's running state
         (Cache-Prior's Δavg, a budget controller) as it was (:meth:`Router.rank`) and reads the ids only: the
@@ -268,7 +306,9 @@ class OffloadedModel(LayerSteps):
     def _make_router_forward(self, m: MoELayer, stock):
         def forward(hidden_states, *args, **kwargs):
             z_TE, w0_TK, ids0_TK = stock(hidden_states, *args, **kwargs)
-            w_TK, ids_TK = self._route(m, z_TE, w0_TK, ids0_TK)
+            w_TK, ids_TK = self.route(m, z_TE, w0_TK, ids0_TK)
+            if self._router_observers:
+                self._notify_router(m.index, z_TE, ids_TK, w_TK)
             return z_TE, w_TK, ids_TK
 
         return forward

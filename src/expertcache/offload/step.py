@@ -35,6 +35,7 @@ from expertcache.cache import ExpertCache, make_cache
 from expertcache.models.adapters import MoELayer
 from expertcache.offload.experts import expert_views
 from expertcache.offload.ioqueue import Ticket
+from expertcache.offload.observe import RuntimeObservers
 from expertcache.offload.prefetch import first_layer_input, guess_next_layer
 from expertcache.offload.slots import SlotPool
 from expertcache.offload.store import HostTier, Placement
@@ -72,9 +73,10 @@ class LayerState:
         return getattr(self.mlp, "act", None)
 
 
-class LayerSteps:
+class LayerSteps(RuntimeObservers):
     """The per-layer step of :class:`~expertcache.offload.runtime.OffloadedModel` (a mixin: it reads the
-    runtime's states, arena, tier, readers and statistics, which :class:`OffloadedModel` builds)."""
+    runtime's states, arena, tier, readers and statistics, which :class:`OffloadedModel` builds; it reports
+    to the observers of :class:`~expertcache.offload.observe.RuntimeObservers`)."""
 
     def _submit(self, st: LayerState, e: int, slot: int, done: "queue.SimpleQueue | None" = None) -> Ticket:
         """Queue the read of expert ``e`` of layer ``st`` into ``slot`` (any read still in flight into that
@@ -226,10 +228,21 @@ class LayerSteps:
 
     def _run_step(self, st: LayerState, order: list[int], compute, x_TD: torch.Tensor) -> None:
         try:
-            self._step(st, order, compute, x_TD)
+            seen = self._step(st, order, compute, x_TD)
         except BaseException:
+            self._guess_events.clear()
             self._fail()
             raise
+        # the observers after the step, outside its failure handling: an observer's error changes no state
+        guesses = self._take_guesses() if self._guess_events else ()
+        if seen is not None:
+            self._notify_step(st.moe.index, "demand", order, *seen)
+        for index, ids, issued in guesses:
+            self._notify_prefetch(index, "guess", ids, issued)
+
+    def _take_guesses(self) -> list[tuple]:
+        guesses, self._guess_events = self._guess_events, []
+        return guesses
 
     def _serve_one(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
                    order: list[int]) -> torch.Tensor:
@@ -316,10 +329,11 @@ class LayerSteps:
             self._guess_next(st.moe.index + 1, x_TD)
 
     def _step(self, st: LayerState, order: list[int], on_ready: Callable[[int, int], None] | None,
-              x_TD: torch.Tensor | None = None) -> None:
+              x_TD: torch.Tensor | None = None) -> tuple | None:
         """Serve one cache step for the requested ids ``order`` (descending weight): bookkeeping, all misses
         issued at once, the next layer's guess, hits computed (``on_ready(e, slot)``) while the misses are in
-        flight, then each miss handed to ``on_ready`` as it lands."""
+        flight, then each miss handed to ``on_ready`` as it lands. Returns (hits, resident before, resident
+        after) for the step observers when there are any (the caller reports it), else None."""
         pool = st.pool
         if st.guess is not None:  # score the guess made for this step
             self.prefetch_stats.score(st.moe.index, st.guess, order)
@@ -334,7 +348,10 @@ class LayerSteps:
             if on_ready is not None:
                 for e in order:
                     self._ready(st, slot_of[e], on_ready, e)
-            return
+            if self._step_observers:
+                resident = st.cache.resident()
+                return [True] * len(order), resident, resident
+            return None
         before = dict(pool.slot_of)
         hits = st.cache.access_step(list(order))
         if self.host is not None:  # fast hits refresh their host entries (the host level's LRU sees every use)
@@ -413,6 +430,9 @@ class LayerSteps:
         assert not waiting_scratch
         self.arena.busy.clear()
         assert set(pool.slot_of) == set(after), (sorted(pool.slot_of), sorted(after))
+        if self._step_observers:
+            return hits, before, after
+        return None
 
     def _ready(self, st: LayerState, slot: int, on_ready, e: int) -> None:
         t = st.pool.pending.pop(slot, None)
@@ -436,19 +456,26 @@ class LayerSteps:
         """Guess layer ``index``'s experts (:func:`~expertcache.offload.prefetch.guess_next_layer`) and read the
         non-resident guesses into the shared spare slots (:meth:`SlotArena.claim_spares`: empty ones first, then
         the oldest guess; never one whose read is in flight or that this step computes from). Never
-        changes what is computed: a spare holds an expert's true bytes, used only if that expert is a miss."""
+        changes what is computed: a spare holds an expert's true bytes, used only if that expert is a miss.
+        The prefetch observers see each guess (:class:`~expertcache.offload.observe.PrefetchEvent`, ``"guess"``)."""
         st = self.states[index]
         st.guess = ids = guess_next_layer(self, index, x_TD)
         pool = st.pool
         want = [e for e in ids if e not in st.cache and e not in pool.prefetched]
         if not want:
+            if self._prefetch_observers:  # reported after the step that made it (_run_step, _guess_first)
+                self._guess_events.append((index, ids, []))
             return
         ps = self.prefetch_stats
+        issued = []
         for e, slot in zip(want, self.arena.claim_spares(len(want))):
             self.arena.hold(slot, index, e)
             self._submit(st, e, slot)
             ps.issued += 1
             ps.bytes += self.expert_bytes
+            issued.append(e)
+        if self._prefetch_observers:
+            self._guess_events.append((index, ids, issued))
 
     def _guess_first(self, decoder_layer: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the first MoE layer's decoder layer: with prefetch on, guess that layer's experts
@@ -461,22 +488,35 @@ class LayerSteps:
             return
         with torch.inference_mode():
             self._guess_next(0, first_layer_input(decoder_layer, h))
+        for index, ids, issued in (self._take_guesses() if self._guess_events else ()):
+            self._notify_prefetch(index, "guess", ids, issued)
 
     def prefetch(self, index: int, experts: Iterable[int]) -> int:
         """Load ``experts`` of MoE layer ``index`` ahead of use (e.g. from a predictor). Each load is a cache
         step (eviction by the cache policy) counted as a prefetch, not as a demand hit or miss. At most C of
-        them; already resident ones are skipped. Returns the number loaded."""
+        them; already resident ones are skipped. Returns the number loaded. The step observers see its loads
+        (``kind="prefetch"``), then the prefetch observers the call (``kind="explicit"``)."""
         st = self.states[index]
         guess, st.guess = st.guess, None
+        experts = list(experts)
+        loaded: list[int] = []
+        steps: list[tuple] = []
 
         def load(ids: list[int]) -> None:
+            loaded.extend(ids)
             try:
-                self._step(st, ids, lambda e, slot: None)
+                seen = self._step(st, ids, lambda e, slot: None)
             except BaseException:
                 self._fail()
                 raise
+            if seen is not None:
+                steps.append((list(ids), seen))
         n = st.cache.prefetch(experts, load)
         st.guess = guess
         st.prefetched += n
+        for ids, seen in steps:  # the observers once the runtime's state is final
+            self._notify_step(index, "prefetch", ids, *seen)
+        if self._prefetch_observers:
+            self._notify_prefetch(index, "explicit", experts, loaded)
         return n
 

@@ -741,7 +741,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
     if liveview:
         from expertcache.serve.liveview import install_liveview
 
-        install_liveview(app, engine, metrics, trace_dirs=trace_dirs)
+        install_liveview(app, engine, trace_dirs=trace_dirs)
     known_paths.update(r.path for r in app.routes if "{" not in getattr(r, "path", "{"))
     return app
 

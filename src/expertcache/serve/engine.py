@@ -22,9 +22,9 @@ Every MoE layer of the decode forward is one step of the runtime's **shared** ex
 total router weight (see ``docs/SERVE.md``).
 
 **Per-row routing.** A request with ``SamplingParams.routing = "original"`` has its tokens routed with
-original top-K inside the shared forward while the other rows follow the server's policy: the engine wraps
-the runtime's ``_route`` (on the instance) and, for each forward, picks per token between the policy's
-selection and the original one (:meth:`Engine._route_rows`). Such a row's tokens depend on its own prompt and
+original top-K inside the shared forward while the other rows follow the server's policy: the engine is the
+runtime's row router (:meth:`OffloadedModel.set_row_router`) and, for each forward, picks per token between the
+policy's selection and the original one (:meth:`Engine._route_rows`). Such a row's tokens depend on its own prompt and
 seed only (not on the cache other requests fill), so they are reproducible; the cache it hits is still shared.
 
 Statistics per request: each forward's hits, misses and bytes read (deltas of ``OffloadedModel.stats()``)
@@ -168,8 +168,8 @@ class Engine:
         self.totals = dict(finished=0, cancelled=0, packed_prefills=0, packed_prompts=0)
         self.error: BaseException | None = None
         self._original_T: torch.Tensor | None = None  # per token of the running forward: route it original
-        self._policy_route = runtime._route
-        runtime._route = self._route_rows
+        self._forward_observers: tuple = ()
+        runtime.set_row_router(self._route_rows)
 
     # -- called from other threads -------------------------------------------------------------------
 
@@ -268,17 +268,34 @@ class Engine:
         if self.metrics is not None:
             self.metrics.on_queue(len(self._waiting), len(self._rows))
 
-    def _route_rows(self, m, z_TE, w0_TK, ids0_TK, **kw):
-        """The runtime's routing, per token: original top-K for the tokens of rows that asked for it
-        (``_original_T``), the server's policy for the others (ranked against the same shared residency)."""
+    def _route_rows(self, m, z_TE, w0_TK, ids0_TK, *, commit: bool = True):
+        """The runtime's row router (:meth:`OffloadedModel.set_row_router`), per token: original top-K for the
+        tokens of rows that asked for it (``_original_T``), the server's policy for the others (ranked against
+        the same shared residency)."""
         mask_T = self._original_T
+        policy = self.rt.route_policy
         if mask_T is None or self.rt.routing.policy == "original" or mask_T.shape[0] != ids0_TK.shape[0]:
-            return self._policy_route(m, z_TE, w0_TK, ids0_TK, **kw)
+            return policy(m, z_TE, w0_TK, ids0_TK, commit=commit)
         if bool(mask_T.all()):
             return w0_TK, ids0_TK
-        w_TK, ids_TK = self._policy_route(m, z_TE, w0_TK, ids0_TK, **kw)
+        w_TK, ids_TK = policy(m, z_TE, w0_TK, ids0_TK, commit=commit)
         keep_T1 = mask_T.to(ids_TK.device)[:, None]
         return torch.where(keep_T1, w0_TK, w_TK), torch.where(keep_T1, ids0_TK, ids_TK)
+
+    def add_forward_observer(self, fn) -> None:
+        """Call ``fn(rows, tokens, seconds, delta_stats)`` on the engine thread after every forward (after
+        ``metrics.on_step``, same arguments: decode rows (0 for a prefill), tokens generated, seconds, the
+        runtime's hits/misses/bytes_read delta). Between two forwards: the place to apply a pending change
+        (the live view's controls). It must not start a forward; an exception stops the engine."""
+        if not callable(fn):
+            raise TypeError(f"a forward observer must be callable, got {fn!r}")
+        self._forward_observers = self._forward_observers + (fn,)
+
+    def _after_forward(self, rows: int, tokens: int, seconds: float, delta: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.on_step(rows, tokens, seconds, delta)
+        for fn in self._forward_observers:
+            fn(rows, tokens, seconds, delta)
 
     def _forward(self, ids_BS, past, mask_BL=None, pos_BS=None, original_BS=None):
         """One model forward: (logits [B, S, V], the KV cache, seconds, the runtime's stats delta).
@@ -357,8 +374,7 @@ class Engine:
         self._charge(group, delta, shared=False, weights=lens)
         self.totals["packed_prefills"] += 1
         self.totals["packed_prompts"] += len(group)
-        if self.metrics is not None:
-            self.metrics.on_step(0, len(group), dt, delta)
+        self._after_forward(0, len(group), dt, delta)
         a = 0
         for r, n in zip(group, lens):
             past = DynamicCache(config=self.rt.config)
@@ -380,8 +396,7 @@ class Engine:
         logits_1SV, r.past, dt, delta = self._forward(torch.tensor([chunk]), r.past, original_BS=orig)
         r.prefilled += len(chunk)
         self._charge([r], delta, shared=False)
-        if self.metrics is not None:  # the last chunk yields the request's first token
-            self.metrics.on_step(0, int(r.prefilled >= len(r.prompt_ids)), dt, delta)
+        self._after_forward(0, int(r.prefilled >= len(r.prompt_ids)), dt, delta)  # the last chunk: the first token
         if r.prefilled < len(r.prompt_ids):
             return
         self._join(r, logits_1SV[0, -1], r.past)
@@ -415,8 +430,7 @@ class Engine:
             tok = sample_next(logits_B1V[i, -1], r.params, r.gen)
             r.next_token = tok
             self._accept_token(r, tok)
-        if self.metrics is not None:
-            self.metrics.on_step(len(rows), len(rows), dt, delta)
+        self._after_forward(len(rows), len(rows), dt, delta)
 
     def _charge(self, rows: list[Request], delta: dict, shared: bool, weights: list[int] | None = None) -> None:
         weights = weights or [1] * len(rows)

@@ -15,9 +15,9 @@ Routes added to the serve app by :func:`install_liveview` (schema in ``docs/SERV
   or ``--trace-dir``'s) under any policy, eviction and cache size with the simulator; per-step frames in the
   same schema as the live ones.
 
-The engine is not edited: the tap wraps the runtime's per-layer cache step (``OffloadedModel._step``, one per
-MoE layer per forward, also used by prefetches) and the metrics' ``on_step`` (called by the engine thread after
-every forward), both on the instances.
+The tap only observes, through named hooks (docs/ARCHITECTURE.md, "Observing the runtime"): the runtime's step,
+prefetch and router observers (one cache step per MoE layer per forward, prefetch loads, the router logits of
+the shadow route) and the engine's forward observer (engine thread, after every forward).
 """
 
 
@@ -132,71 +132,51 @@ def _sorted(x) -> list[int]:
 class Tap:
     """Records, per MoE layer, what each cache step did, and turns every forward into a frame.
 
-    Wraps ``rt._step`` (the per-layer cache step) and ``metrics.on_step`` (engine thread, after each forward)
-    on the instances. Frames are built only while someone subscribes; running totals always."""
+    Observes through named hooks, changing nothing: the runtime's step, prefetch and router observers
+    (:mod:`expertcache.offload.observe`, active only while someone subscribes) and the engine's forward
+    observer (:meth:`Engine.add_forward_observer`, engine thread, after each forward). Frames are built only
+    while someone subscribes; running totals always."""
 
-    def __init__(self, rt, metrics, broker: Broker, control: "LiveControl | None" = None) -> None:
-        self.rt, self.broker, self.control = rt, broker, control
+    def __init__(self, engine, broker: Broker, control: "LiveControl | None" = None) -> None:
+        self.rt, self.broker, self.control = engine.rt, broker, control
         self._acc = self._empty()
         self.seq = 0
         self.totals = dict(tokens=0, hits=0, misses=0, prefetched=0, bytes_read=0, forwards=0, decode_tokens=0,
                            decode_bytes=0, decode_seconds=0.0)
         self._recent: collections.deque = collections.deque(maxlen=32)
-        orig_step = rt._step
-        orig_on_step = metrics.on_step
-
-        orig_prefetch = rt.prefetch
-        self._in_prefetch = False
-
-        def prefetch(*args, **kwargs):  # marks the cache steps of OffloadedModel.prefetch (not demand misses)
-            self._in_prefetch = True
-            try:
-                loaded = orig_prefetch(*args, **kwargs)
-                self.totals["prefetched"] += int(loaded)  # loads too: counted in the totals' transfers
-                return loaded
-            finally:
-                self._in_prefetch = False
-
-        def step(st, order, on_ready, *args, **kwargs):
-            if not self.broker.subscribers:
-                return orig_step(st, order, on_ready, *args, **kwargs)
-            before = st.cache.resident()
-            orig_step(st, order, on_ready, *args, **kwargs)
-            after = st.cache.resident()
-            a = self._acc[st.moe.index]
-            if on_ready is None or self._in_prefetch:  # a prefetch: loads that are not demand misses
-                a["prefetched"].update(after - before)
-            else:
-                for e in order:
-                    a["requested"].append(int(e))
-                    (a["hit"] if e in before else a["miss"]).add(int(e))
-            a["evicted"].update(before - after)
-
-        def on_step(rows, tokens, seconds, delta):
-            orig_on_step(rows, tokens, seconds, delta)
-            try:
-                self._on_forward(rows, tokens, seconds, delta)
-            finally:
-                if self.control is not None:
-                    self.control.apply_pending()  # between two forwards, in the engine thread
-
-        rt._step = step
-        rt.prefetch = prefetch
-        metrics.on_step = on_step
         # the shadow: what original routing would have hit on the same tokens (cache-aware policies only)
         self.shadow: list | None = None
         self._shadow_acc = [0, 0]
         self.shadow_totals = dict(hits=0, misses=0, policy_hits=0, policy_misses=0, since_seq=0)
-        for m in rt.layers:
-            inner = m.router.forward
+        subscribed = lambda: bool(self.broker.subscribers)  # noqa: E731
+        self.rt.add_step_observer(self._on_cache_step, when=subscribed)
+        self.rt.add_prefetch_observer(self._on_prefetch)  # always: the totals count prefetch loads
+        self.rt.add_router_observer(self._on_route, when=lambda: subscribed() and self.rt.routing.cache_aware)
+        engine.add_forward_observer(self._after_forward)
 
-            def fwd(*args, _inner=inner, _m=m, **kw):
-                out = _inner(*args, **kw)
-                if self.broker.subscribers and self.rt.routing.cache_aware:
-                    self._shadow_route(_m, out[0])
-                return out
+    def _on_cache_step(self, ev) -> None:
+        a = self._acc[ev.layer]
+        if ev.kind == "prefetch":  # OffloadedModel.prefetch's loads: not demand misses
+            a["prefetched"].update(ev.admitted)
+        else:
+            a["requested"].extend(ev.order)
+            for e, hit in zip(ev.order, ev.hits):
+                (a["hit"] if hit else a["miss"]).add(e)
+        a["evicted"].update(ev.evicted)
 
-            m.router.forward = fwd
+    def _on_prefetch(self, ev) -> None:
+        if ev.kind == "explicit":
+            self.totals["prefetched"] += len(ev.loaded)  # loads too: counted in the totals' transfers
+
+    def _on_route(self, ev) -> None:
+        self._shadow_route(self.rt.layers[ev.layer], ev.logits)
+
+    def _after_forward(self, rows, tokens, seconds, delta) -> None:
+        try:
+            self._on_forward(rows, tokens, seconds, delta)
+        finally:
+            if self.control is not None:
+                self.control.apply_pending()  # between two forwards, in the engine thread
 
     def _shadow_route(self, m, z_TE) -> None:
         """Route the forward's tokens at layer ``m`` with original routing and serve them from the shadow cache
@@ -523,7 +503,7 @@ def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
 # routes
 
 
-def install_liveview(app, engine, metrics, *, trace_dirs=(), queue_frames: int = 64) -> None:
+def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> None:
     """Add the page, the event stream, the live controls and the replay to the serve ``app``."""
     from fastapi import Request as HTTPRequest
     from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
@@ -533,7 +513,7 @@ def install_liveview(app, engine, metrics, *, trace_dirs=(), queue_frames: int =
 
     broker = Broker(queue_frames)
     control = LiveControl(engine, broker)
-    tap = Tap(engine.rt, metrics, broker, control)
+    tap = Tap(engine, broker, control)
     control.tap = tap
     app.state.liveview = dict(broker=broker, control=control, tap=tap)
     trace_dirs = [Path(d) for d in trace_dirs]
