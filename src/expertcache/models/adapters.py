@@ -73,8 +73,8 @@ from torch import nn
 from expertcache.cache.base import order_steps
 from expertcache.routing import kernels as _rk
 
-__all__ = ["DiskLayout", "Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "family_for", "MoELayer", "find_moe_layers",
-           "order_by_logits", "ranks_logits"]
+__all__ = ["DiskLayout", "Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "register_family", "family_for", "MoELayer",
+           "find_moe_layers", "order_by_logits", "ranks_logits"]
 
 
 def order_by_logits(ids_TK: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
@@ -428,7 +428,23 @@ FAMILIES: dict[str, Family] = {
     ]
 }
 
+#: the shipped families' model types (``FAMILIES`` is the live registry)
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def register_family(family: Family) -> Family:
+    """Add ``family`` to ``FAMILIES`` (from outside the package: a plugin, a test); ValueError if its model type is
+    registered already. Everything that names a family (the patch, the offloaded runtime, ``models.tiny``) looks
+    it up there when used."""
+    if not isinstance(family, Family):
+        raise TypeError(f"register_family takes a Family, got {type(family).__name__}")
+    if family.model_type in FAMILIES:
+        raise ValueError(f"model_type {family.model_type!r} is registered already")
+    clash = sorted(set(family.tiny) & {a for f in FAMILIES.values() for a in f.tiny})
+    if clash:
+        raise ValueError(f"{family.model_type}: tiny config names {clash} are another family's")
+    FAMILIES[family.model_type] = family
+    return family
 
 
 def family_for(model_or_config) -> Family:
@@ -438,7 +454,7 @@ def family_for(model_or_config) -> Family:
     model_type = getattr(cfg, "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(f"unsupported MoE architecture model_type={model_type!r}; expertcache supports "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                         f"{', '.join(FAMILIES)}")
     return FAMILIES[model_type]
 
 
