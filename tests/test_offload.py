@@ -15,7 +15,7 @@ import torch
 
 from expertcache.models import load_model
 from expertcache.models.adapters import FAMILIES
-from expertcache.models.tiny import save_tiny
+from expertcache.models.tiny import TINY_ARCHS, save_tiny
 from expertcache.offload import BudgetError, CheckpointError, OffloadConfig, OffloadedModel, plan_memory
 from expertcache.offload.budget import parse_bytes
 from expertcache.offload.checkpoint import Checkpoint, read_header
@@ -26,8 +26,7 @@ from expertcache.routing import RoutingConfig
 from conftest import decode_logits as _offloaded_logits
 from expertcache.sim import replay
 
-ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "phimoe",
-         "gpt_oss")
+ARCHS = TINY_ARCHS  # every family's tiny configs (models/adapters.py: Family.tiny)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
