@@ -2,7 +2,7 @@
 
 - every registered family declares everything the code reads per family, and its disk layout names exactly the
   tensors transformers' ``save_pretrained`` writes for its tiny config (checked against the safetensors headers,
-  not against the checkpoint reader);
+  not against the checkpoint reader), as does ``--make-model``'s writer;
 - no module outside the registry names a model type (the AST of every source file);
 - a family registered once, from outside the package (a copy of OLMoE under a new ``model_type`` with its own
   on-disk key names), loads, routes and offloads: the patch's decisions and logits equal the shipped OLMoE
@@ -111,6 +111,12 @@ def test_disk_layout_names_what_save_pretrained_writes(arch, tmp_path):
         renamed += hits[0] != name
     assert named == on_disk, sorted(on_disk - named)[:3]
     assert (renamed > 0) == bool(layout.renames)
+    # --make-model's writer names and shapes the tensors as transformers does (it follows the same declaration)
+    from expertcache.offload.make_model import _disk_entries
+
+    written = {k: s for name, t in model.state_dict().items()
+               for k, s in _disk_entries(family.model_type, name, tuple(t.shape))}
+    assert written == {k: t.shape for k, t in read_header(path / "model.safetensors").items()}
 
 
 def test_no_model_type_is_named_outside_the_registry():
