@@ -12,11 +12,12 @@ from transformers import DynamicCache
 
 from device_guard import record_step
 from conftest import decode_logits
+from expertcache.models import SUPPORTED_MODEL_TYPES
 from expertcache.models.tiny import save_tiny
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
 
-ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss")
+ARCHS = SUPPORTED_MODEL_TYPES  # every registered family (models/adapters.py: FAMILIES)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

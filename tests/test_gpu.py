@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from device_guard import record_step
+from expertcache.models import SUPPORTED_MODEL_TYPES
 from expertcache.models.tiny import save_tiny
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.usefixtures("one_torch_thread")]
 
-ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss")
+ARCHS = SUPPORTED_MODEL_TYPES  # every registered family (models/adapters.py: FAMILIES)
 DEV = "cuda"
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from expertcache.models import load_model
-from expertcache.models.tiny import save_tiny
+from expertcache.models.adapters import FAMILIES
+from expertcache.models.tiny import TINY_ARCHS, save_tiny
 from expertcache.offload import BudgetError, CheckpointError, OffloadConfig, OffloadedModel, plan_memory
 from expertcache.offload.budget import parse_bytes
 from expertcache.offload.checkpoint import Checkpoint, read_header
@@ -25,8 +26,7 @@ from expertcache.routing import RoutingConfig
 from conftest import decode_logits as _offloaded_logits
 from expertcache.sim import replay
 
-ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "phimoe",
-         "gpt_oss")
+ARCHS = TINY_ARCHS  # every family's tiny configs (models/adapters.py: Family.tiny)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -161,7 +161,7 @@ def test_host_tier_and_fused_layout_match(tiny_dir, tmp_path):
     # rewrite the checkpoint with transformers' fused [E, 2F, D] / [E, D, F] expert tensors
     fused = tmp_path / "fused"
     shutil.copytree(path, fused)
-    ckpt = Checkpoint(path, "olmoe", 8)
+    ckpt = Checkpoint(path, FAMILIES["olmoe"].disk, 8)
     entries, layers = [], sorted({int(k.split(".")[2]) for k in ckpt.entries if ".experts." in k})
     for k, t in ckpt.entries.items():
         if ".experts." not in k:
@@ -250,7 +250,7 @@ def test_read_error_in_reader_thread_surfaces(tiny_dir, tmp_path):
 def test_missing_expert_key_fails_clearly(tiny_dir, tmp_path):
     bad = tmp_path / "missing"
     shutil.copytree(tiny_dir["mixtral"], bad)
-    ckpt = Checkpoint(tiny_dir["mixtral"], "mixtral", 8)
+    ckpt = Checkpoint(tiny_dir["mixtral"], FAMILIES["mixtral"].disk, 8)
     gone = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
     entries = [(k, t.dtype, t.shape, (lambda k=k: ckpt.tensor(k))) for k, t in ckpt.entries.items() if k != gone]
     write_safetensors(bad / "model.safetensors", entries)
@@ -284,7 +284,7 @@ def test_flash_faithful_reads_hit_the_device(tiny_dir, tmp_path, io):
                               lambda: torch.randn(256, 256)) for n in ("down_proj", "gate_proj", "up_proj")])
     if io == "direct" and not direct_io_supported(path):
         pytest.skip("filesystem does not support O_DIRECT")
-    ckpt = Checkpoint(tmp_path, "olmoe", 1)
+    ckpt = Checkpoint(tmp_path, FAMILIES["olmoe"].disk, 1)
     parts = ckpt.expert(0, 0)
     tier = DiskTier(io)
     dest = torch.empty(parts.nbytes, dtype=torch.uint8)

@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.offload.experts import matvec_linear
 from expertcache.offload.ioqueue import IOQueue
+from expertcache.models import SUPPORTED_MODEL_TYPES
 from expertcache.models.tiny import save_tiny
 from expertcache.routing import RoutingConfig
 from expertcache.sim import replay
 from conftest import decode_logits as _logits
 
-ARCHS = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss")
+ARCHS = SUPPORTED_MODEL_TYPES  # every registered family (models/adapters.py: FAMILIES)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 

@@ -3,7 +3,8 @@
 - :func:`load_model` -- load a supported checkpoint (local path or hub name) in eval mode.
 - :func:`patch_model` -> :class:`MoEPatch` -- install a routing policy and live per-layer expert caches at
   each MoE layer's router seam; read ``stats()`` and ``trace()``; ``unpatch()``.
-- :mod:`expertcache.models.adapters` -- per-family routing rules (ranking input, weight formula, layout).
+- :mod:`expertcache.models.adapters` -- ``FAMILIES``: one declaration per model type (router seam, ranking
+  input, weight formula, on-disk layout, tiny test configs).
 - :mod:`expertcache.models.tiny` -- tiny random models of every supported family, for tests.
 
 Supported ``model_type`` values: olmoe, mixtral, qwen2_moe (Qwen1.5-MoE), qwen3_moe, deepseek_v2 (incl.

@@ -51,13 +51,19 @@ probabilities of the ranked experts, and there the ranking variable is not the m
 never changed by a policy: experts outside the model's chosen groups are neither promoted nor selected.
 For DeepSeek-V3 Cache-Prior's Δavg and ERAS-bias's penalty are in the units of the biased sigmoid score.
 
+Each model type is declared once, as one :class:`Family` in ``FAMILIES`` (as torchtitan registers a model
+once): its router seam and rules above, where its weights are on disk (:class:`DiskLayout`, plain data that
+``offload/checkpoint.py``, ``offload/loader.py`` and ``offload/make_model.py`` read) and its tiny random test
+configs (``Family.tiny``, built by :mod:`expertcache.models.tiny`). No other module names a model type
+(``tests/test_families.py`` pins it); docs/ARCHITECTURE.md has the recipe for adding one.
+
 Nothing here holds state; the stateful patch lives in :mod:`expertcache.models.patch`.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -67,8 +73,8 @@ from torch import nn
 from expertcache.cache.base import order_steps
 from expertcache.routing import kernels as _rk
 
-__all__ = ["Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "family_for", "MoELayer", "find_moe_layers",
-           "order_by_logits", "ranks_logits"]
+__all__ = ["DiskLayout", "Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "register_family", "family_for", "MoELayer",
+           "find_moe_layers", "order_by_logits", "ranks_logits"]
 
 
 def order_by_logits(ids_TK: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
@@ -103,13 +109,79 @@ def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor
 
 
 @dataclass(frozen=True)
+class DiskLayout:
+    """Where a family's weights are in a safetensors checkpoint (what transformers 5.x ``save_pretrained`` writes
+    for it). Plain data, no torch: ``offload/checkpoint.py`` finds each expert's byte ranges with it,
+    ``offload/loader.py`` the non-expert tensors, ``offload/make_model.py`` names the tensors it writes.
+
+    expert_block: the MoE block's name in the per-expert keys ``model.layers.{i}.{expert_block}.experts.{e}.{part}
+    .weight``. expert_parts: the (gate, up, down) ``part`` names of those keys ([F, D], [F, D], [D, F]), or None
+    when the family stores only fused tensors. fused: the layout of the fused tensors ``model.layers.{i}.mlp.experts.
+    gate_up_proj`` / ``down_proj`` (transformers' in-memory names, also accepted on disk): ``'linear'`` ([E, 2F, D]
+    gate rows first, [E, D, F]) or ``'interleaved'`` ([E, D, 2F] gate and up interleaved along the last axis,
+    [E, F, D], each with a ``_bias`` tensor; used as ``x @ W``: GPT-OSS). renames: (in-memory, on-disk) substring
+    pairs applied in order to a non-expert tensor's name for the key it may have on disk instead.
+    """
+
+    expert_block: str = "mlp"
+    expert_parts: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
+    fused: str = "linear"
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.fused not in ("linear", "interleaved"):
+            raise ValueError(f"DiskLayout.fused must be 'linear' or 'interleaved', got {self.fused!r}")
+        if self.fused == "interleaved" and self.expert_parts is not None:
+            raise ValueError("an 'interleaved' (biased) expert layout has no per-expert keys: expert_parts=None")
+
+    def expert_keys(self, layer_id: int, e: int) -> tuple[str, str, str] | None:
+        """The per-expert (gate, up, down) keys of expert ``e`` of decoder layer ``layer_id`` (None: fused only)."""
+        if self.expert_parts is None:
+            return None
+        p = f"model.layers.{layer_id}.{self.expert_block}.experts.{e}."
+        return tuple(f"{p}{part}.weight" for part in self.expert_parts)
+
+    @staticmethod
+    def fused_keys(layer_id: int) -> tuple[str, str]:
+        """The fused (gate_up, down) keys of decoder layer ``layer_id``."""
+        p = f"model.layers.{layer_id}.mlp.experts."
+        return p + "gate_up_proj", p + "down_proj"
+
+    def disk_keys(self, name: str) -> list[str]:
+        """Checkpoint keys that may hold the in-memory non-expert tensor ``name``: the name itself, then the
+        renamed one (transformers renames some keys on load)."""
+        disk = name
+        for memory, stored in self.renames:
+            disk = disk.replace(memory, stored)
+        return [name] if disk == name else [name, disk]
+
+
+#: transformers' own per-expert layout (OLMoE, Qwen2/3-MoE, DeepSeek-V2/V3): ``mlp.experts.{e}.{gate,up,down}_proj``
+_PER_EXPERT = DiskLayout()
+#: Mixtral and PhiMoE keep their original checkpoint names: ``block_sparse_moe`` for ``mlp``, experts ``w1, w3,
+#: w2``, and PhiMoE's ``mlp.router`` is ``block_sparse_moe.gate``
+_BLOCK_SPARSE = DiskLayout("block_sparse_moe", ("w1", "w3", "w2"), renames=((".mlp.router.", ".block_sparse_moe.gate."),
+                                                                           (".mlp.", ".block_sparse_moe.")))
+#: GPT-OSS: fused only, gate/up interleaved, with biases
+_INTERLEAVED = DiskLayout(expert_parts=None, fused="interleaved")
+
+#: the tiny DeepSeek configs' shared fields: 3 layers, the first dense, one shared expert, MLA attention
+_TINY_DEEPSEEK = dict(intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3, first_k_dense_replace=1,
+                      n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                      v_head_dim=8, head_dim=8, num_key_value_heads=4)
+
+
+@dataclass(frozen=True)
 class Family:
-    """How one transformers model family routes.
+    """How one transformers model family routes, where its weights are, and its tiny test configs.
 
     model_type: ``config.model_type``. router_attr: the MoE block's router attribute. router_class: the
     expected router class name (checked). block_class: the expected MoE block class name (checked).
     scoring: 'softmax' or 'sigmoid' (the score the combine weights come from).
     unsupported_policies(router): routing policies this family cannot express exactly (raise if asked).
+    disk: where its weights are in a checkpoint (:class:`DiskLayout`). tiny: its tiny random test configs,
+    name → config fields over :mod:`expertcache.models.tiny`'s common ones (the first is named ``model_type``;
+    a variant covers a routing mode the first does not, e.g. ``deepseek_v2_grouped``).
     """
 
     model_type: str
@@ -122,6 +194,16 @@ class Family:
     ranking: Callable[[nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
     expected_moe_layers: Callable[[object], list[int]]
     unsupported_policies: Callable[[nn.Module], dict[str, str]] = lambda router: {}
+    _: KW_ONLY
+    disk: DiskLayout
+    tiny: dict[str, dict] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.disk, DiskLayout):
+            raise TypeError(f"{self.model_type}: Family.disk must be a DiskLayout, got {type(self.disk).__name__}")
+        if next(iter(self.tiny), None) != self.model_type:
+            raise ValueError(f"{self.model_type}: Family.tiny must start with a config named {self.model_type!r}, "
+                             f"got {list(self.tiny)}")
 
 
 # -- rank inputs ---------------------------------------------------------------------------------
@@ -302,27 +384,67 @@ FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in [
         Family("olmoe", "gate", "OlmoeTopKRouter", "OlmoeSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers, disk=_PER_EXPERT,
+               tiny={"olmoe": dict(intermediate_size=32, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
+                                   norm_topk_prob=False)}),
         Family("mixtral", "gate", "MixtralTopKRouter", "MixtralSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _all_layers, disk=_BLOCK_SPARSE,
+               tiny={"mixtral": dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
+                                     num_experts_per_tok=2, head_dim=8, sliding_window=None)}),
         Family("qwen2_moe", "gate", "Qwen2MoeTopKRouter", "Qwen2MoeSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers, disk=_PER_EXPERT,
+               tiny={"qwen2_moe": dict(intermediate_size=64, moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=32, num_hidden_layers=2, num_experts=8,
+                                       num_experts_per_tok=4, norm_topk_prob=False)}),
         Family("qwen3_moe", "gate", "Qwen3MoeTopKRouter", "Qwen3MoeSparseMoeBlock", "softmax",
-               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers),
+               _renorm_softmax, _weights_softmax_topk, _rank_logits, _qwen_layers, disk=_PER_EXPERT,
+               tiny={"qwen3_moe": dict(intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=8)}),
         Family("deepseek_v2", "gate", "DeepseekV2TopkRouter", "DeepseekV2Moe", "softmax",
                lambda r: False, _weights_deepseek_v2, _rank_deepseek_v2, _deepseek_layers,
-               _deepseek_v2_unsupported),
+               _deepseek_v2_unsupported, disk=_PER_EXPERT,
+               tiny={"deepseek_v2": dict(_TINY_DEEPSEEK, n_routed_experts=8, num_experts_per_tok=3,
+                                         topk_method="greedy", routed_scaling_factor=1.0),
+                     # the full-size V2 routing: group_limited_greedy
+                     "deepseek_v2_grouped": dict(_TINY_DEEPSEEK, n_routed_experts=16, num_experts_per_tok=3,
+                                                 topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                 routed_scaling_factor=16.0)}),
         Family("deepseek_v3", "gate", "DeepseekV3TopkRouter", "DeepseekV3MoE", "sigmoid",
                lambda r: bool(r.norm_topk_prob), _weights_deepseek_v3, _rank_deepseek_v3, _deepseek_layers,
-               _deepseek_v3_unsupported),
+               _deepseek_v3_unsupported, disk=_PER_EXPERT,
+               tiny={"deepseek_v3": dict(_TINY_DEEPSEEK, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                         topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)}),
         Family("phimoe", "router", "PhimoeTopKRouter", "PhimoeSparseMoeBlock", "softmax",
-               lambda r: False, _weights_phimoe, _rank_logits, _all_layers),
+               lambda r: False, _weights_phimoe, _rank_logits, _all_layers, disk=_BLOCK_SPARSE,
+               tiny={"phimoe": dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
+                                    num_experts_per_tok=2, router_jitter_noise=0.01, input_jitter_noise=0.0,
+                                    head_dim=8, sliding_window=None)}),
         Family("gpt_oss", "router", "GptOssTopKRouter", "GptOssMLP", "softmax",
-               lambda r: True, _weights_gpt_oss, _rank_logits, _all_layers),
+               lambda r: True, _weights_gpt_oss, _rank_logits, _all_layers, disk=_INTERLEAVED,
+               tiny={"gpt_oss": dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=8,
+                                     num_experts_per_tok=4, head_dim=8, sliding_window=16,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})}),
     ]
 }
 
+#: the shipped families' model types (``FAMILIES`` is the live registry)
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def register_family(family: Family) -> Family:
+    """Add ``family`` to ``FAMILIES`` (from outside the package: a plugin, a test); ValueError if its model type is
+    registered already. Everything that names a family (the patch, the offloaded runtime, ``models.tiny``) looks
+    it up there when used."""
+    if not isinstance(family, Family):
+        raise TypeError(f"register_family takes a Family, got {type(family).__name__}")
+    if family.model_type in FAMILIES:
+        raise ValueError(f"model_type {family.model_type!r} is registered already")
+    clash = sorted(set(family.tiny) & {a for f in FAMILIES.values() for a in f.tiny})
+    if clash:
+        raise ValueError(f"{family.model_type}: tiny config names {clash} are another family's")
+    FAMILIES[family.model_type] = family
+    return family
 
 
 def family_for(model_or_config) -> Family:
@@ -332,7 +454,7 @@ def family_for(model_or_config) -> Family:
     model_type = getattr(cfg, "model_type", None)
     if model_type not in FAMILIES:
         raise ValueError(f"unsupported MoE architecture model_type={model_type!r}; expertcache supports "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                         f"{', '.join(FAMILIES)}")
     return FAMILIES[model_type]
 
 

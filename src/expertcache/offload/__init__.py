@@ -18,7 +18,9 @@ slots per layer, cache-aware routing against the live residency.
 """
 
 from expertcache.offload.budget import BudgetError, MemoryPlan, parse_bytes, plan_memory
-from expertcache.offload.checkpoint import OFFLOAD_MODEL_TYPES, Checkpoint, CheckpointError, read_header
+# every registered family declares its disk layout (models/adapters.py: Family.disk), so every one offloads
+from expertcache.models.adapters import SUPPORTED_MODEL_TYPES as OFFLOAD_MODEL_TYPES
+from expertcache.offload.checkpoint import Checkpoint, CheckpointError, read_header
 from expertcache.offload.config import OffloadConfig
 from expertcache.offload.runtime import OffloadedModel, resolve_model_path
 

@@ -9,25 +9,21 @@ Loud on damage: a truncated file, a header that is not JSON, offsets outside the
 dtype × shape, and a missing expert key all raise :class:`CheckpointError` (a ``ValueError``) naming the
 file and key; nothing is ever read past what the header promises.
 
-Expert layouts (per MoE layer ``i``, expert ``e``; D hidden, F expert intermediate size):
+Expert layouts: each family's :class:`~expertcache.models.adapters.DiskLayout` (declared once, in its
+``Family`` record; this module reads it as plain data and imports nothing of expertcache). Per MoE layer ``i``
+and expert ``e`` (D hidden, F expert intermediate size):
 
-=========================  ===================================================================  =========
-model_type                 per-expert keys (what transformers 5.x ``save_pretrained`` writes)   fused keys
-=========================  ===================================================================  =========
-olmoe, qwen2_moe,          ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``      see below
-qwen3_moe                  ([F, D], [F, D], [D, F])
-qwen3_moe, deepseek_v2,     ([F, D], [F, D], [D, F]); DeepSeek's ``shared_experts`` are not
-deepseek_v3                routed experts (non-expert weights, always resident)
-mixtral, phimoe            ``model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``  see below
-gpt_oss                    --                                                                   only fused
-=========================  ===================================================================  =========
-
-Fused (transformers 5.x in-memory names, also accepted on disk): ``model.layers.{i}.mlp.experts.gate_up_proj``
-[E, 2F, D] (gate rows first) and ``...experts.down_proj`` [E, D, F]; one expert is the slice ``[e]``, a
-contiguous byte range because E is the outer dimension. GPT-OSS (what its checkpoints and transformers
-write): ``gate_up_proj`` [E, D, 2F] (gate and up *interleaved* along the last axis, used as ``x @ W``),
-``gate_up_proj_bias`` [E, 2F], ``down_proj`` [E, F, D], ``down_proj_bias`` [E, D] -- four byte ranges per
-expert (``ExpertParts.layout == 'gpt_oss'``).
+- per-expert keys (what transformers 5.x ``save_pretrained`` writes): ``model.layers.{i}.{expert_block}.experts.
+  {e}.{gate,up,down}.weight`` with the family's part names -- ``mlp`` / ``gate_proj, up_proj, down_proj`` for
+  OLMoE, Qwen2/3-MoE, DeepSeek-V2/V3 (DeepSeek's ``shared_experts`` are not routed experts: non-expert weights,
+  always resident), ``block_sparse_moe`` / ``w1, w3, w2`` for Mixtral and PhiMoE -- shaped [F, D], [F, D], [D, F];
+- fused ``'linear'`` (transformers 5.x in-memory names, also accepted on disk): ``model.layers.{i}.mlp.experts.
+  gate_up_proj`` [E, 2F, D] (gate rows first) and ``...experts.down_proj`` [E, D, F]; one expert is the slice
+  ``[e]``, a contiguous byte range because E is the outer dimension;
+- fused ``'interleaved'`` (GPT-OSS, what its checkpoints and transformers write): ``gate_up_proj`` [E, D, 2F]
+  (gate and up *interleaved* along the last axis, used as ``x @ W``), ``gate_up_proj_bias`` [E, 2F],
+  ``down_proj`` [E, F, D], ``down_proj_bias`` [E, D] -- four byte ranges per expert (``ExpertParts.layout ==
+  'interleaved'``).
 """
 
 from __future__ import annotations
@@ -41,13 +37,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointError", "TensorEntry", "read_header", "Checkpoint", "ExpertParts", "ByteRange",
-           "OFFLOAD_MODEL_TYPES", "DTYPES"]
-
-#: model types the offloaded runtime supports (expert layouts above).
-OFFLOAD_MODEL_TYPES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe",
-                       "gpt_oss")
-_BLOCK_SPARSE = ("mixtral", "phimoe")  # per-expert keys under block_sparse_moe, w1/w3/w2
+__all__ = ["CheckpointError", "TensorEntry", "read_header", "Checkpoint", "ExpertParts", "ByteRange", "DTYPES"]
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -134,8 +124,8 @@ class ExpertParts:
     reads: byte ranges to copy (file order); nbytes: packed size; dtype: storage dtype. With
     ``layout='linear'`` the packed buffer holds ``gate_up`` [2F, D] (gate rows, then up rows) at element
     offset ``gate_up_at`` and ``down`` [D, F] at ``down_at`` -- the layout of transformers' fused
-    ``OlmoeExperts.gate_up_proj[e]`` / ``down_proj[e]``. With ``layout='gpt_oss'``: ``gate_up`` [D, 2F]
-    (interleaved), ``down`` [F, D], and the biases [2F] at ``gate_up_bias_at`` and [D] at ``down_bias_at``.
+    ``OlmoeExperts.gate_up_proj[e]`` / ``down_proj[e]``. With ``layout='interleaved'`` (GPT-OSS): ``gate_up``
+    [D, 2F] (interleaved), ``down`` [F, D], and the biases [2F] at ``gate_up_bias_at`` and [D] at ``down_bias_at``.
     """
 
     reads: tuple[ByteRange, ...]
@@ -154,7 +144,7 @@ class ExpertParts:
         d, f = self.d, self.f
         if self.layout == "blob":
             return {"blob": (0, (self.nbytes,))}
-        if self.layout == "gpt_oss":
+        if self.layout == "interleaved":
             return {"gate_up": (self.gate_up_at, (d, 2 * f)), "gate_up_bias": (self.gate_up_bias_at, (2 * f,)),
                     "down": (self.down_at, (f, d)), "down_bias": (self.down_bias_at, (d,))}
         return {"gate_up": (self.gate_up_at, (2 * f, d)), "down": (self.down_at, (d, f))}
@@ -164,13 +154,14 @@ class Checkpoint:
     """All tensors of a checkpoint folder (``model.safetensors``, or the shards named in
     ``model.safetensors.index.json``, or every ``*.safetensors``), by key; headers only.
 
-    ``expert(layer_id, e)`` locates one expert of decoder layer ``layer_id`` (see the module docstring);
-    ``tensor(key)`` reads one tensor (used for the non-expert weights).
+    ``layout``: the family's ``DiskLayout`` (``family_for(config).disk``). ``expert(layer_id, e)`` locates one
+    expert of decoder layer ``layer_id`` (see the module docstring); ``tensor(key)`` reads one tensor (used for
+    the non-expert weights).
     """
 
-    def __init__(self, folder: str | os.PathLike, model_type: str, num_experts: int) -> None:
+    def __init__(self, folder: str | os.PathLike, layout, num_experts: int) -> None:
         self.folder = Path(folder)
-        self.model_type = model_type
+        self.layout = layout
         self.num_experts = num_experts
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
@@ -205,22 +196,17 @@ class Checkpoint:
             return cached
         if not 0 <= e < self.num_experts:
             raise ValueError(f"expert id {e} out of range [0, {self.num_experts})")
-        p = f"model.layers.{layer_id}.mlp.experts."
-        fused_gu, fused_down = p + "gate_up_proj", p + "down_proj"
-        if self.model_type in _BLOCK_SPARSE:
-            p = f"model.layers.{layer_id}.block_sparse_moe.experts.{e}."
-            gate_k, up_k, down_k = p + "w1.weight", p + "w3.weight", p + "w2.weight"
-        else:
-            gate_k, up_k, down_k = p + f"{e}.gate_proj.weight", p + f"{e}.up_proj.weight", p + f"{e}.down_proj.weight"
-        if self.model_type == "gpt_oss":
-            parts = self._gpt_oss(layer_id, e, fused_gu, fused_down)
-        elif gate_k in self.entries or up_k in self.entries or down_k in self.entries:
-            parts = self._per_expert(layer_id, e, gate_k, up_k, down_k)
+        fused_gu, fused_down = self.layout.fused_keys(layer_id)
+        per_expert = self.layout.expert_keys(layer_id, e)  # (gate, up, down), or None: fused only
+        if self.layout.fused == "interleaved":
+            parts = self._interleaved(layer_id, e, fused_gu, fused_down)
+        elif per_expert is not None and any(k in self.entries for k in per_expert):
+            parts = self._per_expert(layer_id, e, *per_expert)
         elif fused_gu in self.entries:
             parts = self._fused(layer_id, e, fused_gu, fused_down)
         else:
-            raise CheckpointError(f"{self.folder}: missing expert key {gate_k!r} (nor fused {fused_gu!r}) for "
-                                  f"expert {e} of layer {layer_id}")
+            named = f"{per_expert[0]!r} (nor fused {fused_gu!r})" if per_expert is not None else repr(fused_gu)
+            raise CheckpointError(f"{self.folder}: missing expert key {named} for expert {e} of layer {layer_id}")
         self._parts[(layer_id, e)] = parts
         return parts
 
@@ -264,7 +250,7 @@ class Checkpoint:
                  ByteRange(down.file, down.start + e * down_bytes, down_bytes, gu_bytes))
         return ExpertParts(reads, gu_bytes + down_bytes, gu.dtype, d, f, 0, 2 * f * d)
 
-    def _gpt_oss(self, layer_id, e, gu_k, down_k) -> ExpertParts:
+    def _interleaved(self, layer_id, e, gu_k, down_k) -> ExpertParts:
         gu, down = self._need(gu_k), self._need(down_k)
         gub, downb = self._need(gu_k + "_bias"), self._need(down_k + "_bias")
         n = self.num_experts
@@ -283,7 +269,7 @@ class Checkpoint:
             at += nb
         esize = torch.empty((), dtype=gu.dtype).element_size()
         offs = [r.dest // esize for r in reads]
-        return ExpertParts(tuple(reads), at, gu.dtype, d, f, offs[0], offs[2], "gpt_oss", offs[1], offs[3])
+        return ExpertParts(tuple(reads), at, gu.dtype, d, f, offs[0], offs[2], "interleaved", offs[1], offs[3])
 
     # -- other tensors ---------------------------------------------------------------------------
 

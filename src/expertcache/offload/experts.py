@@ -4,8 +4,8 @@ so that offloaded logits equal the in-memory model's bit for bit.
 
 - ``linear`` layout (OLMoE, Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, PhiMoE): ``gate, up = linear(x, gate_up
   [2F, D]).chunk(2)``; ``linear(act(gate) * up, down [D, F])``;
-- ``gpt_oss``: ``x @ gate_up [D, 2F] + b``, gate/up interleaved, clamped SwiGLU with α and limit,
-  ``@ down [F, D] + b``.
+- ``interleaved`` layout (GPT-OSS): ``x @ gate_up [D, 2F] + b``, gate/up interleaved, clamped SwiGLU with α and
+  limit, ``@ down [F, D] + b``.
 
 One token (decoding) is a matrix-vector product: ``torch.mv(W, x)`` instead of ``F.linear(x[None], W)``.
 The same values (bit for bit on this VM: oneDNN's bf16 kernel with fp32 accumulation either way, MKL for
@@ -52,10 +52,10 @@ def expert_views(blob_u8: torch.Tensor, parts: ExpertParts, placement: Placement
 def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]:
     """``f(x_TD, weights) -> h_TD``: the family's expert MLP, taking its constants (activation, GPT-OSS α and
     limit) from the model's own (replaced) experts module."""
-    if layout == "gpt_oss":
+    if layout == "interleaved":
         alpha, limit = experts_module.alpha, experts_module.limit
 
-        def gpt_oss(x_TD, w):
+        def interleaved(x_TD, w):
             gate_up, gate_up_bias, down, down_bias = w
             gu_TF2 = x_TD @ gate_up + gate_up_bias
             gate, up = gu_TF2[..., ::2], gu_TF2[..., 1::2]
@@ -63,7 +63,7 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
             up = up.clamp(min=-limit, max=limit)
             glu = gate * torch.sigmoid(gate * alpha)
             return ((up + 1) * glu) @ down + down_bias
-        return gpt_oss
+        return interleaved
     act = experts_module.act_fn
 
     def linear(x_TD, w):

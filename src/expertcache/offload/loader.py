@@ -21,25 +21,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EXPERTCACHE_CACHE", Path.home() / ".cache" / "expertcache"))
 
 
-def disk_key_candidates(name: str, model_type: str) -> list[str]:
-    """Checkpoint keys that may hold the in-memory tensor ``name`` (transformers 5.x renames on load: Mixtral
-    and PhiMoE keep ``block_sparse_moe`` on disk, PhiMoE's ``mlp.router`` is ``block_sparse_moe.gate``)."""
-    keys = [name]
-    if model_type in ("mixtral", "phimoe") and ".mlp." in name:
-        keys.append(name.replace(".mlp.router.", ".block_sparse_moe.gate.").replace(".mlp.", ".block_sparse_moe."))
-    return keys
-
-
-def load_non_expert(model: nn.Module, ckpt: Checkpoint, model_type: str, config) -> None:
-    """Read every non-expert parameter and persistent buffer of ``model`` from the checkpoint by key
-    (tied weights once). Missing keys, shape mismatches and unexpected non-expert keys raise."""
+def load_non_expert(model: nn.Module, ckpt: Checkpoint, config) -> None:
+    """Read every non-expert parameter and persistent buffer of ``model`` from the checkpoint by key (tried as
+    named, then as the family renames it on disk: ``ckpt.layout.disk_keys``; tied weights once). Missing keys,
+    shape mismatches and unexpected non-expert keys raise."""
     used: set[str] = set()
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict(keep_vars=True)
     missing = []
     with torch.no_grad():
         for name, t in state.items():
-            key = next((k for k in disk_key_candidates(name, model_type) if k in ckpt.entries), None)
+            key = next((k for k in ckpt.layout.disk_keys(name) if k in ckpt.entries), None)
             if key is None:
                 if tied and name == "lm_head.weight":
                     continue

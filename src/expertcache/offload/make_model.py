@@ -78,20 +78,20 @@ def bench_models_dir() -> Path:
 
 
 def _disk_entries(model_type: str, name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-    """transformers' in-memory fused expert tensors → the per-expert keys it writes to disk (GPT-OSS keeps
+    """transformers' in-memory tensor ``name`` → the keys it writes to disk for the family (its ``DiskLayout``):
+    fused expert tensors split per expert where the family stores them so, other tensors renamed (GPT-OSS keeps
     its fused tensors)."""
-    if model_type == "gpt_oss":
-        return [(name, shape)]
-    mixtral = model_type == "mixtral"
-    for fused, parts in (("gate_up_proj", ("w1", "w3") if mixtral else ("gate_proj", "up_proj")),  # [E, 2F, D]
-                         ("down_proj", ("w2",) if mixtral else ("down_proj",))):  # [E, D, F]
-        if name.endswith("mlp.experts." + fused):
-            prefix = name[: -len(fused)].replace(".mlp.", ".block_sparse_moe." if mixtral else ".mlp.")
-            e, rows, cols = shape
-            return [(f"{prefix}{i}.{n}.weight", (rows // len(parts), cols)) for i in range(e) for n in parts]
-    if mixtral:
-        name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
-    return [(name, shape)]
+    from expertcache.models.adapters import FAMILIES
+
+    layout = FAMILIES[model_type].disk
+    if layout.expert_parts is not None:
+        for fused, slots in (("gate_up_proj", (0, 1)), ("down_proj", (2,))):  # [E, 2F, D] gate|up; [E, D, F]
+            if name.endswith("mlp.experts." + fused):
+                layer_id = int(name.split(".")[2])  # model.layers.{i}.mlp.experts...
+                e, rows, cols = shape
+                return [(layout.expert_keys(layer_id, i)[s], (rows // len(slots), cols))
+                        for i in range(e) for s in slots]
+    return [(layout.disk_keys(name)[-1], shape)]
 
 
 def _layer_types(kw: dict) -> None:
@@ -176,5 +176,6 @@ def make_bench_model(name: str, *, layers: int | None = None, out: str | os.Path
         from expertcache.offload.store import quantize_checkpoint
 
         moe = find_moe_layers(meta, family_for(config))
-        quantize_checkpoint(Checkpoint(folder, model_type, moe[0].num_experts), [m.layer_id for m in moe], quant, group)
+        quantize_checkpoint(Checkpoint(folder, family_for(config).disk, moe[0].num_experts), [m.layer_id for m in moe],
+                            quant, group)
     return folder

@@ -59,7 +59,7 @@ from expertcache import __version__
 from expertcache.cache import CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
-from expertcache.offload.checkpoint import OFFLOAD_MODEL_TYPES, Checkpoint
+from expertcache.offload.checkpoint import Checkpoint
 from expertcache.offload.experts import OffloadedExperts, expert_mlp, use_matvec
 from expertcache.offload.config import OffloadConfig
 from expertcache.offload.ioqueue import IOQueue
@@ -179,10 +179,7 @@ class OffloadedModel(LayerSteps):
 
         path = resolve_model_path(path)
         config = load_config_checked(path)  # sizes, top-k, field types: named, before anything is built
-        family = family_for(config)
-        if family.model_type not in OFFLOAD_MODEL_TYPES:
-            raise ValueError(f"offloading supports model types {', '.join(OFFLOAD_MODEL_TYPES)}; {path} is "
-                             f"{family.model_type!r}")
+        family = family_for(config)  # every registered family declares its disk layout: all offload
         if offload.tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {offload.tier!r}")
         if dtype is None:
@@ -194,14 +191,14 @@ class OffloadedModel(LayerSteps):
         model.eval()
         check_weights_match_config(path, config, model)  # config.json vs the safetensors shapes, named
         layers = find_moe_layers(model, family)
-        checkpoint = Checkpoint(path, family.model_type, layers[0].num_experts)
+        checkpoint = Checkpoint(path, family.disk, layers[0].num_experts)
         layout = checkpoint.expert(layers[0].layer_id, 0).layout
         mlps = []
         for m in layers:
             mlps.append(expert_mlp(layout, m.block.experts))
             m.block.experts = OffloadedExperts(None, m.index)  # runtime bound below
         model.to_empty(device=device)
-        load_non_expert(model, checkpoint, family.model_type, config)
+        load_non_expert(model, checkpoint, config)
         recompute_rotary(model, config, device)
         use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
         runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps)
