@@ -24,7 +24,7 @@ __all__ = ["keyed_serve"]
 #: sha256 (first 16 hex digits) of routing/kernels.py + cache/base.py, whose functions the loop below inlines.
 #: numba's on-disk cache only notices edits to *this* file, so an edit there must change this line (a test
 #: checks it); otherwise a stale compiled loop would be loaded.
-_DEPENDS_ON = "8a695c058fa30655"
+_DEPENDS_ON = "4cec4a14a1493c1e"
 
 
 def kernel_sources_digest() -> str:
