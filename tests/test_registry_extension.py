@@ -66,7 +66,10 @@ def _as_copied(value):
         return {k: _as_copied(v) for k, v in value.items() if k != "seconds"}
     if isinstance(value, list):
         return [_as_copied(v) for v in value]
-    return COPIES.get(value, value) if isinstance(value, str) else value
+    if isinstance(value, str):  # a name, or a label such as "toy-max-rank(m=4,J=1)"
+        for toy, orig in COPIES.items():
+            value = value.replace(toy, orig)
+    return value
 
 
 @pytest.fixture(scope="module")
@@ -250,8 +253,7 @@ def test_the_cli_accepts_and_lists_the_new_names(toys, trace_file):
     assert "toy-lru" in helps["generate"] and "toy-max-rank" in helps["bench"]
     args = build_parser("bench").parse_args(["bench", "--policies", "toy-max-rank"])
     assert args.policies == ["toy-max-rank"]
-    args = build_parser("generate").parse_args(["generate", "--policy", "toy-max-rank", "--eviction", "toy-lru",
-                                                "--prompt", "x"])
+    args = build_parser("generate").parse_args(["generate", "--policy", "toy-max-rank", "--eviction", "toy-lru", "x"])
     assert (args.routing_policy, args.eviction) == ("toy-max-rank", "toy-lru")
     code, _, err = _cli(["simulate", trace_file, "--policy", "toy-max-rank", "--target-miss-rate", "0.3"])
     assert code == 2 and "not --policy toy-max-rank" in err  # not steerable: refused in one line
