@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "expertcache"
 
 #: bottom to top; a package may import only from packages in lower layers (and from itself)
 LAYERS = [
-    {"__init__", "compiled", "results", "assets", "inputs", "device"},  # the package root and shared utilities
+    {"__init__", "compiled", "results", "assets", "inputs", "device", "registries"},  # the package root and shared utilities
     {"routing"},  # policies: logits + residency -> ids (kernels)
     {"cache"},  # per-layer caches: ids -> hits, misses, evictions (kernels)
     {"trace", "sim"},  # recorded routing; open-loop simulation and replay

@@ -4,7 +4,9 @@ registry name ``gamma`` --, ``belady``), statistics (``stats``) and the registry
 
 from expertcache.cache.base import ExpertCache
 from expertcache.cache.belady import BeladyCache
-from expertcache.cache.caches import EVICTION_POLICIES, EVICTIONS, EvictionRule, eviction_rule, make_cache, resolve_capacity
+from expertcache.cache.caches import (EVICTION_POLICIES, EVICTIONS, LIVE_EVICTIONS, EvictionRule, eviction_rule, evictions,
+                                      make_cache, register_eviction, registered_eviction, resolve_capacity,
+                                      unregister_eviction)
 from expertcache.cache.discounted import DiscountedCache
 from expertcache.cache.gamma import GammaCache
 from expertcache.cache.lfu import LFUCache
@@ -12,6 +14,7 @@ from expertcache.cache.lru import LRUCache
 from expertcache.cache.stats import CacheStats
 
 __all__ = [
-    "EVICTION_POLICIES", "EVICTIONS", "EvictionRule", "eviction_rule", "BeladyCache", "CacheStats", "DiscountedCache", "ExpertCache", "GammaCache", "LFUCache",
+    "EVICTION_POLICIES", "EVICTIONS", "LIVE_EVICTIONS", "EvictionRule", "eviction_rule", "evictions",
+    "register_eviction", "registered_eviction", "unregister_eviction", "BeladyCache", "CacheStats", "DiscountedCache", "ExpertCache", "GammaCache", "LFUCache",
     "LRUCache", "make_cache", "resolve_capacity",
 ]

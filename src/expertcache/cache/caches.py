@@ -1,20 +1,26 @@
 """The eviction-rule registry: one :class:`EvictionRule` per name (``EVICTIONS``), read by the CLI, sweeps, the
-runtime and the live view; :func:`make_cache` builds one layer's cache by name; :func:`resolve_capacity`."""
+runtime and the live view at the time of use, so a rule added with :func:`register_eviction` (a plugin, a test)
+is accepted by all of them; :func:`make_cache` builds one layer's cache by name; :func:`resolve_capacity`."""
 
 from __future__ import annotations
 
 import math
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from expertcache.cache import base as _base
 from expertcache.cache.base import ExpertCache
 from expertcache.cache.belady import BeladyCache
 from expertcache.cache.discounted import DiscountedCache
 from expertcache.cache.gamma import GammaCache
 from expertcache.cache.lfu import LFUCache
 from expertcache.cache.lru import LRUCache
+from expertcache.registries import Names
 
-__all__ = ["EVICTION_POLICIES", "EVICTIONS", "EvictionRule", "eviction_rule", "make_cache", "resolve_capacity"]
+__all__ = ["EVICTION_POLICIES", "EVICTIONS", "LIVE_EVICTIONS", "EvictionRule", "eviction_rule", "evictions",
+           "make_cache", "register_eviction", "registered_eviction", "resolve_capacity", "unregister_eviction"]
 
 
 @dataclass(frozen=True)
@@ -48,15 +54,79 @@ EVICTIONS: dict[str, EvictionRule] = {r.name: r for r in (
     EvictionRule("belady", BeladyCache, admits=False, offline=True),
 )}
 
-EVICTION_POLICIES = tuple(EVICTIONS)
+#: the rules every install has (:func:`unregister_eviction` refuses them)
+BUILTIN = frozenset(EVICTIONS)
+
+#: every registered rule's name (a live view of EVICTIONS: a later registration is seen)
+EVICTION_POLICIES = Names(EVICTIONS)
+#: the rules a live run can use (not offline: Belady needs the future)
+LIVE_EVICTIONS = Names(EVICTIONS, lambda r: not r.offline)
+
+#: what each victim score of ``base.serve_one`` implies: code -> (admits every miss, needs the future)
+_CODE_RULE = {_base.LRU: (True, False), _base.COUNTS: (True, False), _base.BELADY: (False, True),
+              _base.DISCOUNTED: (False, False)}
+#: the make_cache keywords a rule may read
+_PARAMS = ("gamma",)
+_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # no comma: sweep's --eviction is a comma-separated list
+
+
+def evictions() -> tuple[str, ...]:
+    """The names of every registered eviction rule, in registration order."""
+    return tuple(EVICTIONS)
 
 
 def eviction_rule(name: str) -> EvictionRule:
     """The registered rule called ``name``; an unknown name raises ValueError listing the known ones."""
-    rule = EVICTIONS.get(name)
+    rule = EVICTIONS.get(name) if isinstance(name, str) else None
     if rule is None:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(EVICTION_POLICIES)}")
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(EVICTIONS)}")
     return rule
+
+
+def register_eviction(rule: EvictionRule) -> EvictionRule:
+    """Add the eviction rule ``rule``: from now on ``make_cache``, ``--eviction`` (every command; sweep's list),
+    the sweep plan, the simulator, the closed loop, the offloaded runtime and the live view accept ``rule.name``.
+    ValueError, before anything changes, for a name already registered, a class that is no ``ExpertCache``, a
+    ``code`` without a victim score in ``cache/base.py: serve_one``, ``admits``/``offline`` that contradict
+    that score, or parameters make_cache does not have. Returns ``rule``."""
+    if not isinstance(rule, EvictionRule):
+        raise ValueError(f"register_eviction takes an EvictionRule, got {type(rule).__name__}")
+    name = rule.name
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"eviction name must be lower-case letters, digits, '-', '_' or '.', got {name!r}")
+    if name in EVICTIONS:
+        raise ValueError(f"eviction rule {name!r} is already registered")
+    if not (isinstance(rule.cls, type) and issubclass(rule.cls, ExpertCache)):
+        raise ValueError(f"eviction rule {name!r}: cls must be an ExpertCache subclass, got {rule.cls!r}")
+    code = rule.cls.code
+    if isinstance(code, bool) or code not in _CODE_RULE:
+        raise ValueError(f"eviction rule {name!r}: {rule.cls.__name__}.code {code!r} has no victim score in "
+                         f"cache/base.py: serve_one (known codes {sorted(_CODE_RULE)})")
+    if (rule.admits, rule.offline) != _CODE_RULE[code]:
+        raise ValueError(f"eviction rule {name!r}: code {code} means admits={_CODE_RULE[code][0]}, "
+                         f"offline={_CODE_RULE[code][1]}; got admits={rule.admits!r}, offline={rule.offline!r}")
+    if not isinstance(rule.params, tuple) or not set(rule.params) <= set(_PARAMS):
+        raise ValueError(f"eviction rule {name!r}: params must be a tuple among {_PARAMS}, got {rule.params!r}")
+    EVICTIONS[name] = rule
+    return rule
+
+
+def unregister_eviction(name: str) -> None:
+    """Remove a rule added with :func:`register_eviction` (the built-in ones stay)."""
+    if name in BUILTIN:
+        raise ValueError(f"eviction rule {name!r} is built in; only registered rules can be removed")
+    eviction_rule(name)
+    del EVICTIONS[name]
+
+
+@contextmanager
+def registered_eviction(rule: EvictionRule):
+    """``with registered_eviction(EvictionRule(...)):`` the rule exists inside the block only (tests)."""
+    register_eviction(rule)
+    try:
+        yield rule
+    finally:
+        EVICTIONS.pop(rule.name, None)
 
 
 def resolve_capacity(spec: float | int | str, num_experts: int) -> int:
@@ -95,8 +165,9 @@ def make_cache(
     future: Sequence[Sequence[int]] | None = None,
     expert_bytes: int | Sequence[int] | None = None,
 ) -> ExpertCache:
-    """Build one layer's cache. ``kind`` is one of ``EVICTION_POLICIES``; ``gamma`` is used by 'gamma' (004's
-    Definition C.1 cache) and 'gamma-admit', ``future`` (the steps to be served) is required by 'belady'."""
+    """Build one layer's cache. ``kind`` is one of ``EVICTION_POLICIES``; ``gamma`` is used by the rules that
+    read it ('gamma', 004's Definition C.1 cache, and 'gamma-admit'), ``future`` (the steps to be served) is
+    required by an offline rule ('belady')."""
     rule = eviction_rule(kind)
     kw = dict(initial=initial, seed=seed, expert_bytes=expert_bytes, **rule.settings(gamma=gamma))
     if rule.offline:

@@ -32,7 +32,7 @@ at real expert sizes, not for quality or for trained-router hit rates.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from expertcache.offload.bench import BENCH_POLICIES
+    from expertcache.offload.bench import DEFAULT_BENCH, bench_policies
     from expertcache.offload.make_model import BENCH_MODELS
 
     p = sub.add_parser("bench", help="decode throughput of routing policies at equal memory (vs the physical floor)",
@@ -43,8 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out-dir", default=None,
                    help="--make-model: folder (default $EXPERTCACHE_CACHE/bench-models/..., where "
                         "$EXPERTCACHE_CACHE defaults to ~/.cache/expertcache)")
-    p.add_argument("--policies", nargs="+", choices=BENCH_POLICIES, default=None,
-                   help="policies to run (default: all)")
+    p.add_argument("--policies", nargs="+", choices=bench_policies(), default=None,
+                   help=f"policies to run (default: {' '.join(DEFAULT_BENCH)})")
     p.add_argument("--tokens", type=positive_int, default=32, help="decoded tokens per run (default: 32)")
     p.add_argument("--prompt-tokens", type=positive_int, default=16, help="prompt length (default: 16)")
     p.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (default: 1)")
@@ -77,13 +77,13 @@ def _prompt(path, n: int, batch: int, seed: int):
 def _print_resolved(path, names) -> None:
     """One stderr line with every benchmarked policy's resolved configuration (top-J included)."""
     from expertcache.models.loader import read_config_json
-    from expertcache.offload.bench import policy_set
+    from expertcache.offload.bench import DEFAULT_BENCH, policy_set
 
     k = read_config_json(path).get("num_experts_per_tok")
     if not isinstance(k, int):
         return
     pset = policy_set(k)
-    shown = [f"{n}={rc.label()}+{ev}" for n, (rc, ev) in pset.items() if not names or n in names]
+    shown = [f"{n}={rc.label()}+{ev}" for n, (rc, ev) in pset.items() if n in (names or DEFAULT_BENCH)]
     print("expertcache bench: policies " + "; ".join(shown), file=sys.stderr)
 
 

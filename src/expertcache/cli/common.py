@@ -86,6 +86,14 @@ def check_target(routing: RoutingConfig, target: float, flags: str = "--target-m
         raise ValueError(f"{flags} control {' or '.join(STEERABLE)}, not --policy {routing.policy}")
 
 
+def steerable() -> str:
+    """The policies a miss-rate target can steer, with their strength, for help texts: ``cache-prior (lam), ...``
+    (read from the registry when the parser is built, so a registered steerable policy is listed)."""
+    from expertcache.routing.registry import SPECS, STEERABLE
+
+    return ", ".join(f"{p} ({SPECS[p].strength})" for p in STEERABLE)
+
+
 def target_label(routing: RoutingConfig, target: float) -> str:
     """The policy label of budget-targeted routing, e.g. ``cache-prior(target miss rate 0.1,J=1)``."""
     return f"{routing.policy}(target miss rate {target:.4g},J={routing.top_j})"

@@ -9,7 +9,7 @@ import sys
 
 from expertcache.cli.common import (add_cache_args, add_device_arg, device_from_args, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads,
                                     check_input_file, check_output_path, check_target, nonneg_int, pct, positive_int,
-                                    predictor_from_args, print_controller, print_resolved, routing_from_args,
+                                    predictor_from_args, print_controller, print_resolved, routing_from_args, steerable,
                                     target_label)
 
 DESCRIPTION = """\
@@ -55,9 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_predictor_arg(p)
     p.add_argument("--replace-rank", type=positive_int, default=None, help="sensitivity perturbation (policy original): "
                    "replace the expert at this 1-based rank by a random expert outside the top-K")
-    g = p.add_argument_group("budget-targeted routing (cache-prior, eras-bias)")
+    g = p.add_argument_group(f"budget-targeted routing ({steerable()})")
     g.add_argument("--target-miss-rate", type=float, default=None, metavar="X",
-                   help="instead of a fixed strength, an online controller sets lambda / beta so that the running "
+                   help="instead of a fixed strength, an online controller sets the policy's strength so that the running "
                    "miss rate stays at X in (0, 1) (one strength for all layers; see docs/BEYOND.md)")
     g.add_argument("--target-bytes-per-token", type=float, default=None, metavar="B",
                    help="the same budget in expert bytes loaded per token: X = B / (K * L * bytes of one routed "
@@ -73,10 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def freq_profile(args, routing):
-    if routing.policy != "eras-bias":
+    from expertcache.routing.registry import spec
+
+    if not spec(routing.policy).needs_profile:
         return None
     if not args.freq_from:
-        raise ValueError("eras-bias needs --freq-from TRACE (e.g. one recorded with `expertcache trace record`)")
+        raise ValueError(f"{routing.policy} needs --freq-from TRACE (e.g. one recorded with `expertcache trace record`)")
     from expertcache.sim import activation_frequency
     from expertcache.trace import RoutingTrace
 
@@ -134,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
     routing = routing_from_args(args)
     check_output_path(args.out, "--out")
     check_output_path(args.trace_out, "--trace-out")
-    if args.eviction == "belady":
-        raise ValueError("a live cache cannot use belady (it needs the future); every eval row already reports "
+    from expertcache.cache import eviction_rule
+
+    if eviction_rule(args.eviction).offline:
+        raise ValueError(f"a live cache cannot use {args.eviction} (it needs the future); every eval row already reports "
                          "belady_miss_rate for the same selections")
     freq = freq_profile(args, routing)
     predictor = predictor_from_args(args)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from expertcache.cli.common import (add_cache_args, add_routing_args, check_input_file, check_output_path, check_target,
+from expertcache.cli.common import (add_cache_args, add_routing_args, check_input_file, check_output_path, check_target, steerable,
                                     pct, print_controller, print_resolved, routing_from_args, target_label)
 
 DESCRIPTION = """\
@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--freq-from", default=None, help="ERAS-bias activation profile: a trace to build it from, "
                    "or a .npy/.json profile from `expertcache analyze --profile-out` (default: the simulated trace)")
     p.add_argument("--target-miss-rate", type=float, default=None, metavar="X",
-                   help="cache-prior / eras-bias: an online controller sets the strength to hold the running miss "
+                   help=f"{steerable()}: an online controller sets the strength to hold the running miss "
                    "rate at X in (0, 1) (docs/BEYOND.md); the fixed --lam / --beta is ignored")
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON row instead of a table")
     p.add_argument("--out", default=None, help="also append the JSON row to this JSONL file")
@@ -40,7 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from expertcache.cache import eviction_rule
     from expertcache.results import append_jsonl
+    from expertcache.routing.registry import spec
     from expertcache.sim import activation_frequency, simulate
     from expertcache.trace import RoutingTrace
     from expertcache.trace.demo import demo_trace_path
@@ -55,14 +57,14 @@ def run(args: argparse.Namespace) -> int:
                    + ("" if target is None else f", target miss rate {target}"))
     trace = RoutingTrace.load(args.trace or demo_trace_path())
     freq = None
-    if routing.policy == "eras-bias":
+    if spec(routing.policy).needs_profile:
         if args.freq_from:
             from expertcache.analysis import load_freq
 
             freq = load_freq(args.freq_from, trace.num_layers, trace.meta.num_experts)
         else:
             freq = activation_frequency(trace.ids_TLK, trace.meta.num_experts)
-    if args.eviction == "belady" and routing.cache_aware:
+    if eviction_rule(args.eviction).offline and routing.cache_aware:
         raise ValueError("--eviction belady needs fixed selections; use --eviction lru --belady for the bound")
     hooked = []
 

@@ -114,7 +114,8 @@ def _run(args: argparse.Namespace) -> int:
         from expertcache.eval import prepare
         from expertcache.models import family_for, find_moe_layers
 
-        freq = freq_profile(args, RoutingConfig(NEEDS_PROFILE[0])) if any(p in NEEDS_PROFILE for p in policies) else None
+        profiled = [p for p in policies if p in NEEDS_PROFILE]
+        freq = freq_profile(args, RoutingConfig(profiled[0])) if profiled else None
         model, _, task = prepare(args.model, args.task, data_dir=args.data_dir, limit=args.limit, shots=args.shots,
                                  max_new_tokens=args.max_new_tokens, device=device_from_args(args))
         layer0 = find_moe_layers(model, family_for(model))[0]

@@ -19,14 +19,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from expertcache.routing.registry import SPECS
+from expertcache.registries import Field
+from expertcache.routing.registry import SPECS, policy_colour
 from expertcache.results import pyplot, save_figure
 from expertcache.routing import STRENGTH
 
 __all__ = ["group_rows", "pareto_front", "identical_points", "pareto_markdown", "plot_tradeoff", "plot_cache_sizes",
            "plot_raster", "plot_sensitivity", "strength_of", "policy_of", "slug"]
 
-POLICY_COLORS = {s.name: s.colour for s in SPECS.values()}  # routing/registry.py
+POLICY_COLORS = Field(SPECS, lambda s: policy_colour(s.name))  # routing/registry.py (a live view)
 
 
 def _routing(row) -> dict[str, Any]:
@@ -159,7 +160,7 @@ def plot_tradeoff(rows: Sequence[dict], path: str | Path, title: str = "") -> Pa
     for pol, rs in sorted(by_policy.items()):
         if pol == "original":
             continue
-        color = POLICY_COLORS.get(pol, None)
+        color = policy_colour(pol)
         ax.scatter([r["miss_rate"] for r in rs], [r["quality"] for r in rs], s=8, alpha=0.3, color=color)
         front = pareto_front(rs)
         ax.plot([r["miss_rate"] for r in front], [r["quality"] for r in front], "-o", ms=3, color=color, label=pol)

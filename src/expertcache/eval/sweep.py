@@ -32,8 +32,9 @@ import numpy as np
 
 from expertcache import __version__
 from expertcache.cache import eviction_rule, resolve_capacity
-from expertcache.routing import POLICIES, RoutingConfig
+from expertcache.routing import RoutingConfig
 from expertcache.routing.config import CACHE_PRIOR, STRENGTH
+from expertcache.routing.registry import spec
 
 __all__ = ["policy_grid", "plan", "config_key", "done_keys", "drop_torn_tail", "pending_runs", "sweep_row", "run_sweep",
            "open_loop_row", "closed_loop_row", "router_mass", "sweep_lock", "SweepLockedError"]
@@ -84,8 +85,7 @@ def policy_grid(policy: str, *, k: int, num_experts: int, points: int = 50, top_
     replaces the continuous grid (p, λ, α, β). ``top_j`` None = each policy's default (``DEFAULT_TOP_J``)."""
     if points < 1:
         raise ValueError(f"points (--grid) must be ≥ 1, got {points}")
-    if policy not in POLICIES:
-        raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    spec(policy)  # ValueError for an unregistered name, listing the registered ones
     unit = [float(x) for x in strengths] if strengths is not None else \
         [round(float(x), 6) for x in np.linspace(0.0, 1.0, points)]
     name = STRENGTH[policy]  # the grid follows the policy's strength parameter, never a neighbour's branch
@@ -118,8 +118,8 @@ def plan(*, mode: str, source: dict[str, Any], policies: Iterable[str], k: int, 
     for cap in caps:
         for ev in evictions:
             for pol in policies:
-                if ev == "belady" and (mode == "closed-loop" or pol not in ("original", "prune")):
-                    continue
+                if eviction_rule(ev).offline and (mode == "closed-loop" or spec(pol).code is not None):
+                    continue  # an offline rule (Belady) needs fixed selections
                 for rc in policy_grid(pol, k=k, num_experts=num_experts, points=points, top_j=None if top_j is None else min(top_j, k),
                                       beta_max=beta_max, strengths=strengths, delta=delta):
                     out.append(dict(mode=mode, source=source, routing=rc.to_dict(), eviction=ev, capacity=cap,
@@ -236,10 +236,10 @@ def open_loop_row(trace, run: dict[str, Any], *, freq_LE=None) -> dict[str, Any]
     rc = RoutingConfig.from_dict(run["routing"])
     res = simulate(trace, rc, run["capacity"], eviction=run["eviction"], gamma=_gamma(run),
                    initial=None if run["initial"] == "empty" else run["initial"], seed=run["seed"],
-                   belady=run["eviction"] != "belady", freq_LE=freq_LE,
+                   belady=not eviction_rule(run["eviction"]).offline, freq_LE=freq_LE,
                    between_sequences=run["between_sequences"])
     row = res.to_row()
-    if run["eviction"] == "belady":
+    if eviction_rule(run["eviction"]).offline:
         row["belady_miss_rate"] = row["miss_rate"]
     row["config"]["trace"] = run["source"].get("trace")
     row.update(kind="sweep", mode="open-loop", quality_name="router_mass",

@@ -112,9 +112,11 @@ class ExpertCacheLM(TemplateLM):
             cap = _num("capacity", cap, float)
             cap = int(cap) if cap is not None and cap >= 1 and cap == int(cap) else cap
         freq = None
-        if self.routing.policy == "eras-bias":
+        from expertcache.routing.registry import spec
+
+        if spec(self.routing.policy).needs_profile:
             if not freq_from:
-                raise ValueError("--model_args policy=eras-bias needs freq_from=TRACE (activation profile)")
+                raise ValueError(f"--model_args policy={self.routing.policy} needs freq_from=TRACE (activation profile)")
             from expertcache.analysis import load_freq
 
             freq = load_freq(freq_from)  # a trace, or a .npy / .json profile

@@ -72,6 +72,7 @@ from torch import nn
 
 from expertcache.cache.base import order_steps
 from expertcache.routing import kernels as _rk
+from expertcache.routing.registry import NEEDS_PROBS
 
 __all__ = ["DiskLayout", "Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "register_family", "family_for", "MoELayer",
            "find_moe_layers", "order_by_logits", "ranks_logits"]
@@ -370,14 +371,14 @@ def _deepseek_v2_unsupported(router: nn.Module) -> dict[str, str]:
     if not _group_limited(router) or router.topk_method == "greedy":
         return {}
     msg = _NOT_PROB.format(what="within the top groups only (group_limited_greedy)")
-    return {"cumsum": msg, "eras-threshold": msg}
+    return dict.fromkeys(NEEDS_PROBS, msg)  # every policy whose keys read the probabilities (cumsum, ERAS-threshold)
 
 
 def _deepseek_v3_unsupported(router: nn.Module) -> dict[str, str]:
     if not _group_limited(router) and not bool(router.e_score_correction_bias.any()):
         return {}
     msg = _NOT_PROB.format(what="bias-corrected sigmoid scores within the top groups")
-    return {"cumsum": msg, "eras-threshold": msg}
+    return dict.fromkeys(NEEDS_PROBS, msg)  # every policy whose keys read the probabilities (cumsum, ERAS-threshold)
 
 
 FAMILIES: dict[str, Family] = {

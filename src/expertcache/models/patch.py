@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, ExpertCache, resolve_capacity
+from expertcache.cache import CacheStats, ExpertCache, eviction_rule, resolve_capacity
 from expertcache.models import fused
 from expertcache.models.recording import Recording
 from expertcache.models.streams import CacheStreams
@@ -155,8 +155,8 @@ class MoEPatch(CacheStreams, Recording):
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         if between_sequences not in BETWEEN_SEQUENCES:
             raise ValueError(f"between_sequences must be one of {BETWEEN_SEQUENCES}, got {between_sequences!r}")
-        if eviction == "belady":
-            raise ValueError("belady needs the future requests, which a live run only decides as it goes; "
+        if eviction_rule(eviction).offline:
+            raise ValueError(f"{eviction} needs the future requests, which a live run only decides as it goes; "
                              "record a trace and use expertcache.sim.replay(..., eviction='belady')")
         if getattr(model, "_expertcache_patch", None) is not None:
             raise RuntimeError("model is already patched; call .unpatch() on the existing MoEPatch first")

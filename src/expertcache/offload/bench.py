@@ -33,29 +33,39 @@ import statistics
 import numpy as np
 import torch
 
-from expertcache.routing.registry import NEEDS_PROFILE
+from expertcache.routing.registry import NEEDS_PROFILE, SPECS
 from expertcache.offload.runtime import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
 
-__all__ = ["BENCH_POLICIES", "policy_set", "measure_bandwidth", "run_bench", "table", "machine_info",
+__all__ = ["BENCH_POLICIES", "DEFAULT_BENCH", "bench_policies", "policy_set", "measure_bandwidth", "run_bench", "table", "machine_info",
            "heldout_ppl", "heldout_stream"]
 
 
+def _bench_strength(name: str, k: int) -> float | int:
+    """The benchmarked value of a strength field (the papers' policies' settings, per K)."""
+    return {"h": max(1, k // 2), "m": min(2 * k, 64), "p": 0.9, "lam": 0.5, "alpha": 0.05, "beta": 1.0}[name]
+
+
 def policy_set(k: int) -> dict[str, tuple[RoutingConfig, str]]:
-    """Name → (routing, eviction) of the benchmarked policies (strengths chosen per K)."""
-    return {
-        "original+lru": (RoutingConfig("original"), "lru"),
-        "original+lfu": (RoutingConfig("original"), "lfu"),
-        "prune": (RoutingConfig("prune", h=max(1, k // 2)), "lru"),
-        "max-rank": (RoutingConfig("max-rank", m=min(2 * k, 64), top_j=1), "lru"),
-        "cumsum": (RoutingConfig("cumsum", p=0.9, top_j=1), "lru"),
-        "cache-prior": (RoutingConfig("cache-prior", lam=0.5, top_j=1), "lru"),
-        "eras-threshold": (RoutingConfig("eras-threshold", alpha=0.05), "lru"),
-        "eras-bias": (RoutingConfig("eras-bias", beta=1.0), "lru"),
-    }
+    """Name → (routing, eviction) of the benchmarkable policies (strengths chosen per K): original with LRU and
+    with LFU, then every registered policy with LRU at its strength's benchmark value (``_bench_strength``),
+    at the policy's default top-J."""
+    out = {"original+lru": (RoutingConfig("original"), "lru"), "original+lfu": (RoutingConfig("original"), "lfu")}
+    for s in SPECS.values():
+        if s.strength is not None:
+            out[s.name] = (RoutingConfig(s.name, **{s.strength: _bench_strength(s.strength, k)}), "lru")
+    return out
 
 
-BENCH_POLICIES = tuple(policy_set(2))
+def bench_policies() -> tuple[str, ...]:
+    """The names ``--policies`` accepts (every registered policy, read now)."""
+    return tuple(policy_set(2))
+
+
+#: what a bench without ``--policies`` runs: the papers' policies
+DEFAULT_BENCH = ("original+lru", "original+lfu", "prune", "max-rank", "cumsum", "cache-prior", "eras-threshold",
+                 "eras-bias")
+BENCH_POLICIES = DEFAULT_BENCH  # kept for importers: the default set
 
 
 def machine_info() -> dict:
@@ -116,7 +126,7 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
     benchmark stays inside the memory plan (``--memory``)."""
     rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype, device=device)
     pset = policy_set(rt.top_k)
-    names = list(policies or pset)
+    names = list(policies or DEFAULT_BENCH)
     unknown = [n for n in names if n not in pset]
     if unknown:
         raise ValueError(f"unknown benchmark policies {unknown}; choose from {', '.join(pset)}")
@@ -126,7 +136,8 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
         f"prefetch {rt.offload.prefetch}; torch threads {torch.get_num_threads()}; plan "
         f"{rt.plan.total / 2**20:.0f} MiB")
     freq = None
-    if "eras-bias" in names:  # activation profile from an original-routing run (ERAS biasing needs one)
+    if any(pset[n][0].policy in NEEDS_PROFILE for n in names):  # an activation profile from an original-routing
+        # run (ERAS biasing needs one)
         from expertcache.sim import activation_frequency
 
         rt.configure(routing=RoutingConfig(), eviction="lru", record=True)

@@ -74,6 +74,7 @@ from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, 
                                        quant_sidecar_path, quantize_checkpoint)
 from expertcache.models.loader import check_weights_match_config, load_config_checked, resolve_model_path
 from expertcache.routing import Router, RoutingConfig
+from expertcache.routing.registry import spec
 
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
 
@@ -278,7 +279,7 @@ class OffloadedModel(LayerSteps):
             resident_TE = torch.ones_like(zr_TE, dtype=torch.bool)
         if allowed_TE is not None:
             resident_TE = resident_TE & allowed_TE
-        if self.routing.policy == "cache-prior-cost":
+        if spec(self.routing.policy).miss_costs:
             self.router.set_miss_costs(m.index, self.miss_costs(m.index))
         ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE, commit=commit), z_cpu_TE)
         if not commit:
@@ -326,8 +327,8 @@ class OffloadedModel(LayerSteps):
             self._make_pools(capacity)
         self.routing = routing or self.routing
         self.eviction = eviction or self.eviction
-        if self.eviction == "belady":
-            raise ValueError("belady needs the future requests; a live run cannot use it (replay a trace instead)")
+        if eviction_rule(self.eviction).offline:
+            raise ValueError(f"{self.eviction} needs the future requests; a live run cannot use it (replay a trace instead)")
         self.record = self.record if record is None else record
         freq = (getattr(getattr(self, "router", None), "freq_LE", None) if freq_LE is None
                 else torch.as_tensor(np.asarray(freq_LE), dtype=torch.float32))

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from expertcache.routing import kernels as _rk
-# policy names, strengths, default top-J, Cache-Prior's set: declared once, in routing/registry.py
-from expertcache.routing.registry import CACHE_PRIOR, DEFAULT_TOP_J, POLICIES, SPECS, STRENGTH  # noqa: F401
+# policy names, strengths, default top-J, Cache-Prior's set: declared once, in routing/registry.py (live views)
+from expertcache.routing.registry import CACHE_PRIOR, DEFAULT_TOP_J, POLICIES, SPECS, STRENGTH, spec  # noqa: F401
 from expertcache.routing.policies import (DeltaAvg, Selection, _check, prune_rank, scores_from_logits,
                                           topk_rank, weights_for)
 
@@ -49,10 +49,9 @@ class RoutingConfig:
     beta: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        s = spec(self.policy)  # ValueError for an unregistered name, listing the registered ones
         if self.top_j is None:
-            object.__setattr__(self, "top_j", DEFAULT_TOP_J[self.policy])
+            object.__setattr__(self, "top_j", s.top_j)
         for name in ("top_j", "m", "h"):
             value = getattr(self, name)
             if value is None and name == "h":
@@ -148,8 +147,8 @@ class Router:
             raise ValueError(f"h={self.config.h} exceeds K={self.k} (--h: prune keeps ranks < h of the top-K)")
         if self.config.m > self.num_experts:
             raise ValueError(f"m={self.config.m} exceeds N={self.num_experts} experts (--m)")
-        if self.config.policy == "eras-bias" and self.freq_LE is None:
-            raise ValueError("eras-bias needs an activation-frequency profile (freq_LE); "
+        if SPECS[self.config.policy].needs_profile and self.freq_LE is None:
+            raise ValueError(f"{self.config.policy} needs an activation-frequency profile (freq_LE); "
                              "build one from a trace with expertcache.sim.activation_frequency")
         if self.freq_LE is not None and (self.freq_LE.dim() != 2 or self.freq_LE.shape[1] != self.num_experts):
             raise ValueError(f"the ERAS frequency profile freq_LE must be [L, E={self.num_experts}], got "
@@ -213,7 +212,7 @@ class Router:
 
     def probs(self, z_TE: torch.Tensor) -> np.ndarray | None:
         """The router probabilities the policy's keys read (cumsum, ERAS thresholding), float32 numpy; else None."""
-        if self.config.policy not in _rk.NEEDS_PROBS:
+        if not SPECS[self.config.policy].needs_probs:
             return None
         return scores_from_logits(z_TE, self.scoring).numpy()
 
@@ -228,15 +227,16 @@ class Router:
         key = (layer, allowed)
         params = self._params.get(key)
         if params is None or params.profile is not self.freq_LE:  # a new ERAS profile rebuilds
-            d = self.delta_for(layer) if c.policy in CACHE_PRIOR else None
-            name = SPECS[c.policy].strength  # the kernel's strength slot: λ, p or α (ERAS-bias's β is its penalty)
+            s = SPECS[c.policy]
+            d = self.delta_for(layer) if s.running_delta else None
+            name = s.strength  # the kernel's strength slot: λ, p or α (Max-Rank's M is ip's m; β scales the penalty)
             strength = float(getattr(c, name)) if name in ("lam", "p", "alpha") else 0.0
             ip, fp = _rk.pack(c.policy, min(c.top_j, self.k), m=min(c.m, self.num_experts), strength=strength,
                               fixed=None if d is None else d.fixed, allowed=allowed)
             penalty = None
-            if c.policy == "eras-bias":
-                penalty = (c.beta * (1.0 - self.freq_LE[layer].float().cpu())).numpy().reshape(1, -1)  # β·(1 - freq)
-            elif c.policy == "cache-prior-cost":  # every miss at the highest cost until set_miss_costs
+            if s.needs_profile:  # β·(1 - freq)
+                penalty = (getattr(c, name) * (1.0 - self.freq_LE[layer].float().cpu())).numpy().reshape(1, -1)
+            elif s.miss_costs:  # every miss at the highest cost until set_miss_costs
                 penalty = np.ones((1, self.num_experts), np.float32)
             params = self._params[key] = KernelParams(ip, fp, penalty, None if d is None or d.fixed is not None
                                                       else d, self.freq_LE)
@@ -247,7 +247,7 @@ class Router:
         fraction of the most expensive tier's (float [E] in [0, 1]; 0 = free, e.g. already in a fast slot;
         1 = the slowest tier). The kernel keys a non-resident expert ``z + λ·Δavg·(1 - cost)``. Kept until
         the next call; no-op for other policies."""
-        if self.config.policy != "cache-prior-cost":
+        if not SPECS[self.config.policy].miss_costs:
             return
         cost = np.asarray(cost_E, np.float32).reshape(-1)
         if cost.shape[0] != self.num_experts or not np.all((cost >= 0) & (cost <= 1)):

@@ -37,12 +37,26 @@ from expertcache import compiled
 from expertcache.compiled import jit as _jit
 from expertcache.compiled import jit_inline as _jit_inline
 # policy -> kernel code; policies whose keys read the router probabilities (``prob_E``): declared in the registry
-from expertcache.routing.registry import CODES, NEEDS_PROBS
+# (live views: a policy registered later is seen)
+from expertcache.routing.registry import CODES, NEEDS_PROBS, spec
 
-__all__ = ["AVAILABLE", "CODES", "NEEDS_PROBS", "OK", "NOT_FINITE", "token_keys", "select", "rank", "pack",
-           "restrict_to_groups"]
+__all__ = ["AVAILABLE", "CODES", "KERNEL_CODES", "NEEDS_PROBS", "OK", "NOT_FINITE", "token_keys", "select", "rank",
+           "pack", "restrict_to_groups"]
 
 AVAILABLE = compiled.AVAILABLE
+
+#: the key rules of :func:`token_keys`, by code: (the ``RoutingConfig`` field that is the rule's strength, the
+#: inputs the caller must supply, as ``PolicySpec`` flags). A policy is registered only with one of these codes and
+#: exactly these flags (``routing/registry.py: register_policy``), and :func:`pack` refuses any other code, so a
+#: code without a branch below is never ranked by another rule's branch. A new rule: its branch, its entry here.
+KERNEL_CODES = {
+    0: ("lam", ("running_delta",)),  # Cache-Prior (001 Eq. 9-10)
+    1: ("m", ()),  # Max-Rank (001 Alg. 1)
+    2: ("beta", ("needs_profile",)),  # ERAS biasing (003 III-B-2): the penalty β·(1 - freq)
+    3: ("p", ("needs_probs",)),  # cumulative threshold (001 Alg. 2)
+    4: ("alpha", ("needs_probs",)),  # ERAS thresholding (003 III-B-1)
+    5: ("lam", ("running_delta", "miss_costs")),  # cost-aware Cache-Prior: the penalty is the load cost
+}
 
 
 OK, NOT_FINITE = 0, 1
@@ -176,8 +190,13 @@ _NO_OUT = np.zeros((1, 1), np.int64)
 
 def pack(policy: str, j: int, *, m: int = 0, strength: float = 0.0, fixed: float | None = None, total: float = 0.0,
          count: int = 0, allowed: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """The (int, float) parameter arrays of :func:`token_keys`."""
-    ip = np.array([CODES[policy], j, m, fixed is not None, allowed], np.int64)
+    """The (int, float) parameter arrays of :func:`token_keys`. ValueError for a policy whose code has no key
+    rule (``KERNEL_CODES``)."""
+    code = spec(policy).code
+    if code not in KERNEL_CODES:
+        raise ValueError(f"routing policy {policy!r}: kernel code {code!r} has no key rule in routing/kernels.py: "
+                         f"token_keys (known codes {sorted(KERNEL_CODES)})")
+    ip = np.array([code, j, m, fixed is not None, allowed], np.int64)
     fp = np.array([strength, 0.0 if fixed is None else fixed, total, count], np.float64)
     return ip, fp
 

@@ -32,14 +32,13 @@ from pathlib import Path
 import numpy as np
 
 from expertcache.routing.registry import NEEDS_PROFILE
-from expertcache.cache import EVICTIONS
+from expertcache.cache import EVICTIONS, LIVE_EVICTIONS, eviction_rule
 from expertcache.routing import POLICIES, STRENGTH, Router, RoutingConfig
 
 __all__ = ["install_liveview", "Broker", "Tap", "LiveControl", "replay_frames", "SCHEMA_VERSION", "shipped_traces"]
 
 SCHEMA_VERSION = 1
 STATIC = Path(__file__).with_name("static")
-LIVE_EVICTIONS = tuple(r.name for r in EVICTIONS.values() if not r.offline)  # belady needs the future: replay only
 MAX_REPLAY_STEPS = 2048
 
 
@@ -302,7 +301,8 @@ class LiveControl:
                     eviction=rt.eviction, gamma=rt.gamma, capacity=rt.capacity,
                     num_experts=rt.num_experts, top_k=rt.top_k, moe_layers=len(rt.layers),
                     expert_bytes=rt.expert_bytes, version=self.version, pending=self._pending is not None,
-                    choices=dict(policy=list(POLICIES), eviction=list(LIVE_EVICTIONS)))
+                    choices=dict(policy=list(POLICIES), eviction=list(LIVE_EVICTIONS),
+                                 replay_eviction=list(EVICTIONS), strength=dict(STRENGTH)))
 
     def validate(self, body) -> dict:
         """The change as a plan ``{routing, router, eviction, gamma, capacity}`` or :class:`ConfigError`."""
@@ -444,7 +444,8 @@ def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str
     T, L, _ = served_TLK.shape
     layer_steps = [served_TLK[:, li, :].tolist() for li in range(L)]
     caches = [make_cache(eviction, meta.num_experts, capacity, gamma=gamma, seed=li,
-                         future=[[e for e in s if e >= 0] for s in layer_steps[li]] if eviction == "belady" else None)
+                         future=[[e for e in s if e >= 0] for s in layer_steps[li]] if eviction_rule(eviction).offline
+                         else None)
               for li in range(L)]
     frames = []
     hits = misses = 0
@@ -485,7 +486,7 @@ def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
     eviction = body.get("eviction", "lru")
     if eviction not in EVICTIONS:
         raise ConfigError("eviction", f"must be one of {', '.join(EVICTIONS)}, got {json.dumps(eviction)[:40]}")
-    if eviction == "belady" and cfg.cache_aware:
+    if eviction_rule(eviction).offline and cfg.cache_aware:
         raise ConfigError("eviction", "belady needs fixed selections: only with policy original or prune")
     out = dict(routing=cfg, eviction=eviction)
     for k, default, integer in (("capacity", 8, True), ("gamma", 0.9, False), ("start", 0, True), ("steps", 256, True)):

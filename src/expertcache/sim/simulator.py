@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, make_cache, resolve_capacity
+from expertcache.cache import CacheStats, eviction_rule, make_cache, resolve_capacity
 
 __all__ = ["SimResult", "replay", "simulate", "activation_frequency"]
 
@@ -127,7 +127,8 @@ def replay(
         for a, b in segments:
             steps = ids_TLK[a:b, layer, :]
             cache = make_cache(eviction, num_experts, cap, initial=initial, seed=seed + layer, gamma=gamma,
-                               future=steps.tolist() if eviction == "belady" else None, expert_bytes=expert_bytes)
+                               future=steps.tolist() if eviction_rule(eviction).offline else None,
+                               expert_bytes=expert_bytes)
             cache.serve_array(steps)
             stats = cache.finish()
             total = stats if total is None else total.merge(stats)
@@ -219,8 +220,8 @@ def simulate(
             served[:, :, h:] = -1
         per_layer = replay(served, n, cap, eviction=eviction, gamma=gamma, **replay_kw).per_layer
     else:
-        if eviction == "belady":
-            raise ValueError("Belady needs the future selections, which a cache-aware policy only decides "
+        if eviction_rule(eviction).offline:
+            raise ValueError(f"{eviction}: Belady needs the future selections, which a cache-aware policy only decides "
                              "as it goes; simulate with lru/lfu/gamma and pass belady=True for the bound")
         freq = None if freq_LE is None else torch.as_tensor(np.asarray(freq_LE), dtype=torch.float32)
         router = Router(routing, num_experts=n, k=k, renormalize=meta.renormalize, scoring=meta.scoring,

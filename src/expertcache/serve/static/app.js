@@ -145,8 +145,13 @@ function fillSelect(sel, values, current) {
   if (current != null) sel.value = current;
 }
 
+function strengthName(policy) {  // the server's registry (config.choices.strength), else the papers' policies
+  const c = state.config && state.config.choices && state.config.choices.strength;
+  return c && policy in c ? c[policy] : STRENGTH_NAMES[policy];
+}
+
 function setStrengthControl(policy, routing, topK) {
-  const name = STRENGTH_NAMES[policy];
+  const name = strengthName(policy);
   const s = $("strength");
   $("strength-name").textContent = name ? (name === "lam" ? "λ" : name) : "strength";
   s.disabled = !name;
@@ -191,7 +196,7 @@ function controlBody() {
   const policy = $("policy").value;
   const body = { policy, top_j: Number($("top-j").value), eviction: $("eviction").value,
     capacity: Number($("capacity").value) };
-  const name = STRENGTH_NAMES[policy];
+  const name = strengthName(policy);
   if (name) body[name] = Number($("strength").value);
   return body;
 }
@@ -335,7 +340,8 @@ function setMode(mode) {
   $("step-label").textContent = mode === "live" ? "frames" : "replay step";
   $("hit-label").textContent = mode === "live" ? "hit rate since start" : "hit rate, replay so far";
   $("orig-box").classList.add("hidden");  // live: the next frame shows it again for a cache-aware policy
-  const evs = mode === "live" ? (state.config ? state.config.choices.eviction : []) : ["lru", "lfu", "gamma", "belady"];
+  const evs = mode === "live" ? (state.config ? state.config.choices.eviction : [])
+    : (state.config && state.config.choices.replay_eviction) || ["lru", "lfu", "gamma", "gamma-admit", "belady"];
   fillSelect($("eviction"), evs, $("eviction").value);
   if (mode === "live") {
     replayPause();
