@@ -316,7 +316,7 @@ class LiveControl:
         if cfg.h is not None and not 1 <= cfg.h <= rt.top_k:
             raise ConfigError("h", f"must be in [1, K={rt.top_k}], got {cfg.h}")
         eviction = body.get("eviction", rt.eviction)
-        if eviction not in LIVE_EVICTIONS:
+        if not isinstance(eviction, str) or eviction not in LIVE_EVICTIONS:
             raise ConfigError("eviction", f"must be one of {list(LIVE_EVICTIONS)} live (belady needs the future: "
                                           f"use the replay), got {json.dumps(eviction)[:40]}")
         gamma = body.get("gamma", rt.gamma)
@@ -484,7 +484,7 @@ def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
         raise ConfigError("trace", f"unknown trace {json.dumps(name)[:80]}; available: {sorted(traces)}")
     cfg = _routing_from(body, {})
     eviction = body.get("eviction", "lru")
-    if eviction not in EVICTIONS:
+    if not isinstance(eviction, str) or eviction not in EVICTIONS:
         raise ConfigError("eviction", f"must be one of {', '.join(EVICTIONS)}, got {json.dumps(eviction)[:40]}")
     if eviction_rule(eviction).offline and cfg.cache_aware:
         raise ConfigError("eviction", "belady needs fixed selections: only with policy original or prune")
