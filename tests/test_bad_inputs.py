@@ -829,6 +829,7 @@ def test_stdout_closed_early_or_full_is_one_line(env, how):
     (["serve", "--device", "cuda:7"], "--device"),
     (["generate", "--device", "bogus", "hi"], "--device"),
     (["bench", "--device", "cuda", "--tokens", "2"], "--device"),
+    (["trace", "record", "--device", "cuda:3", "--out", "/tmp/never-written.trace"], "--device"),
     (["melinoe", "finetune", "--preset", "bogus", "--out", "x"], "--preset"),
 ])
 def test_flags_added_this_round_name_a_bad_value(argv, culprit, capsys):

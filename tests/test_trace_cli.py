@@ -55,10 +55,10 @@ def test_record_text_file_no_weights_and_info(env, tmp_path, capsys):
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
     out = tmp_path / "f.trace"
     assert main(["trace", "record", "--model", model_dir, "--task", "text-file", "--file", str(text),
-                 "--tokens", "500", "--no-weights", "--out", str(out)]) == 0
+                 "--tokens", "500", "--no-weights", "--device", "cpu", "--out", str(out)]) == 0
     tr = RoutingTrace.load(out)
     assert tr.weights_TLK is None and tr.num_tokens == 500  # 900 characters: 2 chunks of 256, cut to 500
-    assert tr.meta.extra["text"] == "doc.txt"
+    assert tr.meta.extra["text"] == "doc.txt" and tr.meta.extra["device"] == "cpu"
     capsys.readouterr()
     assert main(["trace", "info", str(out), "--capacity", "4"]) == 0
     info = capsys.readouterr().out

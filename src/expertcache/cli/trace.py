@@ -7,8 +7,8 @@ import math
 import os
 import sys
 
-from expertcache.cli.common import (add_threads_arg, apply_threads, capacity_spec, check_input_file,
-                                    check_output_path, positive_int)
+from expertcache.cli.common import (add_device_arg, add_threads_arg, apply_threads, capacity_spec, check_input_file,
+                                    check_output_path, device_from_args, positive_int)
 
 DESCRIPTION = """\
 record: run the model on text with its ORIGINAL routing and save every token's router logits (float16 by
@@ -35,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--logits-dtype", choices=("float16", "float32"), default="float16")
     r.add_argument("--no-weights", action="store_true", help="do not store the combine weights (smaller file)")
     add_threads_arg(r)
+    add_device_arg(r)
     r.add_argument("--out", required=True, help="trace file to write (atomically)")
     r.set_defaults(func=run_record)
     i = tsub.add_parser("info", help="describe a trace")
@@ -52,6 +53,7 @@ def run_record(args: argparse.Namespace) -> int:
     from expertcache.routing import RoutingConfig
 
     check_output_path(args.out, "--out")
+    device = device_from_args(args)  # a device this machine lacks: one line, exit 2, before the text is read
     apply_threads(args, getattr(args, "model", None))
     if args.task == "text-file":
         if not args.file:
@@ -63,6 +65,7 @@ def run_record(args: argparse.Namespace) -> int:
     else:
         text, label = wikitext_text(resolve_eval_data_dir("wikitext", args.data_dir)), "wikitext-2-raw-v1 test"
     model, tok = load_model_and_tokenizer(args.model)
+    model.to(device)  # the task feeds the model's device; the patch records on the host
     ctx = context_length(model)
     try:
         task = WikiTextTask(tok, context=ctx, text=text, limit=math.ceil(args.tokens / ctx))
@@ -75,7 +78,7 @@ def run_record(args: argparse.Namespace) -> int:
         trace = patch.trace()
     trace = trace.head(args.tokens)
     trace.meta.model = str(args.model)
-    trace.meta.extra.update(text=label, context=ctx, chunk_tokens=ctx, ppl=out["quality"])
+    trace.meta.extra.update(text=label, context=ctx, chunk_tokens=ctx, ppl=out["quality"], device=str(device))
     if args.no_weights:
         trace.weights_TLK = None
     path = trace.save(args.out, logits_dtype=args.logits_dtype)
