@@ -15,6 +15,15 @@ streams it at ~10.6 GB/s on this VM's AMX Xeon, and ``mv`` (the weight as the so
 single-core memory bandwidth (1.3× per expert; fp32: equal). :func:`use_matvec` applies the same rule to
 the model's other ``nn.Linear`` modules (attention projections, ``lm_head``), which read as many bytes per
 token as the experts in an all-resident model.
+
+Several rows in bfloat16/float16 on a CPU are padded with zero rows to a bucket (:func:`row_bucket`: a power
+of two up to 128, then a multiple of 128) and the result sliced back. oneDNN builds and keeps a kernel for
+every row count M it sees: about 0.66 MiB of RSS per new M per weight shape, held for the life of the process
+(a [208, 144] bf16 ``linear`` over M = 1..1024: +680 MiB; float32 goes to MKL: +0.8 MiB), so a server whose
+batches and prompts keep producing new M grew in steps for as long as it ran. Buckets bound the row counts
+to a few dozen. The rows are computed independently of M (the real rows' values are the same bit for bit
+padded or not, checked for M = 1..256 and by the offloaded-vs-in-memory logits tests); the padding costs at
+most the rows added (< 2×, and nothing where the call's fixed cost dominates, as it does for expert rows).
 """
 
 from __future__ import annotations
@@ -30,7 +39,28 @@ from expertcache.offload.checkpoint import ExpertParts
 from expertcache.offload.quant import QuantLayout, unpack_expert
 from expertcache.offload.store import Placement
 
-__all__ = ["expert_views", "expert_mlp", "OffloadedExperts", "matvec_linear", "use_matvec"]
+__all__ = ["expert_views", "expert_mlp", "OffloadedExperts", "matvec_linear", "use_matvec", "row_bucket",
+           "rows_bucketed", "pad_rows"]
+
+#: dtypes whose multi-row products on a CPU go to oneDNN's per-shape kernels (module docstring)
+_BUCKETED = (torch.bfloat16, torch.float16)
+
+
+def row_bucket(m: int) -> int:
+    """The row count ``m`` rows are padded to: the next power of two up to 128, then the next multiple of 128."""
+    if m <= 128:
+        return 1 << (m - 1).bit_length() if m > 1 else m
+    return -(-m // 128) * 128
+
+
+def rows_bucketed(x: torch.Tensor) -> bool:
+    """Whether a multi-row product with ``x`` is padded to :func:`row_bucket` rows (bf16/fp16 on a CPU)."""
+    return x.dtype in _BUCKETED and x.device.type == "cpu"
+
+
+def pad_rows(x_MD: torch.Tensor, b: int) -> torch.Tensor:
+    """``x_MD`` with zero rows appended up to ``b`` rows."""
+    return torch.cat([x_MD, x_MD.new_zeros(b - x_MD.shape[0], x_MD.shape[1])])
 
 
 def expert_views(blob_u8: torch.Tensor, parts: ExpertParts, placement: Placement, dtype: torch.dtype,
@@ -57,12 +87,17 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
 
         def interleaved(x_TD, w):
             gate_up, gate_up_bias, down, down_bias = w
+            m = x_TD.shape[0]
+            b = row_bucket(m) if m > 1 and rows_bucketed(x_TD) else m
+            if b != m:
+                x_TD = pad_rows(x_TD, b)
             gu_TF2 = x_TD @ gate_up + gate_up_bias
             gate, up = gu_TF2[..., ::2], gu_TF2[..., 1::2]
             gate = gate.clamp(min=None, max=limit)
             up = up.clamp(min=-limit, max=limit)
             glu = gate * torch.sigmoid(gate * alpha)
-            return ((up + 1) * glu) @ down + down_bias
+            out = ((up + 1) * glu) @ down + down_bias
+            return out if b == m else out[:m]
         return interleaved
     act = experts_module.act_fn
 
@@ -71,8 +106,13 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
         if x_TD.shape[0] == 1:  # one token: two matrix-vector products (module docstring)
             gate, up = torch.mv(gate_up, x_TD[0]).chunk(2)
             return torch.mv(down, act(gate) * up)[None]
+        m = x_TD.shape[0]
+        b = row_bucket(m) if rows_bucketed(x_TD) else m
+        if b != m:
+            x_TD = pad_rows(x_TD, b)
         gate, up = F.linear(x_TD, gate_up).chunk(2, dim=-1)
-        return F.linear(act(gate) * up, down)
+        out = F.linear(act(gate) * up, down)
+        return out if b == m else out[:m]
     linear.act = act  # the one-token step batches the activation over its experts (step.py _serve_one)
     return linear
 
@@ -80,6 +120,12 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
 def matvec_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, as ``torch.mv``/``torch.addmv`` when ``x`` holds one row."""
     if x.numel() != x.shape[-1] or x.dtype != weight.dtype or weight.dim() != 2:
+        if x.dim() >= 2 and x.numel() and rows_bucketed(x):  # several rows: padded to a bucket (module docstring)
+            m = x.numel() // x.shape[-1]
+            b = row_bucket(m)
+            if b != m:
+                y = F.linear(pad_rows(x.reshape(m, x.shape[-1]), b), weight, bias)[:m]
+                return y.reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, weight, bias)
     v = x.reshape(-1)
     y = torch.mv(weight, v) if bias is None else torch.addmv(bias, weight, v)
