@@ -22,7 +22,7 @@ every row count M it sees: about 0.66 MiB of RSS per new M per weight shape, hel
 (a [208, 144] bf16 ``linear`` over M = 1..1024: +680 MiB; float32 goes to MKL: +0.8 MiB), so a server whose
 batches and prompts keep producing new M grew in steps for as long as it ran. Buckets bound the row counts
 to a few dozen. The rows are computed independently of M (the real rows' values are the same bit for bit
-padded or not, checked for M = 1..256 and by the offloaded-vs-in-memory logits tests); the padding costs at
+padded or not: checked for M = 1..256 here and by ``tests/test_row_buckets.py``); the padding costs at
 most the rows added (< 2×, and nothing where the call's fixed cost dominates, as it does for expert rows).
 """
 
