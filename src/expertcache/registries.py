@@ -9,14 +9,35 @@ sees the registered name (argparse choices and help built from it, ``in`` checks
 :class:`Names`: the names whose declaration satisfies ``keep``, in registration order; a sequence (``in``,
 ``len``, iteration, indexing) equal to the tuple of the same names. :class:`Field`: a mapping name -> one
 value of the declaration (``get``, ``items``, ...), over the declarations satisfying ``keep``.
+:func:`unregister` and :func:`registered` are the removal and the scoped registration both registries offer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Names", "Field"]
+__all__ = ["Names", "Field", "unregister", "registered"]
+
+
+def unregister(source: dict, builtin, name: str, what: str, lookup: Callable[[str], Any]) -> None:
+    """Remove ``name`` from ``source``: ValueError for a built-in one (``builtin``), ``lookup``'s error (naming
+    the known ones) for an unknown one. ``what`` names the kind in the message ("routing policy")."""
+    if name in builtin:
+        raise ValueError(f"{what} {name!r} is built in; only registered ones can be removed")
+    lookup(name)
+    del source[name]
+
+
+@contextmanager
+def registered(register: Callable[[Any], Any], source: dict, item: Any) -> Iterator[Any]:
+    """``register(item)`` for the block only (tests): ``item.name`` leaves ``source`` on the way out."""
+    register(item)
+    try:
+        yield item
+    finally:
+        source.pop(item.name, None)
 
 
 def _always(_: Any) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -17,7 +16,7 @@ from expertcache.cache.discounted import DiscountedCache
 from expertcache.cache.gamma import GammaCache
 from expertcache.cache.lfu import LFUCache
 from expertcache.cache.lru import LRUCache
-from expertcache.registries import Names
+from expertcache.registries import Names, registered, unregister
 
 __all__ = ["EVICTION_POLICIES", "EVICTIONS", "LIVE_EVICTIONS", "EvictionRule", "eviction_rule", "evictions",
            "make_cache", "register_eviction", "registered_eviction", "resolve_capacity", "unregister_eviction"]
@@ -113,20 +112,12 @@ def register_eviction(rule: EvictionRule) -> EvictionRule:
 
 def unregister_eviction(name: str) -> None:
     """Remove a rule added with :func:`register_eviction` (the built-in ones stay)."""
-    if name in BUILTIN:
-        raise ValueError(f"eviction rule {name!r} is built in; only registered rules can be removed")
-    eviction_rule(name)
-    del EVICTIONS[name]
+    unregister(EVICTIONS, BUILTIN, name, "eviction rule", eviction_rule)
 
 
-@contextmanager
 def registered_eviction(rule: EvictionRule):
     """``with registered_eviction(EvictionRule(...)):`` the rule exists inside the block only (tests)."""
-    register_eviction(rule)
-    try:
-        yield rule
-    finally:
-        EVICTIONS.pop(rule.name, None)
+    return registered(register_eviction, EVICTIONS, rule)
 
 
 def resolve_capacity(spec: float | int | str, num_experts: int) -> int:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import math
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from expertcache.registries import Field, Names
+from expertcache.registries import Field, Names, registered, unregister
 
 __all__ = ["PolicySpec", "SPECS", "POLICIES", "STRENGTH", "DEFAULT_TOP_J", "CACHE_PRIOR", "CODES", "NEEDS_PROBS",
            "STEERABLE", "NEEDS_PROFILE", "spec", "policies", "policy_colour", "register_policy", "unregister_policy",
@@ -168,17 +167,9 @@ def register_policy(s: PolicySpec) -> PolicySpec:
 
 def unregister_policy(name: str) -> None:
     """Remove a policy added with :func:`register_policy` (the built-in ones stay)."""
-    if name in BUILTIN:
-        raise ValueError(f"routing policy {name!r} is built in; only registered policies can be removed")
-    spec(name)
-    del SPECS[name]
+    unregister(SPECS, BUILTIN, name, "routing policy", spec)
 
 
-@contextmanager
 def registered_policy(s: PolicySpec):
     """``with registered_policy(PolicySpec(...)):`` the policy exists inside the block only (tests)."""
-    register_policy(s)
-    try:
-        yield s
-    finally:
-        SPECS.pop(s.name, None)
+    return registered(register_policy, SPECS, s)
