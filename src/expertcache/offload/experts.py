@@ -40,7 +40,7 @@ from expertcache.offload.quant import QuantLayout, unpack_expert
 from expertcache.offload.store import Placement
 
 __all__ = ["expert_views", "expert_mlp", "OffloadedExperts", "matvec_linear", "use_matvec", "row_bucket",
-           "rows_bucketed", "pad_rows"]
+           "rows_bucketed", "bucket_rows"]
 
 #: dtypes whose multi-row products on a CPU go to oneDNN's per-shape kernels (module docstring)
 _BUCKETED = (torch.bfloat16, torch.float16)
@@ -58,9 +58,15 @@ def rows_bucketed(x: torch.Tensor) -> bool:
     return x.dtype in _BUCKETED and x.device.type == "cpu"
 
 
-def pad_rows(x_MD: torch.Tensor, b: int) -> torch.Tensor:
-    """``x_MD`` with zero rows appended up to ``b`` rows."""
-    return torch.cat([x_MD, x_MD.new_zeros(b - x_MD.shape[0], x_MD.shape[1])])
+def bucket_rows(x_MD: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(``x_MD`` with zero rows appended up to :func:`row_bucket` rows where :func:`rows_bucketed`, else
+    ``x_MD``; its own row count M). A product of the result is sliced back with ``[:M]``."""
+    m = x_MD.shape[0]
+    if m > 1 and rows_bucketed(x_MD):
+        b = row_bucket(m)
+        if b != m:
+            return torch.cat([x_MD, x_MD.new_zeros(b - m, x_MD.shape[1])]), m
+    return x_MD, m
 
 
 def expert_views(blob_u8: torch.Tensor, parts: ExpertParts, placement: Placement, dtype: torch.dtype,
@@ -87,17 +93,14 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
 
         def interleaved(x_TD, w):
             gate_up, gate_up_bias, down, down_bias = w
-            m = x_TD.shape[0]
-            b = row_bucket(m) if m > 1 and rows_bucketed(x_TD) else m
-            if b != m:
-                x_TD = pad_rows(x_TD, b)
+            x_TD, m = bucket_rows(x_TD)
             gu_TF2 = x_TD @ gate_up + gate_up_bias
             gate, up = gu_TF2[..., ::2], gu_TF2[..., 1::2]
             gate = gate.clamp(min=None, max=limit)
             up = up.clamp(min=-limit, max=limit)
             glu = gate * torch.sigmoid(gate * alpha)
             out = ((up + 1) * glu) @ down + down_bias
-            return out if b == m else out[:m]
+            return out if out.shape[0] == m else out[:m]
         return interleaved
     act = experts_module.act_fn
 
@@ -106,13 +109,10 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
         if x_TD.shape[0] == 1:  # one token: two matrix-vector products (module docstring)
             gate, up = torch.mv(gate_up, x_TD[0]).chunk(2)
             return torch.mv(down, act(gate) * up)[None]
-        m = x_TD.shape[0]
-        b = row_bucket(m) if rows_bucketed(x_TD) else m
-        if b != m:
-            x_TD = pad_rows(x_TD, b)
+        x_TD, m = bucket_rows(x_TD)
         gate, up = F.linear(x_TD, gate_up).chunk(2, dim=-1)
         out = F.linear(act(gate) * up, down)
-        return out if b == m else out[:m]
+        return out if out.shape[0] == m else out[:m]
     linear.act = act  # the one-token step batches the activation over its experts (step.py _serve_one)
     return linear
 
@@ -121,11 +121,9 @@ def matvec_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)``, as ``torch.mv``/``torch.addmv`` when ``x`` holds one row."""
     if x.numel() != x.shape[-1] or x.dtype != weight.dtype or weight.dim() != 2:
         if x.dim() >= 2 and x.numel() and rows_bucketed(x):  # several rows: padded to a bucket (module docstring)
-            m = x.numel() // x.shape[-1]
-            b = row_bucket(m)
-            if b != m:
-                y = F.linear(pad_rows(x.reshape(m, x.shape[-1]), b), weight, bias)[:m]
-                return y.reshape(*x.shape[:-1], y.shape[-1])
+            x_MD, m = bucket_rows(x.reshape(-1, x.shape[-1]))
+            if x_MD.shape[0] != m:
+                return F.linear(x_MD, weight, bias)[:m].reshape(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
     v = x.reshape(-1)
     y = torch.mv(weight, v) if bias is None else torch.addmv(bias, weight, v)

@@ -60,8 +60,7 @@ from expertcache.cache import CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
 from expertcache.offload.checkpoint import Checkpoint
-from expertcache.offload.experts import (OffloadedExperts, expert_mlp, pad_rows, row_bucket, rows_bucketed,
-                                         use_matvec)
+from expertcache.offload.experts import OffloadedExperts, bucket_rows, expert_mlp, use_matvec
 from expertcache.offload.config import OffloadConfig
 from expertcache.offload.ioqueue import IOQueue
 from expertcache.offload.loader import cache_dir as _cache_dir
@@ -304,12 +303,10 @@ class OffloadedModel(LayerSteps):
 
     def _make_router_forward(self, m: MoELayer, stock):
         def forward(hidden_states, *args, **kwargs):
-            t = hidden_states.shape[0]
-            b = row_bucket(t) if hidden_states.dim() == 2 and t > 1 and rows_bucketed(hidden_states) else t
-            if b == t:
-                z_TE, w0_TK, ids0_TK = stock(hidden_states, *args, **kwargs)
-            else:  # rows padded to a bucket, as every other linear (offload/experts.py): routing is per token
-                z_TE, w0_TK, ids0_TK = (o[:t] for o in stock(pad_rows(hidden_states, b), *args, **kwargs))
+            x_TD, t = bucket_rows(hidden_states) if hidden_states.dim() == 2 else (hidden_states, None)
+            z_TE, w0_TK, ids0_TK = stock(x_TD, *args, **kwargs)
+            if x_TD is not hidden_states:  # rows padded to a bucket as every linear's (offload/experts.py); per token
+                z_TE, w0_TK, ids0_TK = z_TE[:t], w0_TK[:t], ids0_TK[:t]
             w_TK, ids_TK = self.route(m, z_TE, w0_TK, ids0_TK)
             if self._router_observers:
                 self._notify_router(m.index, z_TE, ids_TK, w_TK)
