@@ -292,6 +292,8 @@ class Engine:
         self._forward_observers = self._forward_observers + (fn,)
 
     def _after_forward(self, rows: int, tokens: int, seconds: float, delta: dict) -> None:
+        if rows == 0:  # a prefill: what prefill_delay scales
+            self._last_prefill_s = seconds
         if self.metrics is not None:
             self.metrics.on_step(rows, tokens, seconds, delta)
         for fn in self._forward_observers:
@@ -336,13 +338,6 @@ class Engine:
                 and sum(len(r.prompt_ids) for r in self._prefilling) < budget \
                 and time.perf_counter() - head.t_submit < self.prefill_delay * self._last_prefill_s:
             return  # held: prompts arriving meanwhile join its packed prefill; the rows decode on
-        t0 = time.perf_counter()
-        try:
-            self._prefill_next(head, budget)
-        finally:
-            self._last_prefill_s = time.perf_counter() - t0
-
-    def _prefill_next(self, head: Request, budget: int) -> None:
         if head.prefilled > 0 or len(head.prompt_ids) > budget:
             self._prefill_chunk(head, min(len(head.prompt_ids) - head.prefilled, budget))
             return
