@@ -830,6 +830,11 @@ def test_stdout_closed_early_or_full_is_one_line(env, how):
     (["generate", "--device", "bogus", "hi"], "--device"),
     (["bench", "--device", "cuda", "--tokens", "2"], "--device"),
     (["trace", "record", "--device", "cuda:3", "--out", "/tmp/never-written.trace"], "--device"),
+    (["serve", "--prefill-delay", "-1"], "--prefill-delay"),
+    (["serve", "--prefill-delay", "nan"], "--prefill-delay"),
+    (["serve", "--allowed-host", "http://box.lan"], "--allowed-host"),
+    (["serve", "--allowed-host", "a b"], "--allowed-host"),
+    (["generate", "--readers", "-1", "hi"], "--readers"),
     (["melinoe", "finetune", "--preset", "bogus", "--out", "x"], "--preset"),
 ])
 def test_flags_added_this_round_name_a_bad_value(argv, culprit, capsys):
