@@ -244,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
               + (f", prefetch precision {s['prefetch']['precision']:.2f} recall {s['prefetch']['recall']:.2f}"
                  if s["prefetch"]["precision"] is not None else "") + (f" ({s['prefetched']} of them prefetched by --predictor)" if s["prefetched"] else "")
               + (f"; loads: {s['tiers']['host_hits']} from host RAM, {s['tiers']['disk_reads']} from disk"
-                 if s["tiers"] else "") + f", {args.threads} thread(s)",
+                 if s["tiers"] else "") + f", {args.threads} thread(s)"
+              + (f"; experts {row['config']['quant_kernel']}" if row["config"].get("quant_kernel") else "")
+              + (f"; dense {offload.quant_dense}" if offload.quant_dense else ""),
               file=sys.stderr)
     return 0

@@ -14,8 +14,9 @@ class OffloadConfig:
     tier: 'disk' (read the checkpoint on every miss) or 'host' (all experts in host RAM). io: disk reads,
     'direct' | 'fadvise' | 'cached' (see :mod:`expertcache.offload.store`). capacity: slots per layer C, or
     None to derive it from ``memory`` (bytes or '3GiB'); both None = every expert (C = N). quant: None,
-    'int8' or 'int4' (group ``group``; None = the largest divisor of D and F up to 64, see
-    :func:`~expertcache.offload.quant.default_group`). context, batch: the KV cache the budget reserves.
+    'int8' (per output channel) or 'int4' (group ``group`` in 32/64/128/256; None = 64 where it divides D and
+    F, else 32 with K zero-padded, see :func:`~expertcache.offload.quant.default_group`), packed for torch's
+    fused kernels. context, batch: the KV cache the budget reserves.
     readers: reader threads of the I/O queue (0 = every read on the compute thread, serial; None =
     :meth:`default_readers`). prefetch: spare slots shared by all layers for next-layer speculative prefetch
     (0 = off; they are part of the memory plan). host_memory: with ``tier='disk'``, the budget (bytes or
