@@ -229,3 +229,71 @@ def test_old_format_sidecars_are_rebuilt_in_the_cache_and_refused_next_to_the_mo
     # another kernel layout (an int4 sidecar packed for another CPU) is refused the same way
     with pytest.raises(CheckpointError, match="another layout"):
         store.check_sidecar_layout(side, dataclasses.replace(rt.source.quant, dtype=torch.bfloat16))
+
+
+# -- the dense weights (--quant-dense) --------------------------------------------------------------------
+
+
+def _read_back(mod) -> torch.Tensor:
+    """The weight a QuantLinear computes with, read through its kernel from the identity (fp32 out)."""
+    eye = torch.eye(mod.qm.k_pad, dtype=mod.scales.dtype)
+    return qmm(eye, mod.qweight, mod.scales, mod.qm).T[:, :mod.in_features].float()
+
+
+@pytest.mark.parametrize("mode,agree", [("int8", 0.9), ("int4", 0.7)])
+def test_dense_quantisation_keeps_logits_within_its_weight_error(mode, agree):
+    """Shipped granular model, experts bf16, attention + lm_head quantised, embedding int8 rows. Tolerance
+    from the weights themselves: ε = the largest relative (Frobenius) error of a quantised matrix, read back
+    through its kernel; the logits carry one such error per quantised product on the path (4 layers × 4
+    projections + lm_head + the embedding = 18, independent: they add in quadrature, √18 ≈ 4.2), so their
+    relative error stays under 4.5 ε. Greedy tokens (argmax per position) mostly agree."""
+    from tokenizers import Tokenizer
+
+    from expertcache.models.loader import resolve_model_path
+    from expertcache.offload import OffloadConfig, OffloadedModel
+    from expertcache.offload.qlinear import QuantEmbedding, QuantLinear, dense_targets
+
+    path = resolve_model_path("granular")
+    ids = torch.tensor([Tokenizer.from_file(str(path / "tokenizer.json")).encode(
+        (path / "MODEL_CARD.md").read_text()[:1500]).ids[:64]])
+    ref_rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host"))
+    bf16 = {n: m.weight.detach().float().clone() for n, m in dense_targets(ref_rt.model).items()}
+    with torch.inference_mode():
+        want = ref_rt.forward(ids).logits[0].float()
+    del ref_rt
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant_dense=mode))
+    eps = []
+    for name, w in bf16.items():
+        mod = rt.model.get_submodule(name)
+        if isinstance(mod, QuantEmbedding):
+            got = mod.codes.float() * mod.scales.float()[:, None]
+            assert bool(((got - w).abs() <= mod.scales.float()[:, None] / 2 * 1.01 + 1e-8).all())  # int8 rows
+        else:
+            assert isinstance(mod, QuantLinear) and mod.qm.mode == mode
+            got = _read_back(mod)
+        eps.append(((got - w).norm() / w.norm()).item())
+    assert len(eps) == 4 * 4 + 2  # q, k, v, o of 4 layers, lm_head, embedding (tied: two copies)
+    with torch.inference_mode():
+        got = rt.forward(ids).logits[0].float()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 4.5 * max(eps), (rel, max(eps))
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= agree
+
+
+def test_dense_bytes_of_a_skeleton_equal_the_loaded_model(tmp_path):
+    """:func:`dense_bytes` on a meta-device skeleton (nothing allocated) = the bytes the runtime's plan counts
+    for the loaded, quantised model -- the number the memory plan can use before loading."""
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.models.loader import load_config_checked, resolve_model_path
+    from expertcache.offload import OffloadConfig, OffloadedModel
+    from expertcache.offload.qlinear import dense_bytes
+
+    path = resolve_model_path("coarse")
+    config = load_config_checked(path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for mode in (None, "int8", "int4"):
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant_dense=mode))
+        assert dense_bytes(skeleton, mode) == rt.plan.non_expert_bytes, mode
+    assert dense_bytes(skeleton, "int4") < dense_bytes(skeleton, "int8") < dense_bytes(skeleton, None)
