@@ -13,6 +13,12 @@ with every expert resident (C = N, host tier), OLMoE-1B-7B shapes.
    warmed), ``--tokens`` teacher-forced tokens after a 16-token prompt; each round builds every configuration
    in turn (one in memory at a time), rounds interleave the configurations, medians of the decode tok/s.
 
+3. **quality**: closed-loop perplexity of the shipped models (``granular``, ``coarse``) on WikiText-2 test
+   (``--chunks`` chunks of 256 tokens from /work/shared/data, the caches carried across chunks), every
+   expert precision (bf16 / int8 / int4) × dense precision (none / int8 / int4) × routing (original,
+   Cache-Prior λ 0.2), through the offloaded runtime token by token (teacher-forced decode: each token's routing
+   sees the live residency of a C = N/2 LRU cache, as in BENCHMARKS.md's quality section).
+
 Writes rows to benchmarks/results/quant.jsonl (``--out``) and prints markdown tables with ratios against bf16
 measured in the same rounds.
 """
@@ -127,13 +133,60 @@ def decode_rows(layers: int, tokens: int, repeats: int, configs: list[str], log)
     return rows
 
 
+def quality_rows(models: list[str], chunks: int, log, seq: int = 256) -> list[dict]:
+    import math
+
+    from tokenizers import Tokenizer
+
+    from expertcache.eval.data import resolve_eval_data_dir, wikitext_text
+    from expertcache.models.loader import resolve_model_path
+    from expertcache.routing import RoutingConfig
+
+    text = wikitext_text(resolve_eval_data_dir("wikitext"))
+    rows = []
+    for model in models:
+        path = resolve_model_path(model)
+        ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+        chunks_NS = torch.tensor(ids[:chunks * seq]).view(chunks, seq)
+        for experts in ("bf16", "int8", "int4"):
+            for dense in ("none", "int8", "int4"):
+                q = None if experts == "bf16" else experts
+                rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant=q, context=seq,
+                                                                        quant_dense=None if dense == "none" else dense))
+                for routing in (RoutingConfig(), RoutingConfig(policy="cache-prior", lam=0.2)):
+                    rt.configure(routing=routing, capacity=rt.num_experts // 2)
+                    t0 = time.perf_counter()
+                    nll, count = 0.0, 0
+                    with torch.inference_mode():
+                        for chunk_S in chunks_NS:
+                            logits_BV, past = rt.prefill(chunk_S[None, :1])
+                            for t in range(1, seq):
+                                nll -= torch.log_softmax(logits_BV[0].float(), -1)[chunk_S[t]].item()
+                                count += 1
+                                if t < seq - 1:
+                                    logits_BV, past = rt.decode_one_token(chunk_S[None, t:t + 1], past)
+                    s = rt.stats()
+                    row = dict(kind="quant-quality", model=model, experts=experts, dense=dense,
+                               routing=routing.label(), capacity=rt.capacity, num_experts=rt.num_experts,
+                               ppl=math.exp(nll / count), tokens=count, miss_rate=s["misses"] / max(1, s["accesses"]),
+                               expert_bytes=rt.expert_bytes, non_expert_bytes=rt.plan.non_expert_bytes,
+                               group=rt.offload.group, seconds=time.perf_counter() - t0)
+                    log(f"{model} experts={experts} dense={dense} {row['routing']}: ppl {row['ppl']:.2f}, "
+                        f"miss rate {row['miss_rate']:.3f} ({row['seconds']:.0f} s)")
+                    rows.append(row)
+                rt.close()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", choices=("kernel", "decode"), default=None)
+    ap.add_argument("--only", choices=("kernel", "decode", "quality"), default=None)
+    ap.add_argument("--chunks", type=int, default=4, help="quality: WikiText chunks of 256 tokens")
+    ap.add_argument("--models", nargs="+", default=["granular", "coarse"], help="quality: shipped models")
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
@@ -160,6 +213,16 @@ def main(argv=None) -> int:
         print(f"\n| C = N, host tier, {args.layers} layers | tok/s (median of {args.repeats}) | × bf16 |\n|---|---:|---:|")
         for c in args.configs:
             print(f"| {c} | {med[c]:.2f} | {med[c] / base if base else float('nan'):.2f} |")
+    if args.only in (None, "quality"):
+        rows = quality_rows(args.models, args.chunks, lambda *a: print(*a, flush=True))
+        for r in rows:
+            out(r)
+        print("\n| model | experts | dense | routing | ppl | vs bf16/none | miss rate |\n|---|---|---|---|---:|---:|---:|")
+        for r in rows:
+            base = next(b["ppl"] for b in rows if b["model"] == r["model"] and b["routing"] == r["routing"]
+                        and b["experts"] == "bf16" and b["dense"] == "none")
+            print(f"| {r['model']} | {r['experts']} | {r['dense']} | {r['routing']} | {r['ppl']:.2f} | "
+                  f"{100 * (r['ppl'] / base - 1):+.2f} % | {r['miss_rate']:.3f} |")
     return 0
 
 
