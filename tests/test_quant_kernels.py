@@ -181,6 +181,39 @@ def test_a_miss_is_one_blob_read_into_a_slot_and_nothing_else(tiny_olmoe, monkey
     assert all(len(r) == 1 and ptr in slot_ptrs for r, ptr in reads)  # one range, straight into a slot
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_offloaded_quantised_logits_equal_the_model_with_dequantised_experts(tiny_olmoe, mode):
+    """Every capacity, prefill (several tokens: the batched step) then one-token decode (the one-token step):
+    the offloaded int8/int4 logits equal the in-memory transformers model whose experts are replaced by the
+    sidecar's dequantised matrices (read back through the kernel from the identity), fp32 -- so the runtime
+    computes each used expert with exactly the packed weights, whatever the residency."""
+    from conftest import decode_logits
+
+    from expertcache.models import load_model
+
+    rt = _rt(tiny_olmoe, quant=mode, capacity=None)
+    layout = rt.source.quant
+    ref = load_model(tiny_olmoe)
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    with torch.no_grad():
+        for m in rt.layers:
+            experts = ref.model.layers[m.layer_id].mlp.experts
+            for e in range(rt.num_experts):
+                rt.tier.fetch(rt._parts[(m.index, e)], buf)  # the blob, as a miss reads it
+                v = layout.views(buf)
+                gu = qmm(torch.eye(layout.gate_up.k_pad), v[0], v[1], layout.gate_up).T[:, :layout.d]
+                dn = qmm(torch.eye(layout.down.k_pad), v[2], v[3], layout.down).T[:, :layout.f]
+                fp, f = layout.f_pad, layout.f
+                experts.gate_up_proj[e].copy_(torch.cat([gu[:f], gu[fp:fp + f]]))
+                experts.down_proj[e].copy_(dn)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = ref(ids).logits
+    for c in (1, 3, rt.num_experts):
+        rt.configure(capacity=c)
+        torch.testing.assert_close(decode_logits(rt, ids, prefill=3), want, rtol=1e-4, atol=1e-4)
+
+
 def _rewrite_metadata(path, change):
     """The safetensors file at ``path`` with its ``__metadata__`` changed by ``change(dict)`` (data kept)."""
     raw = path.read_bytes()
