@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from expertcache.jsonsafe import JSONError, loads
+
 
 def named(exc: OSError, path: str | os.PathLike) -> OSError:
     """``exc`` naming ``path`` (errors of ``os.write``/``fsync`` on a descriptor carry no file name, so a full
@@ -105,8 +107,8 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
+            yield loads(line, what=f"{path}:{i + 1}")
+        except JSONError:
             if i == len(lines) - 1:  # torn last line of an interrupted write
                 return
             raise ValueError(f"{path}:{i + 1}: not a JSON row") from None

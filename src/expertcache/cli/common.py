@@ -346,13 +346,14 @@ def apply_threads(args: argparse.Namespace, model=None) -> int:
 def _hidden_size(model) -> int | None:
     if model is None:
         return None
-    import json
     from pathlib import Path
+
+    from expertcache.jsonsafe import load_path
 
     if isinstance(model, (str, Path)):
         try:
-            return int(json.loads((Path(model) / "config.json").read_text()).get("hidden_size"))
-        except (OSError, ValueError, TypeError):
+            return int(load_path(Path(model) / "config.json").get("hidden_size"))
+        except (OSError, ValueError, TypeError, AttributeError):
             return None
     cfg = getattr(model, "config", model)
     return getattr(cfg, "hidden_size", None)

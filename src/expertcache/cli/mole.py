@@ -16,6 +16,7 @@ import shlex
 import sys
 
 from expertcache.cli.common import add_device_arg, add_threads_arg, apply_threads, config_from_args, device_from_args
+from expertcache.jsonsafe import load_path
 
 
 def register(subparsers) -> None:
@@ -94,10 +95,9 @@ def _command() -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from expertcache.cli.common import check_output_path
     from expertcache.mole.configs import MoleTrainConfig
     from expertcache.mole.train import train_mole
-
-    from expertcache.cli.common import check_output_path
 
     cfg = config_from_args(MoleTrainConfig, args)
     check_output_path(cfg.out or None, "--out", directory=True)
@@ -114,7 +114,7 @@ def run_export(args: argparse.Namespace) -> int:
     check_output_path(args.out, "--out", directory=True)
     apply_threads(args, args.model_dir)
     out = export_table(args.model_dir, args.out, quant=args.quant, dtype=args.dtype, threads=args.threads)
-    spec = TableSpec(**json.loads((out / "config.json").read_text())["lookup_table"])
+    spec = TableSpec(**load_path(out / "config.json")["lookup_table"])
     print(f"wrote {out}: {spec.quant} table [V={spec.vocab}, L={spec.layers}, N={spec.experts}, D={spec.hidden}], "
           f"{spec.table_bytes / 2**20:.1f} MiB, {spec.record_bytes} bytes read per token")
     return 0

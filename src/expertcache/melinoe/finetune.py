@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.jsonsafe import load_path
 from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
 from expertcache.results import atomic_write_bytes, pyplot, save_figure, save_npy
 from expertcache.train.configs import check_positive, check_save_dtype
@@ -294,7 +295,7 @@ def _save_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer, me
 def _load_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer) -> dict:
     from safetensors.torch import load_file
 
-    meta = json.loads((state_dir / "state.json").read_text())
+    meta = load_path(state_dir / "state.json")
     tensors = load_file(str(state_dir / "trainable.safetensors"))
     with torch.no_grad():
         for n, p in trainable.items():

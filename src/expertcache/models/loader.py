@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from expertcache.jsonsafe import JSONError, load_path
 from expertcache.models.adapters import family_for
 
 __all__ = ["load_model", "read_config_json", "check_config_values", "load_config_checked", "check_weights_match_config", "load_tokenizer_checked",
@@ -27,11 +28,9 @@ def read_config_json(folder: str | os.PathLike) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found ({folder} is not a checkpoint folder)")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        data = load_path(path)
+    except JSONError as exc:
+        raise ValueError(str(exc)) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
     if "model_type" not in data:

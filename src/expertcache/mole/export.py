@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.jsonsafe import load_path
 from expertcache.mole import quant as Q
 from expertcache.mole.modeling import MoleForCausalLM
 from expertcache.mole.table import TableSpec
@@ -43,7 +44,7 @@ def export_table(model_dir: str | Path, out: str | Path, quant: str = "none", dt
         raise ValueError(f"dtype must be float32 or float16, not {dtype!r}")
     torch.set_num_threads(threads)
     model_dir, out = Path(model_dir), Path(out)
-    cfg_json = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").exists() else {}
+    cfg_json = load_path(model_dir / "config.json") if (model_dir / "config.json").exists() else {}
     if cfg_json.get("model_type") != "expertcache_mole" or cfg_json.get("lookup_table") is not None:
         raise ValueError(f"{model_dir} is not a training-form MoLE model folder (config.json model_type "
                          f"{cfg_json.get('model_type')!r})")

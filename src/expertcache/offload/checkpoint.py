@@ -28,7 +28,6 @@ and expert ``e`` (D hidden, F expert intermediate size):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -36,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from expertcache.jsonsafe import JSONError, load_path, loads
 
 __all__ = ["CheckpointError", "TensorEntry", "read_header", "Checkpoint", "ExpertParts", "ByteRange", "DTYPES"]
 
@@ -89,8 +90,8 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
                                   "(truncated, or not a safetensors file)")
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = loads(raw, what="header")
+    except JSONError as exc:
         raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
@@ -166,8 +167,10 @@ class Checkpoint:
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
             try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                files = sorted(set(load_path(index)["weight_map"].values()))
+            except JSONError as exc:
+                raise CheckpointError(f"corrupt shard index: {exc}") from None
+            except (KeyError, TypeError, AttributeError) as exc:
                 raise CheckpointError(f"{index}: corrupt shard index ({exc!r})") from None
             paths = [self.folder / f for f in files]
         elif (self.folder / "model.safetensors").is_file():

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from expertcache.jsonsafe import JSONError, loads
 from expertcache.results import atomic_write_bytes
 
 __all__ = ["TraceError", "TraceMeta", "RoutingTrace", "FORMAT_VERSION", "atomic_write_bytes"]
@@ -221,9 +222,9 @@ class RoutingTrace:
         except Exception as exc:  # safetensors raises its own error types for truncation/corruption
             raise TraceError(f"{path} is not a readable trace (truncated or corrupt?): {exc}") from None
         try:
-            meta = TraceMeta.from_dict(json.loads(raw_meta))
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise TraceError(f"{path}: trace metadata is not valid JSON: {exc}") from None
+            meta = TraceMeta.from_dict(loads(raw_meta, what="trace metadata"))
+        except (JSONError, TypeError) as exc:
+            raise TraceError(f"{path}: {exc}") from None
         except TraceError as exc:
             raise TraceError(f"{path}: {exc}") from None
         if meta.format_version > FORMAT_VERSION:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from expertcache import __version__
+from expertcache.jsonsafe import loads
 from expertcache.results import pyplot, save_figure, save_npy
 from expertcache.train.configs import MODEL_SPECS, TrainConfig, build_hf_config, build_model, count_params
 from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, sample_batch, split_documents
@@ -163,7 +164,7 @@ def load_train_state(path: Path) -> tuple[dict, dict, dict, dict]:
             if raw is None:
                 raise ValueError("not an expertcache training checkpoint (no training state in its header)")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        meta = json.loads(raw)
+        meta = loads(raw, what="training state header")
         if meta.get("format") != CKPT_FORMAT:
             raise ValueError(f"checkpoint format {meta.get('format')!r} is not {CKPT_FORMAT}")
         model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
