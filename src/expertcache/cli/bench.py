@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     add_offload_args(p)
     add_predictor_arg(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, row_outputs=("out",), replaced_folders=("out_dir",), writer="bench --make-model")
 
 
 def _prompt(path, n: int, batch: int, seed: int):

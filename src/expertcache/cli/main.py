@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _warnings_as_lines(args.command)
     try:
+        from expertcache.outputs import check_args
+
+        check_args(args, args.command)  # no output may damage an input or a user's file: before any work
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a full disk or closed pipe on stdout fails here, inside the handlers below
         return code

@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             action.help = (f"{_FT_HELP.get(action.dest, action.dest)} (default: from --preset: "
                            + ", ".join(f"{name} {rec[action.dest][0]}" for name, rec in PRESETS.items()) + ")")
     ft.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ft.set_defaults(func=run_finetune)
+    ft.set_defaults(func=run_finetune, replaced_folders=(("out", "model"), ("out", "state")), writer="melinoe finetune")
     pr = msub.add_parser("predictor", help="train the prompt -> expert-preference predictor (004 Sec. 3.1.2)")
     add_dataclass_args(pr, PredictorConfig, helps=PredictorConfig.HELP)
     pr.add_argument("--no-progress", action="store_true", help="no progress bar")

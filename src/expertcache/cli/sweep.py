@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--ray without ADDRESS: CPUs (= parallel runs) of the local Ray instance (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print how many runs are planned and pending, run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, row_outputs=("out",))
 
 
 def run(args: argparse.Namespace) -> int:

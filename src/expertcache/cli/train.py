@@ -31,7 +31,7 @@ def register(subparsers) -> None:
     p.add_argument("--card-tokens", type=nonneg_int, default=0,
                    help="with --card-only: cap on held-out / WikiText tokens scored (0 = all)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, replaced_folders=(("out", "model"),), writer="train")
 
 
 def run(args: argparse.Namespace) -> int:
