@@ -106,6 +106,10 @@ def _check_config_size(data: dict, path: Path) -> None:
                          "the config does not describe these weights")
 
 
+#: weight files written with pickle (torch.save): never loaded
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
 def _weight_files(folder: Path) -> list[Path]:
     """The model's safetensors files (not expertcache's quantised sidecars)."""
     return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("expertcache-"))
@@ -117,11 +121,16 @@ def check_weights_match_config(folder: str | os.PathLike, config, model: nn.Modu
     (``.experts.`` keys, stored per expert or fused) must hold as many values as the config says. ValueError
     naming the file and the config fields otherwise. ``model``: the model already built from ``config`` (on
     the meta device), else one is built. Folders without safetensors files are left to transformers."""
-    from expertcache.offload.checkpoint import read_header
+    from expertcache.offload.checkpoint import index_shards, read_header
 
     folder = Path(folder)
+    index = index_shards(folder)  # a shard outside the folder is refused before anything reads it
     files = _weight_files(folder)
-    if not files:
+    if not files and index is None:
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLED_SUFFIXES)
+        if pickled:
+            raise ValueError(f"{folder}: its weights are pickled ({', '.join(pickled[:3])}), which expertcache never "
+                             "loads (unpickling can run code); convert them to safetensors")
         return
     disk: dict[str, tuple[tuple[int, ...], str]] = {}
     for f in files:
@@ -179,6 +188,16 @@ def load_tokenizer_checked(folder: str | os.PathLike):
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (the model folder has no tokenizer; copy its tokenizer.json "
                                 "and tokenizer_config.json there)")
+    tok_config = Path(folder) / "tokenizer_config.json"
+    if not tok_config.is_file():  # without it the special tokens are unknown: ids past the vocabulary followed
+        raise FileNotFoundError(f"{tok_config}: not found (the model folder's tokenizer needs it beside "
+                                "tokenizer.json: copy the model's own)")
+    try:
+        tok_cfg = load_path(tok_config)
+    except JSONError as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(tok_cfg, dict):
+        raise ValueError(f"{tok_config}: expected a JSON object, got a JSON {type(tok_cfg).__name__}")
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # tokenizers raises plain Exception for a malformed file
@@ -255,6 +274,9 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
         return shipped_model_dir(str(spec))
     if is_hub_name(spec):
         return fetch_hub_model(str(spec))
+    if not str(spec).strip():  # Path("") is the current folder
+        raise FileNotFoundError("--model is empty: give a checkpoint folder, 'granular', 'coarse' or a hub name "
+                                "owner/name")
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"--model {spec}: no such model folder (give a checkpoint folder, 'granular', "
@@ -275,6 +297,8 @@ def load_model(path_or_hub_name: str | os.PathLike, dtype: torch.dtype = torch.f
     from transformers import AutoModelForCausalLM
 
     path = os.fspath(path_or_hub_name)
+    if not path.strip():
+        resolve_model_path(path)  # the one-line refusal of an empty name
     if is_hub_name(path):
         path = os.fspath(fetch_hub_model(path, kwargs.pop("revision", None)))
     local = os.path.isdir(path)

@@ -115,7 +115,33 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{path}: tensor {key!r} ends at byte {base + end} but the file has only "
                                   f"{size} bytes (truncated file)")
         out[key] = TensorEntry(path, key, dtype, shape, base + begin, end - begin)
+    spans = sorted((e.start, e.start + e.nbytes, k) for k, e in out.items() if e.nbytes)
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:  # two tensors on one byte range: one file's bytes would be both weights
+            raise CheckpointError(f"{path}: tensors {a!r} and {b!r} share bytes {begin}..{end} (corrupt header)")
     return out
+
+
+def index_shards(folder: str | os.PathLike) -> list[Path] | None:
+    """The shard files named by ``folder/model.safetensors.index.json`` (None without an index), each checked to be
+    a plain file name inside ``folder``: an index naming ``../elsewhere`` or ``/etc/passwd`` would make a model folder
+    read outside itself. CheckpointError naming the index otherwise."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        names = set(load_path(index)["weight_map"].values())
+    except JSONError as exc:
+        raise CheckpointError(f"corrupt shard index: {exc}") from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{index}: corrupt shard index ({exc!r})") from None
+    root = folder.resolve()
+    for name in names:
+        if not isinstance(name, str) or not name or Path(name).is_absolute() or \
+                root not in (root / name).resolve().parents:
+            raise CheckpointError(f"{index}: shard {name!r} is not a file inside the model folder; refused")
+    return [folder / name for name in sorted(names)]
 
 
 @dataclass(frozen=True)
@@ -164,15 +190,9 @@ class Checkpoint:
         self.folder = Path(folder)
         self.layout = layout
         self.num_experts = num_experts
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                files = sorted(set(load_path(index)["weight_map"].values()))
-            except JSONError as exc:
-                raise CheckpointError(f"corrupt shard index: {exc}") from None
-            except (KeyError, TypeError, AttributeError) as exc:
-                raise CheckpointError(f"{index}: corrupt shard index ({exc!r})") from None
-            paths = [self.folder / f for f in files]
+        shards = index_shards(self.folder)
+        if shards is not None:
+            paths = shards
         elif (self.folder / "model.safetensors").is_file():
             paths = [self.folder / "model.safetensors"]
         else:

@@ -236,4 +236,7 @@ class RoutingTrace:
             raise TraceError(f"{path}: {exc}") from None
         if trace.num_tokens == 0:  # every rate would read 0 %: nothing was recorded
             raise TraceError(f"{path}: the trace holds 0 tokens (nothing to simulate or analyse)")
+        if not (np.asarray(trace.ids_TLK) >= 0).any():  # every selection dropped (-1): rates of 0 accesses
+            raise TraceError(f"{path}: the trace selects no expert ({trace.num_tokens} tokens, every selection -1): "
+                             "no accesses to simulate or analyse")
         return trace
