@@ -156,3 +156,68 @@ def test_pickled_only_model_folder_is_one_line(tmp_path, capsys):
     for argv in (["generate", "--model", bad, "--max-new-tokens", "2", "The kernel"],
                  ["eval", "--model", bad, "--task", "wikitext", "--limit", "1", "--no-progress"]):
         _check(argv, "pickled", capsys)
+
+
+# -- tracebacks and unclear answers: MMLU files without questions, stdout closed or ASCII, empty --model, tokenizer ---
+
+
+@pytest.mark.parametrize("content", ["", "question,choice0,choice1,choice2,choice3,answer\n"])
+def test_mmlu_file_without_questions_is_named(tmp_path, capsys, content):
+    """ZeroDivisionError before."""
+    root = tmp_path / "data" / "mmlu"
+    for split in ("dev", "test"):
+        (root / split).mkdir(parents=True)
+    (root / "dev" / "os_dev.csv").write_text("question,choice0,choice1,choice2,choice3,answer\nq,a,b,c,d,0\n")
+    (root / "test" / "os_test.csv").write_text(content)
+    _check(["eval", "--model", "granular", "--task", "mmlu", "--limit", "1", "--data-dir", tmp_path / "data",
+            "--no-progress"], "os_test.csv: no questions", capsys)
+
+
+def _cli(args, **kw):
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env_ = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+                **kw.pop("env", {}))
+    return subprocess.run([sys.executable, "-m", "expertcache.cli.main", *map(str, args)], env=env_,
+                          stderr=subprocess.PIPE, timeout=120, **kw)
+
+
+def test_closed_stdout_is_one_line(env):
+    """``expertcache simulate T >&-``: AttributeError ('NoneType' object has no attribute 'write') before."""
+    proc = _cli(["simulate", env["trace"]], stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1))
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "Traceback" not in err and "error: stdout is closed" in err, err
+
+
+def test_output_encoding_that_cannot_write_the_text_names_stdout(env, capsys, monkeypatch, tmp_path):
+    """PYTHONIOENCODING=ascii: "'ascii' codec can't encode character" did not say which side failed."""
+    import io
+
+    ascii_out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    trace = tmp_path / "café.trace"  # the table names the trace
+    shutil.copy(env["trace"], trace)
+    code = main(["simulate", str(trace)])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert code == 2 and "error: stdout:" in err and "PYTHONIOENCODING" in err, err
+
+
+def test_empty_model_name_is_refused(capsys, tmp_path, monkeypatch):
+    """``--model ""`` read the current folder."""
+    monkeypatch.chdir(tmp_path)
+    _check(["generate", "--model", "", "The kernel"], "--model is empty", capsys)
+    _check(["eval", "--model", "", "--task", "wikitext", "--limit", "1"], "--model is empty", capsys)
+
+
+def test_tokenizer_config_missing_or_broken_is_blamed_on_itself(tmp_path, capsys):
+    """A broken tokenizer_config.json was blamed on tokenizer.json; a missing one gave 'the tokenizer has 8193
+    tokens'."""
+    missing = _model_copy(tmp_path, "nocfg")
+    (missing / "tokenizer_config.json").unlink()
+    _check(["generate", "--model", missing, "--max-new-tokens", "2", "The kernel"], "tokenizer_config.json: not found",
+           capsys)
+    broken = _model_copy(tmp_path, "badcfg")
+    (broken / "tokenizer_config.json").write_text('{"model_max_length": ')
+    line = _check(["generate", "--model", broken, "--max-new-tokens", "2", "The kernel"], "tokenizer_config.json",
+                  capsys)
+    assert "tokenizer.json" not in line.replace("tokenizer_config.json", "")
