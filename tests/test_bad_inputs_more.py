@@ -40,6 +40,7 @@ def test_size_and_count_flags_are_bounded(env, capsys):
         (["simulate", tr, "--initial", "random", "--seed", huge], "--seed"),
         (["analyze", tr, "--seed", huge], "--seed"),
         (["train", "--seed", huge], "--seed"),
+        (["train", "--seq-len", "1"], "--seq-len"),
         (["bench", "--model", tiny, "--tokens", "1"], "--tokens"),
         (["bench", "--model", tiny, "--batch", "100000"], "--batch"),
         (["bench", "--model", tiny, "--prompt-seed", huge], "--prompt-seed"),
