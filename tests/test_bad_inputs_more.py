@@ -222,3 +222,15 @@ def test_tokenizer_config_missing_or_broken_is_blamed_on_itself(tmp_path, capsys
     line = _check(["generate", "--model", broken, "--max-new-tokens", "2", "The kernel"], "tokenizer_config.json",
                   capsys)
     assert "tokenizer.json" not in line.replace("tokenizer_config.json", "")
+
+
+def test_fifo_where_a_file_is_expected_is_refused_not_waited_on(tmp_path, capsys):
+    """A FIFO as the trace blocked forever (no writer); a FIFO as config.json too."""
+    fifo = tmp_path / "t.trace"
+    os.mkfifo(fifo)
+    for argv in (["simulate", fifo], ["trace", "info", fifo], ["analyze", fifo]):
+        _check(argv, "not a regular file", capsys)
+    model = _model_copy(tmp_path, "fifocfg")
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    _check(["generate", "--model", model, "--max-new-tokens", "2", "The kernel"], "config.json: not a regular file", capsys)

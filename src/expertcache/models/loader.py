@@ -21,18 +21,25 @@ __all__ = ["load_model", "read_config_json", "check_config_values", "load_config
            "is_hub_name", "fetch_hub_model", "resolve_model_path", "HUB_FILES"]
 
 
-def read_config_json(folder: str | os.PathLike) -> dict:
-    """``folder/config.json`` as a dict. FileNotFoundError / ValueError naming the file when it is missing,
-    not UTF-8, not JSON or not a JSON object."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found ({folder} is not a checkpoint folder)")
+def json_object_file(path: Path, missing: str) -> dict:
+    """The JSON object in the file ``path``: FileNotFoundError ``path: not found (missing)`` without it, ValueError
+    naming it when it is not UTF-8, not JSON, nested too deep or not an object."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not found ({missing})")
     try:
-        data = load_path(path)
+        data = load_path(path)  # a FIFO, a folder, a device: "not a regular file"
     except JSONError as exc:
         raise ValueError(str(exc)) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    return data
+
+
+def read_config_json(folder: str | os.PathLike) -> dict:
+    """``folder/config.json`` as a dict. FileNotFoundError / ValueError naming the file when it is missing,
+    not UTF-8, not JSON or not a JSON object."""
+    path = Path(folder) / "config.json"
+    data = json_object_file(path, f"{folder} is not a checkpoint folder")
     if "model_type" not in data:
         raise ValueError(f"{path}: no model_type (not a transformers config)")
     check_config_values(data, path)
@@ -188,16 +195,9 @@ def load_tokenizer_checked(folder: str | os.PathLike):
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (the model folder has no tokenizer; copy its tokenizer.json "
                                 "and tokenizer_config.json there)")
-    tok_config = Path(folder) / "tokenizer_config.json"
-    if not tok_config.is_file():  # without it the special tokens are unknown: ids past the vocabulary followed
-        raise FileNotFoundError(f"{tok_config}: not found (the model folder's tokenizer needs it beside "
-                                "tokenizer.json: copy the model's own)")
-    try:
-        tok_cfg = load_path(tok_config)
-    except JSONError as exc:
-        raise ValueError(str(exc)) from None
-    if not isinstance(tok_cfg, dict):
-        raise ValueError(f"{tok_config}: expected a JSON object, got a JSON {type(tok_cfg).__name__}")
+    # without tokenizer_config.json the special tokens are unknown (ids past the vocabulary followed)
+    json_object_file(Path(folder) / "tokenizer_config.json", "the model folder's tokenizer needs it beside "
+                     "tokenizer.json: copy the model's own")
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # tokenizers raises plain Exception for a malformed file

@@ -206,6 +206,8 @@ class RoutingTrace:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"no trace file at {path}")
+        if not path.is_file():  # a FIFO would block the read forever, a folder or device is no trace
+            raise TraceError(f"{path}: not a regular file (a trace is a .safetensors file)")
         try:
             with safe_open(str(path), framework="numpy") as f:
                 raw_meta = (f.metadata() or {}).get(_META_KEY)
