@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from expertcache.cli.main import main
 from expertcache.outputs import (MARK, TMP_SUFFIX, OutputError, check_row_file, publish_folder, temp_folder)
 
 from test_trace_sim import make_trace
+
+SHIPPED = Path(__file__).resolve().parents[1] / "src" / "expertcache" / "assets" / "models" / "granular"
 
 
 def _snapshot(path: Path) -> dict:
@@ -60,6 +63,7 @@ def files(tmp_path):
     f["notes"] = tmp_path / "notes.txt"
     f["notes"].write_text("The kernel loads the module and the scheduler runs it.\n" * 120 + "no final newline")
     f["model"] = _tiny_mole(tmp_path / "mymodel")
+    f["granular"] = Path(shutil.copytree(SHIPPED, tmp_path / "granular"))
     mine = tmp_path / "my-folder"
     mine.mkdir()
     (mine / "thesis.tex").write_text("years of work\n")
@@ -85,6 +89,9 @@ def _cases(f):
         ("trace record --file X --out X", ["trace", "record", "--task", "text-file", "--file", notes, "--out", notes],
          "is the input", notes),
         ("mole export M --out M", ["mole", "export", model, "--out", model], "is the input", model),
+        ("trace record --model M --out M/model.safetensors", ["trace", "record", "--model", f["granular"], "--out",
+                                                              f["granular"] / "model.safetensors"],
+         "file of the input folder", f["granular"]),
         ("mole export M --out parent", ["mole", "export", model, "--out", root], "holds the input", root),
         # appending rows to a file that is not a row file
         ("sweep --out notes.txt", ["sweep", "--trace", t, "--policies", "original", "--out", notes, "--no-progress"],

@@ -58,9 +58,11 @@ def _inside(child: Path, parent: Path) -> bool:
     return c != p and p in c.parents
 
 
-def check_not_input(out, flag: str, inputs: dict, *, replaces_folder: bool = False) -> None:
+def check_not_input(out, flag: str, inputs: dict, *, replaces_folder: bool = False, appends: bool = False) -> None:
     """Refuse ``out`` (given as ``flag``) when it is one of ``inputs`` (``{label: path}``, label e.g.
-    ``"t.trace (trace)"``) or, for an output folder that is replaced (``replaces_folder``), when it holds one."""
+    ``"t.trace (trace)"``), when it would replace an existing file inside an input folder (a model's weights; not
+    for ``appends``: rows appended to a row file there), or, for an output folder that is replaced
+    (``replaces_folder``), when it holds an input."""
     if out in (None, ""):
         return
     for label, inp in inputs.items():
@@ -70,6 +72,8 @@ def check_not_input(out, flag: str, inputs: dict, *, replaces_folder: bool = Fal
             raise OutputError(f"{flag} {out}: is the input {label}; refusing to overwrite it (give another {flag})")
         if replaces_folder and _inside(inp, out):
             raise OutputError(f"{flag} {out}: holds the input {label} and would be replaced; give another {flag}")
+        if not (replaces_folder or appends) and os.path.isfile(out) and Path(inp).is_dir() and _inside(out, inp):
+            raise OutputError(f"{flag} {out}: would replace a file of the input folder {label}; give another {flag}")
 
 
 def _marked_by(folder: Path) -> str | None:
@@ -220,9 +224,10 @@ def check_args(args, command: str) -> None:
         dest, sub = (item, None) if isinstance(item, str) else item
         if values.get(dest):
             replaced[dest] = Path(values[dest]) / sub if sub else Path(values[dest])
+    rows = values.get("row_outputs") or ()
     for dest in OUTPUT_DESTS:
         for out in _paths_of(values.get(dest)):
-            check_not_input(out, _flag(dest), inputs, replaces_folder=dest in replaced)
+            check_not_input(out, _flag(dest), inputs, replaces_folder=dest in replaced, appends=dest in rows)
     for dest, folder in replaced.items():
         check_folder_output(folder, _flag(dest), values.get("writer") or command)
     for dest in values.get("row_outputs") or ():
