@@ -29,7 +29,7 @@ import torch
 
 from expertcache import __version__
 from expertcache.jsonsafe import loads
-from expertcache.outputs import check_folder_output, publish_folder, temp_file, temp_folder
+from expertcache.outputs import MARK, check_folder_output, publish_folder, temp_file, temp_folder
 from expertcache.results import named, pyplot, save_figure, save_npy
 from expertcache.train.configs import MODEL_SPECS, TrainConfig, build_hf_config, build_model, count_params
 from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, sample_batch, split_documents
@@ -391,5 +391,6 @@ def ship(cfg: TrainConfig) -> Path:
     dest = MODELS_DIR / cfg.model
     dest.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        shutil.copy(f, dest / f.name)
+        if f.name != MARK:  # the shipped folder is the package's, not this run's output
+            shutil.copy(f, dest / f.name)
     return dest
