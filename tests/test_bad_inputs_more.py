@@ -18,8 +18,11 @@ import pytest
 
 from expertcache.cli.main import main
 
-from test_bad_inputs import SHIPPED, _check, _raw_trace, env, one_thread  # noqa: F401 (fixtures)
+import test_bad_inputs
+from test_bad_inputs import SHIPPED, _check, _raw_trace
 from test_trace_sim import make_trace
+
+env, one_thread = test_bad_inputs.env, test_bad_inputs.one_thread  # the shared fixtures
 
 DEEP = "[" * 5000 + "]" * 5000  # RecursionError in json.loads before
 
