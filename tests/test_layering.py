@@ -10,6 +10,8 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "expertcache"
 
 #: bottom to top; a package may import only from packages in lower layers (and from itself)
 LAYERS = [
+    {"jsonsafe"},  # the one JSON reader: imports nothing of expertcache
+    {"outputs"},  # the output rule (paths, marks, temporary names): reads marks with jsonsafe
     {"__init__", "compiled", "results", "assets", "inputs", "device", "registries"},  # the package root and shared utilities
     {"routing"},  # policies: logits + residency -> ids (kernels)
     {"cache"},  # per-layer caches: ids -> hits, misses, evictions (kernels)
@@ -64,12 +66,13 @@ def test_no_import_from_a_layer_above_or_beside(path):
 
 
 def test_the_exceptions_are_leaves():
-    """An allowed upward import must not pull its layer in: the module imports nothing of expertcache."""
+    """An allowed upward import must not pull its layer in: the module imports nothing of expertcache but the
+    bottom layer (the JSON reader, itself a leaf)."""
     for targets in EXCEPTIONS.values():
         for name in targets:
             path = ROOT.joinpath(*name.split(".")[1:]).with_suffix(".py")
             assert path.exists(), name
-            assert _imported_packages(path) == set(), f"{name} imports from expertcache: no longer a leaf"
+            assert _imported_packages(path) <= LAYERS[0], f"{name} imports from expertcache: no longer a leaf"
 
 
 def test_the_layers_are_used():

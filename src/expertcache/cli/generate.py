@@ -8,8 +8,8 @@ import sys
 
 from expertcache.cache import LIVE_EVICTIONS
 from expertcache.cli.common import (add_device_arg, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads, device_from_args, memory_spec,
-                                    nonneg_float, nonneg_int, positive_int, predictor_from_args, print_resolved,
-                                    prompt_text, routing_from_args, unit_float)
+                                    MAX_READERS, int_in, nonneg_float, positive_int, predictor_from_args, print_resolved,
+                                    prompt_text, routing_from_args, seed_int, unit_float)
 
 DESCRIPTION = """\
 Generate text with the experts offloaded: only C experts per MoE layer are in fast memory (from --memory or
@@ -51,7 +51,7 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--io", choices=IO_MODES, default=default_io,
                    help=f"disk reads: direct (O_DIRECT), fadvise (drop page cache first), cached (default: {default_io})")
     d = OffloadConfig()
-    g.add_argument("--readers", type=nonneg_int, default=None,
+    g.add_argument("--readers", type=int_in(0, MAX_READERS, "reader threads"), default=None,
                    help=f"reader threads issuing expert reads in parallel with compute (0 = serial reads on the "
                         f"compute thread; default: 0 with --tier host on a CPU, where a read is a memory copy shorter "
                         f"than a thread hand-off, else {d.PARALLEL_READERS})")
@@ -109,6 +109,9 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
         prefetch = 2 * (_top_k(path) if path is not None else 8)
     elif prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {prefetch}")
+    if path is not None and prefetch > (most := _expert_count(path)):
+        raise ValueError(f"--prefetch {prefetch}: more spare slots than the model's {most} experts (all layers); "
+                         f"give --prefetch ≤ {most}")
     host_memory = getattr(args, "host_memory", None)
     if host_memory is not None and args.tier != "disk":
         raise ValueError(f"--host-memory needs --tier disk (with --tier {args.tier} every expert is in host RAM already)")
@@ -119,6 +122,17 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
                          quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
                          prefetch=prefetch, host_memory=host_memory, quant_dense=None if dense == "none" else dense)
+
+
+def _expert_count(path) -> int:
+    """Routed experts over all layers of the checkpoint ``path`` (the most slots a prefetch could use)."""
+    from expertcache.models.loader import read_config_json
+
+    cfg = read_config_json(path)
+    n = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if isinstance(cfg.get(k), int)),
+             None)
+    layers = cfg.get("num_hidden_layers")
+    return n * layers if isinstance(n, int) and isinstance(layers, int) else 1 << 20
 
 
 def _top_k(path) -> int:
@@ -142,7 +156,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64,
                    help="tokens to generate (default: 64; prompt + this must fit in the model's context)")
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature (0 = greedy, default)")
-    p.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=seed_int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON row (stderr)")
     add_offload_args(p)
     add_predictor_arg(p)
