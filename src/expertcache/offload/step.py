@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from expertcache.cache import ExpertCache, make_cache
+from expertcache.device import to_device
 from expertcache.models.adapters import MoELayer
 from expertcache.offload.experts import expert_views
 from expertcache.offload.ioqueue import Ticket
@@ -204,16 +205,15 @@ class LayerSteps(RuntimeObservers):
 
     def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         st = self.states[index]
-        routed, self._routed_ids = self._routed_ids, None
-        # the layer's one device -> host transfer (what the cache step needs); none when the routing policy made
-        # these very ids on the host (cache-aware routing copied the logits instead)
-        ids_cpu_TK = routed[1] if routed is not None and routed[0] is ids_TK else ids_TK.to("cpu")
+        # the host copy the router call fetched (the layer's one device -> host transfer) or that the routing
+        # policy made these very ids from; a transfer of their own only for ids made otherwise (a row router's)
+        ids_cpu_TK = self.host_copy(ids_TK)
         one = ids_cpu_TK.shape[0] == 1
         if one:
             row = ids_cpu_TK[0].tolist()
             order = [e for e in row if e >= 0]
         else:
-            order = union_order(ids_cpu_TK, w_TK, self.num_experts)
+            order = union_order(ids_cpu_TK, self.host_copy(w_TK), self.num_experts)
         if self.record and one:
             st.steps.append(list(order))
         t0 = time.perf_counter()
@@ -295,7 +295,7 @@ class LayerSteps(RuntimeObservers):
         flat_cpu = ids_cpu_TK.T.reshape(-1)  # position p = k * T + t: by slot k, then token
         pos = torch.argsort(flat_cpu, stable=True)
         ends = torch.bincount(flat_cpu + 1, minlength=self.num_experts + 1).cumsum(0).tolist()  # -1 sorts first
-        pos = pos.to(ids_TK.device)
+        pos = to_device(pos, ids_TK.device)
         tok_all = pos % t_count
         w_all = w_TK.T.reshape(-1)[pos]
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -1,0 +1,163 @@
+"""Issue 35: what one decoded token makes a GPU do, counted on the CPU with the tracked-tensor proxy
+(:mod:`device_proxy`): the runtime is built on the proxy device ``cpu:0`` (CPU memory standing for a device:
+every copy between it and the host is a transfer the proxy sees), its weights and slots are device tensors.
+
+Targets (issue 35), per decoded token of an OLMoE-layout model (4 MoE layers, 16 experts, top-4), for
+``original``, Cache-Prior, Max-Rank and ERAS, C = N and C < N, prefetch off and on:
+
+- one device→host wait per MoE layer, +1 per token for the choice of the next token, +1 per token with
+  prefetch on (the first MoE layer's guess, made before its attention: there is no earlier layer to fetch it
+  with);
+- no blocking host→device copy (every one is staged in pinned memory and ``non_blocking``);
+- no op mixing a device and a host tensor (an error on CUDA);
+- the MoE block (router, policy, cache step, experts, combine) at most 45 launches per layer.
+
+Before issue 35 (main at e46915e) the same counts were: Cache-Prior/Max-Rank/ERAS 2 blocking host→device
+copies per layer (+1 with prefetch), 3 device→host waits per layer with prefetch, 2 per token for sampling
+and 1 blocking copy of the input ids per token. And the device path computes what the CPU path computes:
+tokens and logits bit-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import decode_logits
+from device_proxy import PROXY, DeviceProxy, count_decode, track_runtime
+from expertcache.device import to_device, to_host, to_host_many
+from expertcache.models.tiny import tiny_config
+from expertcache.offload import OffloadConfig, OffloadedModel
+from expertcache.routing import RoutingConfig
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+LAYERS, EXPERTS, TOP_K = 4, 16, 4
+POLICIES = ("original", "cache-prior", "max-rank", "eras-threshold")
+
+
+@pytest.fixture(scope="module")
+def olmoe_dir(tmp_path_factory):
+    cfg = tiny_config("olmoe")
+    cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok = LAYERS, EXPERTS, TOP_K
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # decisive routing (as models/tiny.py does), so that the policies change choices
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, cfg.hidden_size ** -0.5)
+    path = tmp_path_factory.mktemp("olmoe4")
+    model.save_pretrained(path)
+    return path
+
+
+def _rt(path, device, policy, capacity, prefetch, readers=1):
+    """Counted runs use one reader thread: its copies (a GPU's copy stream) are outside the proxy's thread."""
+    routing = RoutingConfig() if policy == "original" else RoutingConfig(policy)
+    return OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=capacity, readers=readers,
+                                                              prefetch=prefetch),
+                                          dtype=torch.float32, device=device, routing=routing)
+
+
+# -- the proxy itself -----------------------------------------------------------------------------
+
+def test_proxy_counts_waits_copies_launches_and_mixing():
+    px = DeviceProxy()
+    x = torch.arange(6.0)
+    px.track(x)
+    host = torch.ones(6)
+    with px:
+        y = (x * 2).view(2, 3)  # one launch; the view none
+        assert px.launches == {"mul": 1} and px.on_device(y) and y.device == PROXY
+        y.tolist(), bool(x[0]), x.cpu(), x.to("cpu"), torch.nonzero(x)
+        assert len(px.d2h) == 5
+        host.to(PROXY)  # ordinary memory: the host waits for the copy
+        host.to(x.device, non_blocking=True)  # not pinned: still blocking
+        assert len(px.h2d_blocking) == 2 and px.h2d_async == 0
+        dev = host.pin_memory().to(PROXY, non_blocking=True)
+        assert px.h2d_async == 1 and px.on_device(dev) and not px.on_device(host)
+        x + host
+        assert len(px.mixed) == 1
+        z = torch.zeros(3, device=x.device)
+        assert px.on_device(z)
+
+
+def test_transfer_helpers_on_the_proxy():
+    """to_device: pinned + non_blocking; to_host: one wait; to_host_many: one wait for several tensors, each
+    back in its own dtype and shape (float32 packing is exact for bf16 values and small ids)."""
+    px = DeviceProxy()
+    z = torch.randn(3, 5).to(torch.bfloat16)
+    ids = torch.randint(-1, 200, (3, 2))
+    mask = torch.tensor([True, False, True])
+    px.track(z, ids, mask)
+    with px:
+        d = to_device(torch.ones(4), PROXY)
+        assert px.on_device(d) and px.h2d_async == 1 and not px.h2d_blocking
+        h = to_host(ids)
+        assert not px.on_device(h) and len(px.d2h) == 1
+        hz, hi, hm = to_host_many(z, ids, mask)
+        assert len(px.d2h) == 2
+    for a, b in ((hz, z), (hi, ids), (hm, mask)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert to_host_many(z, ids)[0] is z  # on the host: the tensors themselves, no copy
+
+
+# -- the decode step ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("capacity,prefetch", [(EXPERTS, 0), (6, 0), (6, 2)])
+def test_decode_token_waits_once_per_layer_and_never_blocks_a_copy(olmoe_dir, policy, capacity, prefetch):
+    rt = _rt(olmoe_dir, PROXY, policy, capacity, prefetch)
+    px = DeviceProxy()
+    track_runtime(px, rt)
+    try:
+        got = count_decode(rt, px, torch.tensor([[5, 6, 7]]), tokens=3)
+    finally:
+        rt.close()
+    where = got.pop("where")
+    first_guess = 1 / LAYERS if prefetch else 0.0
+    assert got["d2h"] == pytest.approx(1 + first_guess), where
+    assert got["d2h_sampling"] == 1, where
+    assert got["h2d_blocking"] == 0 and got["h2d_blocking_sampling"] == 0, where
+    assert got["mixed"] == 0, where
+    assert got["moe_launches"] <= 45, got
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("capacity,prefetch", [(EXPERTS, 0), (6, 2)])
+def test_device_path_computes_what_the_cpu_path_computes(olmoe_dir, policy, capacity, prefetch):
+    """The proxy device takes every transfer path a GPU takes (packed host copies, the next layer's route made
+    ahead, staged copies back); on CPU memory its arithmetic is the CPU path's: logits, routed ids and
+    hit/miss counts bit-identical."""
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for device in ("cpu", PROXY):
+        rt = _rt(olmoe_dir, device, policy, capacity, prefetch, readers=0)  # serial reads: counts deterministic
+        rt.configure(record=True)
+        px = DeviceProxy()  # (pinned memory on the proxy device is the proxy's emulation)
+        if device == PROXY:
+            track_runtime(px, rt)
+        try:
+            with px:
+                out[str(device)] = (decode_logits(rt, ids, prefill=3), rt.recorded_ids_TLK(), rt.stats())
+        finally:
+            rt.close()
+    assert not px.mixed
+    (la, ra, sa), (lb, rb, sb) = out.values()
+    assert torch.equal(la, lb)
+    assert (ra == rb).all() and ra.size
+    assert (sa["hits"], sa["misses"], sa["prefetch"]["issued"]) == (sb["hits"], sb["misses"], sb["prefetch"]["issued"])
+
+
+def test_greedy_and_sampled_generate_are_the_cpu_paths(olmoe_dir):
+    for kw in (dict(), dict(temperature=0.9, seed=4)):
+        toks = []
+        for device in ("cpu", PROXY):
+            rt = _rt(olmoe_dir, device, "cache-prior", 6, 1)
+            px = DeviceProxy()
+            if device == PROXY:
+                track_runtime(px, rt)
+            with torch.inference_mode(), px:
+                toks.append(rt.generate(torch.tensor([[5, 6, 7]]), 6, **kw)["tokens"])
+            rt.close()
+        assert torch.equal(*toks), kw
