@@ -161,3 +161,36 @@ def test_greedy_and_sampled_generate_are_the_cpu_paths(olmoe_dir):
                 toks.append(rt.generate(torch.tensor([[5, 6, 7]]), 6, **kw)["tokens"])
             rt.close()
         assert torch.equal(*toks), kw
+
+
+@pytest.mark.parametrize("policy", ["original", "cache-prior"])
+def test_patched_model_general_path_one_wait_per_layer(olmoe_dir, policy):
+    """``patch_model`` on a device model (its general path, two rows, one padded): per MoE layer one
+    device->host transfer (logits, ids and weights packed) plus the attention mask once per forward, no
+    blocking host->device copy, no mixing; logits equal to the same patch on the CPU."""
+    from expertcache.models.patch import patch_model
+
+    model = AutoModelForCausalLM.from_pretrained(olmoe_dir, dtype=torch.float32).eval()
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, 0] = 0
+    routing = RoutingConfig() if policy == "original" else RoutingConfig(policy)
+    out = []
+    for device in ("cpu", PROXY):
+        px = DeviceProxy()
+        with patch_model(model, routing, capacity=6, record=False), torch.inference_mode(), px:
+            if device == PROXY:
+                px.track(*model.parameters(), *model.buffers())
+                ids_d, mask_d = to_device(ids, PROXY), to_device(mask, PROXY)
+            else:
+                ids_d, mask_d = ids, mask
+            o = model(input_ids=ids_d[:, :4], attention_mask=mask_d[:, :4], use_cache=True)
+            px.reset()
+            o2 = model(input_ids=ids_d[:, 4:], attention_mask=mask_d, past_key_values=o.past_key_values,
+                       use_cache=True)
+            out.append(o2.logits)
+        if device == PROXY:
+            ours = [w for _, w in px.d2h if any(f.startswith(("models/patch.py", "expertcache/device.py")) for f in w)]
+            assert len(ours) <= LAYERS + 1, ours  # (transformers' own mask code waits once more: not ours)
+            assert not px.h2d_blocking and not px.mixed, (px.h2d_blocking, px.mixed)
+    assert torch.equal(*out)
