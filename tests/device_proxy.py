@@ -219,7 +219,8 @@ class DeviceProxy(TorchFunctionMode):
 
 
 def _where() -> list[str]:
-    frames = [f for f in traceback.extract_stack()[:-3] if "expertcache" in f.filename or "transformers" in f.filename]
+    frames = [f for f in traceback.extract_stack() if ("expertcache" in f.filename or "transformers" in f.filename)
+              and not f.filename.endswith("device_proxy.py")]
     return [f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in frames[-3:]]
 
 

@@ -194,3 +194,30 @@ def test_patched_model_general_path_one_wait_per_layer(olmoe_dir, policy):
             assert len(ours) <= LAYERS + 1, ours  # (transformers' own mask code waits once more: not ours)
             assert not px.h2d_blocking and not px.mixed, (px.h2d_blocking, px.mixed)
     assert torch.equal(*out)
+
+
+def test_rowwise_attention_reads_the_row_starts_once_per_forward(olmoe_dir):
+    """Serve's padded batched decode attention (serve/attention.py) needs each row's first real column on the
+    host: one transfer per forward (the first layer's), not one per layer; the logits are unchanged."""
+    from expertcache.serve.attention import install_rowwise_attention
+
+    model = AutoModelForCausalLM.from_pretrained(olmoe_dir, dtype=torch.float32).eval()
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0
+    out = []
+    for rowwise in (False, True):
+        if rowwise:
+            install_rowwise_attention(model)
+        px = DeviceProxy()
+        with torch.inference_mode(), px:
+            px.track(*model.parameters(), *model.buffers())
+            ids_d, mask_d = to_device(ids, PROXY), to_device(mask, PROXY)
+            o = model(input_ids=ids_d[:, :4], attention_mask=mask_d[:, :4], use_cache=True)
+            px.reset()
+            out.append(model(input_ids=ids_d[:, 4:], attention_mask=mask_d, past_key_values=o.past_key_values,
+                             use_cache=True).logits)
+        if rowwise:
+            ours = [w for _, w in px.d2h if any(f.startswith("serve/attention.py") for f in w)]
+            assert len(ours) == 1, ours
+    torch.testing.assert_close(out[0], out[1])
