@@ -130,7 +130,7 @@ class OffloadedModel(LayerSteps):
         self.readers = IOQueue(offload.readers)
         self._io_bytes = (max(bounce) if bounce else 0) * max(1, offload.readers)
         self.tier = DiskTier(offload.io) if offload.tier == "disk" else \
-            HostTier(self.source, [m.layer_id for m in layers], self.num_experts)
+            HostTier(self.source, [m.layer_id for m in layers], self.num_experts, pin=device.type == "cuda")
         if isinstance(self.tier, DiskTier):  # open every file now: O_DIRECT support is checked before any run
             for f in sorted({r.file for p in self._parts.values() for r in p.reads}):
                 self.tier._fd(f)
@@ -227,7 +227,7 @@ class OffloadedModel(LayerSteps):
                            extra_slots=1 + o.prefetch, io_bytes=self._io_bytes)
         if self.host is not None:  # the host level has its own budget (--host-memory), beside the fast tier's
             plan = dataclasses.replace(plan, host_bytes=self.host.nbytes, host_slots=self.host.slots)
-        return plan
+        return dataclasses.replace(plan, pinned_bytes=getattr(self.tier, "pinned_bytes", 0))
 
     def _make_pools(self, capacity: int) -> None:
         """One arena of C cache slots per layer plus one scratch slot and P spares shared by all layers."""
