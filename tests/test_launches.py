@@ -221,3 +221,12 @@ def test_rowwise_attention_reads_the_row_starts_once_per_forward(olmoe_dir):
             ours = [w for _, w in px.d2h if any(f.startswith("serve/attention.py") for f in w)]
             assert len(ours) == 1, ours
     torch.testing.assert_close(out[0], out[1])
+
+
+def test_host_tier_reads_inline_by_default_on_every_device():
+    """On CUDA a host-tier read only queues a copy on the copy stream: no reader thread by default (issue 35);
+    the disk tier keeps its parallel readers."""
+    for device in ("cpu", "cuda", torch.device("cuda", 1)):
+        assert OffloadConfig(tier="host").default_readers(device) == 0
+        assert OffloadConfig(tier="disk").default_readers(device) == OffloadConfig.PARALLEL_READERS
+    assert OffloadConfig(tier="host", readers=3).default_readers("cuda") == 3

@@ -54,9 +54,12 @@ def on_host(device) -> bool:
 def to_device(t, device):
     """``t`` (host memory) on ``device`` without the host waiting: staged in page-locked memory and copied
     with ``non_blocking=True`` (torch's pinned allocator keeps the staging block until the copy has run, so
-    it is never overwritten early). ``t`` itself when ``device`` is the host."""
+    it is never overwritten early). ``t`` itself when ``device`` is the host; ``t.to(device)`` when ``t`` is in
+    device memory already."""
     if on_host(device):
         return t
+    if not on_host(t.device):
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 

@@ -52,8 +52,9 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     d = OffloadConfig()
     g.add_argument("--readers", type=nonneg_int, default=None,
                    help=f"reader threads issuing expert reads in parallel with compute (0 = serial reads on the "
-                        f"compute thread; default: 0 with --tier host on a CPU, where a read is a memory copy shorter "
-                        f"than a thread hand-off, else {d.PARALLEL_READERS})")
+                        f"compute thread; default: 0 with --tier host, where a read is a memory copy (CPU) or an "
+                        f"asynchronous copy queued on the copy stream (CUDA), shorter than a thread hand-off; "
+                        f"{d.PARALLEL_READERS} with --tier disk)")
     g.add_argument("--prefetch", type=int, nargs="?", const=-1, default=d.prefetch, metavar="P",
                    help="next-layer speculative prefetch into P spare slots shared by all layers (counted in the "
                         "memory plan; --prefetch alone: P = 2K); default: off")

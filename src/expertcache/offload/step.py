@@ -173,6 +173,12 @@ class LayerSteps(RuntimeObservers):
             for t in arena.tickets():
                 self._wait(t, swallow=True)
             arena.pending.clear()
+        if getattr(self, "_cuda", False):  # pragma: no cover - GPU only
+            # copies the readers queued may still be writing into slots about to be freed or reused (an unused
+            # prefetch, most likely): the copy stream is drained before any slot changes hands
+            self._copy_stream.synchronize()
+            self._slot_ready.clear()
+            self._slot_free.clear()
 
     def _weights(self, st: LayerState, e: int, slot: int) -> tuple[torch.Tensor, ...]:
         """The expert's tensors as views of its slot (cached per slot while it holds ``e``)."""
