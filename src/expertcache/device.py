@@ -46,9 +46,11 @@ def resolve_device(spec=None):
 def on_host(device) -> bool:
     """Whether ``device`` is the host itself (``cpu``): no copy between it and the host. A CUDA device, or the
     test proxy's ``cpu:0`` (``tests/device_proxy.py``: CPU memory standing for a device), is not."""
-    import torch
+    if isinstance(device, str):
+        import torch
 
-    return torch.device(device) == torch.device("cpu")
+        device = torch.device(device)
+    return device.type == "cpu" and device.index is None
 
 
 def to_device(t, device):
