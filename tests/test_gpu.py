@@ -110,6 +110,17 @@ def test_generate_and_sampling_on_the_device(tiny_dir):
     assert torch.equal(out["tokens"], want)  # sampling draws on the CPU from the same generator
 
 
+def test_copy_waits_are_timed_on_the_device(tiny_dir):
+    """On CUDA the compute stream, not the host, waits for a slot's copy: those waits are timed by CUDA events
+    and booked as io_wait (issue 35), in seconds -- never more than the run's wall time."""
+    rt = _rt(tiny_dir["olmoe"], 1)  # C = 1: misses at every step
+    with torch.inference_mode():
+        out = rt.generate(torch.tensor([[5, 6]]), 8)
+    s = out["decode_stats"]
+    assert s["misses"] > 0 and 0.0 <= s["io_wait_seconds"] <= out["decode_s"] + out["prefill_s"]
+    rt.close()
+
+
 TOL = 1e-3  # float32 logits, CPU vs CUDA kernels (summation order): the dtype's tolerance at these sizes
 
 

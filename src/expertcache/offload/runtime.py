@@ -149,6 +149,7 @@ class OffloadedModel(LayerSteps):
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._slot_free: dict[int, object] = {}
         self._slot_ready: dict[int, object] = {}
+        self._stalls: list[tuple] = []  # CUDA: (event before, event after) each compute-stream wait on a copy
         # the views of an expert in a slot depend on its layout there: one small id per distinct layout
         sigs: dict[tuple, int] = {}
         self._layout_of = {k: sigs.setdefault((tuple(p.at), tuple((r.dest, r.nbytes) for r in self._parts[k].reads),
@@ -398,6 +399,7 @@ class OffloadedModel(LayerSteps):
             self.host.reset()
         self.compute_seconds = 0.0
         self.io_wait_seconds = 0.0
+        self._stalls.clear()
         self.prefetch_stats = PrefetchStats()
 
     def warm(self, experts: Iterable[int] | None = None) -> None:
@@ -412,6 +414,7 @@ class OffloadedModel(LayerSteps):
         if self.host is not None:  # keep the host entries the warm-up filled; zero its counters
             self.host.counts = type(self.host.counts)()
         self.io_wait_seconds = 0.0
+        self._stalls.clear()
         self.prefetch_stats = PrefetchStats()
 
     def close(self) -> None:
@@ -504,6 +507,10 @@ class OffloadedModel(LayerSteps):
         prefetch counters (:class:`PrefetchStats`). Waits for reads in flight first, so counts are final."""
         for t in self.arena.tickets():
             t._event.wait()
+        if self._stalls:  # pragma: no cover - GPU only: the device-side copy waits, timed by CUDA events
+            self._stalls[-1][1].synchronize()
+            self.io_wait_seconds += sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
+            self._stalls.clear()
         per = self.cache_stats()
         total = functools.reduce(CacheStats.merge, per)
         host = self.host.counts if self.host is not None else None

@@ -447,7 +447,14 @@ class LayerSteps(RuntimeObservers):
         if self._cuda:  # pragma: no cover - GPU only: compute after the slot's copy (a device-side wait)
             ready = self._slot_ready.pop(slot, None)
             if ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(ready)
+                # timed on the device: the compute stream's stall on the copy is the copy wait of a GPU run
+                # (the host never blocks here); resolved into io_wait_seconds by stats()
+                stream = torch.cuda.current_stream(self.device)
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(stream)
+                stream.wait_event(ready)
+                after.record(stream)
+                self._stalls.append((before, after))
         if on_ready is not None:
             on_ready(e, slot)
 
