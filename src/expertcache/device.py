@@ -58,10 +58,10 @@ def to_device(t, device):
     with ``non_blocking=True`` (torch's pinned allocator keeps the staging block until the copy has run, so
     it is never overwritten early). ``t`` itself when ``device`` is the host; ``t.to(device)`` when ``t`` is in
     device memory already."""
-    if on_host(device):
-        return t
     if not on_host(t.device):
         return t.to(device)
+    if on_host(device):
+        return t
     return t.pin_memory().to(device, non_blocking=True)
 
 
@@ -89,8 +89,8 @@ def to_host_many(*tensors):
 
     if not tensors or on_host(tensors[0].device):
         return tensors
-    if len(tensors) == 1:
-        return (to_host(tensors[0]),)
+    if len(tensors) == 1 or any(t.dtype == torch.float64 for t in tensors):  # (float64 would not pack exactly)
+        return tuple(to_host(t) for t in tensors)
     flat = to_host(torch.cat([t.reshape(-1).float() for t in tensors]))
     out, at = [], 0
     for t in tensors:
