@@ -40,7 +40,7 @@ _NO_LAUNCH = {"view", "view_as", "reshape", "t", "T", "transpose", "permute", "u
               "expand_as", "chunk", "split", "unbind", "narrow", "select", "detach", "size", "dim", "numel",
               "stride", "is_contiguous", "element_size", "data_ptr", "flatten", "unflatten", "movedim",
               "storage_offset", "untyped_storage", "__len__", "__format__", "__repr__", "empty", "empty_like",
-              "new_empty", "is_floating_point", "is_complex", "get_device", "__hash__", "__eq__obj", "requires_grad_",
+              "new_empty", "is_floating_point", "is_complex", "get_device", "__hash__", "requires_grad_",
               "__setstate__", "__reduce_ex__", "as_strided", "_is_view", "nelement", "ndimension", "type"}
 #: calls that need the data on the host (a device→host wait)
 _TO_HOST = {"tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__", "__array__", "cpu"}
@@ -101,7 +101,7 @@ class DeviceProxy(TorchFunctionMode):
         else:
             self.h2d_blocking.append((name, _where()))
 
-    def _mark(self, out, pinned: bool = False):
+    def _mark(self, out):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.dev[t] = True
