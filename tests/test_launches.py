@@ -230,3 +230,21 @@ def test_host_tier_reads_inline_by_default_on_every_device():
         assert OffloadConfig(tier="host").default_readers(device) == 0
         assert OffloadConfig(tier="disk").default_readers(device) == OffloadConfig.PARALLEL_READERS
     assert OffloadConfig(tier="host", readers=3).default_readers("cuda") == 3
+
+
+@pytest.mark.slow
+def test_compiled_dense_part_gives_the_eager_logits(olmoe_dir):
+    """``OffloadConfig(compile=True)``: norms and attention of every layer through ``torch.compile``; the
+    logits equal the eager runtime's within float32 tolerance (the router stays eager: the same experts)."""
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(6))
+    out = []
+    for compile_ in (False, True):
+        rt = OffloadedModel.from_pretrained(olmoe_dir, OffloadConfig(tier="host", capacity=6, readers=0,
+                                                                     compile=compile_), dtype=torch.float32)
+        rt.configure(record=True)
+        out.append((decode_logits(rt, ids, prefill=3), rt.recorded_ids_TLK(), rt.describe()["compile"]))
+        rt.close()
+    (want, ids_a, c0), (got, ids_b, c1) = out
+    assert (c0, c1) == (False, True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (ids_a == ids_b).all()

@@ -58,6 +58,9 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--prefetch", type=int, nargs="?", const=-1, default=d.prefetch, metavar="P",
                    help="next-layer speculative prefetch into P spare slots shared by all layers (counted in the "
                         "memory plan; --prefetch alone: P = 2K); default: off")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the dense part of each decoder layer (norms, attention); the first "
+                        "tokens pay the compilation")
     g.add_argument("--quant", choices=QUANT_MODES, default=None, help="quantised experts (group-wise)")
     g.add_argument("--group", type=positive_int, default=None,
                    help="quantisation group size, dividing D and F (default: the largest such divisor ≤ 64)")
@@ -105,7 +108,7 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
         raise ValueError(f"--host-memory needs --tier disk (with --tier {args.tier} every expert is in host RAM already)")
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
                          quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
-                         prefetch=prefetch, host_memory=host_memory)
+                         prefetch=prefetch, host_memory=host_memory, compile=bool(getattr(args, "compile", False)))
 
 
 def _top_k(path) -> int:

@@ -20,7 +20,9 @@ class OffloadConfig:
     :meth:`default_readers`). prefetch: spare slots shared by all layers for next-layer speculative prefetch
     (0 = off; they are part of the memory plan). host_memory: with ``tier='disk'``, the budget (bytes or
     '64MiB') of a host-RAM cache of expert bytes between the fast slots and the disk
-    (:mod:`~expertcache.offload.tiers`; None or 0 = none, every miss reads the disk).
+    (:mod:`~expertcache.offload.tiers`; None or 0 = none, every miss reads the disk). compile: the dense
+    part of every decoder layer (its norms and attention) through ``torch.compile`` (opt-in; the router and
+    the MoE block stay eager, so routing decisions are the eager ones bit for bit).
     """
 
     tier: str = "disk"
@@ -34,6 +36,7 @@ class OffloadConfig:
     readers: int | None = None
     prefetch: int = 0
     host_memory: int | str | None = None
+    compile: bool = False
 
     #: reader threads where reads take long enough to overlap with compute (disk tier, GPU copies)
     PARALLEL_READERS = 4

@@ -80,6 +80,21 @@ from expertcache.routing.registry import spec
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
 
 
+def compile_dense(model: nn.Module) -> None:
+    """``torch.compile`` the dense part of every decoder layer of ``model`` in place: its attention and its
+    norms (``dynamic=True``: one graph for every KV length). The MoE blocks, routers and the step around them
+    stay eager. Each layer's attention is its own graph (its ``layer_idx`` is a constant of the cache
+    update), so the recompile limit is raised to cover every layer."""
+    decoder = model.model.layers
+    limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 4 * len(decoder))
+    torch._dynamo.config.recompile_limit = limit
+    for layer in decoder:
+        for name in ("self_attn", "input_layernorm", "post_attention_layernorm"):
+            mod = getattr(layer, name, None)
+            if mod is not None:
+                mod.forward = torch.compile(mod.forward, dynamic=True)
+
+
 class OffloadedModel(LayerSteps):
     """A causal LM with offloaded experts; see the module docstring. Build with :meth:`from_pretrained`."""
 
@@ -207,6 +222,8 @@ class OffloadedModel(LayerSteps):
         recompute_rotary(model, config, device)
         use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
         runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps)
+        if offload.compile:
+            compile_dense(model)
         for m in layers:
             m.block.experts._runtime = [runtime]
         runtime.configure(routing=routing or RoutingConfig(), eviction=eviction, **configure_kw)
@@ -553,4 +570,5 @@ class OffloadedModel(LayerSteps):
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),
                     eviction=self.eviction, gamma=eviction_rule(self.eviction).settings(gamma=self.gamma).get("gamma"),
                     readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,
+                    compile=self.offload.compile,
                     threads=torch.get_num_threads())
