@@ -151,9 +151,13 @@ def test_gpu_check_help_and_refusal_without_cuda():
 
 
 class _FakeEvent:
-    """Stands in for ``torch.cuda.Event`` on the CPU: records which stream recorded it."""
+    """Stands in for ``torch.cuda.Event`` on the CPU: records which stream recorded it; a timed pair is 1 ms
+    apart."""
 
     log: list = []
+
+    def __init__(self, enable_timing: bool = False):
+        self.timed = enable_timing
 
     def record(self, stream=None):
         _FakeEvent.log.append(("record", id(self)))
@@ -161,10 +165,18 @@ class _FakeEvent:
     def synchronize(self):
         _FakeEvent.log.append(("synchronize", id(self)))
 
+    def elapsed_time(self, end):
+        assert self.timed and end.timed
+        _FakeEvent.log.append(("elapsed", id(self)))
+        return 1.0
+
 
 class _FakeStream:
     def wait_event(self, event):
         _FakeEvent.log.append(("wait", id(event)))
+
+    def synchronize(self):
+        _FakeEvent.log.append(("stream_sync", None))
 
 
 @pytest.mark.parametrize("tier,readers,host_memory", [("host", 0, None), ("host", 2, None), ("disk", 2, None),
@@ -197,6 +209,11 @@ def test_cuda_copy_path_runs_with_stand_in_streams(tiny_dir, monkeypatch, tier, 
     records = [i for k, i in log if k == "record"]
     waits = [i for k, i in log if k == "wait"]
     assert records and set(waits) <= set(records)
+    # issue 35: close() drained the copy stream before the slots could be freed
+    assert ("stream_sync", None) in log
     s = rt.stats()
     assert s["misses"] > 0 and not rt._slot_free
+    # issue 35: the compute stream's waits on copies, timed by event pairs, are booked as io_wait (seconds)
+    timed = sum(1 for k, _ in log if k == "elapsed")
+    assert timed > 0 and s["io_wait_seconds"] >= 1e-3 * timed
     assert s["bytes_read"] == s["expert_loads"] * rt.expert_bytes  # the host tier's copies are counted too

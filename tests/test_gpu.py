@@ -7,7 +7,8 @@ test_device.py); not yet run on a GPU when written (no GPU was available).
   (union path);
 - live hit/miss/eviction counts equal ``sim.replay`` of the recorded ids;
 - a decode step makes no tensor off the device (``device_guard``) and mixes no devices in one op;
-- CPU and GPU greedy tokens are equal on the shipped models;
+- CPU and GPU logits agree within float tolerance on the shipped models, and their greedy tokens are equal up
+  to a near tie at the first differing position (``assert_same_choices``: the CPU's top-2 margin there);
 - ``expertcache generate --device cuda`` runs, and bench rows record the device.
 """
 
@@ -109,20 +110,58 @@ def test_generate_and_sampling_on_the_device(tiny_dir):
     assert torch.equal(out["tokens"], want)  # sampling draws on the CPU from the same generator
 
 
+def test_copy_waits_are_timed_on_the_device(tiny_dir):
+    """On CUDA the compute stream, not the host, waits for a slot's copy: those waits are timed by CUDA events
+    and booked as io_wait (issue 35), in seconds -- never more than the run's wall time."""
+    rt = _rt(tiny_dir["olmoe"], 1)  # C = 1: misses at every step
+    with torch.inference_mode():
+        out = rt.generate(torch.tensor([[5, 6]]), 8)
+    s = out["decode_stats"]
+    assert s["misses"] > 0 and 0.0 <= s["io_wait_seconds"] <= out["decode_s"] + out["prefill_s"]
+    rt.close()
+
+
+TOL = 1e-3  # float32 logits, CPU vs CUDA kernels (summation order): the dtype's tolerance at these sizes
+
+
+def assert_same_choices(cpu_rt, prompt, want, got, tol=TOL):
+    """Greedy tokens of two devices agree up to float reordering: equal, or the first differing position is a
+    near tie on the CPU (its top-2 logit margin at most ``2 * tol``) -- CPU and CUDA kernels sum in different
+    orders, so an exact tie-break is not a contract; a real divergence (a wrong expert, a stale slot) moves
+    the logits by far more. ``want``/``got``: token lists continuing ``prompt`` (list)."""
+    n = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if n is None:
+        assert len(want) == len(got)
+        return
+    ids = torch.tensor([prompt + want[:n + 1]])
+    logits = _offloaded_logits(cpu_rt, ids, prefill=len(prompt))[0, len(prompt) - 1 + n]
+    top2 = logits.float().topk(2).values
+    margin = float(top2[0] - top2[1])
+    assert margin <= 2 * tol, f"tokens differ at {n} with a CPU margin of {margin:.2e} (> {2 * tol:.0e})"
+
+
 @pytest.mark.parametrize("name", ["granular", "coarse"])
-def test_cpu_and_gpu_greedy_tokens_equal_on_shipped_models(name):
+def test_cpu_and_gpu_greedy_tokens_agree_on_shipped_models(name):
+    """The same teacher-forced sequence (the CPU's greedy tokens) gives the same logits on both devices within
+    the float tolerance; the GPU's own greedy tokens equal the CPU's up to a near tie (:func:`assert_same_choices`)."""
     from expertcache.cli.generate import load_prompt
     from expertcache.offload.runtime import resolve_model_path
 
     path = resolve_model_path(name)
     ids, _ = load_prompt(path, "The package manager installs")
-    toks = {}
+    rts, toks = {}, {}
     for dev in ("cpu", DEV):
-        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8, readers=2),
-                                            dtype=torch.float32, device=dev)
-        toks[dev] = rt.generate(ids, 48)["tokens"]
+        rts[dev] = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8, readers=2),
+                                                  dtype=torch.float32, device=dev)
+        with torch.inference_mode():
+            toks[dev] = rts[dev].generate(ids, 48)["tokens"][0].tolist()
+    forced = torch.cat([ids, torch.tensor([toks["cpu"]])], dim=1)
+    want = _offloaded_logits(rts["cpu"], forced, prefill=ids.shape[1])
+    got = _offloaded_logits(rts[DEV], forced, prefill=ids.shape[1])
+    torch.testing.assert_close(got.cpu(), want, atol=TOL, rtol=TOL)
+    assert_same_choices(rts["cpu"], ids[0].tolist(), toks["cpu"], toks[DEV])
+    for rt in rts.values():
         rt.close()
-    assert torch.equal(toks["cpu"], toks[DEV])
 
 
 def test_serve_engine_batches_on_the_device():
@@ -154,7 +193,9 @@ def test_serve_engine_batches_on_the_device():
         engine.shutdown(0)
     cpu = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8), dtype=torch.float32)
     for i, p in enumerate(prompts):
-        assert done[i]["token_ids"] == cpu.generate(torch.tensor([p]), 6)["tokens"][0].tolist(), i
+        with torch.inference_mode():
+            want = cpu.generate(torch.tensor([p]), 6)["tokens"][0].tolist()
+        assert_same_choices(cpu, p, want, done[i]["token_ids"])
 
 
 def test_cli_generate_and_bench_on_cuda(tmp_path, capsys):

@@ -53,11 +53,15 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     d = OffloadConfig()
     g.add_argument("--readers", type=int_in(0, MAX_READERS, "reader threads"), default=None,
                    help=f"reader threads issuing expert reads in parallel with compute (0 = serial reads on the "
-                        f"compute thread; default: 0 with --tier host on a CPU, where a read is a memory copy shorter "
-                        f"than a thread hand-off, else {d.PARALLEL_READERS})")
+                        f"compute thread; default: 0 with --tier host, where a read is a memory copy (CPU) or an "
+                        f"asynchronous copy queued on the copy stream (CUDA), shorter than a thread hand-off; "
+                        f"{d.PARALLEL_READERS} with --tier disk)")
     g.add_argument("--prefetch", type=int, nargs="?", const=-1, default=d.prefetch, metavar="P",
                    help="next-layer speculative prefetch into P spare slots shared by all layers (counted in the "
                         "memory plan; --prefetch alone: P = 2K); default: off")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the dense part of each decoder layer (norms, attention); the first "
+                        "tokens pay the compilation")
     g.add_argument("--quant", choices=QUANT_MODES, default=None,
                    help="quantised experts, packed once for torch's fused weight-only kernels: int8 (per output "
                         "channel, _weight_int8pack_mm) or int4 (group-wise, _weight_int4pack_mm / _for_cpu); where D "
@@ -121,7 +125,8 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     dense = getattr(args, "quant_dense", None)
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
                          quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
-                         prefetch=prefetch, host_memory=host_memory, quant_dense=None if dense == "none" else dense)
+                         prefetch=prefetch, host_memory=host_memory, quant_dense=None if dense == "none" else dense,
+                         compile=bool(getattr(args, "compile", False)))
 
 
 def _expert_count(path) -> int:

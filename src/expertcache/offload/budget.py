@@ -75,6 +75,7 @@ class MemoryPlan:
     io_bytes: int = 0
     host_bytes: int = 0  # the host-RAM level of a two-level cache (--host-memory; its own budget, not in total)
     host_slots: int = 0
+    pinned_bytes: int = 0  # page-locked host memory of the host tier (CUDA runtimes; in host RAM, not in total)
 
     @property
     def total(self) -> int:

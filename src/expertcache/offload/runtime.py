@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from expertcache import __version__
+from expertcache.device import on_host, to_device, to_host, to_host_many
 from expertcache.cache import CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
@@ -78,6 +79,21 @@ from expertcache.routing import Router, RoutingConfig
 from expertcache.routing.registry import spec
 
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
+
+
+def compile_dense(model: nn.Module) -> None:
+    """``torch.compile`` the dense part of every decoder layer of ``model`` in place: its attention and its
+    norms (``dynamic=True``: one graph for every KV length). The MoE blocks, routers and the step around them
+    stay eager. Each layer's attention is its own graph (its ``layer_idx`` is a constant of the cache
+    update), so the recompile limit is raised to cover every layer."""
+    decoder = model.model.layers
+    limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 4 * len(decoder))
+    torch._dynamo.config.recompile_limit = limit
+    for layer in decoder:
+        for name in ("self_attn", "input_layernorm", "post_attention_layernorm"):
+            mod = getattr(layer, name, None)
+            if mod is not None:
+                mod.forward = torch.compile(mod.forward, dynamic=True)
 
 
 class OffloadedModel(LayerSteps):
@@ -127,7 +143,7 @@ class OffloadedModel(LayerSteps):
         self.readers = IOQueue(offload.readers)
         self._io_bytes = (max(bounce) if bounce else 0) * max(1, offload.readers)
         self.tier = DiskTier(offload.io) if offload.tier == "disk" else \
-            HostTier(self.source, [m.layer_id for m in layers], self.num_experts)
+            HostTier(self.source, [m.layer_id for m in layers], self.num_experts, pin=device.type == "cuda")
         if isinstance(self.tier, DiskTier):  # open every file now: O_DIRECT support is checked before any run
             for f in sorted({r.file for p in self._parts.values() for r in p.reads}):
                 self.tier._fd(f)
@@ -146,13 +162,16 @@ class OffloadedModel(LayerSteps):
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._slot_free: dict[int, object] = {}
         self._slot_ready: dict[int, object] = {}
+        self._stalls: list[tuple] = []  # CUDA: (event before, event after) each compute-stream wait on a copy
         # the views of an expert in a slot depend on its layout there: one small id per distinct layout
         sigs: dict[tuple, int] = {}
         self._layout_of = {k: sigs.setdefault((tuple(p.at), tuple((r.dest, r.nbytes) for r in self._parts[k].reads),
                                                tuple(self._parts[k].tensors().items()), self._parts[k].dtype),
                                               len(sigs)) for k, p in self._placement.items()}
         self.slots_stable = False  # set by each step before its first expert is computed (step.py)
-        self._routed_ids: tuple | None = None  # (ids on the device, the same ids on the host) of the last routing
+        self._on_device = not on_host(device)  # CUDA (or the tests' device proxy): host copies are transfers
+        self._host_copies: dict[int, tuple] = {}  # id(device tensor) -> (it, its host copy): _keep_host
+        self._next_route: tuple | None = None  # (MoE layer index, its stock route) made ahead for its guess
         self._row_router: Callable | None = None  # set_row_router
         self._guess_events: list[tuple] = []  # next-layer guesses made in the running step, for the observers
         self._make_pools(self.capacity)
@@ -204,6 +223,8 @@ class OffloadedModel(LayerSteps):
         quantize_dense(model, offload.quant_dense)  # --quant-dense: before use_matvec (it skips the replaced modules)
         use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
         runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps)
+        if offload.compile:
+            compile_dense(model)
         for m in layers:
             m.block.experts._runtime = [runtime]
         runtime.configure(routing=routing or RoutingConfig(), eviction=eviction, **configure_kw)
@@ -225,7 +246,7 @@ class OffloadedModel(LayerSteps):
                            extra_slots=1 + o.prefetch, io_bytes=self._io_bytes)
         if self.host is not None:  # the host level has its own budget (--host-memory), beside the fast tier's
             plan = dataclasses.replace(plan, host_bytes=self.host.nbytes, host_slots=self.host.slots)
-        return plan
+        return dataclasses.replace(plan, pinned_bytes=getattr(self.tier, "pinned_bytes", 0))
 
     def _make_pools(self, capacity: int) -> None:
         """One arena of C cache slots per layer plus one scratch slot and P spares shared by all layers."""
@@ -256,7 +277,12 @@ class OffloadedModel(LayerSteps):
 
     def stock_route(self, index: int, x_TD: torch.Tensor):
         """(logits [T, E], weights [T, K], ids [T, K]) of MoE layer ``index``'s own router for ``x_TD``, without
-        the routing policy and without a cache step (the next-layer guess's first half)."""
+        the routing policy and without a cache step (the next-layer guess's first half). On a device, the
+        next layer's guess was computed by the previous layer's router call and its host copy fetched with
+        that layer's (:meth:`_fetch_host`): taken from there."""
+        made, self._next_route = self._next_route, None
+        if made is not None and made[0] == index:
+            return made[1]
         return self._stock_routers[index](x_TD)
 
     def read_job(self, index: int, e: int, slot: int) -> Callable[[], int]:
@@ -272,7 +298,7 @@ class OffloadedModel(LayerSteps):
         weights returned are then the stock ones, and the next step's ids are not touched."""
         if self.routing.policy == "original":
             return w0_TK, ids0_TK
-        z_cpu_TE = z_TE.detach().to("cpu")
+        z_cpu_TE = self.host_copy(z_TE).detach()  # the layer's one device -> host transfer (or its copy)
         zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
         if self.routing.cache_aware:
             resident_TE = torch.from_numpy(self.states[m.index].cache.resident_array()).expand_as(zr_TE)
@@ -283,12 +309,52 @@ class OffloadedModel(LayerSteps):
         if spec(self.routing.policy).miss_costs:
             self.router.set_miss_costs(m.index, self.miss_costs(m.index))
         ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE, commit=commit), z_cpu_TE)
+        ids_dev_TK = self._keep_host(to_device(ids_TK, ids0_TK.device), ids_TK)  # the step reads the host copy
         if not commit:
-            return w0_TK, ids_TK.to(ids0_TK.device)
-        w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK)
-        ids_dev_TK = ids_TK.to(ids0_TK.device)
-        self._routed_ids = (ids_dev_TK, ids_TK)  # the step reads the host copy back (no second device -> host)
-        return w_TK.to(w0_TK.dtype).to(w0_TK.device), ids_dev_TK
+            return w0_TK, ids_dev_TK
+        w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK).to(w0_TK.dtype)
+        return self._keep_host(to_device(w_TK, w0_TK.device), w_TK), ids_dev_TK
+
+    # -- the host's copies (one device -> host transfer per MoE layer) ---------------------------
+
+    def _keep_host(self, dev: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """Remember ``host`` as the host copy of device tensor ``dev`` (until the next router call); ``dev``."""
+        if dev is not host:
+            self._host_copies[id(dev)] = (dev, host)
+        return dev
+
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in host memory: its kept copy (:meth:`_fetch_host`, :meth:`route_policy`) when there is one,
+        else a transfer of its own (a wait); ``t`` itself on the CPU."""
+        kept = self._host_copies.get(id(t))
+        if kept is not None and kept[0] is t:
+            return kept[1]
+        return to_host(t)
+
+    def _fetch_host(self, m: MoELayer, x_TD: torch.Tensor, t: int | None, z_TE: torch.Tensor, w0_TK: torch.Tensor,
+                    ids0_TK: torch.Tensor) -> None:
+        """Device runs: bring what the host needs from this MoE layer's router in ONE transfer -- the ids
+        (``original``) or the logits (a routing policy; both, and the weights, for a row router or T > 1) and,
+        with prefetch on, the same of the next MoE layer's stock router applied to ``x_TD`` (its guess,
+        :meth:`stock_route`), packed (:func:`~expertcache.device.to_host_many`)."""
+        self._host_copies.clear()
+        self._next_route = None
+        rows = self._row_router is not None
+        many = z_TE.shape[0] > 1
+        original = self.routing.policy == "original"
+
+        def wanted(z, w0, ids0):
+            return ([z] if rows or not original else []) + ([ids0] if rows or original else []) + \
+                ([w0] if many and (rows or original) else [])
+        need = wanted(z_TE, w0_TK, ids0_TK)
+        if self.offload.prefetch and m.index + 1 < len(self.layers):
+            nxt = self._stock_routers[m.index + 1](x_TD)
+            if t is not None:
+                nxt = tuple(a[:t] for a in nxt)
+            self._next_route = (m.index + 1, nxt)
+            need += wanted(*nxt)
+        for a, h in zip(need, to_host_many(*need)):
+            self._keep_host(a, h)
 
     def miss_costs(self, index: int) -> np.ndarray:
         """float32 [N]: the cost of loading each expert of layer ``index`` now, relative to the most expensive
@@ -308,6 +374,8 @@ class OffloadedModel(LayerSteps):
             z_TE, w0_TK, ids0_TK = stock(x_TD, *args, **kwargs)
             if x_TD is not hidden_states:  # rows padded to a bucket as every linear's (offload/experts.py); per token
                 z_TE, w0_TK, ids0_TK = z_TE[:t], w0_TK[:t], ids0_TK[:t]
+            if self._on_device:
+                self._fetch_host(m, x_TD, t if x_TD is not hidden_states else None, z_TE, w0_TK, ids0_TK)
             w_TK, ids_TK = self.route(m, z_TE, w0_TK, ids0_TK)
             if self._router_observers:
                 self._notify_router(m.index, z_TE, ids_TK, w_TK)
@@ -349,6 +417,7 @@ class OffloadedModel(LayerSteps):
             self.host.reset()
         self.compute_seconds = 0.0
         self.io_wait_seconds = 0.0
+        self._stalls.clear()
         self.prefetch_stats = PrefetchStats()
 
     def warm(self, experts: Iterable[int] | None = None) -> None:
@@ -363,6 +432,7 @@ class OffloadedModel(LayerSteps):
         if self.host is not None:  # keep the host entries the warm-up filled; zero its counters
             self.host.counts = type(self.host.counts)()
         self.io_wait_seconds = 0.0
+        self._stalls.clear()
         self.prefetch_stats = PrefetchStats()
 
     def close(self) -> None:
@@ -375,7 +445,7 @@ class OffloadedModel(LayerSteps):
     @torch.inference_mode()
     def forward(self, input_ids_BS: torch.Tensor, past=None, attention_mask=None):
         """One model forward (prefill or decode); returns the transformers output (logits, past_key_values)."""
-        return self.model(input_ids=input_ids_BS.to(self.device), past_key_values=past, use_cache=True,
+        return self.model(input_ids=to_device(input_ids_BS, self.device), past_key_values=past, use_cache=True,
                           attention_mask=attention_mask)
 
     def prefill(self, input_ids_BS: torch.Tensor):
@@ -406,16 +476,28 @@ class OffloadedModel(LayerSteps):
         toks = []
         decode_s = 0.0
         for i in range(max_new_tokens):
-            if not bool(torch.isfinite(logits_BV).all()):
+            # one device -> host transfer per token: the greedy choice with the finiteness check packed beside
+            # it, or (sampling with the host generator) the logits
+            if forced_BN is not None:
+                finite = bool(to_host(torch.isfinite(logits_BV).all()))
+            elif temperature > 0:
+                host_BV = to_host(logits_BV.float())
+                finite = bool(torch.isfinite(host_BV).all())
+            else:
+                pick_B1 = torch.cat([logits_BV.float().argmax(dim=-1, keepdim=True),
+                                     torch.isfinite(logits_BV).all().long().expand(logits_BV.shape[0], 1)], dim=1)
+                pick_B1 = to_host(pick_B1)
+                finite = bool(pick_B1[0, 1])
+            if not finite:
                 raise ValueError(f"non-finite logits (NaN/inf) at decode step {i}: the weights or activations of "
                                  f"{self.path} are not finite")
             if forced_BN is not None:  # teacher-forced continuation (benchmarks: same tokens for every policy)
                 nxt_B1 = forced_BN[:, i:i + 1]
             elif temperature > 0:
-                probs = torch.softmax(logits_BV.float().cpu() / temperature, dim=-1)
+                probs = torch.softmax(host_BV / temperature, dim=-1)
                 nxt_B1 = torch.multinomial(probs, 1, generator=g)
             else:
-                nxt_B1 = logits_BV.float().cpu().argmax(dim=-1, keepdim=True)
+                nxt_B1 = pick_B1[:, :1]
             toks.append(nxt_B1)
             if on_token is not None:
                 on_token(nxt_B1)
@@ -443,6 +525,10 @@ class OffloadedModel(LayerSteps):
         prefetch counters (:class:`PrefetchStats`). Waits for reads in flight first, so counts are final."""
         for t in self.arena.tickets():
             t._event.wait()
+        if self._stalls:  # pragma: no cover - GPU only: the device-side copy waits, timed by CUDA events
+            self._stalls[-1][1].synchronize()
+            self.io_wait_seconds += sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
+            self._stalls.clear()
         per = self.cache_stats()
         total = functools.reduce(CacheStats.merge, per)
         host = self.host.counts if self.host is not None else None
@@ -487,4 +573,5 @@ class OffloadedModel(LayerSteps):
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),
                     eviction=self.eviction, gamma=eviction_rule(self.eviction).settings(gamma=self.gamma).get("gamma"),
                     readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,
+                    compile=self.offload.compile,
                     threads=torch.get_num_threads())
