@@ -189,7 +189,7 @@ def test_refusal_comes_before_any_weight_is_read(tiny, tmp_path, monkeypatch, ca
     monkeypatch.setenv("EXPERTCACHE_CGROUP_ROOT", str(_cgroup_of(tmp_path, process_rss() + 4 * MiB)))
     _no_loading(monkeypatch)
     argv = ["generate", "--model", str(tiny), "--memory", "auto", "--max-new-tokens", "2", "3 4 5"]
-    code = main(argv + (["--quant", quant, "--group", "16"] if quant else []))
+    code = main(argv + (["--quant", quant, "--quant-dense", "int8"] if quant else []))
     err = capsys.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err and "weights were loaded" not in err
@@ -243,10 +243,11 @@ _RSS_SCRIPT = r"""
 import json, sys, torch
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
-path, policy, tier, io, quant = sys.argv[1:6]
+path, policy, tier, io, quant, dense = sys.argv[1:7]
 torch.set_num_threads(1)
 rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier=tier, io=io, memory="auto", readers=2, context=64,
-                                                        quant=None if quant == "none" else quant),
+                                                        quant=None if quant == "none" else quant,
+                                                        quant_dense=None if dense == "none" else dense),
                                     dtype=torch.float32, routing=RoutingConfig(policy=policy, lam=0.5))
 rt.generate(torch.tensor([[5, 6, 7, 8]]), 16)
 p = rt.plan
@@ -279,11 +280,12 @@ def rss_model(tmp_path_factory):
     return olmoe_checkpoint(tmp_path_factory.mktemp("rss") / "m")
 
 
-@pytest.mark.parametrize("policy,tier,io,quant", [
-    ("cache-prior", "disk", "direct", "none"),
-    pytest.param("original", "host", "cached", "none", marks=pytest.mark.slow),
-    pytest.param("original", "disk", "cached", "int8", marks=pytest.mark.slow)])
-def test_process_peak_bounds_the_measured_peak_rss(rss_model, tmp_path, policy, tier, io, quant):
+@pytest.mark.parametrize("policy,tier,io,quant,dense", [
+    ("cache-prior", "disk", "direct", "none", "none"),
+    pytest.param("original", "host", "cached", "none", "none", marks=pytest.mark.slow),
+    pytest.param("original", "disk", "cached", "int8", "none", marks=pytest.mark.slow),
+    pytest.param("cache-prior", "disk", "direct", "int4", "int4", marks=pytest.mark.slow)])
+def test_process_peak_bounds_the_measured_peak_rss(rss_model, tmp_path, policy, tier, io, quant, dense):
     """A real run under ``--memory auto`` in a fake cgroup sized for fewer than 8 experts per layer: the
     child's peak RSS (VmHWM, its whole life since exec: imports, loading, decoding 16 tokens) stays within
     the plan's process peak,
@@ -299,7 +301,7 @@ def test_process_peak_bounds_the_measured_peak_rss(rss_model, tmp_path, policy, 
                EXPERTCACHE_CGROUP_ROOT=str(_cgroup_of(tmp_path / "big", 64 * GiB)))
 
     def run(env):
-        proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(rss_model), policy, tier, io, quant], env=env,
+        proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(rss_model), policy, tier, io, quant, dense], env=env,
                               capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])

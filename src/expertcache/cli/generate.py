@@ -32,7 +32,8 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     --eviction, --gamma, --threads (defaults from OffloadConfig)."""
     from expertcache.offload import OffloadConfig
     from expertcache.offload.store import IO_MODES, TIERS
-    from expertcache.offload.quant import QUANT_MODES
+    from expertcache.offload.qlinear import DENSE_MODES
+    from expertcache.offload.quant import KERNEL_GROUPS, QUANT_MODES
 
     parser.add_argument("--model", default="granular",
                         help="checkpoint folder, or a shipped model: granular | coarse (default: granular)")
@@ -60,9 +61,17 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--prefetch", type=int, nargs="?", const=-1, default=d.prefetch, metavar="P",
                    help="next-layer speculative prefetch into P spare slots shared by all layers (counted in the "
                         "memory plan; --prefetch alone: P = 2K); default: off")
-    g.add_argument("--quant", choices=QUANT_MODES, default=None, help="quantised experts (group-wise)")
-    g.add_argument("--group", type=positive_int, default=None,
-                   help="quantisation group size, dividing D and F (default: the largest such divisor ≤ 64)")
+    g.add_argument("--quant", choices=QUANT_MODES, default=None,
+                   help="quantised experts, packed once for torch's fused weight-only kernels: int8 (per output "
+                        "channel, _weight_int8pack_mm) or int4 (group-wise, _weight_int4pack_mm / _for_cpu); where D "
+                        "or F is not the kernel's multiple (int4: G, int8: 16; the shipped models) K is zero-padded, "
+                        "never a slower path; the log names the kernel and padding")
+    g.add_argument("--group", type=int, choices=KERNEL_GROUPS, default=None, metavar="G",
+                   help="int4 group size: 32, 64, 128 or 256 (the kernels'); default 64 where it divides D and F, "
+                        "else 32 with K padded")
+    g.add_argument("--quant-dense", choices=DENSE_MODES, default=d.quant_dense or "none",
+                   help="non-expert weights too: attention projections and lm_head through the same fused kernels "
+                        "(int8 per channel / int4 G=32), the token embedding as int8 rows (default: none)")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--eviction", choices=LIVE_EVICTIONS, default="lru",
@@ -105,9 +114,13 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     host_memory = getattr(args, "host_memory", None)
     if host_memory is not None and args.tier != "disk":
         raise ValueError(f"--host-memory needs --tier disk (with --tier {args.tier} every expert is in host RAM already)")
+    if args.group is not None and args.quant != "int4":
+        raise ValueError(f"--group applies to --quant int4 (int8 scales are per output channel), got --quant "
+                         f"{args.quant or 'none'}")
+    dense = getattr(args, "quant_dense", None)
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
                          quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
-                         prefetch=prefetch, host_memory=host_memory)
+                         prefetch=prefetch, host_memory=host_memory, quant_dense=None if dense == "none" else dense)
 
 
 def _top_k(path) -> int:
@@ -236,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
               + (f", prefetch precision {s['prefetch']['precision']:.2f} recall {s['prefetch']['recall']:.2f}"
                  if s["prefetch"]["precision"] is not None else "") + (f" ({s['prefetched']} of them prefetched by --predictor)" if s["prefetched"] else "")
               + (f"; loads: {s['tiers']['host_hits']} from host RAM, {s['tiers']['disk_reads']} from disk"
-                 if s["tiers"] else "") + f", {args.threads} thread(s)",
+                 if s["tiers"] else "") + f", {args.threads} thread(s)"
+              + (f"; experts {row['config']['quant_kernel']}" if row["config"].get("quant_kernel") else "")
+              + (f"; dense {offload.quant_dense}" if offload.quant_dense else ""),
               file=sys.stderr)
     return 0
