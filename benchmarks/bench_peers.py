@@ -505,7 +505,13 @@ def child_accelerate(a) -> None:
 
 def child(a) -> None:
     if a.system in EC_CHILDREN:
-        return child_expertcache(a)
+        from expertcache.offload.budget import BudgetError
+
+        try:
+            return child_expertcache(a)
+        except BudgetError as exc:  # the plan's refusal, before loading: one line, exit 2 (as the CLI does)
+            print(f"refused: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)
     {"llama": child_llama, "llama-q4": child_llama, "accelerate": child_accelerate}[a.system](a)
 
 
@@ -589,7 +595,7 @@ def orchestrate(a) -> None:
             plan += ([] if a.low_readahead_only else [(s, None)]) + [(s, a.low_readahead)]
         else:
             plan.append((s, None))
-    q4 = Path(a.gguf_q4).stat().st_size if a.gguf_q4 else None
+    q4 = Path(a.gguf_q4).stat().st_size if a.gguf_q4 else a.q4_bytes
     budgets = [budget_limit(b, size, q4) for b in a.budgets]
     print(f"checkpoint {size / 1e9:.2f} GB; read_ahead_kb default {default_ra}; load {os.getloadavg()[0]:.1f}", flush=True)
     import signal
@@ -733,6 +739,8 @@ def main(argv=None) -> None:
     common.add_argument("--readers", type=int, default=4)
     common.add_argument("--prefetch", type=int, default=8, help="spare slots of ec-lru-pf (original + LRU with prefetch), shared by all layers")
     r = sub.add_parser("run", parents=[common])
+    r.add_argument("--q4-bytes", type=int, default=None,
+                   help="the Q4_K_M GGUF's size for q-budgets when --gguf-q4 is not given (rows record it)")
     r.add_argument("--budgets", nargs="+", default=["0.5", "0.25", "1.0"],
                    help="cgroup limits: fractions of the bf16 checkpoint (0.5) or of the Q4_K_M GGUF (q0.5)")
     r.add_argument("--rounds", type=int, default=2)
