@@ -65,7 +65,8 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                    help="quantised experts, packed once for torch's fused weight-only kernels: int8 (per output "
                         "channel, _weight_int8pack_mm) or int4 (group-wise, _weight_int4pack_mm / _for_cpu); where D "
                         "or F is not the kernel's multiple (int4: G, int8: 16; the shipped models) K is zero-padded, "
-                        "never a slower path; the log names the kernel and padding")
+                        "never a slower path; the log names the kernel and padding. int4 is the fast one (int8 halves the "
+                        "bytes, but its CPU kernel runs at about bf16's speed: BENCHMARKS.md)")
     g.add_argument("--group", type=int, choices=KERNEL_GROUPS, default=None, metavar="G",
                    help="int4 group size: 32, 64, 128 or 256 (the kernels'); default 64 where it divides D and F, "
                         "else 32 with K padded")
