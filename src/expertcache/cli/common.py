@@ -269,14 +269,15 @@ capacity_list = csv_of(capacity_spec, "cache size")  # sweep's --capacity
 
 
 def memory_spec(text: str) -> str:
-    """argparse type of ``--memory``: a byte size such as 3GiB, 200MiB or a byte count (> 0), or 'minimum'."""
-    from expertcache.offload.budget import MINIMUM, parse_bytes
+    """argparse type of ``--memory``: a byte size such as 3GiB, 200MiB or a byte count (> 0), 'minimum' or
+    'auto' (the memory cgroup's limit)."""
+    from expertcache.offload.budget import AUTO, MINIMUM, parse_bytes
 
     try:
         n = parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if n <= 0 and n != MINIMUM:
+    if n <= 0 and n not in (MINIMUM, AUTO):
         raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
     return str(text)
 

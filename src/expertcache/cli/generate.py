@@ -40,8 +40,11 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g = parser.add_argument_group("offloading")
     size = g.add_mutually_exclusive_group()
     size.add_argument("--memory", type=memory_spec, default=None,
-                      help="fast-memory budget (e.g. 3GiB, 200MiB, or 'minimum' for K experts per layer): non-expert "
-                           "weights + KV cache + expert slots")
+                      help="fast-memory budget (e.g. 3GiB, 200MiB, 'minimum' for K experts per layer, or 'auto': the "
+                           "largest that keeps the whole process within its memory cgroup's limit): non-expert "
+                           "weights + KV cache + expert slots. Inside a memory cgroup the whole process (this "
+                           "budget + the interpreter's own memory + loading peaks) must fit the limit, else it is "
+                           "refused before loading")
     size.add_argument("--cache-experts", type=positive_int, default=None, metavar="C",
                       help="expert slots per MoE layer (default: all N if no --memory)")
     g.add_argument("--tier", choices=TIERS, default="disk", help="where the experts live (default: disk)")
@@ -220,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
     offload = offload_from_args(args, context=ids.shape[1] + args.max_new_tokens, path=path)
     rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args), routing=routing,
                                         eviction=args.eviction, gamma=args.gamma, device=args.device)
+    if args.memory == "auto":  # what the container's limit became
+        print(f"expertcache generate: {rt.plan.describe()}", file=sys.stderr)
     out = sys.stdout
     shown = ""
     generated: list[int] = []

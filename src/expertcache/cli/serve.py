@@ -174,19 +174,20 @@ def what_fits(args, path, context: int) -> str:
     """What this --memory holds instead: the largest --max-batch (the KV cache reserves --max-batch rows of the
     whole context), or the memory --max-batch rows need. Plans a one-row runtime to read the sizes."""
     from expertcache.offload import BudgetError, OffloadedModel
-    from expertcache.offload.budget import MINIMUM, format_bytes, parse_bytes
+    from expertcache.offload.budget import AUTO, MINIMUM, format_bytes, parse_bytes
 
-    need_1 = None
+    need_1 = auto = None
     try:
         one = OffloadedModel.from_pretrained(path, offload_from_args(args, context=context, batch=1),
                                              dtype=dtype_from_args(args))
         plan = one._plan()
-        need_1, kv_row = plan.minimum, plan.kv_bytes
+        need_1, kv_row, auto = plan.minimum, plan.kv_bytes, plan.budget
     except BudgetError:
         pass
     if need_1 is None:
         return "it cannot hold even one row of the context: give more --memory"
     budget = parse_bytes(args.memory) if args.memory is not None else MINIMUM
+    budget = auto if budget == AUTO else budget  # --memory auto: what the container leaves
     need = need_1 + (args.max_batch - 1) * kv_row
     fits = 1 + (budget - need_1) // kv_row if budget != MINIMUM else 1
     return (f"--max-batch {args.max_batch} needs at least {format_bytes(need)} ({format_bytes(kv_row)} of KV "

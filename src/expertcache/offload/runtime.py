@@ -59,7 +59,8 @@ from expertcache import __version__
 from expertcache.device import on_host, to_device, to_host, to_host_many
 from expertcache.cache import CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
-from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
+from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit,
+                                       kv_cache_bytes, parse_bytes, plan_memory, process_rss)
 from expertcache.offload.checkpoint import Checkpoint
 from expertcache.offload.experts import OffloadedExperts, bucket_rows, expert_mlp, use_matvec
 from expertcache.offload.config import OffloadConfig
@@ -67,18 +68,35 @@ from expertcache.offload.ioqueue import IOQueue
 from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
 from expertcache.offload.prefetch import PrefetchStats
-from expertcache.offload.qlinear import DENSE_MODES, quantize_dense
+from expertcache.offload.qlinear import DENSE_MODES, dense_bytes, dense_targets, quantize_dense
 from expertcache.offload.quant import padding_note, quant_mlp
 from expertcache.offload.slots import SlotArena, slot_bytes_for
 from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
-from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
+from expertcache.offload.store import (ALIGN, TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
                                        quant_layout_for, quant_sidecar_path, quantize_checkpoint)
 from expertcache.models.loader import check_weights_match_config, load_config_checked, resolve_model_path
 from expertcache.routing import Router, RoutingConfig
 from expertcache.routing.registry import spec
 
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
+
+#: the quantised sidecar's writer holds one expert at a time: its bytes, float32 copies of its largest matrix
+#: and their intermediates (quantize_matrix), the packed blob; a bound in units of the expert's stored bytes
+SIDECAR_TRANSIENT = 6
+
+
+#: ``--quant-dense`` packs one module at a time from its float32 copy: measured 12.9 bytes per element of the
+#: matrix at the peak (OLMoE's lm_head, 2048 × 50304: 1.26 GiB, int4; int8 1.18 GiB) -- counted as a
+#: loading transient for the largest target
+DENSE_PACK_TRANSIENT = 13
+
+
+def _expert_sizes(parts: dict, placement: dict, readers: int) -> tuple[int, int, int]:
+    """(expert bytes, slot bytes, reader bounce-buffer bytes) of the experts ``parts`` placed as ``placement``."""
+    bounce = [max(n for _, _, n, _, _ in p.spans) for p in placement.values() if p.bounce]
+    return (next(iter(parts.values())).nbytes, slot_bytes_for(max(p.nbytes for p in placement.values())),
+            (max(bounce) if bounce else 0) * max(1, readers))
 
 
 def compile_dense(model: nn.Module) -> None:
@@ -100,8 +118,10 @@ class OffloadedModel(LayerSteps):
     """A causal LM with offloaded experts; see the module docstring. Build with :meth:`from_pretrained`."""
 
     def __init__(self, path: Path, model: nn.Module, family: Family, layers: list[MoELayer], checkpoint: Checkpoint,
-                 offload: OffloadConfig, dtype: torch.dtype, device: torch.device, mlps: list[Callable]) -> None:
+                 offload: OffloadConfig, dtype: torch.dtype, device: torch.device, mlps: list[Callable],
+                 process: dict | None = None) -> None:
         self.path = path
+        self._process = process or {}  # the preflight's process terms (interpreter RSS, limit): see _preflight
         self.model = model
         self.config = model.config
         self.family = family
@@ -137,11 +157,9 @@ class OffloadedModel(LayerSteps):
         io = offload.io if offload.tier == "disk" else "cached"
         self._parts = {(m.index, e): self.source.parts(m.layer_id, e) for m in layers for e in range(self.num_experts)}
         self._placement = {k: place_expert(p, io) for k, p in self._parts.items()}
-        self.expert_bytes = self._parts[(0, 0)].nbytes
-        self.slot_bytes = slot_bytes_for(max(p.nbytes for p in self._placement.values()))
-        bounce = [max(n for _, _, n, _, _ in p.spans) for p in self._placement.values() if p.bounce]
+        self.expert_bytes, self.slot_bytes, self._io_bytes = _expert_sizes(self._parts, self._placement,
+                                                                           offload.readers)
         self.readers = IOQueue(offload.readers)
-        self._io_bytes = (max(bounce) if bounce else 0) * max(1, offload.readers)
         self.tier = DiskTier(offload.io) if offload.tier == "disk" else \
             HostTier(self.source, [m.layer_id for m in layers], self.num_experts, pin=device.type == "cuda")
         if isinstance(self.tier, DiskTier):  # open every file now: O_DIRECT support is checked before any run
@@ -217,12 +235,14 @@ class OffloadedModel(LayerSteps):
         for m in layers:
             mlps.append(expert_mlp(layout, m.block.experts))
             m.block.experts = OffloadedExperts(None, m.index)  # runtime bound below
+        cls._compile_kernels(family, layers[0], routing or RoutingConfig(), eviction, configure_kw.get("gamma", 0.9))
+        process = cls._preflight(path, model, layers, checkpoint, offload, dtype, device)  # refuses before loading
         model.to_empty(device=device)
         load_non_expert(model, checkpoint, config)
         recompute_rotary(model, config, device)
         quantize_dense(model, offload.quant_dense)  # --quant-dense: before use_matvec (it skips the replaced modules)
         use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
-        runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps)
+        runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps, process)
         if offload.compile:
             compile_dense(model)
         for m in layers:
@@ -230,22 +250,90 @@ class OffloadedModel(LayerSteps):
         runtime.configure(routing=routing or RoutingConfig(), eviction=eviction, **configure_kw)
         return runtime
 
-    def _plan(self) -> MemoryPlan:
-        o = self.offload
-        seen, non_expert = set(), 0
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                non_expert += t.numel() * t.element_size()
-        kv = kv_cache_bytes(self.config, o.context, o.batch, torch.empty((), dtype=self.dtype).element_size())
+    @staticmethod
+    def _compile_kernels(family: Family, m: MoELayer, routing: RoutingConfig, eviction: str, gamma: float) -> None:
+        """Compile (or load from numba's cache) the cache and routing kernels this run uses, before the
+        interpreter's RSS is measured for the plan: compiling holds tens of MiB for the process's life
+        (LLVM), which the first token would otherwise add beyond the plan. Nothing else changes: the
+        runtime builds its own cache and router. A policy that needs inputs given later (ERAS's profile) or
+        an offline eviction rule (refused by :meth:`configure`) is left to its first use."""
+        n, k = m.num_experts, m.top_k
+        try:
+            make_cache(eviction, n, k, gamma=gamma, expert_bytes=1).access_step(list(range(k)))
+            if routing.policy != "original":
+                Router(routing, num_experts=n, k=k, renormalize=True, scoring=family.scoring).rank(
+                    0, torch.zeros(1, n), torch.zeros(n, dtype=torch.bool), commit=False)
+        except (ValueError, TypeError, RuntimeError):
+            pass
+
+    @classmethod
+    def _preflight(cls, path: Path, model: nn.Module, layers: list[MoELayer], checkpoint: Checkpoint,
+                   offload: OffloadConfig, dtype: torch.dtype, device: torch.device) -> dict:
+        """The memory plan from the config and the safetensors headers alone, before any weight is read or
+        any sidecar written: raises BudgetError (one line, the minimum) for a budget or a container that
+        cannot hold this model, so a refusal never follows a large allocation. Measures the interpreter's
+        RSS now (the process's baseline) and reads the container's limit; returns those process terms for
+        the exact plan (:meth:`_plan`), whose slots are never larger than these upper bounds."""
+        o = offload
+        num_experts, readers = layers[0].num_experts, o.default_readers(device)
+        ids = [m.layer_id for m in layers]
+        if o.quant:  # the sidecar may not exist yet: its layout's bytes, at the worst file offset
+            nbytes = quant_layout_for(checkpoint, ids[0], o.quant, o.group, dtype, device).nbytes
+            expert_bytes, io_bytes = nbytes, 0
+            slot_bytes = slot_bytes_for(nbytes) + (ALIGN if o.tier == "disk" and o.io == "direct" else 0)
+        else:
+            io = o.io if o.tier == "disk" else "cached"
+            parts = {(m.index, e): checkpoint.expert(m.layer_id, e) for m in layers for e in range(num_experts)}
+            expert_bytes, slot_bytes, io_bytes = _expert_sizes(parts, {k: place_expert(p, io) for k, p in parts.items()},
+                                                               readers)
+        largest = max((t.nbytes for k, t in checkpoint.entries.items() if not checkpoint.is_expert_key(k)), default=0)
+        load = largest  # Checkpoint.tensor's read buffer beside the weights it is copied into
+        if o.quant:  # the sidecar's writer, if it must be written (counted either way: a bound, small)
+            load = max(load, SIDECAR_TRANSIENT * checkpoint.expert(ids[0], 0).nbytes)
+        if o.quant_dense not in (None, "none"):  # loaded whole in the stored dtype, then packed module by module
+            stored, held = dense_bytes(model, None), dense_bytes(model, o.quant_dense)
+            biggest = max(m.weight.numel() for m in dense_targets(model).values())
+            load = stored - held + max(load, DENSE_PACK_TRANSIENT * biggest)
         budget = None if o.memory is None else parse_bytes(o.memory)
-        slots = self.num_experts if budget is None and o.capacity is None else o.capacity  # both: plan_memory refuses
-        plan = plan_memory(budget=budget, slots=slots, non_expert_bytes=non_expert,
-                           kv_bytes=kv, expert_bytes=self.expert_bytes, num_layers=len(self.layers),
-                           num_experts=self.num_experts, top_k=self.top_k, slot_bytes=self.slot_bytes,
-                           extra_slots=1 + o.prefetch, io_bytes=self._io_bytes)
+        root = os.environ.get("EXPERTCACHE_CGROUP_ROOT", "/")  # a fake tree, for tests
+        if budget == AUTO:
+            limit, source = container_limit(root)
+        else:
+            limit, source = cgroup_memory_limit(root), "memory cgroup limit"
+        process = dict(baseline_bytes=process_rss(), load_bytes=load, overhead_bytes=RUNTIME_OVERHEAD, limit=limit,
+                       limit_source=source)
+        cls._plan_from(model, o, dtype, process, dense_mode=o.quant_dense, expert_bytes=expert_bytes, slot_bytes=slot_bytes, io_bytes=io_bytes,
+                       num_layers=len(layers), num_experts=num_experts, top_k=layers[0].top_k, readers=readers,
+                       host_bytes=parse_host_memory(o.host_memory) if o.tier == "disk" else 0)
+        return process
+
+    @staticmethod
+    def _plan_from(model: nn.Module, o: OffloadConfig, dtype: torch.dtype, process: dict, *, dense_mode: str | None,
+                   expert_bytes: int,
+                   slot_bytes: int, io_bytes: int, num_layers: int, num_experts: int, top_k: int, readers: int,
+                   host_bytes: int) -> MemoryPlan:
+        """The plan of ``model`` under ``o`` with these expert sizes: ``dense_mode`` None for a loaded model
+        (its tensors as they are), ``o.quant_dense`` for the meta skeleton (the same bytes, before loading)."""
+        non_expert = dense_bytes(model, dense_mode)
+        kv = kv_cache_bytes(model.config, o.context, o.batch, torch.empty((), dtype=dtype).element_size())
+        budget = None if o.memory is None else parse_bytes(o.memory)
+        slots = num_experts if budget is None and o.capacity is None else o.capacity  # both: plan_memory refuses
+        buffered = o.tier == "disk" and o.io != "direct"  # reads through the page cache: in flight per reader
+        return plan_memory(budget=budget, slots=slots, non_expert_bytes=non_expert, kv_bytes=kv,
+                           expert_bytes=expert_bytes, num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+                           slot_bytes=slot_bytes, extra_slots=1 + o.prefetch, io_bytes=io_bytes,
+                           page_cache_bytes=max(1, readers) * slot_bytes if buffered else 0,
+                           host_tier_bytes=num_layers * num_experts * expert_bytes if o.tier == "host" else 0,
+                           host_bytes=host_bytes, **process)
+
+    def _plan(self) -> MemoryPlan:
+        plan = self._plan_from(self.model, self.offload, self.dtype, self._process, dense_mode=None,
+                               expert_bytes=self.expert_bytes,
+                               slot_bytes=self.slot_bytes, io_bytes=self._io_bytes, num_layers=len(self.layers),
+                               num_experts=self.num_experts, top_k=self.top_k, readers=self.offload.readers,
+                               host_bytes=self.host.nbytes if self.host is not None else 0)
         if self.host is not None:  # the host level has its own budget (--host-memory), beside the fast tier's
-            plan = dataclasses.replace(plan, host_bytes=self.host.nbytes, host_slots=self.host.slots)
+            plan = dataclasses.replace(plan, host_slots=self.host.slots)
         return dataclasses.replace(plan, pinned_bytes=getattr(self.tier, "pinned_bytes", 0))
 
     def _make_pools(self, capacity: int) -> None:
