@@ -289,3 +289,32 @@ def test_a_plan_holds_every_pair_but_belady_with_a_cache_aware_policy():
                              evictions=["belady"])]
     assert [r["routing"]["h"] for r in prune] == [1, 2, 3] and {r["eviction"] for r in prune} == {"belady"}
     assert json.loads(json.dumps(prune)) == prune  # JSON-able, as the plan promises
+
+
+# ---------------------------------------------------------------------------------------------------------
+# offload/step.py: the order a step is served in, written once (union_order) for the runtime and the live view
+
+
+def test_one_token_is_served_in_its_routers_descending_weight_order(tmp_path):
+    """One token's experts are requested in descending router weight (the order its top-K gives them; an LRU then
+    keeps the heaviest most recent), computed here as top-K of softmax(logits) from each routing event, in the
+    runtime's step events (one-token decode steps) and from ``union_order`` itself, which the live view's shadow
+    cache calls. Fails on ``union_order``'s one-token branch reversed (the runtime had its own copy of that branch,
+    so reversing the live view's went unseen)."""
+    from expertcache.models.tiny import save_tiny
+    from expertcache.offload import OffloadConfig, OffloadedModel
+    from expertcache.offload.step import union_order
+    from conftest import decode_logits
+
+    rt = OffloadedModel.from_pretrained(save_tiny("olmoe", tmp_path / "olmoe", seed=4),
+                                        OffloadConfig(io="cached", capacity=3), dtype=torch.float32)
+    routes, steps = [], []
+    rt.add_router_observer(routes.append)
+    rt.add_step_observer(lambda ev: steps.append(ev) if ev.kind == "demand" else None)
+    decode_logits(rt, torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2)), prefill=1)
+    assert len(routes) == len(steps) == 9 * len(rt.layers)
+    for r, s in zip(routes, steps):
+        w_K, ids_K = torch.topk(torch.softmax(r.logits[0].float(), dim=-1), rt.top_k)
+        assert r.layer == s.layer and list(s.order) == ids_K.tolist()
+        assert union_order(ids_K[None], w_K[None], rt.num_experts) == ids_K.tolist()
+    assert union_order(torch.tensor([[6, -1, 2]]), None, 8) == [6, 2]  # dropped slots skipped, order kept

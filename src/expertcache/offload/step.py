@@ -45,7 +45,8 @@ __all__ = ["LayerState", "LayerSteps", "union_order"]
 
 def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: int) -> list[int]:
     """The experts one step requests (CPU ``ids_TK``, -1 slots skipped): one token's own order; for T > 1 the
-    union of the rows' experts, by total weight ``w_TK`` (descending; ties by id; unused for one token)."""
+    union of the rows' experts, by total weight ``w_TK`` (descending; ties by id; unused for one token). The one
+    serving order: the runtime's step and the live view's shadow cache both read it from here."""
     if ids_TK.shape[0] == 1:
         return [e for e in ids_TK[0].tolist() if e >= 0]
     valid_TK = ids_TK >= 0
@@ -209,11 +210,7 @@ class LayerSteps(RuntimeObservers):
         # these very ids on the host (cache-aware routing copied the logits instead)
         ids_cpu_TK = routed[1] if routed is not None and routed[0] is ids_TK else ids_TK.to("cpu")
         one = ids_cpu_TK.shape[0] == 1
-        if one:
-            row = ids_cpu_TK[0].tolist()
-            order = [e for e in row if e >= 0]
-        else:
-            order = union_order(ids_cpu_TK, w_TK, self.num_experts)
+        order = union_order(ids_cpu_TK, w_TK, self.num_experts)  # the one serving order (the live view's shadow too)
         if self.record and one:
             st.steps.append(list(order))
         t0 = time.perf_counter()
