@@ -354,10 +354,16 @@ class ExpertCache:
                 raise ValueError(f"order_by must be [P={ids_PK.shape[0]}, E={n}], got {order_by.shape}")
             ids_PK = np.ascontiguousarray(order_steps(ids_PK, order_by))
         bad = _SERVE[self.code](ids_PK, self._next_steps(ids_PK), self.st_E, self.score_E, self.st_S, self.pf)
-        self._unfolded = True
+        self.kernel_served()
         if bad >= 0:
             raise ValueError(f"bad step {ids_PK[bad].tolist()}: ids must be distinct and in [0, {n}); "
                              "an expert is requested twice in one step or is out of range")
+
+    def kernel_served(self) -> None:
+        """Note that a compiled kernel served steps on ``st_E``/``score_E``/``st_S``/``pf`` (this class's
+        :meth:`serve_array`, or a kernel outside it: ``models/fused.py``'s fused routing and serving): the counts
+        it made are moved into :attr:`stats` on the next read."""
+        self._unfolded = True
 
     def _next_steps(self, ids_PK: np.ndarray) -> np.ndarray:
         """Belady's next-request step of each id of the P steps about to be served (others: unused)."""
@@ -416,7 +422,7 @@ class ExpertCache:
         out.__dict__.update({k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.__dict__.items()})
         step = self._step
         for e in np.flatnonzero(self.st_E[RESIDENT]).tolist():
-            out._close(e, step - int(self.st_E[LOADED_AT, e]))
+            out.close_residency(e, step - int(self.st_E[LOADED_AT, e]))
             out.censored += 1
         return out
 

@@ -132,7 +132,7 @@ class OffloadedModel(LayerSteps):
             HostTier(self.source, [m.layer_id for m in layers], self.num_experts)
         if isinstance(self.tier, DiskTier):  # open every file now: O_DIRECT support is checked before any run
             for f in sorted({r.file for p in self._parts.values() for r in p.reads}):
-                self.tier._fd(f)
+                self.tier.fd(f)
         host_budget = parse_host_memory(offload.host_memory)
         if host_budget and offload.tier != "disk":
             raise ValueError("--host-memory is the host-RAM level between the fast slots and the disk: it needs "
@@ -204,7 +204,7 @@ class OffloadedModel(LayerSteps):
         use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
         runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps)
         for m in layers:
-            m.block.experts._runtime = [runtime]
+            m.block.experts.bind(runtime)
         runtime.configure(routing=routing or RoutingConfig(), eviction=eviction, **configure_kw)
         return runtime
 
@@ -441,7 +441,7 @@ class OffloadedModel(LayerSteps):
         seconds (summed over reader threads), seconds the compute thread waited for reads, compute seconds,
         prefetch counters (:class:`PrefetchStats`). Waits for reads in flight first, so counts are final."""
         for t in self.arena.tickets():
-            t._event.wait()
+            t.join()
         per = self.cache_stats()
         total = functools.reduce(CacheStats.merge, per)
         host = self.host.counts if self.host is not None else None

@@ -336,10 +336,7 @@ class LiveControl:
         return dict(routing=cfg, router=router, eviction=eviction, gamma=float(gamma), capacity=int(capacity))
 
     def _apply_if_idle(self) -> None:
-        eng = self.engine
-        with eng._lock:  # idle: no forward can start while we hold the engine's lock
-            if not (eng._waiting or eng._prefilling or eng._rows):
-                self.apply_pending()
+        self.engine.run_if_idle(self.apply_pending)  # idle: no forward can start meanwhile
 
     def request(self, body) -> dict:
         """Validate and queue ``body``; applied at once when the engine is idle. Returns the resolved config."""
