@@ -318,3 +318,25 @@ def test_one_token_is_served_in_its_routers_descending_weight_order(tmp_path):
         assert r.layer == s.layer and list(s.order) == ids_K.tolist()
         assert union_order(ids_K[None], w_K[None], rt.num_experts) == ids_K.tolist()
     assert union_order(torch.tensor([[6, -1, 2]]), None, 8) == [6, 2]  # dropped slots skipped, order kept
+
+
+@pytest.mark.parametrize("name, ok", [("a", True), ("0", True), ("my-rule.v2_x", True), ("", False), ("A", False),
+                                      ("a,b", False), ("a+b", False), ("-a", False), (".a", False), ("a b", False),
+                                      (5, False), (None, False)])
+def test_one_name_rule_for_policies_and_evictions(name, ok):
+    """Both registries take the same names (registries.NAME): no comma (sweep's comma-separated --policies and
+    --eviction), no '+' (bench's original+lru), no upper case, not starting with a separator."""
+    from dataclasses import replace
+
+    from expertcache.cache.caches import registered_eviction
+    from expertcache.routing.registry import registered_policy
+
+    for scoped, item, what in ((registered_policy, _toy_policy(), "policy"), (registered_eviction, _toy_rule(), "eviction")):
+        item = replace(item, name=name)
+        if ok:
+            with scoped(item):
+                pass
+        else:
+            with pytest.raises(ValueError, match=f"^{what} name must be lower-case letters"):
+                with scoped(item):
+                    pass

@@ -13,10 +13,9 @@ token_keys`` and ``KERNEL_CODES`` under a new ``code`` unless it reuses one, an 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
-from expertcache.registries import Field, Names, registered, unregister
+from expertcache.registries import Field, Names, check_name, registered, unregister
 
 __all__ = ["PolicySpec", "SPECS", "POLICIES", "STRENGTH", "DEFAULT_TOP_J", "CACHE_PRIOR", "CODES", "NEEDS_PROBS",
            "STEERABLE", "NEEDS_PROFILE", "spec", "policies", "policy_colour", "register_policy", "unregister_policy",
@@ -81,7 +80,6 @@ NEEDS_PROFILE = Names(SPECS, lambda s: s.needs_profile)
 
 #: the flags a kernel code's key rule reads (``kernels.KERNEL_CODES``); a spec must set exactly those
 _FLAGS = ("running_delta", "needs_probs", "needs_profile", "miss_costs")
-_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # no comma (sweep's --policies), no '+' (bench's original+lru)
 
 
 #: colours of figures for a policy that declares none (picked by its name, so stable across runs)
@@ -118,8 +116,7 @@ def _check(s: PolicySpec) -> None:
 
     if not isinstance(s, PolicySpec):
         raise ValueError(f"register_policy takes a PolicySpec, got {type(s).__name__}")
-    if not isinstance(s.name, str) or not _NAME.fullmatch(s.name):
-        raise ValueError(f"policy name must be lower-case letters, digits, '-', '_' or '.', got {s.name!r}")
+    check_name(s.name, "policy")
     if s.name in SPECS:
         raise ValueError(f"routing policy {s.name!r} is already registered")
     if s.code is None:
