@@ -340,3 +340,28 @@ def test_one_name_rule_for_policies_and_evictions(name, ok):
             with pytest.raises(ValueError, match=f"^{what} name must be lower-case letters"):
                 with scoped(item):
                     pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# routing: the strength fields and their ranges, declared once (routing/registry.py: STRENGTH_RANGES)
+
+
+@pytest.mark.parametrize("policy, name, low, high", [("cumsum", "p", 0.0, 1.0), ("cache-prior", "lam", 0.0, 1.0),
+                                                     ("eras-threshold", "alpha", 0.0, None),
+                                                     ("eras-bias", "beta", 0.0, None)])
+def test_strength_ranges_at_their_limits(policy, name, low, high):
+    """001/003's strengths: p (Alg. 2's cumulative threshold) and λ (Eq. 9's mixing weight) are fractions, α and β
+    non-negative: each accepted exactly at its limits, refused one ulp past them, naming the field."""
+    import math
+
+    from expertcache.routing import RoutingConfig
+    from expertcache.routing.registry import SPECS, STRENGTH_RANGES
+
+    assert STRENGTH_RANGES[name] == (low, high)
+    assert {s.strength for s in SPECS.values()} - {None, "h", "m"} == set(STRENGTH_RANGES)
+    RoutingConfig(policy, **{name: low})
+    RoutingConfig(policy, **{name: high if high is not None else 1e6})
+    past = [math.nextafter(low, -1.0)] + ([math.nextafter(high, 2.0)] if high is not None else [])
+    for v in past:
+        with pytest.raises(ValueError, match=rf"^{name} must be"):
+            RoutingConfig(policy, **{name: v})

@@ -56,7 +56,11 @@ from expertcache.cache.stats import CacheStats
 from expertcache.compiled import jit_each as _jit_each
 from expertcache.compiled import jit_inline as _jit_inline
 
-__all__ = ["ExpertCache", "initial_set", "order_steps", "serve_one"]
+__all__ = ["ExpertCache", "initial_set", "order_steps", "serve_one", "DEFAULT_GAMMA"]
+
+#: γ of the discounted-count caches (``gamma``, ``gamma-admit``) when none is given: every signature, flag and
+#: sweep reads it from here
+DEFAULT_GAMMA = 0.9
 
 RESIDENT, STAMP, LOADED_AT, LT_SUM, LT_CNT, LOADS, SERVING = range(7)
 CLOCK, STEP, N_RES, CAP, ACCESSES, HITS, MISSES, LIFETIME_SUM, LIFETIME_SUMSQ, LIFETIMES = range(10)
@@ -240,7 +244,6 @@ class ExpertCache:
     expert_bytes: bytes loaded per miss, an int for all experts or a per-expert sequence (optional).
     """
 
-    kind = "base"
     code = LRU
 
     def __init__(self, num_experts: int, capacity: int, *, initial: str | Iterable[int] | None = None,

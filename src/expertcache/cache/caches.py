@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from expertcache.cache import base as _base
-from expertcache.cache.base import ExpertCache
+from expertcache.cache.base import DEFAULT_GAMMA, ExpertCache
 from expertcache.cache.belady import BeladyCache
 from expertcache.cache.discounted import DiscountedCache
 from expertcache.cache.gamma import GammaCache
@@ -149,7 +149,7 @@ def make_cache(
     *,
     initial: str | Iterable[int] | None = None,
     seed: int = 0,
-    gamma: float = 0.9,
+    gamma: float = DEFAULT_GAMMA,
     future: Sequence[Sequence[int]] | None = None,
     expert_bytes: int | Sequence[int] | None = None,
 ) -> ExpertCache:

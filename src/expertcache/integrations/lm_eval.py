@@ -48,6 +48,7 @@ import torch
 
 from expertcache.results import atomic_write_bytes
 from expertcache.routing import RoutingConfig
+from expertcache.routing.registry import STRENGTH_RANGES
 
 __all__ = ["ExpertCacheLM", "write_local_tasks", "main"]
 
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 _TASKS = Path(__file__).with_name("lm_eval_tasks")  # task YAML templates ($test, $dev, $subject)
 _INSTANCES: list = []  # every ExpertCacheLM built in this process: the launcher prints their miss rates
 
-_FLOATS = ("lam", "p", "alpha", "beta", "delta")
+_FLOATS = (*STRENGTH_RANGES, "delta")
 _INTS = ("m", "h", "top_j")
 
 

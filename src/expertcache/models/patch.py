@@ -79,7 +79,7 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, ExpertCache, eviction_rule, resolve_capacity
+from expertcache.cache import DEFAULT_GAMMA, CacheStats, ExpertCache, eviction_rule, resolve_capacity
 from expertcache.models import fused
 from expertcache.models.recording import Recording
 from expertcache.models.streams import CacheStreams
@@ -104,7 +104,7 @@ def patch_model(
     between_sequences: str = "reset",
     initial: str | Iterable[int] | None = None,
     seed: int = 0,
-    gamma: float = 0.9,
+    gamma: float = DEFAULT_GAMMA,
     record: bool = False,
     freq_LE: np.ndarray | torch.Tensor | None = None,
     replace_rank: int | None = None,

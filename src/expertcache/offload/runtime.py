@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, eviction_rule, make_cache
+from expertcache.cache import DEFAULT_GAMMA, CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
 from expertcache.offload.checkpoint import Checkpoint
@@ -316,7 +316,7 @@ class OffloadedModel(LayerSteps):
 
     # -- configuration ---------------------------------------------------------------------------
 
-    def configure(self, *, routing: RoutingConfig | None = None, eviction: str | None = None, gamma: float = 0.9,
+    def configure(self, *, routing: RoutingConfig | None = None, eviction: str | None = None, gamma: float = DEFAULT_GAMMA,
                   freq_LE: np.ndarray | torch.Tensor | None = None, record: bool | None = None,
                   capacity: int | None = None) -> None:
         """(Re)start with a routing policy and fresh, empty caches (slots emptied, statistics zeroed).
