@@ -81,12 +81,12 @@ def test_a_prompt_that_would_fill_the_batch_is_not_held():
 
 
 def test_a_prompt_is_held_the_delay_times_the_last_prefills_seconds():
-    """Prefills are made slow (a pre-hook sleeps 0.4 s before every multi-token forward), decode steps stay fast:
+    """Prefills are made slow (a pre-hook sleeps 0.6 s before every multi-token forward), decode steps stay fast:
     the prompt submitted while a row decodes is held at least ``prefill_delay`` × the last prefill's seconds (as the
     forward observers saw them), and not much longer. Fails on engine.py's ``_after_forward`` recording every
     forward's seconds (decode steps too) as the last prefill's: the prompt was then held a few decode steps only."""
     rt = _runtime()
-    delay, sleep_s = 2.0, 0.4
+    delay, sleep_s = 2.0, 0.6
     starts = []
 
     def slow_prefill(module, args, kwargs):
@@ -106,7 +106,9 @@ def test_a_prompt_is_held_the_delay_times_the_last_prefills_seconds():
         _wait(lambda: engine.batch_size() == 1 and sum(r > 0 for r, _ in forwards) >= 3, what="rows decoding")
         prefill_s = [s for r, s in forwards if r == 0][-1]
         decode_s = max(s for r, s in forwards if r > 0)
-        assert prefill_s >= sleep_s > 3 * decode_s, (prefill_s, decode_s)  # the setting this test needs
+        assert prefill_s >= sleep_s  # the sleep is inside the timed forward
+        if decode_s * 3 > sleep_s:  # a machine this loaded cannot tell a decode step's seconds from a prefill's
+            pytest.skip(f"decode steps take {decode_s:.2f} s, too close to the {sleep_s} s prefill to tell apart")
         t_sub = c.submit("b", PROMPTS[1], 2)
         assert c.events["b"].wait(120)
         assert not c.events["long"].is_set()

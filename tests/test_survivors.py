@@ -365,3 +365,24 @@ def test_strength_ranges_at_their_limits(policy, name, low, high):
     for v in past:
         with pytest.raises(ValueError, match=rf"^{name} must be"):
             RoutingConfig(policy, **{name: v})
+
+
+def test_the_servers_shared_defaults_are_one_light_declaration():
+    """The request-size default and the loopback names are declared once (serve/defaults.py) and read by the app
+    and the command line; that module imports nothing heavy (the command line reads it to build --help)."""
+    import subprocess
+    import sys
+
+    from expertcache.cli import serve as cli_serve
+    from expertcache.serve import app, defaults
+
+    assert cli_serve.DEFAULT_MAX_REQUEST_BYTES is app.DEFAULT_MAX_REQUEST_BYTES is defaults.DEFAULT_MAX_REQUEST_BYTES
+    assert cli_serve.LOOPBACK_HOSTS is app.LOOPBACK_HOSTS is defaults.LOOPBACK_HOSTS
+    code = ("import sys, expertcache.serve.defaults\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'fastapi') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    for host in ("localhost", "127.0.0.1", "::1", "[::1]", "127.8.9.10", "ip6-localhost"):
+        assert defaults.is_loopback(host), host
+    for host in ("0.0.0.0", "::", "192.168.1.2", "localhost.example", "evil-localhost"):
+        assert not defaults.is_loopback(host), host
