@@ -386,3 +386,74 @@ def test_the_servers_shared_defaults_are_one_light_declaration():
         assert defaults.is_loopback(host), host
     for host in ("0.0.0.0", "::", "192.168.1.2", "localhost.example", "evil-localhost"):
         assert not defaults.is_loopback(host), host
+
+
+# ---------------------------------------------------------------------------------------------------------
+# more validator boundaries (the same files: a fresh mutant there should fail a test too)
+
+
+def test_config_counts_and_reals_at_their_limits():
+    """Sizes are integers ≥ 1 (counts of shared experts and dense layers ≥ 0); rms_norm_eps, rope_theta and
+    routed_scaling_factor are positive and finite: each accepted at its limit, refused just past it."""
+    import math
+
+    from expertcache.models.loader import check_config_values
+
+    check_config_values({"hidden_size": 1, "n_shared_experts": 0, "first_k_dense_replace": 0}, "c.json")
+    for bad, culprit in (({"hidden_size": 0}, "hidden_size must be an integer >= 1, got 0"),
+                         ({"n_shared_experts": -1}, "n_shared_experts must be an integer >= 0, got -1"),
+                         ({"hidden_size": 2.0}, "hidden_size must be an integer >= 1, got 2.0")):
+        with pytest.raises(ValueError, match=culprit):
+            check_config_values(bad, "c.json")
+    for key in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
+        check_config_values({key: 5e-324}, "c.json")  # the smallest positive double
+        check_config_values({key: 1.7e308}, "c.json")
+        for v in (0, 0.0, -1e-9, math.inf, math.nan, True):
+            with pytest.raises(ValueError, match=f"{key} must be a positive finite number"):
+                check_config_values({key: v}, "c.json")
+
+
+def test_tokenizer_warns_below_ninety_percent_of_the_vocabulary_only():
+    """Covering 90 % of the embedding rows is normal padding (no warning); one token fewer warns, naming the
+    undecodable id range."""
+    import warnings
+
+    from expertcache.inputs import InputWarning
+    from expertcache.models.loader import check_tokenizer_fits
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_tokenizer_fits(range(900), 1000, "t.json")
+    with pytest.warns(InputWarning, match=r"t.json: the tokenizer has 899 tokens.*ids 899..999"):
+        check_tokenizer_fits(range(899), 1000, "t.json")
+
+
+@pytest.mark.parametrize("text, want", [("auto", "auto"), (" CPU ", "cpu"), ("cuda", "cuda"), ("CUDA:01", "cuda:1"),
+                                        ("cuda:0", "cuda:0"), ("cuda:", None), ("cuda:-1", None), ("cuda:1.0", None),
+                                        ("gpu", None), ("", None), ("cuda0", None)])
+def test_device_names(text, want):
+    """``--device`` spellings: the canonical name, or one line naming the flag and the choices."""
+    from expertcache.device import DEVICE_CHOICES, parse_device
+
+    if want is None:
+        with pytest.raises(ValueError, match=f"--device {text}: not a device; choose {DEVICE_CHOICES}"):
+            parse_device(text)
+    else:
+        assert parse_device(text) == want
+
+
+def test_the_guard_refuses_a_length_that_is_not_a_number_and_a_missing_host():
+    """Content-Length must be digits (``-1``, ``1e3``, ``0x10``, empty: 413s, not a pass); a request without a Host
+    header (HTTP/1.0) is refused when the server has an allow-list."""
+    from fastapi.responses import PlainTextResponse
+
+    from expertcache.serve.app import Guard, host_allowed
+
+    async def app(scope, receive, send):
+        await PlainTextResponse("ok")(scope, receive, send)
+
+    guard = Guard(app, max_request_bytes=1000, allowed_hosts=("localhost",))
+    for length in ("-1", "1e3", "0x10", ""):
+        assert _guard_call(guard, length) == 413, length
+    assert not host_allowed("", ("localhost",)) and not host_allowed(None, ("localhost",))
+    assert host_allowed(None, None) and host_allowed("anything", ("*",))
