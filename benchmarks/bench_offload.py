@@ -69,22 +69,17 @@ def main(argv=None) -> int:
 
 
 def quant_ppl(model: str = "granular", seq_len: int = 128, windows: int = 16) -> list[dict]:
-    """Held-out perplexity of bf16, int8 and int4 experts (largest group size in 64..1 dividing D and F), all experts resident, original routing."""
+    """Held-out perplexity of bf16, int8 and int4 experts (the fused kernels' layouts, default int4 group: 32 with
+    K padded on the shipped models), all experts resident, original routing."""
     from expertcache.offload import OffloadedModel
     from expertcache.offload.bench import heldout_ppl, heldout_stream
 
-    import json as _json
-    import math
-
     path = resolve_model_path(model)
-    cfg = _json.loads((path / "config.json").read_text())
-    dims = (cfg["hidden_size"], cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-    group = next(g for g in (64, 32, 16, 8, 4, 2, 1) if all(x % g == 0 for x in dims))  # 144, 104 -> 8
     stream = heldout_stream(path)
     rows = []
     for quant in (None, "int8", "int4"):
-        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant=quant, group=group))
-        rows.append(dict(kind="offload-quant-ppl", model=model, quant=quant or "bf16", group=group, ppl=heldout_ppl(rt, stream, seq_len, windows),
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant=quant))
+        rows.append(dict(kind="offload-quant-ppl", model=model, quant=quant or "bf16", group=rt.offload.group, ppl=heldout_ppl(rt, stream, seq_len, windows),
                          expert_bytes=rt.expert_bytes, tokens=(seq_len - 1) * windows))
         print(rows[-1], flush=True)
     return rows

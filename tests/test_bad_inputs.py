@@ -311,6 +311,9 @@ def test_count_and_number_flags(env, capsys):
         (["generate", "--model", tiny, "--quant", "int8", "--group", "0", "1 2"], "--group"),
         (["generate", "--model", tiny, "--quant", "int8", "--group", "-4", "1 2"], "--group"),
         (["generate", "--model", tiny, "--quant", "int8", "--group", "7", "1 2"], "--group"),
+        (["generate", "--model", tiny, "--quant", "int8", "--group", "32", "1 2"], "--group"),
+        (["generate", "--model", tiny, "--quant", "int4", "--group", "16", "1 2"], "--group"),
+        (["generate", "--model", tiny, "--quant-dense", "int3", "1 2"], "--quant-dense"),
         (["generate", "--model", tiny, "--gamma", "2", "1 2"], "--gamma"),
         (["generate", "--model", tiny, "--threads", "0", "1 2"], "--threads"),
         (["generate", "--model", tiny, "--policy", "eras-threshold", "--alpha", "nan", "1 2"], "--alpha"),
@@ -416,8 +419,9 @@ def test_quant_default_group_works_on_every_shipped_model(capsys):
         assert main(["generate", "--model", name, "--quant", "int4", "--io", "cached", "--max-new-tokens", "2",
                      "--json", "The kernel"]) == 0
         row = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
-        g = row["config"]["group"]
-        assert row["config"]["quant"] == "int4" and g == default_group(d, f) and d % g == 0 and f % g == 0
+        g = row["config"]["group"]  # 32: K zero-padded to it (the kernels take G in 32..256)
+        assert row["config"]["quant"] == "int4" and g == default_group(d, f) == 32
+        assert "zero-padded: gate_up K 144->160" in row["config"]["quant_kernel"]
 
 
 def test_bit_flipped_quantised_experts_are_rebuilt_or_refused(env, capsys, tmp_path, monkeypatch):
@@ -463,8 +467,8 @@ def test_flags_are_checked_before_the_trace_is_read(env, capsys):
 def test_expected_group_default():
     from expertcache.offload.quant import default_group
 
-    assert default_group(144, 104) == 8 and default_group(2048, 1024) == 64 and default_group(32, 48) == 16
-    assert np.all([default_group(d, f) >= 1 for d in (1, 7, 13) for f in (3, 5)])
+    assert default_group(144, 104) == 32 and default_group(2048, 1024) == 64 and default_group(32, 48) == 32
+    assert np.all([default_group(d, f) in (32, 64) for d in (1, 7, 13) for f in (3, 5)])
 
 
 def test_module_entry_point_reports_usage_errors(env):

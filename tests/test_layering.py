@@ -10,7 +10,9 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "expertcache"
 
 #: bottom to top; a package may import only from packages in lower layers (and from itself)
 LAYERS = [
-    {"__init__", "compiled", "results", "assets", "inputs", "device", "registries", "jsonsafe"},  # the package root and shared utilities
+    {"jsonsafe"},  # the one JSON reader: imports nothing of expertcache
+    {"outputs"},  # the output rule (paths, marks, temporary names): reads marks with jsonsafe
+    {"__init__", "compiled", "results", "assets", "inputs", "device", "registries"},  # the package root and shared utilities
     {"routing"},  # policies: logits + residency -> ids (kernels)
     {"cache"},  # per-layer caches: ids -> hits, misses, evictions (kernels)
     {"trace", "sim"},  # recorded routing; open-loop simulation and replay
@@ -64,12 +66,13 @@ def test_no_import_from_a_layer_above_or_beside(path):
 
 
 def test_the_exceptions_are_leaves():
-    """An allowed upward import must not pull its layer in: the module imports nothing of expertcache."""
+    """An allowed upward import must not pull its layer in: the module imports nothing of expertcache but the
+    bottom layer (the JSON reader, itself a leaf)."""
     for targets in EXCEPTIONS.values():
         for name in targets:
             path = ROOT.joinpath(*name.split(".")[1:]).with_suffix(".py")
             assert path.exists(), name
-            assert _imported_packages(path) == set(), f"{name} imports from expertcache: no longer a leaf"
+            assert _imported_packages(path) <= LAYERS[0], f"{name} imports from expertcache: no longer a leaf"
 
 
 def test_the_layers_are_used():
@@ -97,6 +100,10 @@ PRIVATE_ALLOWED = {
     ("serve/attention.py", "_attn_implementation"): "transformers: the attention a config selects (read only)",
     ("offload/experts.py", "_serve"): "OffloadedExperts is the runtime's own forward seam inside the model: the "
                                       "model's experts call the runtime's layer step (offload/step.py), nothing else",
+    **{("offload/quant.py", op): "torch's fused int4/int8 weight kernels (aten ops with no public name; gpt-fast and "
+                                  "torchao call them the same way)"
+       for op in ("_convert_weight_to_int4pack", "_convert_weight_to_int4pack_for_cpu", "_weight_int8pack_mm",
+                  "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu")},
     ("melinoe/predictor.py", "_check_out"): "melinoe's --out check, shared by its two commands (finetune.py, "
                                             "predictor.py); to be replaced by cli/common's output checks (issue 32)",
 }

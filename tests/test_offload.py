@@ -19,7 +19,6 @@ from expertcache.models.tiny import TINY_ARCHS, save_tiny
 from expertcache.offload import BudgetError, CheckpointError, OffloadConfig, OffloadedModel, plan_memory
 from expertcache.offload.budget import parse_bytes
 from expertcache.offload.checkpoint import Checkpoint, read_header
-from expertcache.offload.quant import QuantLayout, pack_expert, unpack_expert
 from expertcache.offload.store import DiskTier, direct_io_supported
 from expertcache.offload.writer import write_safetensors
 from expertcache.routing import RoutingConfig
@@ -46,7 +45,7 @@ def _rt(path, capacity=None, **kw):
     io = kw.pop("io", "cached")
     tier = kw.pop("tier", "disk")
     quant = kw.pop("quant", None)
-    group = kw.pop("group", 16)
+    group = kw.pop("group", None)
     readers = kw.pop("readers", 2)
     prefetch = kw.pop("prefetch", 0)
     return OffloadedModel.from_pretrained(path, OffloadConfig(tier=tier, io=io, capacity=capacity, quant=quant,
@@ -394,19 +393,6 @@ def test_rss_growth_stays_within_plan(tmp_path_factory, io, c, p):
 # -- quantised experts ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,tol", [("int8", 0.01), ("int4", 0.2)])
-def test_quantised_expert_roundtrip(mode, tol):
-    g = torch.Generator().manual_seed(0)
-    gu, down = torch.randn(64, 32, generator=g), torch.randn(32, 32, generator=g)
-    layout = QuantLayout(mode, 32, 32, 16)
-    blob = pack_expert(gu, down, layout)
-    assert blob.dtype == torch.uint8 and blob.numel() == layout.nbytes
-    gu2, down2 = unpack_expert(blob, layout, torch.float32)
-    for a, b in ((gu, gu2), (down, down2)):
-        rel = ((a - b).norm() / a.norm()).item()
-        assert rel < tol, rel
-
-
 def test_quantised_offload_runs_and_stays_close(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "q"
@@ -415,7 +401,7 @@ def test_quantised_offload_runs_and_stays_close(tiny_dir, tmp_path, monkeypatch)
     want = _reference_logits(path, ids)
     for mode, tol in (("int8", 0.05), ("int4", 0.5)):
         rt = _rt(path, 3, quant=mode)
-        assert rt.source.path.is_file() and rt.source.path.name.endswith(f"expertcache-experts-{mode}-g16.safetensors")
+        assert rt.source.path.is_file() and f"expertcache-experts-v2-{mode}-" in rt.source.path.name
         assert not any(p.name.startswith("expertcache-") for p in path.iterdir())  # model folder untouched
         got = _offloaded_logits(rt, ids, 2)
         assert (got - want).abs().max().item() < tol

@@ -8,8 +8,8 @@ import sys
 
 from expertcache.cache import DEFAULT_GAMMA, LIVE_EVICTIONS
 from expertcache.cli.common import (add_device_arg, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads, device_from_args, memory_spec,
-                                    nonneg_float, nonneg_int, positive_int, predictor_from_args, print_resolved,
-                                    prompt_text, routing_from_args, unit_float)
+                                    MAX_READERS, int_in, nonneg_float, positive_int, predictor_from_args, print_resolved,
+                                    prompt_text, routing_from_args, seed_int, unit_float)
 
 DESCRIPTION = """\
 Generate text with the experts offloaded: only C experts per MoE layer are in fast memory (from --memory or
@@ -32,7 +32,8 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     --eviction, --gamma, --threads (defaults from OffloadConfig)."""
     from expertcache.offload import OffloadConfig
     from expertcache.offload.store import IO_MODES, TIERS
-    from expertcache.offload.quant import QUANT_MODES
+    from expertcache.offload.qlinear import DENSE_MODES
+    from expertcache.offload.quant import KERNEL_GROUPS, QUANT_MODES
 
     parser.add_argument("--model", default="granular",
                         help="checkpoint folder, or a shipped model: granular | coarse (default: granular)")
@@ -50,16 +51,25 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--io", choices=IO_MODES, default=default_io,
                    help=f"disk reads: direct (O_DIRECT), fadvise (drop page cache first), cached (default: {default_io})")
     d = OffloadConfig()
-    g.add_argument("--readers", type=nonneg_int, default=None,
+    g.add_argument("--readers", type=int_in(0, MAX_READERS, "reader threads"), default=None,
                    help=f"reader threads issuing expert reads in parallel with compute (0 = serial reads on the "
                         f"compute thread; default: 0 with --tier host on a CPU, where a read is a memory copy shorter "
                         f"than a thread hand-off, else {d.PARALLEL_READERS})")
     g.add_argument("--prefetch", type=int, nargs="?", const=-1, default=d.prefetch, metavar="P",
                    help="next-layer speculative prefetch into P spare slots shared by all layers (counted in the "
                         "memory plan; --prefetch alone: P = 2K); default: off")
-    g.add_argument("--quant", choices=QUANT_MODES, default=None, help="quantised experts (group-wise)")
-    g.add_argument("--group", type=positive_int, default=None,
-                   help="quantisation group size, dividing D and F (default: the largest such divisor ≤ 64)")
+    g.add_argument("--quant", choices=QUANT_MODES, default=None,
+                   help="quantised experts, packed once for torch's fused weight-only kernels: int8 (per output "
+                        "channel, _weight_int8pack_mm) or int4 (group-wise, _weight_int4pack_mm / _for_cpu); where D "
+                        "or F is not the kernel's multiple (int4: G, int8: 16; the shipped models) K is zero-padded, "
+                        "never a slower path; the log names the kernel and padding. int4 is the fast one (int8 halves the "
+                        "bytes, but its CPU kernel runs at about bf16's speed: BENCHMARKS.md)")
+    g.add_argument("--group", type=int, choices=KERNEL_GROUPS, default=None, metavar="G",
+                   help="int4 group size: 32, 64, 128 or 256 (the kernels'); default 64 where it divides D and F, "
+                        "else 32 with K padded")
+    g.add_argument("--quant-dense", choices=DENSE_MODES, default=d.quant_dense or "none",
+                   help="non-expert weights too: attention projections and lm_head through the same fused kernels "
+                        "(int8 per channel / int4 G=32), the token embedding as int8 rows (default: none)")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--eviction", choices=LIVE_EVICTIONS, default="lru",
@@ -100,12 +110,30 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
         prefetch = 2 * (_top_k(path) if path is not None else 8)
     elif prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {prefetch}")
+    if path is not None and prefetch > (most := _expert_count(path)):
+        raise ValueError(f"--prefetch {prefetch}: more spare slots than the model's {most} experts (all layers); "
+                         f"give --prefetch ≤ {most}")
     host_memory = getattr(args, "host_memory", None)
     if host_memory is not None and args.tier != "disk":
         raise ValueError(f"--host-memory needs --tier disk (with --tier {args.tier} every expert is in host RAM already)")
+    if args.group is not None and args.quant != "int4":
+        raise ValueError(f"--group applies to --quant int4 (int8 scales are per output channel), got --quant "
+                         f"{args.quant or 'none'}")
+    dense = getattr(args, "quant_dense", None)
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
                          quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
-                         prefetch=prefetch, host_memory=host_memory)
+                         prefetch=prefetch, host_memory=host_memory, quant_dense=None if dense == "none" else dense)
+
+
+def _expert_count(path) -> int:
+    """Routed experts over all layers of the checkpoint ``path`` (the most slots a prefetch could use)."""
+    from expertcache.models.loader import read_config_json
+
+    cfg = read_config_json(path)
+    n = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if isinstance(cfg.get(k), int)),
+             None)
+    layers = cfg.get("num_hidden_layers")
+    return n * layers if isinstance(n, int) and isinstance(layers, int) else 1 << 20
 
 
 def _top_k(path) -> int:
@@ -129,7 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64,
                    help="tokens to generate (default: 64; prompt + this must fit in the model's context)")
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature (0 = greedy, default)")
-    p.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=seed_int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON row (stderr)")
     add_offload_args(p)
     add_predictor_arg(p)
@@ -232,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
               + (f", prefetch precision {s['prefetch']['precision']:.2f} recall {s['prefetch']['recall']:.2f}"
                  if s["prefetch"]["precision"] is not None else "") + (f" ({s['prefetched']} of them prefetched by --predictor)" if s["prefetched"] else "")
               + (f"; loads: {s['tiers']['host_hits']} from host RAM, {s['tiers']['disk_reads']} from disk"
-                 if s["tiers"] else "") + f", {args.threads} thread(s)",
+                 if s["tiers"] else "") + f", {args.threads} thread(s)"
+              + (f"; experts {row['config']['quant_kernel']}" if row["config"].get("quant_kernel") else "")
+              + (f"; dense {offload.quant_dense}" if offload.quant_dense else ""),
               file=sys.stderr)
     return 0

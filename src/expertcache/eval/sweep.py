@@ -160,7 +160,11 @@ def drop_torn_tail(path: str | Path) -> bool:
 
 def pending_runs(runs: list[dict[str, Any]], out: str | Path) -> list[dict[str, Any]]:
     """The runs whose config key is not yet in ``out`` (each key once), after cutting a torn last line off it
-    (:func:`drop_torn_tail`). Call it holding :func:`sweep_lock`."""
+    (:func:`drop_torn_tail`) -- only when ``out`` is a row file (:func:`expertcache.outputs.check_row_file`:
+    a text file or a trace is refused untouched). Call it holding :func:`sweep_lock`."""
+    from expertcache.outputs import check_row_file
+
+    check_row_file(out, "--out")
     drop_torn_tail(out)
     done = done_keys(out)
     todo = {k: r for r in runs if (k := config_key(r)) not in done}

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from expertcache.jsonsafe import load_path
+
 __all__ = ["PredictorConfig", "Predictor", "load_embedder", "collect", "train_predictor", "topc_metrics"]
 
 # ---------------------------------------------------------------------------------------------
@@ -164,11 +166,11 @@ class Predictor:
             raise FileNotFoundError(f"--predictor {path}: not a predictor folder (needs predictor.json and "
                                     "predictor.safetensors, written by `expertcache melinoe predictor`)")
         try:
-            meta = json.loads((path / "predictor.json").read_text())
+            meta = load_path(path / "predictor.json")
             mlp = _MLP(int(meta["embedding_dim"]), int(meta["hidden"]), int(meta["num_layers"]),
                        int(meta["num_experts"]))
             mlp.load_state_dict(load_file(str(path / "predictor.safetensors")))
-        except (KeyError, ValueError, RuntimeError, json.JSONDecodeError) as exc:
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise ValueError(f"--predictor {path}: damaged predictor files ({str(exc).splitlines()[0]})") from None
         return cls(mlp, meta)
 

@@ -14,13 +14,16 @@ class OffloadConfig:
     tier: 'disk' (read the checkpoint on every miss) or 'host' (all experts in host RAM). io: disk reads,
     'direct' | 'fadvise' | 'cached' (see :mod:`expertcache.offload.store`). capacity: slots per layer C, or
     None to derive it from ``memory`` (bytes or '3GiB'); both None = every expert (C = N). quant: None,
-    'int8' or 'int4' (group ``group``; None = the largest divisor of D and F up to 64, see
-    :func:`~expertcache.offload.quant.default_group`). context, batch: the KV cache the budget reserves.
+    'int8' (per output channel) or 'int4' (group ``group`` in 32/64/128/256; None = 64 where it divides D and
+    F, else 32 with K zero-padded, see :func:`~expertcache.offload.quant.default_group`), packed for torch's
+    fused kernels. context, batch: the KV cache the budget reserves.
     readers: reader threads of the I/O queue (0 = every read on the compute thread, serial; None =
     :meth:`default_readers`). prefetch: spare slots shared by all layers for next-layer speculative prefetch
     (0 = off; they are part of the memory plan). host_memory: with ``tier='disk'``, the budget (bytes or
     '64MiB') of a host-RAM cache of expert bytes between the fast slots and the disk
-    (:mod:`~expertcache.offload.tiers`; None or 0 = none, every miss reads the disk).
+    (:mod:`~expertcache.offload.tiers`; None or 0 = none, every miss reads the disk). quant_dense: None,
+    'int8' or 'int4': the attention projections and lm_head through the fused kernels, the embedding as int8
+    rows (:mod:`~expertcache.offload.qlinear`; counted in the plan's non-expert bytes).
     """
 
     tier: str = "disk"
@@ -34,6 +37,7 @@ class OffloadConfig:
     readers: int | None = None
     prefetch: int = 0
     host_memory: int | str | None = None
+    quant_dense: str | None = None
 
     #: reader threads where reads take long enough to overlap with compute (disk tier, GPU copies)
     PARALLEL_READERS = 4

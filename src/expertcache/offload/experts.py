@@ -36,7 +36,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from expertcache.offload.checkpoint import ExpertParts
-from expertcache.offload.quant import QuantLayout, unpack_expert
+from expertcache.offload.quant import QuantLayout
 from expertcache.offload.store import Placement
 
 __all__ = ["expert_views", "expert_mlp", "OffloadedExperts", "matvec_linear", "use_matvec", "row_bucket",
@@ -72,10 +72,11 @@ def bucket_rows(x_MD: torch.Tensor) -> tuple[torch.Tensor, int]:
 def expert_views(blob_u8: torch.Tensor, parts: ExpertParts, placement: Placement, dtype: torch.dtype,
                  quant: QuantLayout | None = None) -> tuple[torch.Tensor, ...]:
     """The expert's tensors (``ExpertParts.tensors()`` order) as views of its slot ``blob_u8``, in ``dtype``
-    (a view when the storage dtype is ``dtype``; quantised experts are dequantised)."""
+    (a view when the storage dtype is ``dtype``). Quantised experts: the fused kernels' four tensors
+    (:meth:`QuantLayout.views`), views too, for :func:`~expertcache.offload.quant.quant_mlp`."""
     if quant is not None:
         at = placement.slot_offset(parts, 0)
-        return unpack_expert(blob_u8[at:at + parts.nbytes], quant, dtype)
+        return quant.views(blob_u8[at:at + parts.nbytes])
     esize = parts.dtype.itemsize
     out = []
     for off, shape in parts.tensors().values():

@@ -1,17 +1,42 @@
-"""Group-wise weight quantisation of experts: int8 (symmetric) and 4-bit (asymmetric), CPU and CUDA.
+"""Weight-only quantisation in the layouts of torch's fused kernels: int8 (per output channel) and int4
+(group-wise, asymmetric), for the experts (one packed blob per expert) and the dense weights (:mod:`qlinear`).
 
-A small quantiser of our own rather than torchao/hqq/bitsandbytes: those either need a GPU (bitsandbytes),
-pin torch versions, or quantise whole ``nn.Linear`` modules, whereas an offloaded expert is a flat byte
-blob that must be read from disk with one ``pread`` and dequantised from a cache slot. The format is:
+Torch's own ops rather than torchao: torchao's weight-only int4/int8 paths call these same aten ops through
+tensor subclasses that quantise an ``nn.Linear`` in memory; an offloaded expert is a flat byte blob read from
+disk into a slot, so what is needed is the kernel's packed bytes at known offsets (views of the slot, no
+subclass, no copy), and torchao pins torch versions. A weight is packed once, when it is written; every use is
+one kernel call (STYLE.md "quantised weights are computed, not unpacked").
 
-- groups of ``G`` consecutive weights along the input dimension (the last axis of each matrix; G divides it);
-- ``int8``: ``q = round(w / s)`` in [-127, 127], ``s = max|w| / 127`` per group (fp16), ``w ≈ q · s``;
-- ``int4``: ``q = round((w - m) / s)`` in [0, 15], ``m = min w``, ``s = (max w - min w) / 15`` per group
-  (fp16 each), two values per byte (low nibble first), ``w ≈ q · s + m``.
+Kernel contracts (torch 2.13; pinned by ``tests/test_quant_kernels.py`` against a plain dequantisation):
 
-One expert is packed as ``[gate_up q | gate_up scales | gate_up mins | down q | down scales | down mins]``
-(mins only for int4), all in one uint8 blob; :class:`QuantLayout` gives the offsets. Dequantisation
-returns ``gate_up`` [2F, D] and ``down`` [D, F] in the compute dtype.
+- **int4, CPU**: ``_convert_weight_to_int4pack_for_cpu(q int32 [N, K] in 0..15, innerKTiles)`` -> uint8
+  [N, K/2]; ``_weight_int4pack_mm_for_cpu(x [M, K], packed, G, sz [K/G, N, 2])`` = ``x @ W.T`` with
+  ``W[n, k] = (q[n, k] - 8) * s + z``, ``(s, z) = sz[k // G, n]``; x and sz of one float dtype (bf16, fp16,
+  fp32); G in {32, 64, 128, 256}; K % G == 0; N % 16 == 0. The packed bytes are a permutation that depends on
+  the CPU's vector width (different for AVX512, AVX2 and none: ``torch.backends.cpu.get_cpu_capability()``),
+  so the layout is named for it (:func:`kernel_for`) and a sidecar packed for another capability is rebuilt.
+- **int4, CUDA** (tinygemm): ``_convert_weight_to_int4pack(u8 [N, K/2], high nibble first, innerKTiles)`` ->
+  int32 [N/8, K/(16·innerKTiles), 32, innerKTiles/2] (CUDA only: a CUDA sidecar is packed on the device);
+  ``_weight_int4pack_mm(x bf16 [M, K], packed, G, sz bf16 [K/G, N, 2])``, the same ``(q - 8)·s + z``;
+  K % (16·innerKTiles) == 0, N % 8 == 0.
+- **int8**: ``_weight_int8pack_mm(x [M, K], q int8 [N, K], s [N])`` = ``x @ (q * s[:, None]).T``, s in x's
+  dtype; K % 16 == 0 (other K give silently wrong results in 2.13: K = 104 is off by 400×). One layout for
+  both devices; CUDA computes ``linear(x, q.to(dtype)) * s`` (no fused int8 CUDA kernel to check against here).
+
+Shapes a kernel cannot take are **padded**, never sent to a slower path: K up to :func:`k_align` (int4: G,
+int8: 16) with zero columns (x is padded with zeros, so the padded weights multiply zeros), N up to 16 (int4)
+with rows of scale 0 and zero 0 (exact zeros, sliced off). An expert's gate and up halves are padded to
+``Fp`` rows each, so ``act(gate) * up`` is already ``down``'s padded K. The shipped models (D = 144,
+F = 104 / 416) run int4 with G = 32: gate_up K 144 -> 160, down K 104 -> 128 (granular); int8: K 144 -> 144,
+104 -> 112.
+
+Quantisation (:func:`quantize_codes`): int8 ``s = max|w| / 127`` per row, ``q = round(w / s)`` in
+[-127, 127]; int4 per group of G along K ``s = (max - min) / 15``, ``z = min + 8·s``, ``q = round((w - z) / s) +
+8`` in [0, 15]; scales and zeros are rounded to the compute dtype first, so the stored values are the ones
+the codes were made for.
+
+One expert is ``[gate_up weight | gate_up scales | down weight | down scales]``, each part 64-byte aligned, one
+uint8 blob of :attr:`QuantLayout.nbytes`; :meth:`QuantLayout.views` gives the four kernel tensors as views of it.
 """
 
 from __future__ import annotations
@@ -20,111 +45,242 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["QUANT_MODES", "QuantLayout", "default_group", "quantize_matrix", "dequantize_matrix", "pack_expert", "unpack_expert"]
+__all__ = ["QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "QuantMatrix", "QuantLayout", "default_group",
+           "kernel_for", "k_align", "quantize_codes", "pack_matrix", "qmm", "pack_expert", "quant_mlp",
+           "padding_note"]
 
 QUANT_MODES = ("int8", "int4")
+#: the group sizes the int4 kernels take
+KERNEL_GROUPS = (32, 64, 128, 256)
+#: the sidecar format: 1 = group-wise blobs dequantised per use; 2 = the fused kernels' packed layouts
+FORMAT_VERSION = 2
+_ALIGN = 64  # bytes: every part of a blob starts on a cache line (and on its dtype's size)
+_INNER_K_TILES = 2  # tinygemm: K % 32 == 0 (every G in KERNEL_GROUPS divides a padded K)
 
-#: the largest group size :func:`default_group` picks
-MAX_DEFAULT_GROUP = 64
+
+def default_group(d: int, f: int) -> int:
+    """The int4 group size: 64 where it divides D and F (OLMoE-1B-7B: D = 2048, F = 1024), else 32 with K
+    padded (the shipped models: D = 144, F = 104 / 416)."""
+    return 64 if d % 64 == 0 and f % 64 == 0 else 32
 
 
-def default_group(d: int, f: int, largest: int = MAX_DEFAULT_GROUP) -> int:
-    """The largest group size ≤ ``largest`` that divides both D and F (the quantised axes), e.g. 64 for
-    OLMoE-1B-7B (D = 2048, F = 1024) and 8 for the shipped granular model (D = 144, F = 104)."""
-    g = math.gcd(int(d), int(f))
-    return max(x for x in range(1, min(g, largest) + 1) if g % x == 0)
+def kernel_for(mode: str, device: torch.device | str = "cpu") -> str:
+    """The name of the packed layout ``mode`` uses on ``device``: ``plain`` (int8, any device), ``cuda``
+    (tinygemm), or ``cpu-<capability>`` (int4 CPU: its packing depends on the vector width)."""
+    if mode == "int8":
+        return "plain"
+    if torch.device(device).type == "cuda":
+        return "cuda"
+    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
+def k_align(mode: str, group: int) -> int:
+    """The multiple the kernel needs K to be (module docstring)."""
+    return group if mode == "int4" else 16
+
+
+def _up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """One weight matrix [N, K] (``x @ W.T``) in a kernel's layout: ``n_pad`` × ``k_pad`` stored, scales and
+    zeros in ``dtype``. ``group`` is the int4 group size (int8: per output row)."""
+
+    mode: str
+    kernel: str
+    n: int
+    k: int
+    group: int
+    dtype: torch.dtype
+
+    @property
+    def k_pad(self) -> int:
+        return _up(self.k, k_align(self.mode, self.group))
+
+    @property
+    def n_pad(self) -> int:
+        return _up(self.n, 16) if self.mode == "int4" else self.n
+
+    @property
+    def sz_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.kernel == "cuda" else self.dtype
+
+    def shapes(self) -> tuple[tuple[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype]]:
+        """((weight shape, dtype), (scales shape, dtype)) as the kernel takes them."""
+        n, k = self.n_pad, self.k_pad
+        if self.mode == "int8":
+            return ((n, k), torch.int8), ((n,), self.dtype)
+        sz = ((k // self.group, n, 2), self.sz_dtype)
+        if self.kernel == "cuda":
+            return ((n // 8, k // (16 * _INNER_K_TILES), 32, _INNER_K_TILES // 2), torch.int32), sz
+        return ((n, k // 2), torch.uint8), sz
+
+    def part_bytes(self) -> tuple[int, int]:
+        return tuple(math.prod(s) * d.itemsize for s, d in self.shapes())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_up(b, _ALIGN) for b in self.part_bytes())
+
+    def views(self, buf_u8: torch.Tensor, at: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight, scales) as views of ``buf_u8`` from byte ``at`` (64-byte aligned)."""
+        out = []
+        for (shape, dtype), nb in zip(self.shapes(), self.part_bytes()):
+            out.append(buf_u8[at:at + nb].view(dtype).view(shape))
+            at += _up(nb, _ALIGN)
+        return out[0], out[1]
+
+
+def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes int32 [N, K], scales, zeros) of ``w_NK`` (K a multiple of ``k_align``): int8 codes in
+    [-127, 127] with scales [N]; int4 codes in [0, 15] with scales and zeros [N, K/G] (module docstring).
+    Scales and zeros are in ``dtype``: ``W ≈ q·s`` (int8), ``W ≈ (q - 8)·s + z`` (int4)."""
+    w = w_NK.float()
+    if mode == "int8":
+        s_N = (w.abs().amax(dim=1) / 127).to(dtype).float()
+        s_N = torch.where(s_N > 0, s_N, torch.ones_like(s_N))
+        q = torch.round(w / s_N[:, None]).clamp(-127, 127).to(torch.int32)
+        return q, s_N.to(dtype), None
+    n, k = w.shape
+    w_NBG = w.reshape(n, k // group, group)
+    lo, hi = w_NBG.amin(dim=2), w_NBG.amax(dim=2)
+    s = ((hi - lo) / 15).to(dtype).float()
+    flat = s == 0  # a constant group: s = 1, z = its value, every q = 8
+    s = torch.where(flat, torch.ones_like(s), s)
+    z = torch.where(flat, lo, lo + 8 * s).to(dtype).float()
+    q = (torch.round((w_NBG - z[..., None]) / s[..., None]) + 8).clamp(0, 15).to(torch.int32).reshape(n, k)
+    return q, s.to(dtype), z.to(dtype)
+
+
+def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    return w if w.shape[0] == rows else torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])])
+
+
+def _pad_cols(w: torch.Tensor, cols: int, mode: str = "constant") -> torch.Tensor:
+    """``w`` with columns appended up to ``cols``: zeros, or (``'replicate'``) copies of its last column,
+    which leave the last group's minimum and maximum as they were."""
+    if w.shape[-1] == cols:
+        return w
+    return F.pad(w, (0, cols - w.shape[-1])) if mode == "constant" else \
+        F.pad(w[None], (0, cols - w.shape[-1]), mode="replicate")[0]
+
+
+def pack_matrix(w_NK: torch.Tensor, qm: QuantMatrix) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, scales) of ``w_NK`` [qm.n, ≤ qm.k_pad] in ``qm``'s kernel layout (CPU tensors; a ``cuda``
+    layout is packed on the current CUDA device). Columns up to ``k_pad`` repeat the last one (they multiply
+    zeros of x; the last group keeps its range); rows up to ``n_pad`` have scale and zero 0 (exact zeros)."""
+    if w_NK.dim() != 2 or w_NK.shape[0] != qm.n or w_NK.shape[1] > qm.k_pad:
+        raise ValueError(f"matrix {tuple(w_NK.shape)} does not match its layout [{qm.n}, {qm.k}]")
+    w = _pad_cols(w_NK.float(), qm.k_pad, "replicate")
+    q, s, z = quantize_codes(w, qm.mode, qm.group, qm.sz_dtype)
+    q, s = _pad_rows(q, qm.n_pad), (s if qm.n_pad == qm.n else F.pad(s.T, (0, qm.n_pad - qm.n)).T)
+    if qm.mode == "int8":
+        return q.to(torch.int8).contiguous(), s.contiguous()
+    z = z if qm.n_pad == qm.n else F.pad(z.T, (0, qm.n_pad - qm.n)).T
+    sz = torch.stack([s.T, z.T], dim=-1).contiguous()  # [K/G, N, 2]
+    if qm.kernel == "cuda":  # pragma: no cover - GPU only (tests/test_quant_kernels.py, -m gpu)
+        u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).cuda()
+        return torch.ops.aten._convert_weight_to_int4pack(u8, _INNER_K_TILES).cpu(), sz
+    if qm.kernel != kernel_for("int4", "cpu"):
+        raise ValueError(f"layout {qm.kernel!r} cannot be packed on this CPU ({kernel_for('int4', 'cpu')})")
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
+
+
+def qmm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
+    """``x_MK @ W.T`` [M, qm.n] with the fused kernel of ``qm`` (x's K padded with zeros to ``qm.k_pad``)."""
+    x = _pad_cols(x_MK, qm.k_pad)
+    if qm.mode == "int8":
+        if x.device.type == "cuda":  # pragma: no cover - GPU only
+            y = F.linear(x, weight.to(x.dtype)) * scales
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), weight, scales)
+    elif qm.kernel == "cuda":  # pragma: no cover - GPU only
+        y = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16).contiguous(), weight, qm.group,
+                                               scales).to(x.dtype)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight, qm.group, scales)
+    return y if qm.n_pad == qm.n else y[:, :qm.n]
 
 
 @dataclass(frozen=True)
 class QuantLayout:
-    """Byte layout of one quantised expert (D hidden, F intermediate, G group size)."""
+    """Byte layout of one quantised expert (D hidden, F intermediate, G int4 group size, compute ``dtype``,
+    ``kernel`` from :func:`kernel_for`): gate_up [2·Fp, D] (gate rows, then up rows, each half padded to
+    ``Fp``) and down [D, Fp]."""
 
     mode: str
     d: int
     f: int
     group: int
+    dtype: torch.dtype = torch.bfloat16
+    kernel: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in QUANT_MODES:
             raise ValueError(f"quantisation must be one of {QUANT_MODES}, got {self.mode!r}")
-        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 1:
-            raise ValueError(f"group size (--group) must be a whole number ≥ 1, got {self.group!r}")
-        for name, dim in (("D", self.d), ("F", self.f)):
-            if dim % self.group:
-                raise ValueError(f"group size (--group) {self.group} does not divide {name}={dim}; use a divisor of "
-                                 f"both D={self.d} and F={self.f} (default: {default_group(self.d, self.f)})")
-
-    def _matrix_bytes(self, rows: int, cols: int) -> tuple[int, int, int]:
-        n = rows * cols
-        q = n if self.mode == "int8" else n // 2
-        s = (n // self.group) * 2
-        m = s if self.mode == "int4" else 0
-        return q, s, m
+        if self.mode == "int4" and self.group not in KERNEL_GROUPS:
+            raise ValueError(f"group size (--group) must be one of {', '.join(map(str, KERNEL_GROUPS))} (the int4 "
+                             f"kernels'), got {self.group!r}")
+        if not self.kernel:
+            object.__setattr__(self, "kernel", kernel_for(self.mode))
 
     @property
-    def shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        return (2 * self.f, self.d), (self.d, self.f)
+    def f_pad(self) -> int:
+        return _up(self.f, k_align(self.mode, self.group))
+
+    @property
+    def gate_up(self) -> QuantMatrix:
+        return QuantMatrix(self.mode, self.kernel, 2 * self.f_pad, self.d, self.group, self.dtype)
+
+    @property
+    def down(self) -> QuantMatrix:
+        return QuantMatrix(self.mode, self.kernel, self.d, self.f_pad, self.group, self.dtype)
 
     @property
     def nbytes(self) -> int:
-        return sum(sum(self._matrix_bytes(*shape)) for shape in self.shapes)
+        return self.gate_up.nbytes + self.down.nbytes
 
-    def offsets(self) -> list[tuple[int, int, int, int]]:
-        """Per matrix (gate_up, down): (q offset, scales offset, mins offset, end) in bytes."""
-        out, at = [], 0
-        for shape in self.shapes:
-            q, s, m = self._matrix_bytes(*shape)
-            out.append((at, at + q, at + q + s, at + q + s + m))
-            at += q + s + m
-        return out
-
-
-def quantize_matrix(w_RC: torch.Tensor, mode: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(q bytes uint8 [R·C or R·C/2], scales fp16 [R·C/G], mins fp16 [R·C/G] or None) of ``w_RC``."""
-    w_NG = w_RC.float().reshape(-1, group)  # N groups × G
-    if mode == "int8":
-        s_N = (w_NG.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        s_N = s_N.half().float().clamp(min=2**-24)  # the stored (fp16) scale is the one applied
-        q_NG = torch.round(w_NG / s_N[:, None]).clamp(-127, 127).to(torch.int8)
-        return q_NG.reshape(-1).view(torch.uint8), s_N.half(), None
-    lo_N, hi_N = w_NG.amin(dim=1), w_NG.amax(dim=1)
-    s_N = ((hi_N - lo_N) / 15).half().float().clamp(min=2**-24)
-    m_N = lo_N.half().float()
-    q_NG = torch.round((w_NG - m_N[:, None]) / s_N[:, None]).clamp(0, 15).to(torch.uint8).reshape(-1)
-    packed = q_NG[0::2] | (q_NG[1::2] << 4)
-    return packed, s_N.half(), m_N.half()
-
-
-def dequantize_matrix(blob_u8: torch.Tensor, off: tuple[int, int, int, int], shape: tuple[int, int], mode: str,
-                      group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The ``shape`` matrix in ``dtype`` from its bytes in ``blob_u8`` at offsets ``off`` (see QuantLayout)."""
-    q0, s0, m0, end = off
-    r, c = shape
-    n = r * c
-    scales_N = blob_u8[s0:m0 if mode == "int4" else end].view(torch.float16).to(dtype)
-    if mode == "int8":
-        q_NG = blob_u8[q0:s0].view(torch.int8).reshape(-1, group).to(dtype)
-        return (q_NG * scales_N[:, None]).reshape(r, c)
-    packed = blob_u8[q0:s0]
-    q_N = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(n)
-    mins_N = blob_u8[m0:end].view(torch.float16).to(dtype)
-    return (q_N.reshape(-1, group).to(dtype) * scales_N[:, None] + mins_N[:, None]).reshape(r, c)
+    def views(self, blob_u8: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(gate_up weight, gate_up scales, down weight, down scales): views of one expert's blob."""
+        return (*self.gate_up.views(blob_u8, 0), *self.down.views(blob_u8, self.gate_up.nbytes))
 
 
 def pack_expert(gate_up_FD: torch.Tensor, down_DF: torch.Tensor, layout: QuantLayout) -> torch.Tensor:
-    """One quantised expert as a uint8 blob of ``layout.nbytes`` bytes."""
-    parts = []
-    for w in (gate_up_FD, down_DF):
-        q, s, m = quantize_matrix(w, layout.mode, layout.group)
-        parts += [q, s.view(torch.uint8)] + ([m.view(torch.uint8)] if m is not None else [])
-    blob = torch.cat(parts)
-    assert blob.numel() == layout.nbytes, (blob.numel(), layout.nbytes)
+    """One expert (gate_up [2F, D], down [D, F]) as a uint8 blob of ``layout.nbytes`` bytes."""
+    f = layout.f
+    gate, up = gate_up_FD[:f], gate_up_FD[f:]
+    gu = torch.cat([_pad_rows(gate, layout.f_pad), _pad_rows(up, layout.f_pad)])
+    blob = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    for qm, w, at in ((layout.gate_up, gu, 0), (layout.down, down_DF, layout.gate_up.nbytes)):
+        for dst, src in zip(qm.views(blob, at), pack_matrix(w, qm)):
+            dst.copy_(src)
     return blob
 
 
-def unpack_expert(blob_u8: torch.Tensor, layout: QuantLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [2F, D], down [D, F]) in ``dtype`` from one quantised expert blob."""
-    (gu_off, down_off), (gu_shape, down_shape) = layout.offsets(), layout.shapes
-    return (dequantize_matrix(blob_u8, gu_off, gu_shape, layout.mode, layout.group, dtype),
-            dequantize_matrix(blob_u8, down_off, down_shape, layout.mode, layout.group, dtype))
+def quant_mlp(layout: QuantLayout, act):
+    """``f(x_TD, views) -> h_TD``: the ``linear`` expert MLP (``down(act(gate) * up)``) with the fused kernels
+    on an expert's blob views (:meth:`QuantLayout.views`)."""
+    gu_m, down_m = layout.gate_up, layout.down
+
+    def mlp(x_TD, w):
+        gu_w, gu_s, down_w, down_s = w
+        gate, up = qmm(x_TD, gu_w, gu_s, gu_m).chunk(2, dim=-1)  # [T, Fp] each (padded rows compute 0)
+        return qmm(act(gate) * up, down_w, down_s, down_m)
+    return mlp
+
+
+def padding_note(layout: QuantLayout) -> str:
+    """One line for the plan and the logs: the kernel, the group and any padding of K and N."""
+    gu, dn = layout.gate_up, layout.down
+    name = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm" + ("" if layout.kernel == "cuda" else "_for_cpu")}
+    grp = f" G={layout.group}" if layout.mode == "int4" else " per-channel"
+    pads = [f"{what} {m.k}->{m.k_pad}" for what, m in (("gate_up K", gu), ("down K", dn)) if m.k_pad != m.k]
+    pads += [f"down N {dn.n}->{dn.n_pad}"] if dn.n_pad != dn.n else []
+    pads += [f"F {layout.f}->{layout.f_pad} rows per half"] if layout.f_pad != layout.f else []
+    return f"{layout.mode} {name[layout.mode]}{grp} [{layout.kernel}]" + \
+        (f", zero-padded: {', '.join(pads)}" if pads else ", no padding")

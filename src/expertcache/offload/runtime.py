@@ -66,12 +66,13 @@ from expertcache.offload.ioqueue import IOQueue
 from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
 from expertcache.offload.prefetch import PrefetchStats
-from expertcache.offload.quant import QuantLayout, default_group
+from expertcache.offload.qlinear import DENSE_MODES, quantize_dense
+from expertcache.offload.quant import padding_note, quant_mlp
 from expertcache.offload.slots import SlotArena, slot_bytes_for
 from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
 from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
-                                       quant_sidecar_path, quantize_checkpoint)
+                                       quant_layout_for, quant_sidecar_path, quantize_checkpoint)
 from expertcache.models.loader import check_weights_match_config, load_config_checked, resolve_model_path
 from expertcache.routing import Router, RoutingConfig
 from expertcache.routing.registry import spec
@@ -100,22 +101,19 @@ class OffloadedModel(LayerSteps):
             offload = self.offload = dataclasses.replace(offload, readers=offload.default_readers(device))
         if offload.prefetch < 0 or offload.readers < 0:
             raise ValueError(f"prefetch and readers must be >= 0, got {offload.prefetch}, {offload.readers}")
-        if offload.quant:
-            p0 = checkpoint.expert(layers[0].layer_id, 0)
-            if p0.layout != "linear":
-                raise ValueError(f"--quant is not supported for {family.model_type} experts ({p0.layout} layout)")
-            if offload.group is None:  # the largest group ≤ 64 that divides D and F (every shipped model)
-                offload = self.offload = dataclasses.replace(offload, group=default_group(p0.d, p0.f))
-            layout = QuantLayout(offload.quant, p0.d, p0.f, offload.group)
-            side = quant_sidecar_path(path, offload.quant, offload.group)
+        if offload.quant:  # experts packed for the fused kernels (offload/quant.py); K padded where needed
+            layout = quant_layout_for(checkpoint, layers[0].layer_id, offload.quant, offload.group, dtype, device)
+            offload = self.offload = dataclasses.replace(offload, group=layout.group if offload.quant == "int4" else None)
+            side = quant_sidecar_path(path, layout)
             if not side.is_file():  # never write into the model folder: a cache keyed by the checkpoint
                 import hashlib
 
                 stamp = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
                                  for p in sorted({t.file for t in checkpoint.entries.values()}))
                 key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-                side = quantize_checkpoint(checkpoint, [m.layer_id for m in layers], offload.quant, offload.group,
+                side = quantize_checkpoint(checkpoint, [m.layer_id for m in layers], layout,
                                            out=_cache_dir() / "quant" / f"{path.name}-{key}-{side.name}")
+            mlps = [quant_mlp(layout, f.act) for f in mlps]
             self.source = QuantSource(side, layout)
         else:
             self.source = NativeSource(checkpoint)
@@ -183,6 +181,8 @@ class OffloadedModel(LayerSteps):
         family = family_for(config)  # every registered family declares its disk layout: all offload
         if offload.tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {offload.tier!r}")
+        if offload.quant_dense not in (None, *DENSE_MODES):
+            raise ValueError(f"--quant-dense must be one of {', '.join(DENSE_MODES)}, got {offload.quant_dense!r}")
         if dtype is None:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -201,6 +201,7 @@ class OffloadedModel(LayerSteps):
         model.to_empty(device=device)
         load_non_expert(model, checkpoint, config)
         recompute_rotary(model, config, device)
+        quantize_dense(model, offload.quant_dense)  # --quant-dense: before use_matvec (it skips the replaced modules)
         use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
         runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps)
         for m in layers:
@@ -480,7 +481,9 @@ class OffloadedModel(LayerSteps):
                     dtype=str(self.dtype).replace("torch.", ""), device=str(self.device), tier=self.offload.tier,
                     host_slots=self.host.slots if self.host is not None else 0,
                     io=self.offload.io if self.offload.tier == "disk" else None, quant=self.offload.quant,
+                    quant_dense=self.offload.quant_dense,
                     group=self.offload.group if self.offload.quant else None, capacity=self.capacity,
+                    quant_kernel=padding_note(self.source.quant) if self.source.quant is not None else None,
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),
                     eviction=self.eviction, gamma=eviction_rule(self.eviction).settings(gamma=self.gamma).get("gamma"),
                     readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,

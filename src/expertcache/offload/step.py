@@ -181,10 +181,8 @@ class LayerSteps(RuntimeObservers):
         held = pool.placement.get(slot)
         if held is not None and held[0] == key and held[2] is not None:
             return held[2]
-        if self.source.quant is not None:  # dequantised into new tensors: nothing to keep
-            return expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype, self.source.quant)
-        parts = self._parts[key]
-        if parts.dtype != self.dtype:  # converted copies, not views: made for this expert only
+        parts, quant = self._parts[key], self.source.quant  # quantised: the fused kernels' views of the blob
+        if parts.dtype != self.dtype and quant is None:  # converted copies, not views: made for this expert only
             w = expert_views(pool.buffer[slot], parts, self._placement[key], self.dtype)
             pool.placement[slot] = (key, self._placement[key], w)
             return w
@@ -194,7 +192,7 @@ class LayerSteps(RuntimeObservers):
         kept = self._slot_views.setdefault(slot, {})
         w = kept.get(sig)
         if w is None:
-            w = expert_views(pool.buffer[slot], self._parts[key], self._placement[key], self.dtype)
+            w = expert_views(pool.buffer[slot], parts, self._placement[key], self.dtype, quant)
             if len(kept) >= 4:  # disk O_DIRECT placements vary with file alignment: keep a few per slot
                 kept.pop(next(iter(kept)))
             kept[sig] = w

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import struct
 import sys
 import threading
 import time
@@ -40,11 +41,11 @@ from pathlib import Path
 import torch
 
 from expertcache.offload.checkpoint import ByteRange, Checkpoint, CheckpointError, ExpertParts, read_header
-from expertcache.offload.quant import QuantLayout, default_group, pack_expert
+from expertcache.offload.quant import FORMAT_VERSION, QuantLayout, default_group, kernel_for, pack_expert
 
 __all__ = ["IO_MODES", "TIERS", "NativeSource", "QuantSource", "DiskTier", "HostTier", "TierStats", "Placement",
            "place_expert", "quantize_checkpoint", "quant_sidecar_path", "direct_io_supported", "ALIGN",
-           "verify_quant_sidecar", "CHECKSUM_KEY"]
+           "verify_quant_sidecar", "CHECKSUM_KEY", "check_sidecar_layout", "quant_layout_for"]
 
 #: tensor of a quantised sidecar holding one blake2b-128 digest per expert blob (uint8 [n, 16], rows in the
 #: order the blobs are stored in the file)
@@ -107,19 +108,50 @@ class NativeSource:
         return self.checkpoint.expert(layer_id, e)
 
 
-def quant_sidecar_path(folder: str | os.PathLike, mode: str, group: int) -> Path:
-    return Path(folder) / f"expertcache-experts-{mode}-g{group}.safetensors"
+def quant_sidecar_path(folder: str | os.PathLike, layout: QuantLayout) -> Path:
+    """The sidecar's file name for ``layout``: format, mode, group (int4), kernel layout and scale dtype."""
+    group = f"-g{layout.group}" if layout.mode == "int4" else ""
+    dtype = str(layout.dtype).replace("torch.", "")
+    return Path(folder) / f"expertcache-experts-v{FORMAT_VERSION}-{layout.mode}{group}-{layout.kernel}-{dtype}.safetensors"
+
+
+def _layout_meta(layout: QuantLayout) -> dict[str, str]:
+    return {"format_version": str(FORMAT_VERSION), "mode": layout.mode, "group": str(layout.group),
+            "kernel": layout.kernel, "dtype": str(layout.dtype).replace("torch.", ""), "d": str(layout.d),
+            "f": str(layout.f)}
+
+
+def check_sidecar_layout(path: str | os.PathLike, layout: QuantLayout) -> None:
+    """CheckpointError naming the file unless its metadata says it holds ``layout``'s packed experts (an
+    older format, or another kernel layout, group or dtype: it is not read, it is rebuilt or refused)."""
+    from expertcache.jsonsafe import loads
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        meta = loads(f.read(n), what=str(path)).get("__metadata__") or {}  # read_header has checked n
+    want = _layout_meta(layout)
+    if meta.get("format_version") != want["format_version"]:
+        raise CheckpointError(f"{path}: quantised experts in format {meta.get('format_version', 1)} (an older "
+                              f"expertcache, dequantised per use), this one reads format {FORMAT_VERSION} (the fused "
+                              "kernels' layout); delete the file and it is rebuilt from the checkpoint")
+    diff = [f"{k} {meta.get(k)!r} (want {v!r})" for k, v in want.items() if meta.get(k) != v]
+    if diff:
+        raise CheckpointError(f"{path}: quantised experts for another layout: {', '.join(diff)}; delete the file "
+                              "and it is rebuilt from the checkpoint")
 
 
 class QuantSource:
-    """Quantised experts of a sidecar file: key ``model.layers.{i}.experts.{e}.qblob`` (uint8 blob, see
-    :mod:`expertcache.offload.quant`), one read per expert. The blobs are verified against the file's
-    checksums when it is opened (:func:`verify_quant_sidecar`)."""
+    """Quantised experts of a sidecar file: key ``model.layers.{i}.experts.{e}.qblob`` (uint8 blob in the fused
+    kernels' layout, see :mod:`expertcache.offload.quant`), one read per expert, nothing done to it after the
+    read. The file's metadata must name ``layout`` (:func:`check_sidecar_layout`) and its blobs verify against
+    its checksums when it is opened (:func:`verify_quant_sidecar`)."""
 
     def __init__(self, path: str | os.PathLike, layout: QuantLayout) -> None:
         self.path = Path(path)
         self.quant = layout
         self.entries = read_header(self.path)
+        check_sidecar_layout(self.path, layout)
         verify_quant_sidecar(self.path, self.entries)
         self._parts: dict[tuple[int, int], ExpertParts] = {}
 
@@ -140,22 +172,34 @@ class QuantSource:
         return got
 
 
-def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str, group: int | None = None,
-                        out: str | os.PathLike | None = None) -> Path:
-    """Write the quantised sidecar of every expert of ``layer_ids`` (reads one expert at a time), with a
-    blake2b digest per expert (tensor ``CHECKSUM_KEY``). Returns its path (default: next to the checkpoint).
-    Skips the work if an up-to-date sidecar exists whose checksums verify; rebuilds a damaged one (a note on
-    stderr). ``group`` None = :func:`~expertcache.offload.quant.default_group` of the expert shapes."""
+def quant_layout_for(checkpoint: Checkpoint, layer_id: int, mode: str, group: int | None = None,
+                     dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> QuantLayout:
+    """The layout of ``checkpoint``'s experts quantised to ``mode`` for compute in ``dtype`` (None: the experts'
+    storage dtype) on ``device``; ``group`` None = :func:`~expertcache.offload.quant.default_group`."""
+    p0 = checkpoint.expert(layer_id, 0)
+    if p0.layout != "linear":
+        raise ValueError(f"--quant needs gate_up/down experts (the 'linear' layout), not {p0.layout!r}")
+    group = default_group(p0.d, p0.f) if group is None else group
+    return QuantLayout(mode, p0.d, p0.f, group, dtype or p0.dtype, kernel_for(mode, device))
+
+
+def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str | QuantLayout,
+                        group: int | None = None, out: str | os.PathLike | None = None) -> Path:
+    """Write the quantised sidecar of every expert of ``layer_ids``, each expert packed once in the fused
+    kernels' layout (``mode``: a :class:`QuantLayout`, or 'int8'/'int4' for :func:`quant_layout_for`'s
+    defaults), streaming: one expert read, packed and written at a time (memory: one expert), with a blake2b
+    digest per expert (tensor ``CHECKSUM_KEY``) and the layout in the metadata. Returns its path (default:
+    next to the checkpoint). Skips the work if a sidecar of this layout exists whose checksums verify;
+    rebuilds a damaged one or one of an older format (a note on stderr)."""
     from expertcache.offload.experts import expert_views
     from expertcache.offload.writer import write_safetensors
 
-    p0 = checkpoint.expert(layer_ids[0], 0)
-    group = default_group(p0.d, p0.f) if group is None else group
-    layout = QuantLayout(mode, p0.d, p0.f, group)
-    path = Path(out) if out is not None else quant_sidecar_path(checkpoint.folder, mode, group)
+    layout = mode if isinstance(mode, QuantLayout) else quant_layout_for(checkpoint, layer_ids[0], mode, group)
+    path = Path(out) if out is not None else quant_sidecar_path(checkpoint.folder, layout)
     if path.is_file():
         try:
             entries = read_header(path)
+            check_sidecar_layout(path, layout)
             if len(entries) == len(layer_ids) * checkpoint.num_experts + 1:
                 verify_quant_sidecar(path, entries)
                 return path
@@ -179,8 +223,8 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str,
     n = len(entries)
     entries.append((CHECKSUM_KEY, torch.uint8, (n, _DIGEST),  # written last: every digest is known by then
                     lambda: torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).reshape(n, _DIGEST)))
-    meta = {"format": "pt", "expertcache": "quantized-experts", "mode": mode, "group": str(group),
-            "d": str(p0.d), "f": str(p0.f), "checksum": f"blake2b-{8 * _DIGEST} per expert in {CHECKSUM_KEY}"}
+    meta = {"format": "pt", "expertcache": "quantized-experts", **_layout_meta(layout),
+            "checksum": f"blake2b-{8 * _DIGEST} per expert in {CHECKSUM_KEY}"}
     out_path = write_safetensors(path, entries, meta)
     _VERIFIED.add(_stamp(out_path))
     return out_path

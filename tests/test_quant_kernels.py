@@ -1,0 +1,375 @@
+"""Quantised weights in the fused kernels' layouts (offload/quant.py, offload/qlinear.py, the sidecar in
+offload/store.py): the packed bytes hold the codes a plain dequantisation reads, the fused product is
+``x @ dequant(W).T`` for every shape class (aligned, K padded, N padded), a miss is one blob read into a slot and
+nothing else, sidecars of the old format are rebuilt or refused, and ``--quant-dense`` keeps the logits within
+what its weight error allows."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from expertcache.offload.quant import (KERNEL_GROUPS, QuantLayout, QuantMatrix, kernel_for, pack_expert, pack_matrix,
+                                       qmm, quant_mlp, quantize_codes)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# (mode, N, K, G): aligned; K padded (the shipped D = 144, F = 104); N padded (int4: N % 16)
+SHAPES = [("int4", 64, 128, 32), ("int4", 32, 256, 64), ("int4", 48, 256, 128), ("int4", 16, 512, 256),
+          ("int4", 208, 144, 32), ("int4", 144, 104, 32), ("int4", 40, 96, 64),
+          ("int8", 64, 128, 32), ("int8", 144, 104, 32), ("int8", 20, 24, 32)]
+
+
+def _plain_dequant(q, s, z, mode, group):
+    """W from codes, written out from the formulas (independent of the kernels): int8 q·s per row;
+    int4 (q - 8)·s + z with one (s, z) per G consecutive columns."""
+    q = q.double()
+    if mode == "int8":
+        return q * s.double()[:, None]
+    s_full = s.double().repeat_interleave(group, dim=1)
+    z_full = z.double().repeat_interleave(group, dim=1)
+    return (q - 8) * s_full + z_full
+
+
+def _weights(n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0, :8] = 0.3  # a constant run and an outlier: groups of very different ranges
+    w[1 % n, 3] = -1.0
+    return w
+
+
+@pytest.mark.parametrize("mode,n,k,group", SHAPES)
+def test_codes_are_a_nearest_rounding(mode, n, k, group):
+    """Every weight is within half a step of its code's value (the stored scale and zero applied in float64),
+    codes in range -- checked per element from the formulas."""
+    kp = -(-k // (group if mode == "int4" else 16)) * (group if mode == "int4" else 16)
+    w = F.pad(_weights(n, k, 1), (0, kp - k))
+    q, s, z = quantize_codes(w, mode, group, torch.float32)
+    lo, hi = (-127, 127) if mode == "int8" else (0, 15)
+    assert q.min() >= lo and q.max() <= hi
+    step = s.double()[:, None] if mode == "int8" else s.double().repeat_interleave(group, dim=1)
+    err = (w.double() - _plain_dequant(q, s, z, mode, group)).abs()
+    assert bool((err <= step / 2 * (1 + 1e-5) + 1e-7).all()), float((err / step).max())
+
+
+@pytest.mark.parametrize("mode,n,k,group", SHAPES)
+def test_packed_layout_holds_the_codes(mode, n, k, group):
+    """The kernel applied to the identity reads back exactly the plain dequantisation of the codes (fp32: exact
+    products), padded rows and columns included: the packing is the kernel's layout of those codes."""
+    qm = QuantMatrix(mode, kernel_for(mode), n, k, group, torch.float32)
+    w = _weights(n, k, 2)
+    weight, scales = pack_matrix(w, qm)
+    q, s, z = quantize_codes(F.pad(w[None], (0, qm.k_pad - k), mode="replicate")[0], mode, group, torch.float32)
+    got_KN = qmm(torch.eye(qm.k_pad), weight, scales, qm)  # row i: W[:, i]
+    want = _plain_dequant(q, s, z, mode, group).float()  # [n, k_pad]
+    assert got_KN.shape == (qm.k_pad, n)
+    torch.testing.assert_close(got_KN.T, want, rtol=1e-6, atol=1e-7)
+    # and the real columns are the weights within half a step
+    step = (s[:, None] if mode == "int8" else s.repeat_interleave(group, dim=1))[:, :k]
+    assert bool(((got_KN.T[:, :k] - w).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all())
+
+
+@pytest.mark.parametrize("mode,n,k,group", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5])
+def test_fused_product_equals_x_times_dequantised_weight(mode, n, k, group, dtype, m):
+    qm = QuantMatrix(mode, kernel_for(mode), n, k, group, dtype)
+    w = _weights(n, k, 3)
+    weight, scales = pack_matrix(w, qm)
+    q, sc, z = quantize_codes(F.pad(w[None], (0, qm.k_pad - k), mode="replicate")[0], mode, group, dtype)
+    w_hat = _plain_dequant(q, sc, z, mode, group)[:, :k]  # the codes the packing holds (test above)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = qmm(x, weight, scales, qm)
+    assert got.shape == (m, n) and got.dtype == dtype
+    ref = x.double() @ w_hat.double().T
+    # fp32: accumulation order only; bf16: the inputs' and output's rounding (2^-8 relative) plus the scales'
+    # rounding to bf16 (another 2^-8 of each weight), over a sum of k terms
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    scale = (x.double().abs() @ w_hat.double().abs().T).max().item()
+    assert (got.double() - ref).abs().max().item() <= tol * scale, ((got.double() - ref).abs().max().item(), scale)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("d,f", [(64, 128), (144, 104), (144, 416)])
+def test_expert_mlp_on_a_blob(mode, d, f):
+    """The quantised MLP of one packed expert = down(silu(gate) * up) with the dequantised matrices (read back
+    through the kernel from the identity), and stays within the quantisation error of the bf16 expert."""
+    g = torch.Generator().manual_seed(5)
+    gu, down = torch.randn(2 * f, d, generator=g) * 0.05, torch.randn(d, f, generator=g) * 0.05
+    layout = QuantLayout(mode, d, f, 32, torch.float32)
+    blob = pack_expert(gu, down, layout)
+    assert blob.dtype == torch.uint8 and blob.numel() == layout.nbytes
+    views = layout.views(blob)
+    assert all(v.untyped_storage().data_ptr() == blob.untyped_storage().data_ptr() for v in views)  # no copies
+    x = torch.randn(3, d, generator=g)
+    got = quant_mlp(layout, F.silu)(x, views)
+    gu_hat = qmm(torch.eye(layout.gate_up.k_pad), views[0], views[1], layout.gate_up).T[:, :d]  # [2Fp, D]
+    dn_hat = qmm(torch.eye(layout.down.k_pad), views[2], views[3], layout.down).T  # [D, Fp]
+    fp = layout.f_pad
+    assert not gu_hat[f:fp].any() and not gu_hat[fp + f:].any()  # padded rows compute zeros
+    gate, up = (x @ gu_hat.T).chunk(2, dim=-1)
+    torch.testing.assert_close(got, (F.silu(gate) * up) @ dn_hat.T, rtol=1e-5, atol=1e-6)
+    gate0, up0 = (x @ gu.T).chunk(2, dim=-1)
+    ref = (F.silu(gate0) * up0) @ down.T
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < (0.03 if mode == "int8" else 0.3), rel
+
+
+def test_int4_group_must_be_a_kernel_group():
+    with pytest.raises(ValueError, match="--group"):
+        QuantLayout("int4", 64, 64, 16)
+    assert all(QuantLayout("int4", 64, 64, g).group == g for g in KERNEL_GROUPS)
+
+
+def test_layout_of_another_cpu_capability_is_refused():
+    """The int4 CPU packing is a permutation that depends on the vector width: packing for another
+    capability's layout name is refused, never silently mislabelled."""
+    qm = QuantMatrix("int4", "cpu-some-other-isa", 32, 64, 32, torch.float32)
+    with pytest.raises(ValueError, match="cannot be packed on this CPU"):
+        pack_matrix(torch.zeros(32, 64), qm)
+
+
+# -- the runtime: one read per miss, old sidecars --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_olmoe(tmp_path_factory):
+    from expertcache.models.tiny import save_tiny
+
+    return save_tiny("olmoe", tmp_path_factory.mktemp("qk") / "olmoe", seed=3)
+
+
+def _rt(path, **kw):
+    from expertcache.offload import OffloadConfig, OffloadedModel
+
+    dtype = kw.pop("dtype", torch.float32)
+    return OffloadedModel.from_pretrained(path, OffloadConfig(**{"io": "cached", "readers": 0, **kw}), dtype=dtype)
+
+
+def test_a_miss_is_one_blob_read_into_a_slot_and_nothing_else(tiny_olmoe, monkeypatch):
+    from expertcache.offload import quant, store
+
+    rt = _rt(tiny_olmoe, quant="int4", capacity=2)
+    parts = rt._parts[(0, 0)]
+    assert len(parts.reads) == 1 and parts.nbytes == rt.source.quant.nbytes == rt.expert_bytes
+    reads = []
+    real_read = store.DiskTier.read
+
+    def counting_read(self, parts, placement, buf):
+        reads.append((parts.reads, buf.data_ptr()))
+        return real_read(self, parts, placement, buf)
+
+    def forbidden(*a, **k):
+        raise AssertionError("quantisation or packing on the miss path")
+
+    monkeypatch.setattr(store.DiskTier, "read", counting_read)
+    for name in ("quantize_codes", "pack_matrix", "pack_expert"):
+        monkeypatch.setattr(quant, name, forbidden)
+    slot_ptrs = {rt.arena.buffer[i].data_ptr() for i in range(rt.arena.buffer.shape[0])}
+    with torch.inference_mode():
+        rt.generate(torch.tensor([[3, 5, 7, 9]]), 4)
+    s = rt.stats()
+    assert s["misses"] > 0 and len(reads) == s["expert_loads"] == s["misses"]
+    assert s["bytes_read"] == s["misses"] * rt.expert_bytes  # the blob, nothing more
+    assert all(len(r) == 1 and ptr in slot_ptrs for r, ptr in reads)  # one range, straight into a slot
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_offloaded_quantised_logits_equal_the_model_with_dequantised_experts(tiny_olmoe, mode):
+    """Every capacity, prefill (several tokens: the batched step) then one-token decode (the one-token step):
+    the offloaded int8/int4 logits equal the in-memory transformers model whose experts are replaced by the
+    sidecar's dequantised matrices (read back through the kernel from the identity), fp32 -- so the runtime
+    computes each used expert with exactly the packed weights, whatever the residency."""
+    from conftest import decode_logits
+
+    from expertcache.models import load_model
+
+    rt = _rt(tiny_olmoe, quant=mode, capacity=None)
+    layout = rt.source.quant
+    ref = load_model(tiny_olmoe)
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    with torch.no_grad():
+        for m in rt.layers:
+            experts = ref.model.layers[m.layer_id].mlp.experts
+            for e in range(rt.num_experts):
+                rt.tier.fetch(rt._parts[(m.index, e)], buf)  # the blob, as a miss reads it
+                v = layout.views(buf)
+                gu = qmm(torch.eye(layout.gate_up.k_pad), v[0], v[1], layout.gate_up).T[:, :layout.d]
+                dn = qmm(torch.eye(layout.down.k_pad), v[2], v[3], layout.down).T[:, :layout.f]
+                fp, f = layout.f_pad, layout.f
+                experts.gate_up_proj[e].copy_(torch.cat([gu[:f], gu[fp:fp + f]]))
+                experts.down_proj[e].copy_(dn)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = ref(ids).logits
+    for c in (1, 3, rt.num_experts):
+        rt.configure(capacity=c)
+        torch.testing.assert_close(decode_logits(rt, ids, prefill=3), want, rtol=1e-4, atol=1e-4)
+
+
+def _rewrite_metadata(path, change):
+    """The safetensors file at ``path`` with its ``__metadata__`` changed by ``change(dict)`` (data kept)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    change(header["__metadata__"])
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+def test_old_format_sidecars_are_rebuilt_in_the_cache_and_refused_next_to_the_model(tiny_olmoe, tmp_path,
+                                                                                        monkeypatch, capsys):
+    from expertcache.offload import store
+    from expertcache.offload.checkpoint import CheckpointError
+
+    monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(store, "_VERIFIED", set())
+    model = tmp_path / "m"
+    shutil.copytree(tiny_olmoe, model)
+    ids = torch.tensor([[3, 5, 7]])
+    rt = _rt(model, quant="int8")
+    with torch.inference_mode():
+        want = rt.generate(ids, 3)["tokens"]
+    side = rt.source.path
+    assert side.parent == tmp_path / "cache" / "quant" and "-v2-int8-plain-float32" in side.name
+
+    def to_v1(meta):  # what format 1 wrote: mode and group, no format_version, no kernel
+        for k in ("format_version", "kernel", "dtype"):
+            meta.pop(k)
+
+    _rewrite_metadata(side, to_v1)
+    store._VERIFIED.clear()
+    rt = _rt(model, quant="int8")  # the cache's copy: rebuilt, with a note
+    err = capsys.readouterr().err
+    assert "format 1" in err and "rebuilding" in err, err
+    with torch.inference_mode():
+        assert torch.equal(rt.generate(ids, 3)["tokens"], want)
+    store.check_sidecar_layout(side, rt.source.quant)  # rewritten in format 2
+    # next to the model (never rewritten by expertcache): refused, naming the file and the format
+    local = model / side.name.split("-", 2)[-1]
+    shutil.copy(side, local)
+    _rewrite_metadata(local, to_v1)
+    with pytest.raises(CheckpointError, match=r"format 1 .*delete the file"):
+        _rt(model, quant="int8")
+    # another kernel layout (an int4 sidecar packed for another CPU) is refused the same way
+    with pytest.raises(CheckpointError, match="another layout"):
+        store.check_sidecar_layout(side, dataclasses.replace(rt.source.quant, dtype=torch.bfloat16))
+
+
+# -- the dense weights (--quant-dense) --------------------------------------------------------------------
+
+
+def _read_back(mod) -> torch.Tensor:
+    """The weight a QuantLinear computes with, read through its kernel from the identity (fp32 out)."""
+    eye = torch.eye(mod.qm.k_pad, dtype=mod.scales.dtype)
+    return qmm(eye, mod.qweight, mod.scales, mod.qm).T[:, :mod.in_features].float()
+
+
+@pytest.mark.parametrize("mode,agree", [("int8", 0.9), ("int4", 0.7)])
+def test_dense_quantisation_keeps_logits_within_its_weight_error(mode, agree):
+    """Shipped granular model, experts bf16, attention + lm_head quantised, embedding int8 rows. Tolerance
+    from the weights themselves: ε = the largest relative (Frobenius) error of a quantised matrix, read back
+    through its kernel; the logits carry one such error per quantised product on the path (4 layers × 4
+    projections + lm_head + the embedding = 18, independent: they add in quadrature, √18 ≈ 4.2), so their
+    relative error stays under 4.5 ε. Greedy tokens (argmax per position) mostly agree."""
+    from tokenizers import Tokenizer
+
+    from expertcache.models.loader import resolve_model_path
+    from expertcache.offload import OffloadConfig, OffloadedModel
+    from expertcache.offload.qlinear import QuantEmbedding, QuantLinear, dense_targets
+
+    path = resolve_model_path("granular")
+    ids = torch.tensor([Tokenizer.from_file(str(path / "tokenizer.json")).encode(
+        (path / "MODEL_CARD.md").read_text()[:1500]).ids[:64]])
+    ref_rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host"))
+    bf16 = {n: m.weight.detach().float().clone() for n, m in dense_targets(ref_rt.model).items()}
+    with torch.inference_mode():
+        want = ref_rt.forward(ids).logits[0].float()
+    del ref_rt
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant_dense=mode))
+    eps = []
+    for name, w in bf16.items():
+        mod = rt.model.get_submodule(name)
+        if isinstance(mod, QuantEmbedding):
+            got = mod.codes.float() * mod.scales.float()[:, None]
+            assert bool(((got - w).abs() <= mod.scales.float()[:, None] / 2 * 1.01 + 1e-8).all())  # int8 rows
+        else:
+            assert isinstance(mod, QuantLinear) and mod.qm.mode == mode
+            got = _read_back(mod)
+        eps.append(((got - w).norm() / w.norm()).item())
+    assert len(eps) == 4 * 4 + 2  # q, k, v, o of 4 layers, lm_head, embedding (tied: two copies)
+    with torch.inference_mode():
+        got = rt.forward(ids).logits[0].float()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 4.5 * max(eps), (rel, max(eps))
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= agree
+
+
+def test_dense_bytes_of_a_skeleton_equal_the_loaded_model(tmp_path):
+    """:func:`dense_bytes` on a meta-device skeleton (nothing allocated) = the bytes the runtime's plan counts
+    for the loaded, quantised model -- the number the memory plan can use before loading."""
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.models.loader import load_config_checked, resolve_model_path
+    from expertcache.offload import OffloadConfig, OffloadedModel
+    from expertcache.offload.qlinear import dense_bytes
+
+    path = resolve_model_path("coarse")
+    config = load_config_checked(path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for mode in (None, "int8", "int4"):
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant_dense=mode))
+        assert dense_bytes(skeleton, mode) == rt.plan.non_expert_bytes, mode
+    assert dense_bytes(skeleton, "int4") < dense_bytes(skeleton, "int8") < dense_bytes(skeleton, None)
+
+
+# -- CUDA (tinygemm int4; int8 as linear × scales): written to the same checks, run where a GPU is lent ------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,n,k,group", SHAPES)
+@pytest.mark.parametrize("m", [1, 5])
+def test_cuda_fused_product_equals_x_times_dequantised_weight(mode, n, k, group, m):  # pragma: no cover - GPU only
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    qm = QuantMatrix(mode, kernel_for(mode, "cuda"), n, k, group, torch.bfloat16)
+    assert qm.kernel == ("cuda" if mode == "int4" else "plain")
+    w = _weights(n, k, 3)
+    weight, scales = pack_matrix(w, qm)  # int4: packed on the device by _convert_weight_to_int4pack
+    q, sc, z = quantize_codes(F.pad(w[None], (0, qm.k_pad - k), mode="replicate")[0], mode, group, torch.bfloat16)
+    w_hat = _plain_dequant(q, sc, z, mode, group)[:, :k]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    got = qmm(x.cuda(), weight.cuda(), scales.cuda(), qm).cpu()
+    ref = x.double() @ w_hat.double().T
+    scale = (x.double().abs() @ w_hat.double().abs().T).max().item()
+    assert got.shape == (m, n) and (got.double() - ref).abs().max().item() <= 2 ** -7 * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_cuda_quantised_runtime_matches_the_cpu_one(tiny_olmoe, mode):  # pragma: no cover - GPU only
+    """The same quantised experts and dense weights on CUDA (tinygemm layout, packed on the device, its own
+    sidecar) give the CPU runtime's logits within bf16 rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from expertcache.offload import OffloadConfig, OffloadedModel
+
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    out = {}
+    for device in ("cpu", "cuda"):
+        rt = OffloadedModel.from_pretrained(tiny_olmoe, OffloadConfig(io="cached", quant=mode, quant_dense=mode,
+                                                                      capacity=3), dtype=torch.bfloat16, device=device)
+        assert rt.source.quant.kernel == kernel_for(mode, device)
+        with torch.inference_mode():
+            out[device] = rt.forward(ids).logits.float().cpu()
+    rel = ((out["cuda"] - out["cpu"]).norm() / out["cpu"].norm()).item()
+    assert rel < 0.02, rel
