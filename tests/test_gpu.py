@@ -7,8 +7,8 @@ test_device.py); not yet run on a GPU when written (no GPU was available).
   (union path);
 - live hit/miss/eviction counts equal ``sim.replay`` of the recorded ids;
 - a decode step makes no tensor off the device (``device_guard``) and mixes no devices in one op;
-- CPU and GPU logits agree within float tolerance on the shipped models, and their greedy tokens are equal up
-  to a near tie at the first differing position (``assert_same_choices``: the CPU's top-2 margin there);
+- CPU and GPU greedy tokens agree on the shipped models up to a near tie (logits close, the first differing
+  token's margin within the devices' own logit difference: ``assert_greedy_agrees``);
 - ``expertcache generate --device cuda`` runs, and bench rows record the device.
 """
 
@@ -121,45 +121,45 @@ def test_copy_waits_are_timed_on_the_device(tiny_dir):
     rt.close()
 
 
-TOL = 1e-3  # float32 logits, CPU vs CUDA kernels (summation order): the dtype's tolerance at these sizes
-
-
-def assert_same_choices(cpu_rt, prompt, want, got, tol=TOL):
-    """Greedy tokens of two devices agree up to float reordering: equal, or the first differing position is a
-    near tie on the CPU (its top-2 logit margin at most ``2 * tol``) -- CPU and CUDA kernels sum in different
-    orders, so an exact tie-break is not a contract; a real divergence (a wrong expert, a stale slot) moves
-    the logits by far more. ``want``/``got``: token lists continuing ``prompt`` (list)."""
-    n = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-    if n is None:
-        assert len(want) == len(got)
+def assert_greedy_agrees(rt_cpu, rt_dev, prompt: list[int], cpu: list[int], dev: list[int]) -> None:
+    """The CPU's and the device's greedy continuations of ``prompt`` agree up to their first differing token, and
+    that difference is a near tie the devices' float differences explain -- not a wrong runtime. Both runtimes
+    score the common prefix (one teacher-forced forward each): their logits are close at every position, and at
+    the first differing position the two tokens' logits are, on each device, within twice the largest CPU-vs-device
+    logit difference there (a greedy choice can flip only when the margin is below what the devices disagree by).
+    Exact token equality would fail a correct runtime on a near tie."""
+    j = next((i for i, (a, b) in enumerate(zip(cpu, dev)) if a != b), None)
+    assert j is not None or len(cpu) == len(dev), (len(cpu), len(dev))
+    prefix = torch.tensor([prompt + cpu[:len(cpu) if j is None else j]])
+    logits = []
+    for rt in (rt_cpu, rt_dev):
+        with torch.inference_mode():
+            logits.append(rt.model(input_ids=prefix.to(rt.device), use_cache=False).logits[0].float().cpu())
+    l_cpu, l_dev = logits
+    scale = float(l_cpu.abs().max())
+    torch.testing.assert_close(l_dev, l_cpu, rtol=1e-3, atol=1e-3 * scale)
+    if j is None:
         return
-    ids = torch.tensor([prompt + want[:n + 1]])
-    logits = _offloaded_logits(cpu_rt, ids, prefill=len(prompt))[0, len(prompt) - 1 + n]
-    top2 = logits.float().topk(2).values
-    margin = float(top2[0] - top2[1])
-    assert margin <= 2 * tol, f"tokens differ at {n} with a CPU margin of {margin:.2e} (> {2 * tol:.0e})"
+    diff = float((l_dev[-1] - l_cpu[-1]).abs().max())
+    for name, l in (("cpu", l_cpu[-1]), ("device", l_dev[-1])):
+        margin = abs(float(l[cpu[j]] - l[dev[j]]))
+        assert margin <= 2 * diff + 1e-5 * scale, (f"token {j}: {cpu[j]} (cpu) vs {dev[j]} (device) is no near tie on "
+                                                   f"the {name}: margin {margin:.3g}, devices differ by {diff:.3g}")
 
 
 @pytest.mark.parametrize("name", ["granular", "coarse"])
 def test_cpu_and_gpu_greedy_tokens_agree_on_shipped_models(name):
-    """The same teacher-forced sequence (the CPU's greedy tokens) gives the same logits on both devices within
-    the float tolerance; the GPU's own greedy tokens equal the CPU's up to a near tie (:func:`assert_same_choices`)."""
     from expertcache.cli.generate import load_prompt
     from expertcache.offload.runtime import resolve_model_path
 
     path = resolve_model_path(name)
     ids, _ = load_prompt(path, "The package manager installs")
-    rts, toks = {}, {}
+    toks, rts = {}, {}
     for dev in ("cpu", DEV):
         rts[dev] = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8, readers=2),
                                                   dtype=torch.float32, device=dev)
-        with torch.inference_mode():
-            toks[dev] = rts[dev].generate(ids, 48)["tokens"][0].tolist()
-    forced = torch.cat([ids, torch.tensor([toks["cpu"]])], dim=1)
-    want = _offloaded_logits(rts["cpu"], forced, prefill=ids.shape[1])
-    got = _offloaded_logits(rts[DEV], forced, prefill=ids.shape[1])
-    torch.testing.assert_close(got.cpu(), want, atol=TOL, rtol=TOL)
-    assert_same_choices(rts["cpu"], ids[0].tolist(), toks["cpu"], toks[DEV])
+        toks[dev] = rts[dev].generate(ids, 48)["tokens"][0].tolist()
+    assert_greedy_agrees(rts["cpu"], rts[DEV], ids[0].tolist(), toks["cpu"], toks[DEV])
     for rt in rts.values():
         rt.close()
 
@@ -193,9 +193,7 @@ def test_serve_engine_batches_on_the_device():
         engine.shutdown(0)
     cpu = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8), dtype=torch.float32)
     for i, p in enumerate(prompts):
-        with torch.inference_mode():
-            want = cpu.generate(torch.tensor([p]), 6)["tokens"][0].tolist()
-        assert_same_choices(cpu, p, want, done[i]["token_ids"])
+        assert_greedy_agrees(cpu, rt, p, cpu.generate(torch.tensor([p]), 6)["tokens"][0].tolist(), done[i]["token_ids"])
 
 
 def test_cli_generate_and_bench_on_cuda(tmp_path, capsys):

@@ -6,7 +6,7 @@ import argparse
 import math
 from dataclasses import MISSING, fields
 
-from expertcache.cache import EVICTION_POLICIES
+from expertcache.cache import DEFAULT_GAMMA, EVICTION_POLICIES
 from expertcache.routing import POLICIES, RoutingConfig
 
 _HELP = {
@@ -132,8 +132,8 @@ def add_cache_args(parser: argparse.ArgumentParser, *, default_capacity: str = "
 
 def add_cache_state_args(g) -> None:
     """--gamma, --initial, --seed, --between-sequences: the cache options besides eviction and capacity."""
-    g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma / gamma-admit cache in [0, 1] (1 = LFU, "
-                   "0 = LRU; default 0.9)")
+    g.add_argument("--gamma", type=unit_float, default=DEFAULT_GAMMA, help="γ of the gamma / gamma-admit cache in [0, 1] (1 = LFU, "
+                   f"0 = LRU; default {DEFAULT_GAMMA})")
     g.add_argument("--initial", default="empty", choices=("empty", "random"), help="initial cache state")
     g.add_argument("--seed", type=seed_int, default=0, help="seed for a random initial state")
     g.add_argument("--between-sequences", choices=("carry", "reset"), default="carry",

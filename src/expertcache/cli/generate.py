@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from expertcache.cache import LIVE_EVICTIONS
+from expertcache.cache import DEFAULT_GAMMA, LIVE_EVICTIONS
 from expertcache.cli.common import (add_device_arg, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads, device_from_args, memory_spec,
                                     MAX_READERS, int_in, nonneg_float, positive_int, predictor_from_args, print_resolved,
                                     prompt_text, routing_from_args, seed_int, unit_float)
@@ -82,7 +82,8 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--eviction", choices=LIVE_EVICTIONS, default="lru",
                    help="eviction policy (default: lru; gamma: 004's Top-C of discounted counts, gamma-admit: "
                    "discounted counts, always admits)")
-    g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma / gamma-admit cache in [0, 1] (default 0.9)")
+    g.add_argument("--gamma", type=unit_float, default=DEFAULT_GAMMA,
+                   help=f"γ of the gamma / gamma-admit cache in [0, 1] (default {DEFAULT_GAMMA})")
     add_threads_arg(g)
     add_device_arg(g)
 

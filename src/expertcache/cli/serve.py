@@ -7,8 +7,8 @@ import sys
 
 from expertcache.cli.common import add_routing_args, nonneg_float, nonneg_int, positive_int, routing_from_args
 from expertcache.cli.generate import add_offload_args, add_routing_alias, dtype_from_args, offload_from_args
+from expertcache.serve.defaults import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS, is_loopback
 
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 API_KEY_ENV = "EXPERTCACHE_API_KEY"
 
 DESCRIPTION = """\
@@ -152,22 +152,11 @@ def run(args: argparse.Namespace) -> int:
 def allowed_hosts(host: str, extra: list[str]) -> tuple[str, ...] | None:
     """The Host names the server answers to: on loopback, localhost / 127.0.0.1 / ::1 plus ``extra``
     (--allowed-host); elsewhere None (any) unless ``extra`` names some."""
-    from expertcache.serve.app import LOOPBACK_HOSTS
-
     if is_loopback(host) or extra:
         return (*LOOPBACK_HOSTS, host.strip("[]"), *extra)
     return None
 
 
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def what_fits(args, path, context: int) -> str:
@@ -180,7 +169,7 @@ def what_fits(args, path, context: int) -> str:
     try:
         one = OffloadedModel.from_pretrained(path, offload_from_args(args, context=context, batch=1),
                                              dtype=dtype_from_args(args))
-        plan = one._plan()
+        plan = one.plan
         need_1, kv_row, auto = plan.minimum, plan.kv_bytes, plan.budget
     except BudgetError:
         pass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from expertcache.routing.registry import NEEDS_PROFILE
+from expertcache.routing.registry import NEEDS_PROFILE, STRENGTH_RANGES
 from expertcache.cache import EVICTION_POLICIES
 from expertcache.cli.common import (add_cache_state_args, apply_threads, capacity_list, check_input_file,
                                     check_output_path, csv_of, flag_message, int_in, nonneg_float, nonneg_int, one_of,
@@ -155,7 +155,7 @@ def _plan(plan, **kw):
         return plan(**kw)
     except ValueError as exc:
         msg = flag_message(str(exc), ["top_j", "delta"])
-        for name in ("p", "lam", "alpha", "beta"):
+        for name in STRENGTH_RANGES:
             if msg.startswith(name + " "):
                 msg = "--strengths / --beta-max: " + msg
         raise ValueError(msg) from None

@@ -181,7 +181,7 @@ def lr_factor(step: int, steps: int, warmup_ratio: float) -> float:
     return max(0.0, (steps - step) / max(1, steps - warm))
 
 
-class _RouterTap:
+class RouterTap:
     """Forward hooks on the routers: the router probabilities p of every MoE layer's last call."""
 
     def __init__(self, layers) -> None:
@@ -214,7 +214,7 @@ class BaseRouting:
         self.model = base_model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.tap = _RouterTap(find_moe_layers(self.model, family_for(self.model)))
+        self.tap = RouterTap(find_moe_layers(self.model, family_for(self.model)))
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -225,7 +225,7 @@ class BaseRouting:
         self.tap.remove()
 
 
-def step_losses(pm, tap: _RouterTap, base: BaseRouting, x: torch.Tensor, y: torch.Tensor, cfg: FinetuneConfig,
+def step_losses(pm, tap: RouterTap, base: BaseRouting, x: torch.Tensor, y: torch.Tensor, cfg: FinetuneConfig,
                 k: int, capacity: int) -> dict:
     """One training step's forward: L = L_nll + λ_cs L_cs + λ_rm L_rm on ``x`` -> ``y``; returns the losses
     (tensors) and the router distributions ``pf`` (fine-tuned, with gradient) and ``pb`` (base, frozen)."""
@@ -349,7 +349,7 @@ def heldout_eval(model, stream: np.ndarray, seq_len: int, k: int, capacity: int,
     from expertcache.models.adapters import family_for, find_moe_layers
 
     layers = find_moe_layers(model, family_for(model))
-    tap = _RouterTap(layers)
+    tap = RouterTap(layers)
     n = min(len(stream), max_tokens) // seq_len
     chunks = torch.from_numpy(stream[: n * seq_len].astype(np.int64)).view(n, seq_len)
     nll, cnt, miss, steps = 0.0, 0, 0.0, 0
@@ -417,7 +417,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rows: list[dict] = []
     start = 0
-    tap = _RouterTap(layers)  # the tuned model's router probabilities (p of L_cs and L_rm)
+    tap = RouterTap(layers)  # the tuned model's router probabilities (p of L_cs and L_rm)
     if (state_dir / "state.json").exists():
         meta = _load_state(state_dir, trainable, opt)
         if meta["config"]["model"] != cfg.model or meta["config"]["lora_r"] != cfg.lora_r:

@@ -186,12 +186,12 @@ def collect(model, prompts: list[list[int]], cont_len: int, *, batch: int = 32, 
     over the continuation's tokens, counts [L, E]: how often each expert is in the Top-K there)."""
     from tqdm import tqdm
 
-    from expertcache.melinoe.finetune import _RouterTap
+    from expertcache.melinoe.finetune import RouterTap
     from expertcache.models.adapters import family_for, find_moe_layers
 
     layers = find_moe_layers(model, family_for(model))
     k = layers[0].top_k
-    tap = _RouterTap(layers)  # the router probabilities of every layer's last call
+    tap = RouterTap(layers)  # the router probabilities of every layer's last call
     ys, cs = [], []
     try:
         for i in tqdm(range(0, len(prompts), batch), desc="continuations", unit="batch", disable=not progress):

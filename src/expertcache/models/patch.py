@@ -80,7 +80,7 @@ from torch import nn
 
 from expertcache import __version__
 from expertcache.device import on_host, to_device, to_host, to_host_many
-from expertcache.cache import CacheStats, ExpertCache, eviction_rule, resolve_capacity
+from expertcache.cache import DEFAULT_GAMMA, CacheStats, ExpertCache, eviction_rule, resolve_capacity
 from expertcache.models import fused
 from expertcache.models.recording import Recording
 from expertcache.models.streams import CacheStreams
@@ -105,7 +105,7 @@ def patch_model(
     between_sequences: str = "reset",
     initial: str | Iterable[int] | None = None,
     seed: int = 0,
-    gamma: float = 0.9,
+    gamma: float = DEFAULT_GAMMA,
     record: bool = False,
     freq_LE: np.ndarray | torch.Tensor | None = None,
     replace_rank: int | None = None,

@@ -57,7 +57,7 @@ from torch import nn
 
 from expertcache import __version__
 from expertcache.device import on_host, to_device, to_host, to_host_many
-from expertcache.cache import CacheStats, eviction_rule, make_cache
+from expertcache.cache import DEFAULT_GAMMA, CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit,
                                        kv_cache_bytes, parse_bytes, plan_memory, process_rss)
@@ -164,7 +164,7 @@ class OffloadedModel(LayerSteps):
             HostTier(self.source, [m.layer_id for m in layers], self.num_experts, pin=device.type == "cuda")
         if isinstance(self.tier, DiskTier):  # open every file now: O_DIRECT support is checked before any run
             for f in sorted({r.file for p in self._parts.values() for r in p.reads}):
-                self.tier._fd(f)
+                self.tier.fd(f)
         host_budget = parse_host_memory(offload.host_memory)
         if host_budget and offload.tier != "disk":
             raise ValueError("--host-memory is the host-RAM level between the fast slots and the disk: it needs "
@@ -246,7 +246,7 @@ class OffloadedModel(LayerSteps):
         if offload.compile:
             compile_dense(model)
         for m in layers:
-            m.block.experts._runtime = [runtime]
+            m.block.experts.bind(runtime)
         runtime.configure(routing=routing or RoutingConfig(), eviction=eviction, **configure_kw)
         return runtime
 
@@ -473,7 +473,7 @@ class OffloadedModel(LayerSteps):
 
     # -- configuration ---------------------------------------------------------------------------
 
-    def configure(self, *, routing: RoutingConfig | None = None, eviction: str | None = None, gamma: float = 0.9,
+    def configure(self, *, routing: RoutingConfig | None = None, eviction: str | None = None, gamma: float = DEFAULT_GAMMA,
                   freq_LE: np.ndarray | torch.Tensor | None = None, record: bool | None = None,
                   capacity: int | None = None) -> None:
         """(Re)start with a routing policy and fresh, empty caches (slots emptied, statistics zeroed).
@@ -612,7 +612,7 @@ class OffloadedModel(LayerSteps):
         seconds (summed over reader threads), seconds the compute thread waited for reads, compute seconds,
         prefetch counters (:class:`PrefetchStats`). Waits for reads in flight first, so counts are final."""
         for t in self.arena.tickets():
-            t._event.wait()
+            t.join()
         if self._stalls:  # pragma: no cover - GPU only: the device-side copy waits, timed by CUDA events
             self._stalls[-1][1].synchronize()
             self.io_wait_seconds += sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3

@@ -46,7 +46,8 @@ __all__ = ["LayerState", "LayerSteps", "union_order"]
 
 def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: int) -> list[int]:
     """The experts one step requests (CPU ``ids_TK``, -1 slots skipped): one token's own order; for T > 1 the
-    union of the rows' experts, by total weight ``w_TK`` (descending; ties by id; unused for one token)."""
+    union of the rows' experts, by total weight ``w_TK`` (descending; ties by id; unused for one token). The one
+    serving order: the runtime's step and the live view's shadow cache both read it from here."""
     if ids_TK.shape[0] == 1:
         return [e for e in ids_TK[0].tolist() if e >= 0]
     valid_TK = ids_TK >= 0
@@ -213,11 +214,8 @@ class LayerSteps(RuntimeObservers):
         # policy made these very ids from; a transfer of their own only for ids made otherwise (a row router's)
         ids_cpu_TK = self.host_copy(ids_TK)
         one = ids_cpu_TK.shape[0] == 1
-        if one:
-            row = ids_cpu_TK[0].tolist()
-            order = [e for e in row if e >= 0]
-        else:
-            order = union_order(ids_cpu_TK, self.host_copy(w_TK), self.num_experts)
+        # the one serving order (the live view's shadow too); one token's needs no weights (no transfer)
+        order = union_order(ids_cpu_TK, None if one else self.host_copy(w_TK), self.num_experts)
         if self.record and one:
             st.steps.append(list(order))
         t0 = time.perf_counter()

@@ -328,7 +328,9 @@ class DiskTier:
         self._open_lock = threading.Lock()
         self._local = threading.local()  # per reader thread: its bounce buffer
 
-    def _fd(self, file: Path) -> int:
+    def fd(self, file: Path) -> int:
+        """The read descriptor of ``file`` (opened once, with O_DIRECT in ``direct`` io; an unsupported O_DIRECT
+        is refused here, so the runtime opens every file at start)."""
         fd = self._fds.get(file)
         if fd is not None:
             return fd
@@ -386,7 +388,7 @@ class DiskTier:
     def _pread(self, file: Path, offset: int, target: memoryview, needed: int) -> int:
         """One ``preadv`` of ``target.nbytes`` bytes at ``offset`` of ``file`` (page cache dropped first with
         ``io='fadvise'``); fewer than ``needed`` bytes → CheckpointError, an OS error → OSError naming the file."""
-        fd, length = self._fd(file), target.nbytes
+        fd, length = self.fd(file), target.nbytes
         if self.io == "fadvise":
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         try:

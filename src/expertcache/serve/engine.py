@@ -195,6 +195,15 @@ class Engine:
     def batch_size(self) -> int:
         return len(self._rows)
 
+    def run_if_idle(self, fn) -> bool:
+        """Call ``fn()`` holding the engine's lock if no request is waiting, prefilling or decoding (so no forward
+        starts while it runs); returns whether it ran. The live view applies a control change this way."""
+        with self._lock:
+            if self._waiting or self._prefilling or self._rows:
+                return False
+            fn()
+            return True
+
     def in_flight(self) -> int:
         """Requests admitted and not finished (prefilling or decoding)."""
         return len(self._rows) + len(self._prefilling)
