@@ -180,3 +180,241 @@ def test_a_failing_request_fails_alone_and_the_engine_goes_on(tok):
     finally:
         srv.stop()
         engine.shutdown(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# lock-out: half-sent requests, more connections than file descriptors
+
+
+@contextlib.contextmanager
+def _serve_process(argv, nofile: int | None = None):
+    """``expertcache serve --port 0 *argv`` in a subprocess on 127.0.0.1 (one torch thread; ``nofile``: its
+    RLIMIT_NOFILE, soft and hard), stderr to a file: yields (process, base URL, stderr path)."""
+    import tempfile
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("EXPERTCACHE_API_KEY", None)
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+
+    def limit():
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", "--host", "127.0.0.1",
+                             "--port", "0", "--io", "cached", "--cache-experts", "8", "--threads", "1", *argv],
+                            stderr=log, stdout=subprocess.DEVNULL, env=env, preexec_fn=limit)
+    try:
+        t0 = time.monotonic()
+        url = None
+        while url is None:
+            assert proc.poll() is None, open(log.name).read()
+            assert time.monotonic() - t0 < 120, "serve did not start"
+            text = open(log.name).read()
+            if " on http://127.0.0.1:" in text:
+                url = text.split(" on ", 1)[1].split("/v1")[0]
+            else:
+                time.sleep(0.1)
+        yield proc, url, log.name
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        os.unlink(log.name)
+
+
+def _half_open(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections to 127.0.0.1:``port``, each having sent half a request (headers never finished)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        socks.append(s)
+    time.sleep(0.2)
+    for s in socks:
+        try:
+            s.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
+        except OSError:
+            pass
+    return socks
+
+
+def test_1100_half_open_connections_never_lock_out_health(tmp_path):
+    """A server limited to 1,024 file descriptors, 1,100 connections that each send half a request: /health
+    answers within 2 s throughout (the 1,100 are refused or timed out, not waited for), the log grows by at
+    most 1 MB (no traceback per refused accept), a request afterwards succeeds. Used to time out for 70 s and
+    write 140 MB of 'Too many open files'."""
+    with _serve_process(["--header-timeout", "3"], nofile=1024) as (proc, url, log):
+        port = int(url.rsplit(":", 1)[1])
+        size0 = os.path.getsize(log)
+        socks = []
+        worst = 0.0
+        try:
+            t_end = time.monotonic() + 8
+            socks += _half_open(port, 1100)
+            while time.monotonic() < t_end:
+                t0 = time.monotonic()
+                h = httpx.get(url + "/health", timeout=10)
+                worst = max(worst, time.monotonic() - t0)
+                assert h.status_code == 200, h.text
+                time.sleep(0.25)
+        finally:
+            for s in socks:
+                s.close()
+        grown = os.path.getsize(log) - size0
+        print(f"1,100 half-open connections: slowest /health {worst:.3f} s, log +{grown} bytes")
+        assert worst < 2.0, f"/health took {worst:.2f} s"
+        assert grown < 1 << 20, f"the log grew by {grown} bytes"
+        r = httpx.post(url + "/v1/completions", timeout=60, json={"model": "granular", "prompt": "The", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------------------------------------
+# bodies: one size limit for every route, chunked or not; a depth limit; a timeout; a client that leaves
+
+
+def _chunked(n_bytes: int, piece: int = 1 << 16):
+    def gen():
+        yield b'{"trace": "'
+        sent = 0
+        while sent < n_bytes:
+            yield b"x" * piece
+            sent += piece
+        yield b'"}'
+    return gen()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/expertcache/config",
+                                  "/v1/expertcache/replay"])
+def test_a_chunked_body_over_the_limit_gets_413_on_every_route(server, path):
+    """Chunked bodies have no Content-Length: the limit counts bytes as they arrive (config and replay read
+    50 MB before)."""
+    r = httpx.post(server.url + path, content=_chunked(4 << 20), headers={"Content-Type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413, (r.status_code, r.text[:200])
+    assert "--max-request-bytes" in r.json()["error"]["message"]
+    _ok(server)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/expertcache/config",
+                                  "/v1/expertcache/replay"])
+def test_json_nested_200000_deep_gets_400_on_every_route(server, path):
+    raw = b"[" * 200_000 + b"]" * 200_000
+    r = httpx.post(server.url + path, content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and "nested deeper than" in r.json()["error"]["message"], r.text[:300]
+    _ok(server)
+
+
+def test_a_slow_body_gets_408_and_a_client_gone_mid_body_is_no_500(tok):
+    with _server(tok, body_timeout=1.0) as srv:
+        port = srv.port
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"model\"")
+        s.settimeout(10)
+        head = s.recv(4096).decode("latin-1")
+        s.close()
+        assert head.startswith("HTTP/1.1 408"), head
+        # 20 clients that send half a body and leave: 499s counted, no 500, no traceback
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"model\"")
+            s.close()
+        time.sleep(0.5)
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'route="/v1/completions",status="500"' not in metrics
+        assert 'route="/v1/completions",status="499"} 20.0' in metrics, metrics
+        _ok(srv)
+
+
+# ---------------------------------------------------------------------------------------------
+# chat messages as strict as the top level; a template the sandbox refuses
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user", "content": "hi", "foo": 1}], "messages[0].foo"),
+    ([{"role": "user", "content": "hi", "tool_calls": [{"id": "x"}]}], "messages[0].tool_calls"),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}],
+     "messages[0].content[0].cache_control"),
+    ([{"role": "assistant", "content": "a", "tool_calls": [{"id": "x"}]}], "messages[0].tool_calls"),
+    ([{"role": "user", "content": "hi", "name": 3}], "messages[0].name"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0]"),
+])
+def test_unknown_or_unsupported_message_keys_get_400_naming_them(server, messages, param):
+    r = _post(server, {"model": "granular", "messages": messages, "max_tokens": 2}, path="/v1/chat/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert param in r.json()["error"]["message"]
+
+
+def test_documented_message_keys_are_accepted(server):
+    msgs = [{"role": "system", "content": "Be brief.", "name": "sys"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"},
+            {"role": "assistant", "content": "hello", "tool_calls": [], "refusal": None},
+            {"role": "user", "content": "and?"}]
+    r = _post(server, {"model": "granular", "messages": msgs, "max_tokens": 2}, path="/v1/chat/completions")
+    assert r.status_code == 200, r.text
+
+
+def test_a_template_the_sandbox_refuses_is_a_400_naming_the_template(tok):
+    import copy
+
+    t = copy.deepcopy(tok)
+    t.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"  # the sandbox refuses attribute access
+    with _server(t) as srv:
+        r = _post(srv, {"model": "granular", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                  path="/v1/chat/completions")
+        assert r.status_code == 400, r.text
+        e = r.json()["error"]
+        assert e["param"] == "messages" and "chat template" in e["message"] and "SecurityError" in e["message"]
+        _ok(srv)
+
+
+# ---------------------------------------------------------------------------------------------
+# 503 while draining says when to retry; keys and hosts that mean nothing are refused
+
+
+def test_503s_while_draining_carry_retry_after(tok):
+    from expertcache.serve.app import begin_shutdown
+
+    engine = Engine(_runtime(), tok, max_batch=1)  # never started: the request waits
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok)).start()
+    try:
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("r", _post(srv, {"model": "granular", "prompt": "The"})))
+        t.start()
+        t0 = time.monotonic()
+        while engine.queue_length() < 1 and time.monotonic() - t0 < 30:
+            time.sleep(0.02)
+        begin_shutdown(srv.app, 0)
+        t.join(30)
+        for r in (out["r"], _post(srv, {"model": "granular", "prompt": "The"}), httpx.get(srv.url + "/health")):
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, (r.status_code, r.headers)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("argv, env_key, culprit", [
+    ([], "", "$EXPERTCACHE_API_KEY"),
+    ([], "  ", "$EXPERTCACHE_API_KEY"),
+    (["--host", ""], None, "--host"),
+    (["--host", " "], None, "--host"),
+    (["--header-timeout", "0"], None, "--header-timeout"),
+    (["--body-timeout", "nan"], None, "--body-timeout"),
+    (["--max-connections", "0"], None, "--max-connections"),
+])
+def test_empty_api_key_and_host_are_refused_before_binding(argv, env_key, culprit, capsys, monkeypatch):
+    from expertcache.cli.main import main
+
+    if env_key is None:
+        monkeypatch.delenv("EXPERTCACHE_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("EXPERTCACHE_API_KEY", env_key)
+    assert main(["serve", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "error" in ln]
+    assert len(lines) == 1 and culprit in lines[0] and "Traceback" not in err, err
