@@ -418,3 +418,86 @@ def test_empty_api_key_and_host_are_refused_before_binding(argv, env_key, culpri
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if "error" in ln]
     assert len(lines) == 1 and culprit in lines[0] and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# the live view: subscribers bounded and dropped when stalled; traces that are not files; replays off the loop
+
+
+def test_event_subscribers_are_bounded_and_a_stalled_one_is_dropped(server):
+    import asyncio
+
+    from expertcache.serve.liveview import Broker, TimedStream
+
+    b = Broker(maxlen=4, max_subscribers=2, stall_s=0.2)
+    loop = asyncio.new_event_loop()
+    try:
+        s1, s2 = b.subscribe(loop), b.subscribe(loop)
+        assert s1 is not None and s2 is not None and b.subscribe(loop) is None  # the third: refused
+        for i in range(4):
+            b.publish({"seq": i})
+        s2.take()  # s2 reads, s1 never does
+        time.sleep(0.3)
+        b.publish({"seq": 4})
+        assert b.subscribers == [s1, s2] and not s1.stalled  # full only now: not yet stalled for 0.2 s
+        time.sleep(0.3)
+        s2.take()
+        b.publish({"seq": 5})
+        assert b.subscribers == [s2] and s1.stalled and b.stalled == 1  # full and unread for 0.3 s: dropped
+        assert b.subscribe(loop) is not None  # its place is free again
+
+        # a client that stopped reading blocks the write: the stream gives up after send_timeout
+        async def chunks():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+
+        sent = []
+
+        async def send(msg):
+            if msg["type"] == "http.response.body" and len(sent) == 2:  # after the head and one chunk
+                await asyncio.sleep(3600)  # the socket is full
+            sent.append(msg)
+
+        sub = b.subscribe(loop) or s2
+        t0 = time.monotonic()
+        loop.run_until_complete(TimedStream(chunks(), sub, send_timeout=0.2)(None, None, send))
+        assert time.monotonic() - t0 < 2 and sub.stalled and [m["type"] for m in sent] == [
+            "http.response.start", "http.response.body"]
+    finally:
+        loop.close()
+    # over HTTP: the 17th page gets a 429 with Retry-After, the others keep streaming
+    from expertcache.serve.liveview import MAX_SUBSCRIBERS
+
+    socks = []
+    try:
+        for _ in range(MAX_SUBSCRIBERS):
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"GET /v1/expertcache/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            socks.append(s)
+        lv = server.app.state.liveview
+        t0 = time.monotonic()
+        while len(lv["broker"].subscribers) < MAX_SUBSCRIBERS and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        r = httpx.get(server.url + "/v1/expertcache/events", timeout=10)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
+        _ok(server)
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_named_like_a_trace_is_refused_without_blocking(tok, tmp_path):
+    from expertcache.serve.liveview import list_traces, load_regular_trace
+
+    fifo = tmp_path / "stuck.trace.safetensors"
+    os.mkfifo(fifo)
+    assert "stuck.trace.safetensors" not in list_traces([tmp_path])  # not offered
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="stuck.trace.safetensors is not a regular file"):
+        load_regular_trace(fifo)  # a FIFO swapped in after the listing: refused at once, never opened blocking
+    assert time.monotonic() - t0 < 1
+    with _server(tok, trace_dirs=(tmp_path,)) as srv:
+        r = httpx.post(srv.url + "/v1/expertcache/replay", json={"trace": "stuck.trace.safetensors"}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "trace", r.text
+        _ok(srv)

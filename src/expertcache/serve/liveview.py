@@ -23,6 +23,7 @@ the shadow route) and the engine's forward observer (engine thread, after every 
 
 import asyncio
 import collections
+from concurrent.futures.process import BrokenProcessPool
 import json
 import threading
 import time
@@ -30,6 +31,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
+from starlette.responses import Response
 
 from expertcache.routing.registry import NEEDS_PROFILE
 from expertcache.cache import EVICTIONS, LIVE_EVICTIONS, eviction_rule
@@ -55,6 +57,9 @@ class ConfigError(ValueError):
         super().__init__(message if message.startswith(param) else f"{param}: {message}")
         self.param = param
 
+    def __reduce__(self):  # raised in the replay process, re-raised here
+        return (ConfigError, (self.param, str(self)))
+
 
 # ---------------------------------------------------------------------------------------------
 # the bounded fan-out
@@ -62,8 +67,9 @@ class ConfigError(ValueError):
 
 class Subscriber:
     """One event-stream client: a bounded deque filled by the engine thread, drained by the event loop.
-    Full → the oldest frame is dropped (``dropped`` counts them); full and not read for ``stall_s`` seconds →
-    the subscriber is ``stalled`` (the broker stops feeding it, its stream ends)."""
+    Full → the oldest frame is dropped (``dropped`` counts them); still dropping ``stall_s`` seconds after the
+    first drop with no read between → the subscriber is ``stalled`` (the broker stops feeding it, its stream
+    ends)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, maxlen: int, stall_s: float = STALL_S) -> None:
         self.loop = loop
@@ -74,7 +80,7 @@ class Subscriber:
         self.ready = asyncio.Event()
         self._wake_pending = False
         self.stall_s = stall_s
-        self.last_take = time.monotonic()
+        self.full_since: float | None = None  # when the queue first overflowed since the last take
         self.stalled = False
 
     def put(self, frame: dict) -> None:
@@ -82,7 +88,10 @@ class Subscriber:
         with self.lock:
             if len(self.frames) == self.frames.maxlen:
                 self.dropped += 1
-                if time.monotonic() - self.last_take > self.stall_s:
+                now = time.monotonic()
+                if self.full_since is None:
+                    self.full_since = now
+                elif now - self.full_since > self.stall_s:
                     self.stalled = True
             self.frames.append(frame)
             if self._wake_pending:
@@ -100,7 +109,7 @@ class Subscriber:
             self._wake_pending = False
             self.ready.clear()
             self.delivered += len(out)
-            self.last_take = time.monotonic()
+            self.full_since = None
         return out
 
 
@@ -469,12 +478,49 @@ def load_regular_trace(path: Path):
     return RoutingTrace.load(path)
 
 
-class TimedStream:
-    """An ASGI server-sent-event response for the live view: each write waits ``send_timeout`` seconds at most
-    (a client that stopped reading fills the socket, then is cut off: uvicorn closes the connection), and the
+_replay_pool = None
+_worker_traces: dict = {}
+
+
+def replay_pool():
+    """The one replay process (spawned on first use): a replay is seconds of Python (the simulator, then
+    ~1.5 MB of JSON for 2,048 steps); in a thread of the server it would hold the GIL against the engine thread
+    and the event loop (a running stream's tokens waited 1.3 s behind four replays), in its own process it
+    takes a core and nothing else."""
+    global _replay_pool
+    if _replay_pool is None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        _replay_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    return _replay_pool
+
+
+def reset_replay_pool() -> None:
+    global _replay_pool
+    if _replay_pool is not None:
+        _replay_pool.shutdown(wait=False, cancel_futures=True)
+    _replay_pool = None
+
+
+def replay_json(path: str, opts: dict) -> bytes:
+    """In the replay process: :func:`replay_frames` of the trace at ``path`` (loaded once, checked a regular
+    file) with ``opts`` (:func:`parse_replay`'s), as compact JSON bytes."""
+    trace = _worker_traces.get(path)
+    if trace is None:
+        trace = _worker_traces[path] = load_regular_trace(Path(path))
+    frames = replay_frames(trace, opts["routing"], opts["capacity"], eviction=opts["eviction"], gamma=opts["gamma"],
+                           start=opts["start"], steps=opts["steps"])
+    return json.dumps(frames, separators=(",", ":")).encode()
+
+
+class TimedStream(Response):
+    """A server-sent-event response for the live view: each write waits ``send_timeout`` seconds at most (a
+    client that stopped reading fills the socket, then is cut off: uvicorn closes the connection), and the
     subscriber ``sub`` is marked stalled then."""
 
     def __init__(self, chunks, sub: Subscriber, send_timeout: float = STALL_S) -> None:
+        super().__init__(media_type="text/event-stream")
         self.chunks, self.sub, self.send_timeout = chunks, sub, send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
@@ -579,7 +625,7 @@ def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
 def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> None:
     """Add the page, the event stream, the live controls and the replay to the serve ``app``."""
     from fastapi import Request as HTTPRequest
-    from fastapi.responses import FileResponse, JSONResponse, Response
+    from fastapi.responses import FileResponse, JSONResponse
 
     from expertcache.serve.app import ServeError, json_body as read_json
     from expertcache.trace.format import RoutingTrace, TraceError
@@ -719,12 +765,14 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
             if opts["routing"].top_j > trace.meta.top_k:
                 raise ConfigError("top_j", f"exceeds K={trace.meta.top_k}")
 
-            def build() -> bytes:  # frames and their JSON off the event loop (1.5 MB took it 0.8 s)
-                return json.dumps(replay_frames(trace, opts["routing"], opts["capacity"], eviction=opts["eviction"],
-                                                gamma=opts["gamma"], start=opts["start"], steps=opts["steps"]),
-                                  separators=(",", ":")).encode()
-
-            return Response(await asyncio.to_thread(build), media_type="application/json")
+            if not 0 <= opts["start"] < trace.num_tokens:
+                raise ConfigError("start", f"must be in [0, {trace.num_tokens}), got {opts['start']}")
+            try:
+                body = await asyncio.get_running_loop().run_in_executor(replay_pool(), replay_json, str(path), opts)
+            except BrokenProcessPool:
+                reset_replay_pool()
+                raise ServeError(503, "the replay process stopped; retry", code="replay_failed") from None
+            return Response(body, media_type="application/json")
         except ConfigError as e:
             return bad(e)
         except ValueError as e:  # the simulator refused the combination

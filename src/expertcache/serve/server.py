@@ -3,6 +3,7 @@ ephemeral loopback port (:class:`ServerThread`, for tests and benchmarks)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import socket
@@ -117,10 +118,11 @@ def guarded_protocol(max_connections: int, header_timeout: float = DEFAULT_HEADE
                                  "param": None, "code": "too_many_connections"}}).encode()
     refusal = _REFUSAL % (len(body), body)
 
+    idle: collections.OrderedDict = collections.OrderedDict()  # connections waiting for a head, oldest first
+
     class GuardedH11Protocol(H11Protocol):
         _refused = False
         _head_timer = None
-        _opened = 0.0
 
         def _waiting_for_head(self) -> bool:
             return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
@@ -133,23 +135,25 @@ def guarded_protocol(max_connections: int, header_timeout: float = DEFAULT_HEADE
                 transport.close()
                 return
             super().connection_made(transport)
-            self._opened = time.monotonic()
             self._arm()
 
-        def _evict(self) -> bool:
+        @staticmethod
+        def _evict() -> bool:
             """Close the oldest connection that runs no request; False if there is none."""
-            idle = [c for c in self.connections if c._waiting_for_head() and not c.transport.is_closing()]
-            if not idle:
-                return False
-            oldest = min(idle, key=lambda c: c._opened)
-            oldest.connections.discard(oldest)
-            oldest.transport.close()
-            return True
+            while idle:
+                oldest, _ = idle.popitem(last=False)
+                if oldest._waiting_for_head() and not oldest.transport.is_closing():
+                    oldest.connections.discard(oldest)
+                    oldest.transport.close()
+                    return True
+            return False
 
         def _arm(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
             self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
+            idle[self] = None
+            idle.move_to_end(self)
 
         def _head_timeout(self) -> None:
             self._head_timer = None
@@ -159,6 +163,8 @@ def guarded_protocol(max_connections: int, header_timeout: float = DEFAULT_HEADE
         def data_received(self, data: bytes) -> None:
             if not self._refused:
                 super().data_received(data)
+                if not self._waiting_for_head():  # a request runs: not evictable until its response is done
+                    idle.pop(self, None)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -166,6 +172,7 @@ def guarded_protocol(max_connections: int, header_timeout: float = DEFAULT_HEADE
                 self._arm()  # the next request's head gets its own header_timeout
 
         def connection_lost(self, exc) -> None:
+            idle.pop(self, None)
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
