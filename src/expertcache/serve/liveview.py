@@ -23,7 +23,6 @@ the shadow route) and the engine's forward observer (engine thread, after every 
 
 import asyncio
 import collections
-from concurrent.futures.process import BrokenProcessPool
 import json
 import threading
 import time
@@ -57,8 +56,6 @@ class ConfigError(ValueError):
         super().__init__(message if message.startswith(param) else f"{param}: {message}")
         self.param = param
 
-    def __reduce__(self):  # raised in the replay process, re-raised here
-        return (ConfigError, (self.param, str(self)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,40 +475,107 @@ def load_regular_trace(path: Path):
     return RoutingTrace.load(path)
 
 
-_replay_pool = None
-_worker_traces: dict = {}
+def replay_json(trace, opts: dict) -> bytes:
+    """:func:`replay_frames` of ``trace`` with ``opts`` (:func:`parse_replay`'s) as compact JSON bytes."""
+    return json.dumps(replay_frames(trace, opts["routing"], opts["capacity"], eviction=opts["eviction"],
+                                    gamma=opts["gamma"], start=opts["start"], steps=opts["steps"]),
+                      separators=(",", ":")).encode()
 
 
-def replay_pool():
-    """The one replay process (spawned on first use): a replay is seconds of Python (the simulator, then
-    ~1.5 MB of JSON for 2,048 steps); in a thread of the server it would hold the GIL against the engine thread
-    and the event loop (a running stream's tokens waited 1.3 s behind four replays), in its own process it
-    takes a core and nothing else."""
-    global _replay_pool
-    if _replay_pool is None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+class ReplayWorker:
+    """Replays in a child process (``python -c ...replay_worker_main()``, one request at a time over pipes, JSON
+    both ways: nothing unpickled). A replay is seconds of Python (the simulator, then ~1.5 MB of JSON for 2,048
+    steps); in a thread of the server it holds the GIL against the engine thread and the event loop (a running
+    stream waited 1.3 s behind four replays), in its own process it only takes a core. Started on first use,
+    restarted if it died. A policy or eviction the child does not know (registered in this process at run
+    time) makes :meth:`run` return None: the caller replays in a thread instead."""
 
-        _replay_pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-    return _replay_pool
+    def __init__(self) -> None:
+        self.proc = None
+        self.lock = threading.Lock()
+
+    def _start(self) -> None:
+        import os
+        import subprocess
+        import sys
+
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", "from expertcache.serve.liveview import "
+                                      "replay_worker_main; replay_worker_main()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def run(self, path: Path, opts: dict) -> bytes | None:
+        """Blocking (call it from a worker thread): the replay's JSON bytes, None (see the class), or the
+        child's :class:`ConfigError` / ``ValueError`` re-raised; OSError if the child died twice."""
+        from expertcache.jsonsafe import loads
+
+        req = json.dumps(dict(path=str(path), routing=opts["routing"].to_dict(),
+                              **{k: opts[k] for k in ("capacity", "eviction", "gamma", "start", "steps")}))
+        with self.lock:
+            for attempt in range(2):
+                if self.proc is None or self.proc.poll() is not None:
+                    self._start()
+                try:
+                    self.proc.stdin.write(req.encode() + b"\n")
+                    self.proc.stdin.flush()
+                    kind, n = self.proc.stdout.readline().split()
+                    body = self.proc.stdout.read(int(n))
+                    if len(body) != int(n):
+                        raise EOFError
+                except (OSError, ValueError, EOFError):
+                    self.close()
+                    if attempt:
+                        raise OSError("the replay process stopped") from None
+                    continue
+                if kind == b"ok":
+                    return body
+                err = loads(body, "the replay process's answer")
+                if err["kind"] == "unknown":
+                    return None
+                if err["kind"] == "config":
+                    raise ConfigError(err["param"], err["message"])
+                raise ValueError(err["message"])
 
 
-def reset_replay_pool() -> None:
-    global _replay_pool
-    if _replay_pool is not None:
-        _replay_pool.shutdown(wait=False, cancel_futures=True)
-    _replay_pool = None
+def replay_worker_main() -> None:
+    """The replay child (:class:`ReplayWorker`): one JSON request per line on stdin; answers ``ok N`` or
+    ``err N`` then N bytes on stdout."""
+    import sys
+
+    from expertcache.jsonsafe import loads
+
+    out, traces = sys.stdout.buffer, {}
+
+    def reply(kind: str, body: bytes) -> None:
+        out.write(f"{kind} {len(body)}\n".encode() + body)
+        out.flush()
+
+    for line in sys.stdin.buffer:
+        try:
+            req = loads(line, "replay request")
+            try:
+                routing = RoutingConfig.from_dict(req["routing"])
+                eviction_rule(req["eviction"])
+            except (ValueError, KeyError, TypeError) as exc:  # registered in the server only
+                reply("err", json.dumps(dict(kind="unknown", message=str(exc))).encode())
+                continue
+            trace = traces.get(req["path"])
+            if trace is None:
+                trace = traces[req["path"]] = load_regular_trace(Path(req["path"]))
+            reply("ok", replay_json(trace, dict(req, routing=routing)))
+        except ConfigError as e:
+            reply("err", json.dumps(dict(kind="config", param=e.param, message=str(e))).encode())
+        except Exception as e:  # noqa: BLE001 - the simulator refused the combination, or a bad trace
+            reply("err", json.dumps(dict(kind="value", message=f"{type(e).__name__}: {e}")).encode())
 
 
-def replay_json(path: str, opts: dict) -> bytes:
-    """In the replay process: :func:`replay_frames` of the trace at ``path`` (loaded once, checked a regular
-    file) with ``opts`` (:func:`parse_replay`'s), as compact JSON bytes."""
-    trace = _worker_traces.get(path)
-    if trace is None:
-        trace = _worker_traces[path] = load_regular_trace(Path(path))
-    frames = replay_frames(trace, opts["routing"], opts["capacity"], eviction=opts["eviction"], gamma=opts["gamma"],
-                           start=opts["start"], steps=opts["steps"])
-    return json.dumps(frames, separators=(",", ":")).encode()
+_replay_worker = ReplayWorker()
 
 
 class TimedStream(Response):
@@ -768,10 +832,11 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
             if not 0 <= opts["start"] < trace.num_tokens:
                 raise ConfigError("start", f"must be in [0, {trace.num_tokens}), got {opts['start']}")
             try:
-                body = await asyncio.get_running_loop().run_in_executor(replay_pool(), replay_json, str(path), opts)
-            except BrokenProcessPool:
-                reset_replay_pool()
-                raise ServeError(503, "the replay process stopped; retry", code="replay_failed") from None
+                body = await asyncio.to_thread(_replay_worker.run, path, opts)
+            except OSError as exc:
+                raise ServeError(503, f"replay: {exc}; retry", code="replay_failed") from None
+            if body is None:  # a policy or eviction registered in this process only
+                body = await asyncio.to_thread(replay_json, trace, opts)
             return Response(body, media_type="application/json")
         except ConfigError as e:
             return bad(e)
