@@ -501,3 +501,23 @@ def test_a_fifo_named_like_a_trace_is_refused_without_blocking(tok, tmp_path):
         r = httpx.post(srv.url + "/v1/expertcache/replay", json={"trace": "stuck.trace.safetensors"}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "trace", r.text
         _ok(srv)
+
+
+def test_the_replay_child_returns_the_in_process_replay_and_leaves_registered_policies_to_the_server():
+    """The child process replays exactly what :func:`replay_frames` computes here; a policy registered only in
+    this process is unknown there (None: the route replays it in a thread)."""
+    from test_registry_extension import TOY  # the toy policy of issue 25
+
+    from expertcache.routing.registry import registered_policy
+    from expertcache.serve.liveview import _replay_worker, parse_replay, replay_json, shipped_traces
+    from expertcache.trace.format import RoutingTrace
+
+    name = next(iter(shipped_traces()))
+    path, opts = parse_replay({"trace": name, "policy": "cache-prior", "lam": 0.5, "capacity": 6, "start": 7,
+                               "steps": 40}, [])
+    child = json.loads(_replay_worker.run(path, opts))
+    here = json.loads(replay_json(RoutingTrace.load(path), opts))
+    assert child == here and len(child["frames"]) == 40
+    with registered_policy(TOY):
+        path, opts = parse_replay({"trace": name, "policy": TOY.name, "steps": 8}, [])
+        assert _replay_worker.run(path, opts) is None
