@@ -185,7 +185,7 @@ def guarded_protocol(max_connections: int, header_timeout: float = DEFAULT_HEADE
 
 class _Once(logging.Filter):
     """Lets a log message through at most once per ``every`` seconds (then says how many were left out): a
-    flood of one warning (refused accepts, invalid requests) cannot fill the disk."""
+    flood of one message (refused accepts, invalid requests, one failing route) cannot fill the disk."""
 
     def __init__(self, every: float = 10.0) -> None:
         super().__init__()
@@ -204,9 +204,7 @@ class _Once(logging.Filter):
         self._last[key] = (now, 0)
         if n:
             record.msg = f"{record.msg} ({n} more like this in the last {now - t:.0f} s not logged)"
-        record.exc_info = None  # one line, never a traceback per event
-        record.exc_text = None
-        return True
+        return True  # with its traceback, if any: at most one per message per ``every`` seconds
 
 
 def quiet_floods() -> None:
