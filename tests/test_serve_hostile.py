@@ -408,7 +408,15 @@ def test_503s_while_draining_carry_retry_after(tok):
     (["--max-connections", "0"], None, "--max-connections"),
 ])
 def test_empty_api_key_and_host_are_refused_before_binding(argv, env_key, culprit, capsys, monkeypatch):
+    """Refused before any socket: ``bind`` is replaced by one that fails the test, so that even a server
+    without the checks never listens (an empty --host used to mean every interface)."""
+    import expertcache.serve.server as server_mod
     from expertcache.cli.main import main
+
+    def no_bind(host, port):
+        raise AssertionError(f"serve bound {host!r}:{port} before refusing {argv or env_key!r}")
+
+    monkeypatch.setattr(server_mod, "bind", no_bind)
 
     if env_key is None:
         monkeypatch.delenv("EXPERTCACHE_API_KEY", raising=False)
