@@ -79,8 +79,8 @@ def stream_gaps(url: str, tokens: int, started: threading.Event) -> dict:
     return dict(max_gap_s=float(gaps.max()), p50_gap_s=float(np.median(gaps)), chunks=len(times))
 
 
-def half_open(url: str, n: int = 1100, hold: float = 6.0) -> dict:
-    port = int(url.rsplit(":", 1)[1])
+def half_open_sockets(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections to 127.0.0.1:``port``, each having sent half a request head (never finished)."""
     socks = []
     for _ in range(n):
         s = socket.socket()
@@ -96,6 +96,11 @@ def half_open(url: str, n: int = 1100, hold: float = 6.0) -> dict:
             s.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
         except OSError:
             pass
+    return socks
+
+
+def half_open(url: str, n: int = 1100, hold: float = 6.0) -> dict:
+    socks = half_open_sockets(int(url.rsplit(":", 1)[1]), n)
     time.sleep(hold)
     closed = 0
     for s in socks:

@@ -224,23 +224,15 @@ def _serve_process(argv, nofile: int | None = None):
 
 
 def _half_open(port: int, n: int) -> list[socket.socket]:
-    """``n`` connections to 127.0.0.1:``port``, each having sent half a request (headers never finished)."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.setblocking(False)
-        try:
-            s.connect(("127.0.0.1", port))
-        except BlockingIOError:
-            pass
-        socks.append(s)
-    time.sleep(0.2)
-    for s in socks:
-        try:
-            s.send(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
-        except OSError:
-            pass
-    return socks
+    """The benchmark's attack (benchmarks/bench_serve_hostile.py: half_open_sockets)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from bench_serve_hostile import half_open_sockets
+    finally:
+        sys.path.pop(0)
+    return half_open_sockets(port, n)
 
 
 def test_1100_half_open_connections_never_lock_out_health(tmp_path):
