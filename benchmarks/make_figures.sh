@@ -80,6 +80,7 @@ if [[ "$BENCH" == 1 ]]; then
   "${PY[@]}" benchmarks/bench_offload.py --only ppl --out "$B/offload.jsonl"
   "${PY[@]}" benchmarks/bench_overhead.py --tokens 32 --rounds 5 --out "$B/overhead.jsonl"
   "${PY[@]}" benchmarks/bench_liveview.py --runs 15 --tokens 64 --out "$B/liveview.jsonl"
+  "${PY[@]}" benchmarks/bench_serve_hostile.py --repeats 2 --tokens 150 --out "$B/serve-hostile.jsonl"
   "${PY[@]}" benchmarks/bench_budget.py --repeats 5 --out "$B/budget.jsonl"
   "${PY[@]}" benchmarks/bench_serve.py --model granular --concurrency 1 4 16 32 --tokens 32 --rounds 2 --repeats 2 \
     --out "$B/serve.jsonl"

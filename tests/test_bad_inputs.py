@@ -190,8 +190,8 @@ def _new_command_flag_cases(env):
     """Flags of serve, melinoe, the runtime's I/O, --predictor and the budget controller."""
     return [
         (["serve", "--port", "-1"], "--port"),
-        (["serve", "--max-batch", "0"], "--max-batch"),
-        (["serve", "--trace-dir", env["root"] / "missing"], "--trace-dir"),
+        (["serve", "--port", "0", "--max-batch", "0"], "--max-batch"),
+        (["serve", "--port", "0", "--trace-dir", env["root"] / "missing"], "--trace-dir"),
         (["generate", "--readers", "-1", "hello"], "--readers"),
         (["generate", "--prefetch", "-3", "hello"], "--prefetch"),
         (["generate", "--threads", "0", "hello"], "--threads"),
@@ -826,18 +826,18 @@ def test_stdout_closed_early_or_full_is_one_line(env, how):
 
 
 @pytest.mark.parametrize("argv,culprit", [
-    (["serve", "--max-request-bytes", "0"], "--max-request-bytes"),
-    (["serve", "--max-prompt-tokens", "-1"], "--max-prompt-tokens"),
-    (["serve", "--max-prompt-tokens", "100000"], "--max-prompt-tokens 100000"),
-    (["serve", "--api-key", ""], "--api-key"),
-    (["serve", "--device", "cuda:7"], "--device"),
+    (["serve", "--port", "0", "--max-request-bytes", "0"], "--max-request-bytes"),
+    (["serve", "--port", "0", "--max-prompt-tokens", "-1"], "--max-prompt-tokens"),
+    (["serve", "--port", "0", "--max-prompt-tokens", "100000"], "--max-prompt-tokens 100000"),
+    (["serve", "--port", "0", "--api-key", ""], "--api-key"),
+    (["serve", "--port", "0", "--device", "cuda:7"], "--device"),
     (["generate", "--device", "bogus", "hi"], "--device"),
     (["bench", "--device", "cuda", "--tokens", "2"], "--device"),
     (["trace", "record", "--device", "cuda:3", "--out", "/tmp/never-written.trace"], "--device"),
-    (["serve", "--prefill-delay", "-1"], "--prefill-delay"),
-    (["serve", "--prefill-delay", "nan"], "--prefill-delay"),
-    (["serve", "--allowed-host", "http://box.lan"], "--allowed-host"),
-    (["serve", "--allowed-host", "a b"], "--allowed-host"),
+    (["serve", "--port", "0", "--prefill-delay", "-1"], "--prefill-delay"),
+    (["serve", "--port", "0", "--prefill-delay", "nan"], "--prefill-delay"),
+    (["serve", "--port", "0", "--allowed-host", "http://box.lan"], "--allowed-host"),
+    (["serve", "--port", "0", "--allowed-host", "a b"], "--allowed-host"),
     (["generate", "--readers", "-1", "hi"], "--readers"),
     (["melinoe", "finetune", "--preset", "bogus", "--out", "x"], "--preset"),
 ])

@@ -705,6 +705,76 @@ def test_browser_refused_values_reset_and_each_tab_keeps_its_own_error(page, ser
     assert all("400" in e["message"] for e in errors), errors  # the refused requests, nothing else
 
 
+LAYOUT_JS = """
+  const r = s => document.querySelector(s).getBoundingClientRect();
+  const figs = Array.from(document.querySelectorAll('.figures > div')).filter(d => d.offsetParent);
+  const cells = Array.from(document.querySelectorAll('#grid .cell'));
+  return {left: r('#left').width, right: r('#right').right, figures: figs.length,
+          figureLines: new Set(figs.map(d => Math.round(d.getBoundingClientRect().top))).size,
+          gridRight: Math.max(...cells.map(c => c.getBoundingClientRect().right)),
+          orig: !document.getElementById('orig-box').classList.contains('hidden'),
+          stepNo: document.getElementById('step-no').textContent,
+          noScroll: document.documentElement.scrollWidth <= document.documentElement.clientWidth};"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("width", [1280, 1920])
+def test_browser_layout_at_1280_and_1920_and_live_comes_back_as_it_was_after_replay(page, server, width):
+    """The figures stay on one line with the original-routing figure shown (it wrapped at 1280 px); the grid
+    fills the right column (at 1920 px cells capped at 22 px left half of it empty); the left column keeps its
+    width in Replay (it widened); back on Live the page shows the live frames' count and grid (it kept the
+    replay's step counter and cells until the next forward)."""
+    from selenium.webdriver.common.by import By
+
+    page.set_window_size(width, 900)
+    try:
+        httpx.post(server.url + "/v1/expertcache/config", json={"policy": "cache-prior", "lam": 0.5})
+        page.find_element(By.ID, "tab-live").click()
+        _complete(server, n=12)
+        _poll(lambda: page.execute_script(LAYOUT_JS)["orig"], "the original-routing figure")
+        live = page.execute_script(LAYOUT_JS)
+        assert live["figures"] == 7 and live["figureLines"] == 1, live
+        assert live["gridRight"] >= live["right"] - 24 and live["noScroll"], live  # the grid fills its column
+        live_grid = page.execute_script(GRID_JS)
+        page.find_element(By.ID, "tab-replay").click()
+        _poll(lambda: page.find_elements(By.CSS_SELECTOR, "#trace-select option"), "the trace list")
+        page.find_element(By.ID, "replay-load").click()
+        _poll(lambda: "/" in page.execute_script(LAYOUT_JS)["stepNo"], "the replay")
+        _poll(lambda: page.execute_script(GRID_JS) != live_grid, "a replay frame on the grid")
+        replay = page.execute_script(LAYOUT_JS)
+        assert replay["left"] == live["left"] and replay["figureLines"] == 1, (live, replay)
+        page.find_element(By.ID, "replay-play").click()  # paused: nothing repaints the replay meanwhile
+        frames = page.execute_script("return String(state.frames)")
+        page.find_element(By.ID, "tab-live").click()
+        back = page.execute_script(LAYOUT_JS)
+        assert back["stepNo"] == frames and back["left"] == live["left"], (frames, back)
+        assert page.execute_script(GRID_JS) == page.execute_script(
+            "paintLayers(state.live.layers); return " + GRID_JS[len("return "):])  # the newest live frame's cells
+    finally:
+        _reset(server)
+        page.set_window_size(1440, 900)
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("field, param", [("top-j", "top_j"), ("capacity", "capacity")])
+def test_browser_an_emptied_number_field_is_refused_on_the_page_not_sent_as_0(page, server, field, param):
+    from selenium.webdriver.common.by import By
+
+    _reset(server)
+    page.find_element(By.ID, "tab-live").click()
+    _poll(lambda: page.find_element(By.ID, "capacity").get_attribute("value") == str(C), "the reset controls")
+    version = httpx.get(server.url + "/v1/expertcache/config").json()["version"]
+    el = page.find_element(By.ID, field)
+    before = el.get_attribute("value")
+    page.execute_script("arguments[0].value = ''; arguments[0].dispatchEvent(new Event('change'));", el)
+    _poll(lambda: page.find_element(By.ID, "config-error").text, "the page's error")
+    assert page.find_element(By.ID, "config-error").text == f"{param}: enter a number"
+    assert el.get_attribute("value") == before  # back to what the server uses
+    assert httpx.get(server.url + "/v1/expertcache/config").json()["version"] == version  # nothing was sent
+    page.execute_script("arguments[0].dispatchEvent(new Event('change'));", el)  # the next change works
+    _poll(lambda: page.find_element(By.ID, "config-error").text == "", "the error to clear")
+
+
 @pytest.mark.browser
 def test_browser_shows_the_clients_own_tok_s_next_to_the_engines(page, server):
     from selenium.webdriver.common.by import By

@@ -25,7 +25,9 @@ __all__ = ["MAX_DEPTH", "JSONError", "loads", "load_path", "depth"]
 #: or accept, far below the interpreter's recursion limit
 MAX_DEPTH = 64
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# a string literal, "unrolled" so that runs of plain characters are one step each (the alternation per
+# character took 0.22 s on a 1 MB string, holding the GIL)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
 _STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 
@@ -45,7 +47,9 @@ def depth(text: str | bytes) -> int:
 
 def loads(text: str | bytes | bytearray, what: str = "JSON", max_depth: int = MAX_DEPTH):
     """``json.loads(text)``, refusing nesting deeper than ``max_depth`` and naming ``what`` in every error."""
-    if depth(text) > max_depth:
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    opening = raw.count(b"[") + raw.count(b"{")  # an upper bound of the depth, at memchr speed
+    if opening > max_depth and depth(raw) > max_depth:
         raise JSONError(f"{what}: JSON nested deeper than {max_depth} levels")
     try:
         return json.loads(text)

@@ -222,6 +222,14 @@ def nonneg_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
 def unit_float(text: str) -> float:
     """argparse type: a float in [0, 1]."""
     value = finite_float(text)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from expertcache.cli.common import add_routing_args, nonneg_float, nonneg_int, positive_int, routing_from_args
+from expertcache.cli.common import (add_routing_args, nonneg_float, nonneg_int, positive_float, positive_int,
+                                   routing_from_args)
 from expertcache.cli.generate import add_offload_args, add_routing_alias, dtype_from_args, offload_from_args
-from expertcache.serve.defaults import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS, is_loopback
+from expertcache.serve.defaults import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+                                        DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS, is_loopback)
 
 API_KEY_ENV = "EXPERTCACHE_API_KEY"
 
@@ -51,6 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every /v1/* route (default: $EXPERTCACHE_API_KEY; "
                         "none: no authentication, loopback only is advised)")
+    s.add_argument("--header-timeout", type=positive_float, default=DEFAULT_HEADER_TIMEOUT, metavar="SECONDS",
+                   help="a connection that has not sent a whole request head within this time is closed (default: %(default)s)")
+    s.add_argument("--body-timeout", type=positive_float, default=DEFAULT_BODY_TIMEOUT, metavar="SECONDS",
+                   help="a request body that has not arrived within this time gets 408 (default: %(default)s)")
+    s.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="client connections held at once, at most the file-descriptor limit - 64; beyond, the oldest "
+                        "idle or half-sent one is closed, or the new one gets 503 (default: %(default)s)")
     s.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                    help="larger request bodies get 413 before they are read (default: 1 MiB)")
     s.add_argument("--max-prompt-tokens", type=positive_int, default=None, metavar="N",
@@ -78,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"serve needs the 'serve' extra: pip install 'expertcache[serve]' ({exc})") from None
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if not args.host.strip() or any(c.isspace() for c in args.host):
+        raise UsageError(f"--host {args.host!r}: give an address to listen on (127.0.0.1, ::1, or 0.0.0.0 for every "
+                         "interface, said explicitly)")
     from expertcache.cli.common import device_from_args
 
     device_from_args(args)  # a bad --device fails before the socket and the model
@@ -88,12 +100,18 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--trace-dir {d}: not a folder")
     import os
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key, source = (args.api_key, "--api-key") if args.api_key is not None else (os.environ.get(API_KEY_ENV),
+                                                                                      f"${API_KEY_ENV}")
     if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key)):
-        raise UsageError("--api-key must be a non-empty string without spaces")
+        # an empty $EXPERTCACHE_API_KEY is a mistake (a variable set from nothing), never "no authentication"
+        raise UsageError(f"{source} must be a non-empty string without spaces (unset it to serve without a key)")
     for name in args.allowed_host:
         if name != "*" and (not name.strip() or any(c.isspace() or c in "/@?#" for c in name)):
             raise UsageError(f"--allowed-host {name!r}: give a host name or address (no scheme, path or spaces)")
+    if api_key is None and not is_loopback(args.host):
+        print(f"expertcache serve: warning: listening on {args.host} without an API key: anyone who can reach "
+              f"this port can use and reconfigure the server (set --api-key or ${API_KEY_ENV})", file=sys.stderr,
+              flush=True)
     from transformers import AutoConfig
 
     from expertcache.offload import BudgetError, OffloadedModel
@@ -103,20 +121,16 @@ def run(args: argparse.Namespace) -> int:
     from expertcache.serve.server import bind, serve_forever, tune_malloc
 
     path = resolve_model_path(args.model)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    context = int(getattr(config, "max_position_embeddings", 2048))
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens >= context:  # before the port: no bind, no load
+        raise UsageError(f"--max-prompt-tokens {args.max_prompt_tokens}: the model's context is {context} tokens "
+                         f"(at most {context - 1}, leaving room for one new token)")
     try:  # the port before the long load: a taken port fails in a second
         sock = bind(args.host, args.port)
     except OSError as exc:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
-    if api_key is None and not is_loopback(args.host):
-        print(f"expertcache serve: warning: listening on {args.host} without an API key: anyone who can reach "
-              f"this port can use and reconfigure the server (set --api-key or ${API_KEY_ENV})", file=sys.stderr,
-              flush=True)
     tune_malloc()
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    context = int(getattr(config, "max_position_embeddings", 2048))
-    if args.max_prompt_tokens is not None and args.max_prompt_tokens >= context:
-        raise UsageError(f"--max-prompt-tokens {args.max_prompt_tokens}: the model's context is {context} tokens "
-                         f"(at most {context - 1}, leaving room for one new token)")
     offload = offload_from_args(args, context=context, batch=args.max_batch)
     try:
         rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args),
@@ -135,13 +149,14 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, name, tokenizer=tok, aliases=(str(args.model),) if str(args.model) != name else (),
                      trace_dirs=tuple(args.trace_dir), api_key=api_key, max_request_bytes=args.max_request_bytes,
                      allowed_hosts=allowed_hosts(args.host, args.allowed_host),
-                     max_prompt_tokens=args.max_prompt_tokens)
+                     max_prompt_tokens=args.max_prompt_tokens, body_timeout=args.body_timeout)
     host, port = sock.getsockname()[:2]
     print(f"expertcache serve: {name} [{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, "
           f"{rt.routing.label()}+{rt.eviction}, max batch {args.max_batch}, context {context}] on "
           f"http://{host}:{port}/v1 (live view: http://{host}:{port}/)", file=sys.stderr, flush=True)
     try:
-        serve_forever(app, sock, grace_s=args.shutdown_grace, log_level=args.log_level)
+        serve_forever(app, sock, grace_s=args.shutdown_grace, log_level=args.log_level,
+                      max_connections=args.max_connections, header_timeout=args.header_timeout)
     finally:
         summary = engine.shutdown(0)
         print(f"expertcache serve: stopped: {summary['finished']} request(s) finished, {summary['cancelled']} "

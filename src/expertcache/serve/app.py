@@ -31,11 +31,16 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-from expertcache.serve.defaults import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS  # declared once (the CLI reads them)
+from expertcache.serve.defaults import (DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES,  # declared once (the CLI reads them)
+                                        LOOPBACK_HOSTS)
 from expertcache.serve.engine import Engine, QueueFull, Request, SamplingParams, ShuttingDown
 
 __all__ = ["create_app", "ServeError", "SHIPPED_CHAT_TEMPLATE", "render_chat", "Guard", "SUPPORTED_FIELDS",
-           "DEFAULT_MAX_REQUEST_BYTES", "LOOPBACK_HOSTS", "host_allowed"]
+           "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_BODY_TIMEOUT", "LOOPBACK_HOSTS", "host_allowed", "json_body",
+           "ClientGone"]
+
+#: the Retry-After of every 503 (the server is draining: a client retries elsewhere or after a restart)
+RETRY_AFTER_503 = "5"
 
 # The shipped models were trained on plain text and have no chat template: this one (documented in
 # docs/SERVE.md) writes each message as "Role: content" paragraphs and ends with "Assistant:".
@@ -150,6 +155,46 @@ def check_fields(body: dict, chat: bool) -> None:
                              code="unsupported_parameter")
         raise ServeError(400, f"{k}: unknown field for {'/v1/chat/completions' if chat else '/v1/completions'} "
                               f"(supported: {', '.join(supported)})", param=k, code="unknown_parameter")
+
+
+# message fields beyond role and content: those honoured (name: a string, passed to nothing but accepted as the
+# API allows it) and those accepted only with their default value; any other key is a 400 naming it
+_MESSAGE_FIELDS = {"name": None}
+_MESSAGE_DEFAULT_ONLY = {  # field: (roles, values meaning "none")
+    "tool_calls": (("assistant",), (None, [])),
+    "function_call": (("assistant",), (None,)),
+    "refusal": (("assistant",), (None,)),
+    "audio": (("assistant",), (None,)),
+    "tool_call_id": (("tool",), None),  # a tool message names its call: a string
+}
+
+
+def check_message_fields(m: dict, i: int) -> None:
+    """A chat message is as strict as the request: a key other than role, content, name (or a role's own field
+    with its default value) is a 400 naming ``messages[i].key``."""
+    for k, v in m.items():
+        if k in ("role", "content"):
+            continue
+        param = f"messages[{i}].{k}"
+        if k in _MESSAGE_FIELDS:
+            if v is not None and not isinstance(v, str):
+                raise _bad(param, "must be a string")
+            continue
+        if k in _MESSAGE_DEFAULT_ONLY:
+            roles, ok = _MESSAGE_DEFAULT_ONLY[k]
+            if m["role"] not in roles:
+                raise ServeError(400, f"{param}: not a field of a {m['role']} message", param=param,
+                                 code="unknown_parameter")
+            if ok is None:
+                if not isinstance(v, str):
+                    raise _bad(param, "must be a string")
+            elif not any(_same(v, x) for x in ok):
+                raise ServeError(400, f"{param}: {json.dumps(v)[:40]} is not supported by this server (tool and "
+                                      "function calls, refusals and audio are not)", param=param,
+                                 code="unsupported_parameter")
+            continue
+        raise ServeError(400, f"{param}: unknown field of a chat message (supported: role, content, name)",
+                         param=param, code="unknown_parameter")
 
 
 def render_chat(messages: list[dict], tokenizer) -> tuple[str, bool]:
@@ -313,16 +358,31 @@ class Validator:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
                 raise _bad(f"messages[{i}]", f"must be an object with role in {ROLES}")
+            check_message_fields(m, i)
             c = m.get("content")
             if isinstance(c, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in c):
-                    raise _bad(f"messages[{i}].content", "only text content parts are supported")
+                for j, part in enumerate(c):
+                    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                        raise _bad(f"messages[{i}].content[{j}]", "only text content parts "
+                                                                  "({\"type\": \"text\", \"text\": ...}) are supported")
+                    for k in part:
+                        if k not in ("type", "text"):
+                            raise ServeError(400, f"messages[{i}].content[{j}].{k}: unknown field of a text part "
+                                                  "(supported: type, text)", param=f"messages[{i}].content[{j}].{k}",
+                                             code="unknown_parameter")
                 c = "".join(p["text"] for p in c)
             if not isinstance(c, str):
                 raise _bad(f"messages[{i}].content", "must be a string or a list of text parts")
             clean.append({"role": m["role"], "content": c})
-        text, fallback = render_chat(clean, self.tok)
+        try:
+            text, fallback = render_chat(clean, self.tok)
+        except Exception as exc:
+            from jinja2.exceptions import TemplateError
+
+            if not isinstance(exc, TemplateError):
+                raise
+            raise ServeError(400, f"messages: the model's chat template refused them ({type(exc).__name__}: "
+                                  f"{str(exc)[:200]})", param="messages", code="chat_template_error") from None
         return self.encode(text, "messages"), ([SHIPPED_CHAT_STOP] if fallback else [])
 
 
@@ -430,8 +490,8 @@ class Guard:
 
     def __init__(self, app, *, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  query_key_paths: tuple[str, ...] = (), on_refused=None,
-                 allowed_hosts: tuple[str, ...] | None = None) -> None:
-        self.app, self.max_request_bytes = app, max_request_bytes
+                 allowed_hosts: tuple[str, ...] | None = None, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
+        self.app, self.max_request_bytes, self.body_timeout = app, max_request_bytes, body_timeout
         self.allowed_hosts = None if allowed_hosts is None else tuple(allowed_hosts)
         self.api_key = None if api_key is None else api_key.encode()
         self.query_key_paths = set(query_key_paths)
@@ -478,6 +538,8 @@ class Guard:
                                     f"at most {self.max_request_bytes} (--max-request-bytes)",
                                code="request_too_large")
         if e is None:
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = self._bounded(receive)
             return await self.app(scope, receive, send)
         from fastapi.responses import JSONResponse
 
@@ -486,16 +548,56 @@ class Guard:
         await JSONResponse(e.body(), status_code=e.status, headers=e.headers)(scope, receive, send)
 
 
-async def read_body(request, limit: int) -> bytes:
-    """The body, or 413 as soon as it exceeds ``limit`` bytes (a chunked body has no Content-Length)."""
-    parts, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise ServeError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)",
-                             code="request_too_large")
-        parts.append(chunk)
-    return b"".join(parts)
+    def _bounded(self, receive):
+        """``receive`` for a request with a body, counting its bytes as they arrive (chunked bodies have no
+        Content-Length): past ``max_request_bytes`` it raises 413, past ``body_timeout`` seconds since the
+        first read 408, and a client gone mid-body raises :class:`ClientGone` (499, logged quietly)."""
+        limit, n, deadline = self.max_request_bytes, 0, None
+
+        async def bounded():
+            nonlocal n, deadline
+            if deadline is None:
+                deadline = time.monotonic() + self.body_timeout
+            if deadline == float("inf"):
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise ServeError(408, f"the request body did not arrive within {self.body_timeout:g} s "
+                                      "(--body-timeout)", code="request_timeout") from None
+            if msg["type"] == "http.disconnect":
+                raise ClientGone()
+            if msg["type"] == "http.request":
+                n += len(msg.get("body", b""))
+                if n > limit:
+                    raise ServeError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)",
+                                     code="request_too_large")
+                if not msg.get("more_body", False):
+                    deadline = float("inf")  # read: later receives wait for a disconnect, untimed
+            return msg
+
+        return bounded
+
+
+class ClientGone(ServeError):
+    """The client closed the connection before its request body arrived: nobody reads the answer (HTTP 499,
+    counted, never a traceback)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection before its request body arrived",
+                         code="client_closed_request")
+
+
+async def json_body(request, what: str = "the request body"):
+    """The request's JSON body (bounded and timed by :class:`Guard`), parsed in a worker thread with
+    :func:`expertcache.jsonsafe.loads` (nesting depth limited): 400 naming ``what`` if it is not JSON."""
+    from expertcache.jsonsafe import JSONError, loads
+
+    raw = await request.body()
+    try:
+        return await asyncio.to_thread(loads, raw, what)
+    except JSONError as exc:
+        raise ServeError(400, str(exc)[:300], code="invalid_json") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,7 +607,8 @@ async def read_body(request, limit: int) -> bytes:
 def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[str, ...] = (),
                metrics: Metrics | None = None, liveview: bool = True, trace_dirs: tuple = (),
                api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               max_prompt_tokens: int | None = None, allowed_hosts: tuple[str, ...] | None = None):
+               max_prompt_tokens: int | None = None, allowed_hosts: tuple[str, ...] | None = None,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT):
     """FastAPI app serving ``engine`` under the model name ``model_id`` (``aliases`` are accepted too).
     ``liveview`` adds the page at ``/`` and its routes (:mod:`expertcache.serve.liveview`; ``trace_dirs``: more
     routing traces the replay may open). ``api_key``, ``max_request_bytes``, ``max_prompt_tokens``,
@@ -525,14 +628,17 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
     app.state.engine = engine
     app.state.shutting_down = False
     app.state.api_key_required = api_key is not None
-    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes,
+    app.add_middleware(Guard, api_key=api_key, max_request_bytes=max_request_bytes, body_timeout=body_timeout,
                        query_key_paths=("/v1/expertcache/events",), allowed_hosts=allowed_hosts,
                        on_refused=lambda route, status: metrics.requests.labels(route_label(route), str(status)).inc())
     created = int(time.time())
 
     def err(e: ServeError, route: str) -> JSONResponse:
         metrics.requests.labels(route, str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        headers = e.headers
+        if e.status == 503 and not headers:  # draining or stopped: when to come back (another instance, maybe)
+            headers = {"Retry-After": RETRY_AFTER_503}
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     def route_label(path: str) -> str:
         """The metrics label of a path: a route's own path, else one label for all others (a client must not
@@ -551,6 +657,10 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc):
         return err(ServeError(400, f"invalid request: {exc.errors()[:1]}"), route_label(request.url.path))
+
+    @app.exception_handler(ServeError)
+    async def _serve_error(request, exc):  # raised by the Guard's body reader or a route: its own status and body
+        return err(exc, route_label(request.url.path))
 
     @app.exception_handler(Exception)
     async def _any(request, exc):  # pragma: no cover - a bug; still an OpenAI-style body
@@ -579,7 +689,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
         if engine.error is not None:
             return JSONResponse({"status": "failed", "error": str(engine.error)}, status_code=500)
         if app.state.shutting_down or not engine.accepting:
-            return JSONResponse({"status": "shutting_down"}, status_code=503)
+            return JSONResponse({"status": "shutting_down"}, status_code=503, headers={"Retry-After": RETRY_AFTER_503})
         return {"status": "ok", "model": model_id, "batch": engine.batch_size(), "queue": engine.queue_length()}
 
     @app.get("/metrics")
@@ -608,12 +718,14 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
         return model_object()
 
     def parse_request(raw: bytes, chat: bool) -> Parsed:
-        """JSON, validation and tokenisation: run in a worker thread (a large body never blocks the loop)."""
+        """JSON (depth-limited), validation and tokenisation: run in a worker thread (a large body never blocks
+        the loop)."""
+        from expertcache.jsonsafe import JSONError, loads
+
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ServeError(400, f"the request body is not valid JSON: {str(exc)[:200]}",
-                             code="invalid_json") from None
+            body = loads(raw, "the request body")
+        except JSONError as exc:
+            raise ServeError(400, str(exc)[:300], code="invalid_json") from None
         return validator.parse(body, chat)
 
     async def handle(request: HTTPRequest, chat: bool):
@@ -621,7 +733,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
         try:
             if app.state.shutting_down:
                 raise ServeError(503, "the server is shutting down", code="shutting_down")
-            raw = await read_body(request, max_request_bytes)
+            raw = await request.body()  # bounded, timed by the Guard
             p = await asyncio.to_thread(parse_request, raw, chat)
             if app.state.shutting_down:
                 raise ServeError(503, "the server is shutting down", code="shutting_down")

@@ -3,10 +3,21 @@ importable without torch, transformers or fastapi (``expertcache serve --help`` 
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "LOOPBACK_HOSTS", "is_loopback"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_BODY_TIMEOUT", "DEFAULT_HEADER_TIMEOUT", "DEFAULT_MAX_CONNECTIONS",
+           "LOOPBACK_HOSTS", "is_loopback"]
 
 #: the largest request body taken by default (``--max-request-bytes``), in bytes
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+
+#: seconds a request body may take to arrive, from the first read of it (``--body-timeout``; then 408)
+DEFAULT_BODY_TIMEOUT = 30.0
+
+#: seconds a connection may take to send a request's headers, from its start or from the end of the previous
+#: response on a kept-alive connection (``--header-timeout``); then it is closed
+DEFAULT_HEADER_TIMEOUT = 10.0
+
+#: the connection cap's default (``--max-connections``; below the file-descriptor limit in any case)
+DEFAULT_MAX_CONNECTIONS = 4096
 
 #: the names a loopback server answers to by default: a browser resolves them to this machine itself
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")

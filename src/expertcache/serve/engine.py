@@ -35,6 +35,7 @@ over requests equal the runtime's totals.
 from __future__ import annotations
 
 import collections
+import contextlib
 import random
 import sys
 import threading
@@ -48,6 +49,11 @@ from expertcache.device import to_device
 from expertcache.serve.kv import BatchKV
 
 __all__ = ["Engine", "Request", "SamplingParams", "QueueFull", "ShuttingDown", "sample_next"]
+
+
+#: forwards that may fail in a row before the engine stops (a failure that one request causes fails that request
+#: alone; a model that fails every forward is broken)
+MAX_FAILED_FORWARDS = 3
 
 
 class QueueFull(Exception):
@@ -71,14 +77,22 @@ class SamplingParams:
 
 def sample_next(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
     """Greedy for temperature 0; else softmax(logits / T) with nucleus ``top_p`` and the request's generator.
-    With top_p = 1 this is exactly :meth:`OffloadedModel.generate`'s draw (same seed → same tokens)."""
+    With top_p = 1 this is exactly :meth:`OffloadedModel.generate`'s draw (same seed → same tokens).
+    Numerically safe for every value the server admits (T in (0, 2], top_p in (0, 1]): a T so small that
+    logits / T overflows samples from the T -> 0 limit (the largest logits), the nucleus keeps at least the
+    most likely token however small top_p is."""
     z_1V = logits_V.float().cpu()[None]
     if p.temperature <= 0:
         return int(z_1V.argmax(dim=-1))
     probs_1V = torch.softmax(z_1V / p.temperature, dim=-1)
+    if not bool(torch.isfinite(probs_1V).all()):  # z / T overflowed (T below ~1e-37 in float32): the T -> 0
+        # limit, computed where it cannot overflow: 0 at the largest logits, -inf (or very negative) elsewhere
+        shifted_1V = (z_1V.double() - z_1V.max()) / p.temperature
+        probs_1V = torch.softmax(shifted_1V, dim=-1).float()
     if p.top_p < 1.0:
         sp, si = probs_1V.sort(dim=-1, descending=True)
-        keep = (sp.cumsum(dim=-1) - sp) < p.top_p  # smallest prefix whose mass reaches top_p (>= 1 token)
+        keep = (sp.cumsum(dim=-1) - sp) < p.top_p  # smallest prefix whose mass reaches top_p
+        keep[:, 0] = True  # >= 1 token even where top_p rounds to 0 in float32 (top_p = 1e-300)
         sp = sp * keep
         choice = torch.multinomial(sp / sp.sum(), 1, generator=gen)
         return int(si[0, int(choice)])
@@ -126,7 +140,10 @@ class Request:
 
 
 class Engine:
-    """Owns the model. ``max_batch`` running rows, ``max_queue`` waiting requests (beyond: :class:`QueueFull`),
+    """Owns the model. A request that fails (its prefill forward, its sampling, its text) fails alone: it gets
+    ``('error', (500, message))`` and the engine goes on; a decode forward that raises fails the rows of that
+    forward (their KV is dropped). Only :data:`MAX_FAILED_FORWARDS` failed forwards in a row (a broken model or
+    device, not a request) stop the engine: then every request in flight gets a 500 and :attr:`error` is set. ``max_batch`` running rows, ``max_queue`` waiting requests (beyond: :class:`QueueFull`),
     ``prefill_chunk`` prompt tokens per iteration at most. ``rowwise_attention`` installs
     :mod:`expertcache.serve.attention` on the runtime's model (batched decode attention per row);
     ``pack_prefill`` prefills several short prompts in one packed forward. ``prefill_delay`` (a factor, as
@@ -166,7 +183,8 @@ class Engine:
         self._accepting = True
         self._drain_deadline: float | None = None
         self._thread: threading.Thread | None = None
-        self.totals = dict(finished=0, cancelled=0, packed_prefills=0, packed_prompts=0)
+        self.totals = dict(finished=0, cancelled=0, failed=0, packed_prefills=0, packed_prompts=0)
+        self._failed_forwards = 0  # forwards failed in a row (MAX_FAILED_FORWARDS: the model is broken)
         self.error: BaseException | None = None
         self._original_T: torch.Tensor | None = None  # per token of the running forward: route it original
         self._forward_observers: tuple = ()
@@ -351,7 +369,8 @@ class Engine:
                 and time.perf_counter() - head.t_submit < self.prefill_delay * self._last_prefill_s:
             return  # held: prompts arriving meanwhile join its packed prefill; the rows decode on
         if head.prefilled > 0 or len(head.prompt_ids) > budget:
-            self._prefill_chunk(head, min(len(head.prompt_ids) - head.prefilled, budget))
+            with self._failing([head]):
+                self._prefill_chunk(head, min(len(head.prompt_ids) - head.prefilled, budget))
             return
         group = []
         for r in self._prefilling:
@@ -361,10 +380,11 @@ class Engine:
                 continue
             group.append(r)
             budget -= len(r.prompt_ids)
-        if len(group) == 1:
-            self._prefill_chunk(group[0], len(group[0].prompt_ids))
-        else:
-            self._prefill_packed(group)
+        with self._failing(group):
+            if len(group) == 1:
+                self._prefill_chunk(group[0], len(group[0].prompt_ids))
+            else:
+                self._prefill_packed(group)
 
     def _prefill_packed(self, group: list[Request]) -> None:
         from transformers import DynamicCache
@@ -412,11 +432,16 @@ class Engine:
 
     def _join(self, r: Request, logits_V: torch.Tensor, past) -> None:
         """A prefilled request: sample its first token; unless that finishes it, its row joins the batch."""
-        tok = sample_next(logits_V, r.params, r.gen)
-        if not self._accept_token(r, tok):
-            self._kv.add(past)
-            r.next_token = tok
-            self._rows.append(r)
+        try:
+            tok = sample_next(logits_V, r.params, r.gen)
+            if self._accept_token(r, tok):
+                return
+        except Exception as exc:  # this request's sampling or text failed: it alone
+            self._fail(r, exc)
+            return
+        self._kv.add(past)
+        r.next_token = tok
+        self._rows.append(r)
 
     def _decode_step(self) -> None:
         if any(r.cancelled.is_set() or r.finish_reason is not None for r in self._rows):
@@ -430,13 +455,19 @@ class Engine:
         mask = self._kv.step_mask()  # grows the mask every step; only a padded batch passes it to the model
         # no padding: exactly OffloadedModel.generate's call (positions from the cache length)
         orig_B1 = torch.tensor([[r.params.routing == "original"] for r in rows])
-        logits_B1V, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask if padded else None, pos_B1,
-                                                              orig_B1)
+        with self._failing(rows, decode=True):
+            logits_B1V, self._kv.cache, dt, delta = self._forward(ids_B1, self._kv.cache, mask if padded else None,
+                                                                  pos_B1, orig_B1)
+        if self._kv.cache is None or not self._rows:  # the forward failed: its rows failed with it
+            return
         self._charge(rows, delta, shared=True)
         for i, r in enumerate(rows):
-            tok = sample_next(logits_B1V[i, -1], r.params, r.gen)
-            r.next_token = tok
-            self._accept_token(r, tok)
+            try:
+                tok = sample_next(logits_B1V[i, -1], r.params, r.gen)
+                r.next_token = tok
+                self._accept_token(r, tok)
+            except Exception as exc:  # this row alone: it leaves the batch at the next retire
+                self._fail(r, exc)
         self._after_forward(len(rows), len(rows), dt, delta)
 
     def _charge(self, rows: list[Request], delta: dict, shared: bool, weights: list[int] | None = None) -> None:
@@ -491,6 +522,39 @@ class Engine:
         if self.tok is None:
             return "".join(f"{i} " for i in ids)
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    @contextlib.contextmanager
+    def _failing(self, reqs: list[Request], decode: bool = False):
+        """Run a forward for ``reqs``: if it raises, they fail (500 with the error) and leave the engine (a
+        decode forward: the batch and its KV are dropped); :data:`MAX_FAILED_FORWARDS` failures in a row
+        re-raise (the engine stops). A forward that succeeds resets the count."""
+        try:
+            yield
+        except Exception as exc:
+            self._failed_forwards += 1
+            if self._failed_forwards >= MAX_FAILED_FORWARDS:
+                raise
+            print(f"expertcache serve: a forward failed ({type(exc).__name__}: {exc}); its {len(reqs)} request(s) "
+                  "got a 500, the engine goes on", file=sys.stderr, flush=True)
+            for r in reqs:
+                if r.finish_reason is None:
+                    self._fail(r, exc)
+            if decode:  # ``reqs`` is the whole batch: its KV may be half updated
+                self._rows = []
+                self._kv = BatchKV()
+            else:
+                self._prefilling = [r for r in self._prefilling if r not in reqs]
+                for r in reqs:
+                    r.past = None
+            self._queue_metric()
+        else:
+            self._failed_forwards = 0
+
+    def _fail(self, r: Request, exc: BaseException) -> None:
+        """``r`` failed alone: a 500 naming the error; its row (if any) leaves at the next retire."""
+        r.finish_reason = "error"
+        self.totals["failed"] += 1
+        r.on_event("error", (500, f"the request failed: {type(exc).__name__}: {exc}"))
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason

@@ -30,6 +30,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
+from starlette.responses import Response
 
 from expertcache.routing.registry import NEEDS_PROFILE
 from expertcache.cache import DEFAULT_GAMMA, EVICTIONS, LIVE_EVICTIONS, eviction_rule
@@ -40,6 +41,12 @@ __all__ = ["install_liveview", "Broker", "Tap", "LiveControl", "replay_frames", 
 SCHEMA_VERSION = 1
 STATIC = Path(__file__).with_name("static")
 MAX_REPLAY_STEPS = 2048
+#: event-stream subscribers at once (more get 429): each costs the engine thread a put per forward
+MAX_SUBSCRIBERS = 16
+#: a subscriber whose queue is full and that has not taken a frame for this long is dropped (its stream ends)
+STALL_S = 10.0
+#: replays waiting for the one that runs (more get 429); one runs at a time, built and serialised off the loop
+MAX_REPLAYS_WAITING = 4
 
 
 class ConfigError(ValueError):
@@ -50,15 +57,18 @@ class ConfigError(ValueError):
         self.param = param
 
 
+
 # ---------------------------------------------------------------------------------------------
 # the bounded fan-out
 
 
 class Subscriber:
     """One event-stream client: a bounded deque filled by the engine thread, drained by the event loop.
-    Full → the oldest frame is dropped (``dropped`` counts them)."""
+    Full → the oldest frame is dropped (``dropped`` counts them); still dropping ``stall_s`` seconds after the
+    first drop with no read between → the subscriber is ``stalled`` (the broker stops feeding it, its stream
+    ends)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, maxlen: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, maxlen: int, stall_s: float = STALL_S) -> None:
         self.loop = loop
         self.frames: collections.deque = collections.deque(maxlen=maxlen)
         self.lock = threading.Lock()
@@ -66,12 +76,20 @@ class Subscriber:
         self.delivered = 0
         self.ready = asyncio.Event()
         self._wake_pending = False
+        self.stall_s = stall_s
+        self.full_since: float | None = None  # when the queue first overflowed since the last take
+        self.stalled = False
 
     def put(self, frame: dict) -> None:
         """Engine thread: never blocks (beyond a short lock), never grows past ``maxlen``."""
         with self.lock:
             if len(self.frames) == self.frames.maxlen:
                 self.dropped += 1
+                now = time.monotonic()
+                if self.full_since is None:
+                    self.full_since = now
+                elif now - self.full_since > self.stall_s:
+                    self.stalled = True
             self.frames.append(frame)
             if self._wake_pending:
                 return
@@ -88,21 +106,26 @@ class Subscriber:
             self._wake_pending = False
             self.ready.clear()
             self.delivered += len(out)
+            self.full_since = None
         return out
 
 
 class Broker:
     """Fan-out of frames to subscribers, each with its own bounded queue (``maxlen`` frames)."""
 
-    def __init__(self, maxlen: int = 64) -> None:
-        self.maxlen = maxlen
+    def __init__(self, maxlen: int = 64, max_subscribers: int = MAX_SUBSCRIBERS, stall_s: float = STALL_S) -> None:
+        self.maxlen, self.max_subscribers, self.stall_s = maxlen, max_subscribers, stall_s
         self._subs: list[Subscriber] = []
         self._lock = threading.Lock()
         self.published = 0
+        self.stalled = 0  # subscribers dropped for not reading
 
-    def subscribe(self, loop: asyncio.AbstractEventLoop) -> Subscriber:
-        s = Subscriber(loop, self.maxlen)
+    def subscribe(self, loop: asyncio.AbstractEventLoop) -> Subscriber | None:
+        """A new subscriber, or None when ``max_subscribers`` already are."""
+        s = Subscriber(loop, self.maxlen, self.stall_s)
         with self._lock:
+            if len(self._subs) >= self.max_subscribers:
+                return None
             self._subs = self._subs + [s]
         return s
 
@@ -116,8 +139,18 @@ class Broker:
 
     def publish(self, frame: dict) -> None:
         self.published += 1
+        stalled = []
         for s in self._subs:  # a copy-on-write list: no lock needed to iterate
             s.put(frame)
+            if s.stalled:
+                stalled.append(s)
+        for s in stalled:  # fell behind a full queue for stall_s: no more frames; its stream ends
+            self.unsubscribe(s)
+            self.stalled += 1
+            try:
+                s.loop.call_soon_threadsafe(s.ready.set)
+            except RuntimeError:
+                pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,11 +445,160 @@ def shipped_traces() -> dict[str, Path]:
 
 
 def list_traces(trace_dirs) -> dict[str, Path]:
+    """The shipped traces and ``trace_dirs``' ``*.trace.safetensors`` regular files (not a FIFO, device or
+    folder of that name: reading one would block)."""
     out = shipped_traces()
     for d in trace_dirs:
         for p in sorted(Path(d).glob("*.trace.safetensors")):
-            out.setdefault(p.name, p)
+            if p.is_file():
+                out.setdefault(p.name, p)
     return out
+
+
+def load_regular_trace(path: Path):
+    """:meth:`RoutingTrace.load`, after checking (opened non-blocking, so a FIFO cannot block the check) that
+    ``path`` is a regular file: OSError naming it otherwise."""
+    import os
+    import stat
+
+    from expertcache.trace.format import RoutingTrace
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+    finally:
+        os.close(fd)
+    return RoutingTrace.load(path)
+
+
+def replay_json(trace, opts: dict) -> bytes:
+    """:func:`replay_frames` of ``trace`` with ``opts`` (:func:`parse_replay`'s) as compact JSON bytes."""
+    return json.dumps(replay_frames(trace, opts["routing"], opts["capacity"], eviction=opts["eviction"],
+                                    gamma=opts["gamma"], start=opts["start"], steps=opts["steps"]),
+                      separators=(",", ":")).encode()
+
+
+class ReplayWorker:
+    """Replays in a child process (``python -c ...replay_worker_main()``, one request at a time over pipes, JSON
+    both ways: nothing unpickled). A replay is seconds of Python (the simulator, then ~1.5 MB of JSON for 2,048
+    steps); in a thread of the server it holds the GIL against the engine thread and the event loop (a running
+    stream waited 1.3 s behind four replays), in its own process it only takes a core. Started on first use,
+    restarted if it died. A policy or eviction the child does not know (registered in this process at run
+    time) makes :meth:`run` return None: the caller replays in a thread instead."""
+
+    def __init__(self) -> None:
+        self.proc = None
+        self.lock = threading.Lock()
+
+    def _start(self) -> None:
+        import os
+        import subprocess
+        import sys
+
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", "from expertcache.serve.liveview import "
+                                      "replay_worker_main; replay_worker_main()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def run(self, path: Path, opts: dict) -> bytes | None:
+        """Blocking (call it from a worker thread): the replay's JSON bytes, None (see the class), or the
+        child's :class:`ConfigError` / ``ValueError`` re-raised; OSError if the child died twice."""
+        from expertcache.jsonsafe import loads
+
+        req = json.dumps(dict(path=str(path), routing=opts["routing"].to_dict(),
+                              **{k: opts[k] for k in ("capacity", "eviction", "gamma", "start", "steps")}))
+        with self.lock:
+            for attempt in range(2):
+                if self.proc is None or self.proc.poll() is not None:
+                    self._start()
+                try:
+                    self.proc.stdin.write(req.encode() + b"\n")
+                    self.proc.stdin.flush()
+                    kind, n = self.proc.stdout.readline().split()
+                    body = self.proc.stdout.read(int(n))
+                    if len(body) != int(n):
+                        raise EOFError
+                except (OSError, ValueError, EOFError):
+                    self.close()
+                    if attempt:
+                        raise OSError("the replay process stopped") from None
+                    continue
+                if kind == b"ok":
+                    return body
+                err = loads(body, "the replay process's answer")
+                if err["kind"] == "unknown":
+                    return None
+                if err["kind"] == "config":
+                    raise ConfigError(err["param"], err["message"])
+                raise ValueError(err["message"])
+
+
+def replay_worker_main() -> None:
+    """The replay child (:class:`ReplayWorker`): one JSON request per line on stdin; answers ``ok N`` or
+    ``err N`` then N bytes on stdout."""
+    import sys
+
+    from expertcache.jsonsafe import loads
+
+    out, traces = sys.stdout.buffer, {}
+
+    def reply(kind: str, body: bytes) -> None:
+        out.write(f"{kind} {len(body)}\n".encode() + body)
+        out.flush()
+
+    for line in sys.stdin.buffer:
+        try:
+            req = loads(line, "replay request")
+            try:
+                routing = RoutingConfig.from_dict(req["routing"])
+                eviction_rule(req["eviction"])
+            except (ValueError, KeyError, TypeError) as exc:  # registered in the server only
+                reply("err", json.dumps(dict(kind="unknown", message=str(exc))).encode())
+                continue
+            trace = traces.get(req["path"])
+            if trace is None:
+                trace = traces[req["path"]] = load_regular_trace(Path(req["path"]))
+            reply("ok", replay_json(trace, dict(req, routing=routing)))
+        except ConfigError as e:
+            reply("err", json.dumps(dict(kind="config", param=e.param, message=str(e))).encode())
+        except Exception as e:  # noqa: BLE001 - the simulator refused the combination, or a bad trace
+            reply("err", json.dumps(dict(kind="value", message=f"{type(e).__name__}: {e}")).encode())
+
+
+_replay_worker = ReplayWorker()
+
+
+class TimedStream(Response):
+    """A server-sent-event response for the live view: each write waits ``send_timeout`` seconds at most (a
+    client that stopped reading fills the socket, then is cut off: uvicorn closes the connection), and the
+    subscriber ``sub`` is marked stalled then."""
+
+    def __init__(self, chunks, sub: Subscriber, send_timeout: float = STALL_S) -> None:
+        super().__init__(media_type="text/event-stream")
+        self.chunks, self.sub, self.send_timeout = chunks, sub, send_timeout
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                                (b"x-accel-buffering", b"no")]})
+        try:
+            async for chunk in self.chunks:
+                try:
+                    await asyncio.wait_for(send({"type": "http.response.body", "body": chunk.encode(),
+                                                 "more_body": True}), self.send_timeout)
+                except asyncio.TimeoutError:
+                    self.sub.stalled = True
+                    return  # incomplete: the server drops the connection
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.chunks.aclose()
 
 
 def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str = "lru", gamma: float = DEFAULT_GAMMA,
@@ -504,9 +686,9 @@ def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
 def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> None:
     """Add the page, the event stream, the live controls and the replay to the serve ``app``."""
     from fastapi import Request as HTTPRequest
-    from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+    from fastapi.responses import FileResponse, JSONResponse
 
-    from expertcache.serve.app import ServeError
+    from expertcache.serve.app import ServeError, json_body as read_json
     from expertcache.trace.format import RoutingTrace, TraceError
 
     broker = Broker(queue_frames)
@@ -525,9 +707,11 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
 
     async def json_body(request: HTTPRequest):
         try:
-            return json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ConfigError("body", f"not valid JSON: {exc}") from None
+            return await read_json(request, "the request body")
+        except ServeError as e:
+            if e.status != 400:
+                raise  # 413 / 408 / 499 from the Guard's body reader: the app's handler answers
+            raise ConfigError("body", e.message) from None
 
     @app.get("/", include_in_schema=False)
     async def index():
@@ -561,6 +745,9 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
     @app.get("/v1/expertcache/events")
     async def events(request: HTTPRequest):
         sub = broker.subscribe(asyncio.get_running_loop())
+        if sub is None:
+            raise ServeError(429, f"{broker.max_subscribers} live-view pages are subscribed already; close one or "
+                                  "retry later", code="too_many_subscribers", headers={"Retry-After": "5"})
         rt = engine.rt
         for _ in range(100):  # the engine thread may be changing a cache right now: read again
             try:
@@ -577,7 +764,7 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
             try:
                 yield f"data: {json.dumps(hello)}\n\n"
                 last = time.monotonic()
-                while not app.state.shutting_down:
+                while not app.state.shutting_down and not sub.stalled:
                     try:
                         await asyncio.wait_for(sub.ready.wait(), timeout=0.25)
                     except asyncio.TimeoutError:
@@ -595,21 +782,40 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
             finally:
                 broker.unsubscribe(sub)
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return TimedStream(stream(), sub)
 
     @app.get("/v1/expertcache/traces")
     async def traces():
         return dict(traces=[dict(name=n, shipped=n in shipped_traces()) for n in list_traces(trace_dirs)])
 
+    replays = dict(lock=asyncio.Lock(), waiting=0)
+
     @app.post("/v1/expertcache/replay")
     async def replay(request: HTTPRequest):
         try:
             path, opts = parse_replay(await json_body(request), trace_dirs)
+        except ConfigError as e:
+            return bad(e)
+        if replays["waiting"] >= MAX_REPLAYS_WAITING:
+            raise ServeError(429, f"{MAX_REPLAYS_WAITING} replays are waiting already; retry later",
+                             code="too_many_replays", headers={"Retry-After": "2"})
+        replays["waiting"] += 1
+        entered = False
+        try:
+            async with replays["lock"]:  # one at a time: a 2,048-step replay is ~1.5 MB of JSON
+                replays["waiting"] -= 1
+                entered = True
+                return await run_replay(path, opts)
+        finally:
+            if not entered:  # the client left while waiting
+                replays["waiting"] -= 1
+
+    async def run_replay(path: Path, opts: dict):
+        try:
             trace = trace_cache.get(path)
             if trace is None:
                 try:
-                    trace = trace_cache[path] = await asyncio.to_thread(RoutingTrace.load, path)
+                    trace = trace_cache[path] = await asyncio.to_thread(load_regular_trace, path)
                 except (TraceError, OSError) as exc:
                     raise ConfigError("trace", f"cannot read {path.name}: {exc}") from None
             if opts["capacity"] > trace.meta.num_experts:
@@ -619,9 +825,16 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
                 raise ConfigError("capacity", f"must be >= 1, got {opts['capacity']}")
             if opts["routing"].top_j > trace.meta.top_k:
                 raise ConfigError("top_j", f"exceeds K={trace.meta.top_k}")
-            return await asyncio.to_thread(replay_frames, trace, opts["routing"], opts["capacity"],
-                                           eviction=opts["eviction"], gamma=opts["gamma"], start=opts["start"],
-                                           steps=opts["steps"])
+
+            if not 0 <= opts["start"] < trace.num_tokens:
+                raise ConfigError("start", f"must be in [0, {trace.num_tokens}), got {opts['start']}")
+            try:
+                body = await asyncio.to_thread(_replay_worker.run, path, opts)
+            except OSError as exc:
+                raise ServeError(503, f"replay: {exc}; retry", code="replay_failed") from None
+            if body is None:  # a policy or eviction registered in this process only
+                body = await asyncio.to_thread(replay_json, trace, opts)
+            return Response(body, media_type="application/json")
         except ConfigError as e:
             return bad(e)
         except ValueError as e:  # the simulator refused the combination

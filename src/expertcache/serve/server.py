@@ -3,12 +3,24 @@ ephemeral loopback port (:class:`ServerThread`, for tests and benchmarks)."""
 
 from __future__ import annotations
 
+import collections
+import json
+import logging
 import socket
 import sys
 import threading
 import time
 
-__all__ = ["serve_forever", "ServerThread", "bind", "tune_malloc"]
+from expertcache.serve.defaults import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
+
+__all__ = ["serve_forever", "ServerThread", "bind", "tune_malloc", "guarded_protocol", "connection_cap", "fd_limit",
+           "DEFAULT_HEADER_TIMEOUT", "DEFAULT_MAX_CONNECTIONS"]
+
+#: the listening socket's accept queue (connections the kernel holds before the server accepts them)
+BACKLOG = 2048
+#: connections asyncio accepts in one go before the protocols (and the connection cap) see them: it accepts up
+#: to its ``backlog`` argument at once, so this is passed there and the listen queue is set back to BACKLOG
+ACCEPT_BATCH = 32
 
 
 def tune_malloc(threshold: int = 1 << 16) -> bool:
@@ -37,12 +49,171 @@ def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    sock.listen(BACKLOG)
     sock.set_inheritable(True)
     return sock
 
 
-def _server(app, *, log_level: str, grace_s: float):
+#: file descriptors kept for everything but client connections (model files, logs, threads' pipes, the listener)
+FD_RESERVE = 64
+#: the largest request head (request line and headers) h11 buffers: larger gets 400
+MAX_HEAD_BYTES = 16 * 1024
+_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+
+
+def fd_limit(raise_soft: bool = True) -> int:
+    """The process's file-descriptor limit (RLIMIT_NOFILE), first raised to the hard limit when ``raise_soft``
+    (as servers do at start: the soft limit is often 1,024). Unknown (not POSIX): a large number."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return 1 << 20
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if raise_soft and soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def open_fds() -> int:
+    """File descriptors this process holds now (0 where /proc is not there)."""
+    import os
+
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def connection_cap(max_connections: int = DEFAULT_MAX_CONNECTIONS, fds: int | None = None) -> int:
+    """Client connections held at once: ``max_connections``, and below the file-descriptor limit ``fds`` less
+    the descriptors already open, ``FD_RESERVE`` more for later (files, pipes) and the sockets accepted but not
+    yet seen by the protocol, so accepting never fails with EMFILE. Call it once the model is loaded."""
+    fds = fd_limit() if fds is None else fds
+    # accepted sockets reach the protocol (and evictions close) a loop iteration or two later: room for 4 batches
+    return max(8, min(max_connections, fds - open_fds() - FD_RESERVE - 4 * ACCEPT_BATCH))
+
+
+def guarded_protocol(max_connections: int, header_timeout: float = DEFAULT_HEADER_TIMEOUT):
+    """uvicorn's h11 protocol with what it lacks against slow and numerous clients:
+
+    - a **header timeout**: a connection that has not sent a whole request head within ``header_timeout``
+      seconds of its start (or of its previous response) is closed, so half-sent requests cannot pile up;
+    - a **connection cap**: at ``max_connections`` open connections a new one first evicts the oldest that is
+      idle or still sending its head (no request running: nothing is lost but a slow client's place); if every
+      connection runs a request, the new one gets a 503 with Retry-After and is closed at once.
+
+    Bodies are timed and bounded by the app (:class:`expertcache.serve.app.Guard`)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    body = json.dumps({"error": {"message": "too many connections; retry later", "type": "server_error",
+                                 "param": None, "code": "too_many_connections"}}).encode()
+    refusal = _REFUSAL % (len(body), body)
+
+    idle: collections.OrderedDict = collections.OrderedDict()  # connections waiting for a head, oldest first
+
+    class GuardedH11Protocol(H11Protocol):
+        _refused = False
+        _head_timer = None
+
+        def _waiting_for_head(self) -> bool:
+            return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+        def connection_made(self, transport) -> None:
+            if len(self.connections) >= max_connections and not self._evict():
+                self._refused = True
+                self.transport = transport
+                transport.write(refusal)
+                transport.close()
+                return
+            super().connection_made(transport)
+            self._arm()
+
+        @staticmethod
+        def _evict() -> bool:
+            """Close the oldest connection that runs no request; False if there is none."""
+            while idle:
+                oldest, _ = idle.popitem(last=False)
+                if oldest._waiting_for_head() and not oldest.transport.is_closing():
+                    oldest.connections.discard(oldest)
+                    oldest.transport.close()
+                    return True
+            return False
+
+        def _arm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
+            idle[self] = None
+            idle.move_to_end(self)
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self._waiting_for_head() and not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._refused:
+                super().data_received(data)
+                if not self._waiting_for_head():  # a request runs: not evictable until its response is done
+                    idle.pop(self, None)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request's head gets its own header_timeout
+
+        def connection_lost(self, exc) -> None:
+            idle.pop(self, None)
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            if self._refused:
+                return
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
+class _Once(logging.Filter):
+    """Lets a log message through at most once per ``every`` seconds (then says how many were left out): a
+    flood of one message (refused accepts, invalid requests, one failing route) cannot fill the disk."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        super().__init__()
+        self.every = every
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = str(record.msg)[:200]
+        now = time.monotonic()
+        t, n = self._last.get(key, (-1e9, 0))
+        if now - t < self.every:
+            self._last[key] = (t, n + 1)
+            return False
+        if len(self._last) > 1000:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        if n:
+            record.msg = f"{record.msg} ({n} more like this in the last {now - t:.0f} s not logged)"
+        return True  # with its traceback, if any: at most one per message per ``every`` seconds
+
+
+def quiet_floods() -> None:
+    """Rate-limit uvicorn's and asyncio's per-connection messages (see :class:`_Once`); idempotent."""
+    for name in ("uvicorn.error", "asyncio"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _Once) for f in lg.filters):
+            lg.addFilter(_Once())
+
+
+def _server(app, *, log_level: str, grace_s: float, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+            header_timeout: float = DEFAULT_HEADER_TIMEOUT):
     """A uvicorn server for ``app`` that shuts down gracefully: on the first SIGTERM/SIGINT new requests get
     503 (the server keeps accepting connections to say so), waiting ones are cancelled, running ones get
     ``grace_s`` to finish (then are cancelled); once none is left uvicorn stops listening, waits for their
@@ -50,6 +221,11 @@ def _server(app, *, log_level: str, grace_s: float):
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            for sock in sockets or ():  # asyncio's listen(ACCEPT_BATCH) above: the kernel's queue back to BACKLOG
+                sock.listen(BACKLOG)
+
         def handle_exit(self, sig, frame) -> None:
             from expertcache.serve.app import begin_shutdown
 
@@ -75,23 +251,30 @@ def _server(app, *, log_level: str, grace_s: float):
             uvicorn.Server.handle_exit(self, sig, frame)
             self._captured_signals.clear()
 
+    cap = connection_cap(max_connections)
+    quiet_floods()
     return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 5, lifespan="off",
-                                 access_log=False, timeout_keep_alive=5))
+                                 access_log=False, timeout_keep_alive=5, http=guarded_protocol(cap, header_timeout),
+                                 limit_concurrency=cap + 64, h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                                 backlog=ACCEPT_BATCH))
 
 
-def serve_forever(app, sock: socket.socket, *, grace_s: float = 30.0, log_level: str = "warning") -> None:
-    _server(app, log_level=log_level, grace_s=grace_s).run(sockets=[sock])
+def serve_forever(app, sock: socket.socket, *, grace_s: float = 30.0, log_level: str = "warning",
+                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                  header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> None:
+    _server(app, log_level=log_level, grace_s=grace_s, max_connections=max_connections,
+            header_timeout=header_timeout).run(sockets=[sock])
 
 
 class ServerThread:
     """uvicorn in a daemon thread on ``127.0.0.1:<ephemeral>``; :meth:`stop` shuts it down like SIGTERM."""
 
-    def __init__(self, app, *, grace_s: float = 5.0, host: str = "127.0.0.1") -> None:
+    def __init__(self, app, *, grace_s: float = 5.0, host: str = "127.0.0.1", **kw) -> None:
         self.app = app
         self.sock = bind(host, 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self.server = _server(app, log_level="error", grace_s=grace_s)
+        self.server = _server(app, log_level="error", grace_s=grace_s, **kw)
         self.thread = threading.Thread(target=self.server.run, kwargs=dict(sockets=[self.sock]), daemon=True)
 
     def start(self, timeout: float = 30.0) -> "ServerThread":

@@ -11,6 +11,7 @@ const state = {
   errors: { live: "", replay: "" },  // each tab keeps its own error line
   accepted: null,                     // the control values last accepted (refused ones reset to these)
   events: null,
+  live: null,                         // the newest live frame's layers, totals and shadow (repainted on return)
 };
 const MAX_COLS = 64;  // experts per grid line; more wrap onto further lines (the layer label stays)
 
@@ -101,7 +102,13 @@ function paintTotals(t, live) {
 function draw() {  // at most once per animation frame: the newest frame wins, none queue up here
   const f = state.pending; state.pending = null;
   if (!f || state.mode !== "live") return;
+  paintLive(f);
+  state.drawn++; document.body.dataset.drawn = state.drawn;
+}
+
+function paintLive(f) {  // a live frame (or the hello's residency) with the live counters
   paintLayers(f.layers); paintTotals(f.totals, true);
+  if (!f.totals) { $("hit-rate").textContent = $("tok-s").textContent = $("bytes-tok").textContent = "–"; }
   const o = f.original;  // cache-aware policy: policy vs original routing on the same tokens (shadow cache)
   $("orig-box").classList.toggle("hidden", !o);
   if (o) {
@@ -111,7 +118,6 @@ function draw() {  // at most once per animation frame: the newest frame wins, n
       `${pct(o.hit_rate)} (a shadow cache of the same size and eviction fed the original selections)`;
   }
   $("step-no").textContent = state.frames; $("dropped").textContent = state.dropped;
-  state.drawn++; document.body.dataset.drawn = state.drawn;
 }
 
 // ---- events from the server ----------------------------------------------------------------
@@ -124,12 +130,14 @@ function connectEvents() {
   es.onmessage = (ev) => {
     const f = JSON.parse(ev.data);
     if (f.type === "hello") {
+      state.live = { layers: f.layers, totals: f.totals && f.totals.forwards ? f.totals : null, original: null };
       showConfig(f.config);
       if (state.mode === "live") { buildGrid(f.config.moe_layers, f.config.num_experts); paintLayers(f.layers); }
     } else if (f.type === "config") {
       showConfig(f.config);
     } else if (f.type === "step") {
       state.frames++; state.dropped = f.dropped || 0;
+      state.live = { layers: f.layers, totals: f.totals, original: f.original };
       if (!state.pending) requestAnimationFrame(draw);
       state.pending = f;
     }
@@ -192,10 +200,19 @@ function showConfig(c) {
   state.accepted = acceptedFrom(c);
 }
 
+class FieldError extends Error {
+  constructor(id, message) { super(message); this.id = id; }
+}
+function numberField(id, label) {  // the number typed in ``id``; an empty or non-numeric field is refused here
+  const text = $(id).value.trim();  // (Number("") is 0: an emptied field would silently send 0)
+  if (text === "" || !isFinite(Number(text))) throw new FieldError(id, `${label}: enter a number`);
+  return Number(text);
+}
+
 function controlBody() {
   const policy = $("policy").value;
-  const body = { policy, top_j: Number($("top-j").value), eviction: $("eviction").value,
-    capacity: Number($("capacity").value) };
+  const body = { policy, top_j: numberField("top-j", "top_j"), eviction: $("eviction").value,
+    capacity: numberField("capacity", "capacity") };
   const name = strengthName(policy);
   if (name) body[name] = Number($("strength").value);
   return body;
@@ -204,8 +221,12 @@ function controlBody() {
 async function postConfig() {
   if (state.mode !== "live") return;
   setError("live", "");
+  let body;
+  try { body = controlBody(); } catch (err) {  // nothing sent: the field goes back to what the server uses
+    setError("live", err.message); resetControls(state.accepted); return;
+  }
   const r = await api("/v1/expertcache/config", { method: "POST", headers: { "Content-Type": "application/json" },
-    body: JSON.stringify(controlBody()) });
+    body: JSON.stringify(body) });
   const j = await r.json().catch(() => ({}));
   if (!r.ok) {  // refused: nothing changed on the server, so the controls go back to what it uses
     setError("live", j.error ? j.error.message : "error " + r.status);
@@ -278,9 +299,20 @@ async function loadTraces() {
 
 async function replayLoad() {
   replayPause();
-  $("replay-status").textContent = "simulating…"; setError("replay", "");
-  const body = Object.assign(controlBody(), { trace: $("trace-select").value,
-    start: Number($("replay-start").value), steps: Number($("replay-steps").value) });
+  setError("replay", "");
+  let body;
+  try {
+    body = Object.assign(controlBody(), { trace: $("trace-select").value,
+      start: numberField("replay-start", "start"), steps: numberField("replay-steps", "steps") });
+  } catch (err) {  // an emptied field: said here, reset to the last accepted replay's value, nothing sent
+    setError("replay", err.message);
+    const a = state.replayAccepted;
+    if (err.id === "replay-start") $("replay-start").value = a ? a.start : 0;
+    else if (err.id === "replay-steps") $("replay-steps").value = a ? a.steps : 128;
+    else resetControls(a ? a.controls : state.accepted);
+    return;
+  }
+  $("replay-status").textContent = "simulating…";
   const r = await api("/v1/expertcache/replay", { method: "POST", headers: { "Content-Type": "application/json" },
     body: JSON.stringify(body) });
   const j = await r.json().catch(() => ({}));
@@ -343,9 +375,11 @@ function setMode(mode) {
   const evs = mode === "live" ? (state.config ? state.config.choices.eviction : [])
     : (state.config && state.config.choices.replay_eviction) || ["lru", "lfu", "gamma", "gamma-admit", "belady"];
   fillSelect($("eviction"), evs, $("eviction").value);
-  if (mode === "live") {
+  if (mode === "live") {  // back to what the server does now: its grid, counters and configuration
     replayPause();
     if (state.config) { buildGrid(state.config.moe_layers, state.config.num_experts); showConfig(state.config); }
+    paintLive(state.live || { layers: [], totals: null, original: null });
+    if (!state.live) for (const arr of state.cells) for (const c of arr) c.className = "cell";
   } else if (state.replay) {
     $("orig-box").classList.add("hidden");
     showReplayFrame(state.replayPos);
