@@ -180,21 +180,37 @@ class _Chunked:
 
 @pytest.mark.parametrize("split", [1, 3, 10])
 def test_a_chunked_body_of_exactly_the_limit_is_read_one_byte_more_is_413(split):
-    """The same limit on a body with no Content-Length (read chunk by chunk): N bytes are returned whole,
-    N + 1 are refused. Fails on read_body's ``n > limit`` → ``>=``."""
-    from expertcache.serve.app import ServeError, read_body
+    """The same limit on a body with no Content-Length, counted as its chunks arrive (Guard's bounded
+    ``receive``): N bytes are passed on whole, N + 1 are refused with 413. Fails on the count's
+    ``n > limit`` → ``>=``."""
+    from expertcache.serve.app import Guard, ServeError
 
     def chunks(n):
-        body = bytes(range(97, 97 + 26)) * (n // 26 + 1)
-        body = body[:n]
+        body = (bytes(range(97, 97 + 26)) * (n // 26 + 1))[:n]
         step = -(-n // split)
-        return body, [body[i:i + step] for i in range(0, n, step)]
+        parts = [body[i:i + step] for i in range(0, n, step)]
+        return body, [{"type": "http.request", "body": c, "more_body": i < len(parts) - 1}
+                      for i, c in enumerate(parts)]
 
-    body, parts = chunks(1000)
-    assert asyncio.run(read_body(_Chunked(parts), 1000)) == body
-    _, parts = chunks(1001)
+    async def read_all(msgs):
+        it = iter(msgs)
+
+        async def receive():
+            return next(it)
+
+        bounded = Guard(None, max_request_bytes=1000)._bounded(receive)
+        out = b""
+        while True:
+            msg = await bounded()
+            out += msg.get("body", b"")
+            if not msg.get("more_body", False):
+                return out
+
+    body, msgs = chunks(1000)
+    assert asyncio.run(read_all(msgs)) == body
+    _, msgs = chunks(1001)
     with pytest.raises(ServeError) as exc:
-        asyncio.run(read_body(_Chunked(parts), 1000))
+        asyncio.run(read_all(msgs))
     assert exc.value.status == 413 and "1000 bytes" in str(exc.value)
 
 
