@@ -10,6 +10,8 @@ layer) is refused with a :class:`BudgetError` that states that minimum. Sizes ar
 (compute dtype for non-expert weights and KV, storage dtype -- bf16 or quantised -- for expert slots).
 Everything the runtime allocates per run is in the plan; what is not (the Python interpreter, torch's
 kernels and per-op temporaries, thread stacks) is a fixed overhead, pinned by a test.
+With ``--resident-quant int4`` every expert's int4 copy is resident too: ``low_tier_bytes`` (L · N · the
+packed blob's bytes) is one more fixed term, added to the total and the minimum.
 ``--memory minimum`` (:data:`MINIMUM`) asks for exactly that minimum: C = K.
 """
 
@@ -75,11 +77,12 @@ class MemoryPlan:
     io_bytes: int = 0
     host_bytes: int = 0  # the host-RAM level of a two-level cache (--host-memory; its own budget, not in total)
     host_slots: int = 0
+    low_tier_bytes: int = 0  # every expert's resident low-precision copy (--resident-quant), fixed, in total
 
     @property
     def total(self) -> int:
         sb = self.slot_bytes or self.expert_bytes
-        return (self.non_expert_bytes + self.kv_bytes + self.io_bytes
+        return (self.non_expert_bytes + self.kv_bytes + self.io_bytes + self.low_tier_bytes
                 + (self.num_layers * self.slots + self.extra_slots) * sb)
 
     def to_dict(self) -> dict:
@@ -88,15 +91,17 @@ class MemoryPlan:
 
 def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int, kv_bytes: int, expert_bytes: int,
                 num_layers: int, num_experts: int, top_k: int, slot_bytes: int | None = None, extra_slots: int = 0,
-                io_bytes: int = 0) -> MemoryPlan:
+                io_bytes: int = 0, low_tier_bytes: int = 0) -> MemoryPlan:
     """Resolve ``budget`` (bytes) or an explicit ``slots`` count into a :class:`MemoryPlan`.
 
     Exactly one of ``budget`` / ``slots`` is given; ``budget=MINIMUM`` means the minimum itself (C = K). ``slot_bytes`` (default ``expert_bytes``): the bytes of one
-    slot; ``extra_slots``: scratch + prefetch slots shared by all layers; ``io_bytes``: reader buffers. Raises BudgetError
+    slot; ``extra_slots``: scratch + prefetch slots shared by all layers; ``io_bytes``: reader buffers;
+    ``low_tier_bytes``: the resident low-precision copies of every expert (``--resident-quant``), a fixed term
+    beside the non-expert weights. Raises BudgetError
     (with the minimum) when the budget is too small for K experts per layer, ValueError for slots outside
     [1, N]."""
     sb = slot_bytes or expert_bytes
-    fixed = non_expert_bytes + kv_bytes + io_bytes + extra_slots * sb
+    fixed = non_expert_bytes + kv_bytes + io_bytes + extra_slots * sb + low_tier_bytes
     minimum = fixed + num_layers * top_k * sb
     if budget == MINIMUM:
         budget = minimum
@@ -108,10 +113,11 @@ def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int,
                 f"memory budget {format_bytes(budget)} is too small: non-expert weights "
                 f"{format_bytes(non_expert_bytes)} + KV cache {format_bytes(kv_bytes)} + K={top_k} experts "
                 f"× {num_layers} layers (+ {extra_slots} shared scratch/prefetch) × {format_bytes(sb)}"
-                f"{f' + I/O buffers {format_bytes(io_bytes)}' if io_bytes else ''} need at least "
+                f"{f' + I/O buffers {format_bytes(io_bytes)}' if io_bytes else ''}"
+                f"{f' + low-precision copies {format_bytes(low_tier_bytes)}' if low_tier_bytes else ''} need at least "
                 f"{format_bytes(minimum)} ({minimum} bytes)")
         slots = min(num_experts, (budget - fixed) // (num_layers * sb))
     elif not 1 <= slots <= num_experts:
         raise ValueError(f"cache size (--cache-experts) must be between 1 and N={num_experts} experts per layer, got {slots}")
     return MemoryPlan(budget, non_expert_bytes, kv_bytes, expert_bytes, num_layers, int(slots), minimum,
-                      slot_bytes or 0, extra_slots, io_bytes)
+                      slot_bytes or 0, extra_slots, io_bytes, low_tier_bytes=low_tier_bytes)
