@@ -37,6 +37,7 @@ class LowPrecisionTier:
     def __init__(self, source: QuantSource, layer_ids: Sequence[int], num_experts: int, device: torch.device,
                  acts: Sequence[Callable]) -> None:
         self.layout = source.quant
+        self.path = source.path
         host = HostTier(source, list(layer_ids), num_experts)
         rows = [host.rows[i] for i in layer_ids]
         if device.type != "cpu":  # pragma: no cover - GPU only
