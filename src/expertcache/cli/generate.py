@@ -268,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
     row = dict(kind="generate", prompt_tokens=int(ids.shape[1]), new_tokens=int(r["tokens"].shape[1]),
                prefill_s=r["prefill_s"], decode_s=r["decode_s"], decode_tok_s=tok_s, hit_rate=s["hit_rate"],
                decode_hit_rate=d["hit_rate"], bytes_read=s["bytes_read"], misses=s["misses"],
+               fp_hits=s["hits"], low_computes=s["low_computes"], loads=s["misses"],
                io_wait_s=s["io_wait_seconds"], prefetch=s["prefetch"], prefetched=s["prefetched"], tiers=s["tiers"],
                transfers=s["expert_loads"],  # every expert load: demand misses + --predictor prefetch loads
                threads=args.threads, config=rt.describe())
@@ -287,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
               + (f"; loads: {s['tiers']['host_hits']} from host RAM, {s['tiers']['disk_reads']} from disk"
                  if s["tiers"] else "") + f", {args.threads} thread(s)"
               + (f"; experts {row['config']['quant_kernel']}" if row["config"].get("quant_kernel") else "")
-              + (f"; dense {offload.quant_dense}" if offload.quant_dense else ""),
+              + (f"; dense {offload.quant_dense}" if offload.quant_dense else "")
+              + (f"; {s['hits']} full-precision hits, {s['low_computes']} int4 computes, {s['misses']} loads"
+                 if offload.resident_quant else ""),
               file=sys.stderr)
     return 0

@@ -168,6 +168,9 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
                        prompt_tokens=int(prompt_BS.shape[1]), forced=forced_BN is not None,
                        tok_s=n * prompt_BS.shape[0] / r["decode_s"],
                        s_per_token=per_tok, hit_rate=s["hit_rate"], misses_per_token=s["misses"] / n,
+                       # the three ways a routed expert is served: full-precision hit, low-precision compute
+                       # (--resident-quant), load (= misses)
+                       fp_hits_per_token=s["hits"] / n, low_computes_per_token=s["low_computes"] / n,
                        # every decode-time expert load plus the --predictor prefetch loads made for this sequence
                        transfers_per_token=(s["misses"] + prefetched) / n,
                        bytes_per_token=bytes_tok, io_s_per_token=s["io_seconds"] / n,
@@ -190,7 +193,8 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
     for name in names:
         rs = [r for r in rows if r["name"] == name]
         med = {k: statistics.median(r[k] for r in rs) for k in
-               ("tok_s", "s_per_token", "hit_rate", "misses_per_token", "transfers_per_token", "bytes_per_token",
+               ("tok_s", "s_per_token", "hit_rate", "misses_per_token", "fp_hits_per_token", "low_computes_per_token",
+                "transfers_per_token", "bytes_per_token",
                 "t_compute",
                 "floor_s_per_token", "floor_ratio", "serial_s_per_token", "serial_ratio", "bandwidth",
                 "serial_bandwidth", "io_wait_s_per_token")}

@@ -1,0 +1,271 @@
+"""Mixed precision: a miss served at 4 bits instead of waited for (issue 37, ``--resident-quant int4``).
+
+    nice -n 10 python benchmarks/bench_mixed.py quality [--chunks 4] [--model granular]
+    nice -n 10 python benchmarks/bench_mixed.py speed [--layers 4] [--tokens 16] [--repeats 3] [--fraction 0.5]
+
+1. **quality**: closed-loop perplexity of a shipped model on WikiText-2 test (``--chunks`` chunks of 256 tokens
+   from /work/shared/data, the caches carried across chunks), token by token through the offloaded runtime at
+   C = N/4 (teacher-forced decode: each token's routing sees the live residency), for full precision (original +
+   LRU, Cache-Prior), all-int4 (every miss at low precision and nothing ever loaded: equal to ``--quant int4``,
+   ``tests/test_mixed_precision.py``), the mixed tier with each rule (router weight below a threshold, a per-token
+   load budget, with and without promotion), and the mixed tier with Cache-Prior / cache-prior-cost. Counts per
+   row: full-precision hits, low-precision computes, loads (per token and MoE layer). One runtime (the int4
+   copies resident), re-configured per row: deterministic, so one pass.
+2. **speed**: the random-weight OLMoE-1B-7B-shape checkpoint with ``--layers`` layers (``expertcache bench
+   --make-model olmoe-1b-7b --layers 4``), each configuration one ``expertcache bench`` process alone in a v1
+   memory cgroup of ``--fraction`` × the checkpoint's bf16 size (its ``--memory`` = that limit minus
+   ``--headroom``, the interpreter's own memory), disk tier with O_DIRECT reads, ``--tokens`` teacher-forced
+   tokens after a 16-token prompt, one thread; configurations in alternating order over ``--repeats`` rounds,
+   medians. A random-weight router spreads its weight almost evenly (OLMoE's top-8 of 64, not renormalised:
+   weights ≈ 0.02-0.06), so the threshold is scaled to it (``--speed-threshold``) and the budget rule is in
+   bytes.
+
+Rows go to benchmarks/results/mixed.jsonl (``--out``); markdown tables print ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from expertcache.offload.bench import machine_info
+from expertcache.results import append_jsonl
+
+OUT = Path(__file__).resolve().parent / "results" / "mixed.jsonl"
+
+
+def quality_configs(expert_bytes: int, threshold: float, low_cost: float):
+    """name -> (routing, precision rule) of the quality rows."""
+    from expertcache.routing import RoutingConfig
+    from expertcache.routing.precision import NEVER, PrecisionRule
+
+    orig, cp = RoutingConfig(), RoutingConfig("cache-prior", lam=0.2)
+    cost = RoutingConfig("cache-prior-cost", lam=0.2)
+    t = threshold
+    return {
+        "bf16 original+LRU": (orig, NEVER),
+        "bf16 Cache-Prior": (cp, NEVER),
+        "all-int4": (orig, PrecisionRule(threshold=2.0)),
+        f"mixed w<{t/2:g}": (orig, PrecisionRule(threshold=t / 2)),
+        f"mixed w<{t:g}": (orig, PrecisionRule(threshold=t)),
+        f"mixed w<{2*t:g}": (orig, PrecisionRule(threshold=2 * t)),
+        f"mixed w<{t:g} promote 4": (orig, PrecisionRule(threshold=t, promote=4)),
+        "mixed budget 2": (orig, PrecisionRule(budget=2 * expert_bytes)),
+        "mixed budget 1": (orig, PrecisionRule(budget=expert_bytes)),
+        f"mixed w<{t:g} + Cache-Prior": (cp, PrecisionRule(threshold=t)),
+        f"mixed w<{2*t:g} + Cache-Prior": (cp, PrecisionRule(threshold=2 * t)),
+        "mixed budget 1 + Cache-Prior": (cp, PrecisionRule(budget=expert_bytes)),
+        f"mixed w<{t:g} + cache-prior-cost {low_cost:g}": (cost, PrecisionRule(threshold=t, cost=low_cost)),
+        f"mixed w<{2*t:g} + cache-prior-cost {low_cost:g}": (cost, PrecisionRule(threshold=2 * t, cost=low_cost)),
+    }
+
+
+def quality_rows(model: str, chunks: int, threshold: float, low_cost: float, log, seq: int = 256) -> list[dict]:
+    from tokenizers import Tokenizer
+
+    from expertcache.eval.data import resolve_eval_data_dir, wikitext_text
+    from expertcache.models.loader import resolve_model_path
+    from expertcache.offload import OffloadConfig, OffloadedModel
+
+    text = wikitext_text(resolve_eval_data_dir("wikitext"))
+    path = resolve_model_path(model)
+    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    chunks_NS = torch.tensor(ids[:chunks * seq]).view(chunks, seq)
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", resident_quant="int4", context=seq))
+    capacity = rt.num_experts // 4
+    rows = []
+    for name, (routing, rule) in quality_configs(rt.expert_bytes, threshold, low_cost).items():
+        rt.configure(routing=routing, capacity=capacity, precision=rule)
+        t0 = time.perf_counter()
+        nll, count = 0.0, 0
+        with torch.inference_mode():
+            for chunk_S in chunks_NS:
+                logits_BV, past = rt.prefill(chunk_S[None, :1])
+                for t in range(1, seq):
+                    nll -= torch.log_softmax(logits_BV[0].float(), -1)[chunk_S[t]].item()
+                    count += 1
+                    if t < seq - 1:
+                        logits_BV, past = rt.decode_one_token(chunk_S[None, t:t + 1], past)
+        s = rt.stats()
+        per = count * len(rt.layers)  # token-layer steps (the prefill's first tokens included in the counts)
+        row = dict(kind="mixed-quality", model=model, name=name, routing=routing.label(), rule=rule.to_dict(),
+                   capacity=rt.capacity, num_experts=rt.num_experts, top_k=rt.top_k, ppl=math.exp(nll / count),
+                   tokens=count, fp_hits=s["hits"], low_computes=s["low_computes"], loads=s["misses"],
+                   loads_per_token_layer=s["misses"] / per, low_per_token_layer=s["low_computes"] / per,
+                   fp_hits_per_token_layer=s["hits"] / per, expert_bytes=rt.expert_bytes,
+                   low_tier_bytes=rt.plan.low_tier_bytes, seconds=time.perf_counter() - t0)
+        log(f"{name:<40} ppl {row['ppl']:.3f}  hits {s['hits']}  int4 {s['low_computes']}  loads {s['misses']}"
+            f"  ({row['seconds']:.0f} s)")
+        rows.append(row)
+    rt.close()
+    return rows
+
+
+def quality_table(rows: list[dict]) -> str:
+    base = next(r for r in rows if r["name"] == "bf16 original+LRU")
+    lines = ["| configuration | perplexity | vs bf16 original | full-precision hits | int4 computes | loads "
+             "(per token·layer) | loads vs original+LRU |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['ppl']:.3f} | {100 * (r['ppl'] / base['ppl'] - 1):+.2f} % | "
+                     f"{r['fp_hits_per_token_layer']:.2f} | {r['low_per_token_layer']:.2f} | "
+                     f"{r['loads_per_token_layer']:.2f} | {100 * (r['loads'] / base['loads'] - 1):+.0f} % |")
+    return "\n".join(lines)
+
+
+# -- speed --------------------------------------------------------------------------------------------------
+
+
+def speed_configs(threshold: float, budget_experts: int) -> dict[str, list[str]]:
+    """name -> the ``expertcache bench`` flags of one speed configuration."""
+    mixed = ["--resident-quant", "int4"]
+    return {
+        "bf16 Cache-Prior": ["--policies", "cache-prior"],
+        "bf16 original+LRU": ["--policies", "original+lru"],
+        "all-int4": ["--quant", "int4", "--policies", "cache-prior"],
+        f"mixed w<{threshold:g}": mixed + ["--low-threshold", str(threshold), "--policies", "original+lru"],
+        f"mixed w<{threshold:g} + Cache-Prior": mixed + ["--low-threshold", str(threshold), "--policies", "cache-prior"],
+        f"mixed budget {budget_experts} + Cache-Prior": mixed + ["--load-budget", f"{budget_experts}x",
+                                                                 "--policies", "cache-prior"],
+    }
+
+
+CGROUP = Path("/sys/fs/cgroup/memory/expertcache-mixed")
+
+
+def _in_cgroup(limit: int, argv: list[str], log) -> subprocess.CompletedProcess:
+    """Run ``argv`` alone in the v1 memory cgroup :data:`CGROUP` limited to ``limit`` bytes (page cache dropped
+    first); the OOM killer is reported, not hidden."""
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "memory.limit_in_bytes").write_text(str(limit))
+    try:
+        (CGROUP / "memory.memsw.limit_in_bytes").write_text(str(limit))
+    except OSError:
+        pass
+    subprocess.run(["sync"], check=False)
+    Path("/proc/sys/vm/drop_caches").write_text("1")
+    wrapped = ["sh", "-c", f'echo $$ > {CGROUP}/cgroup.procs && exec "$@"', "sh", *argv]
+    return subprocess.run(wrapped, capture_output=True, text=True)
+
+
+def speed_rows(args, log) -> list[dict]:
+    from expertcache.offload.make_model import make_bench_model
+
+    path = make_bench_model("olmoe-1b-7b", layers=args.layers)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    limit = int(size * args.fraction)
+    memory = limit - args.headroom * 2**20
+    cfgs = speed_configs(args.speed_threshold, args.budget_experts)
+    names = args.configs or list(cfgs)
+    rows = []
+    tmp = Path(args.out).with_suffix(".speed-rows.tmp.jsonl")
+    for r in range(args.repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            flags = [f.replace(f"{args.budget_experts}x", str(args.budget_experts * _expert_bytes(path)))
+                     for f in cfgs[name]]
+            if tmp.exists():
+                tmp.unlink()
+            argv = [sys.executable, "-m", "expertcache.cli.main", "bench", "--model", str(path), "--tier", "disk",
+                    "--memory", str(memory), "--tokens", str(args.tokens), "--repeats", "1", "--threads", "1",
+                    "--out", str(tmp), *flags]
+            t0 = time.perf_counter()
+            p = _in_cgroup(limit, argv, log)
+            if p.returncode != 0 or not tmp.exists():
+                log(f"round {r} {name}: exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] }")
+                rows.append(dict(kind="mixed-speed", name=name, round=r, failed=p.returncode, limit=limit,
+                                 memory=memory, stderr=p.stderr[-2000:]))
+                continue
+            got = [json.loads(line) for line in tmp.read_text().splitlines() if line.strip()]
+            for g in got:
+                cfg = g["config"]
+                row = dict(kind="mixed-speed", name=name, round=r, layers=args.layers, limit=limit, memory=memory,
+                           fraction=args.fraction, policy=g["name"], tok_s=g["tok_s"], hit_rate=g["hit_rate"],
+                           fp_hits_per_token=g["fp_hits_per_token"], low_computes_per_token=g["low_computes_per_token"],
+                           loads_per_token=g["misses_per_token"], bytes_per_token=g["bytes_per_token"],
+                           capacity=cfg["capacity"], quant=cfg["quant"], resident_quant=cfg.get("resident_quant"),
+                           precision=cfg.get("precision"), plan_total=cfg["memory"]["total"],
+                           low_tier_bytes=cfg["memory"].get("low_tier_bytes", 0), process_s=time.perf_counter() - t0)
+                log(f"round {r} {name:<32} {row['tok_s']:6.2f} tok/s  C={row['capacity']}  loads/token "
+                    f"{row['loads_per_token']:.1f}  int4/token {row['low_computes_per_token']:.1f}  "
+                    f"{row['bytes_per_token'] / 2**20:.0f} MiB/token")
+                rows.append(row)
+    if tmp.exists():
+        tmp.unlink()
+    return rows
+
+
+def _expert_bytes(path: Path) -> int:
+    from expertcache.offload.checkpoint import Checkpoint
+    from expertcache.models.adapters import family_for
+    from expertcache.models.loader import load_config_checked
+
+    config = load_config_checked(path)
+    return Checkpoint(path, family_for(config).disk, config.num_experts).expert(0, 0).nbytes
+
+
+def speed_table(rows: list[dict]) -> str:
+    ok = [r for r in rows if "tok_s" in r]
+    names = list(dict.fromkeys(r["name"] for r in ok))
+    med = {n: statistics.median(r["tok_s"] for r in ok if r["name"] == n) for n in names}
+    base = med.get("bf16 Cache-Prior")
+    lines = ["| configuration | C | tok/s (median) | × bf16 Cache-Prior | loads/token | int4 computes/token | "
+             "MiB read/token |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for n in names:
+        rs = [r for r in ok if r["name"] == n]
+        m = lambda k: statistics.median(r[k] for r in rs)
+        lines.append(f"| {n} | {rs[0]['capacity']} | {med[n]:.2f} | {med[n] / base if base else float('nan'):.2f} | "
+                     f"{m('loads_per_token'):.1f} | {m('low_computes_per_token'):.1f} | {m('bytes_per_token') / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("quality", "speed"))
+    ap.add_argument("--model", default="granular", help="quality: shipped model")
+    ap.add_argument("--chunks", type=int, default=4, help="quality: WikiText chunks of 256 tokens")
+    ap.add_argument("--threshold", type=float, default=0.1, help="quality: the router-weight threshold t (rows at "
+                    "t/2, t, 2t)")
+    ap.add_argument("--low-cost", type=float, default=0.3, help="quality: cache-prior-cost's int4 price")
+    ap.add_argument("--layers", type=int, default=4, help="speed: OLMoE-shape decoder layers")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fraction", type=float, default=0.5, help="speed: cgroup limit as a fraction of bf16 size")
+    ap.add_argument("--headroom", type=int, default=640, help="speed: MiB of the limit left to the interpreter")
+    ap.add_argument("--speed-threshold", type=float, default=0.04)
+    ap.add_argument("--budget-experts", type=int, default=2, help="speed: load budget in experts per token·layer")
+    ap.add_argument("--configs", nargs="+", default=None, help="speed: a subset of the configurations")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    info = machine_info()
+    with open("/proc/loadavg") as f:
+        info["loadavg"] = f.read().split()[:3]
+    print(f"machine: {info}", flush=True)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out = lambda row: append_jsonl(args.out, dict(row, bench="bench_mixed.py", machine=info, date=stamp))
+    log = lambda *a: print(*a, flush=True)
+    if args.what == "quality":
+        rows = quality_rows(args.model, args.chunks, args.threshold, args.low_cost, log)
+        for r in rows:
+            out(r)
+        print("\n" + quality_table(rows))
+    else:
+        rows = speed_rows(args, log)
+        for r in rows:
+            out(r)
+        print("\n" + speed_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
