@@ -181,6 +181,39 @@ def test_a_miss_is_one_blob_read_into_a_slot_and_nothing_else(tiny_olmoe, monkey
     assert all(len(r) == 1 and ptr in slot_ptrs for r, ptr in reads)  # one range, straight into a slot
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_offloaded_quantised_logits_equal_the_model_with_dequantised_experts(tiny_olmoe, mode):
+    """Every capacity, prefill (several tokens: the batched step) then one-token decode (the one-token step):
+    the offloaded int8/int4 logits equal the in-memory transformers model whose experts are replaced by the
+    sidecar's dequantised matrices (read back through the kernel from the identity), fp32 -- so the runtime
+    computes each used expert with exactly the packed weights, whatever the residency."""
+    from conftest import decode_logits
+
+    from expertcache.models import load_model
+
+    rt = _rt(tiny_olmoe, quant=mode, capacity=None)
+    layout = rt.source.quant
+    ref = load_model(tiny_olmoe)
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    with torch.no_grad():
+        for m in rt.layers:
+            experts = ref.model.layers[m.layer_id].mlp.experts
+            for e in range(rt.num_experts):
+                rt.tier.fetch(rt._parts[(m.index, e)], buf)  # the blob, as a miss reads it
+                v = layout.views(buf)
+                gu = qmm(torch.eye(layout.gate_up.k_pad), v[0], v[1], layout.gate_up).T[:, :layout.d]
+                dn = qmm(torch.eye(layout.down.k_pad), v[2], v[3], layout.down).T[:, :layout.f]
+                fp, f = layout.f_pad, layout.f
+                experts.gate_up_proj[e].copy_(torch.cat([gu[:f], gu[fp:fp + f]]))
+                experts.down_proj[e].copy_(dn)
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = ref(ids).logits
+    for c in (1, 3, rt.num_experts):
+        rt.configure(capacity=c)
+        torch.testing.assert_close(decode_logits(rt, ids, prefill=3), want, rtol=1e-4, atol=1e-4)
+
+
 def _rewrite_metadata(path, change):
     """The safetensors file at ``path`` with its ``__metadata__`` changed by ``change(dict)`` (data kept)."""
     raw = path.read_bytes()
@@ -297,3 +330,46 @@ def test_dense_bytes_of_a_skeleton_equal_the_loaded_model(tmp_path):
         rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant_dense=mode))
         assert dense_bytes(skeleton, mode) == rt.plan.non_expert_bytes, mode
     assert dense_bytes(skeleton, "int4") < dense_bytes(skeleton, "int8") < dense_bytes(skeleton, None)
+
+
+# -- CUDA (tinygemm int4; int8 as linear × scales): written to the same checks, run where a GPU is lent ------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,n,k,group", SHAPES)
+@pytest.mark.parametrize("m", [1, 5])
+def test_cuda_fused_product_equals_x_times_dequantised_weight(mode, n, k, group, m):  # pragma: no cover - GPU only
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    qm = QuantMatrix(mode, kernel_for(mode, "cuda"), n, k, group, torch.bfloat16)
+    assert qm.kernel == ("cuda" if mode == "int4" else "plain")
+    w = _weights(n, k, 3)
+    weight, scales = pack_matrix(w, qm)  # int4: packed on the device by _convert_weight_to_int4pack
+    q, sc, z = quantize_codes(F.pad(w[None], (0, qm.k_pad - k), mode="replicate")[0], mode, group, torch.bfloat16)
+    w_hat = _plain_dequant(q, sc, z, mode, group)[:, :k]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    got = qmm(x.cuda(), weight.cuda(), scales.cuda(), qm).cpu()
+    ref = x.double() @ w_hat.double().T
+    scale = (x.double().abs() @ w_hat.double().abs().T).max().item()
+    assert got.shape == (m, n) and (got.double() - ref).abs().max().item() <= 2 ** -7 * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_cuda_quantised_runtime_matches_the_cpu_one(tiny_olmoe, mode):  # pragma: no cover - GPU only
+    """The same quantised experts and dense weights on CUDA (tinygemm layout, packed on the device, its own
+    sidecar) give the CPU runtime's logits within bf16 rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from expertcache.offload import OffloadConfig, OffloadedModel
+
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    out = {}
+    for device in ("cpu", "cuda"):
+        rt = OffloadedModel.from_pretrained(tiny_olmoe, OffloadConfig(io="cached", quant=mode, quant_dense=mode,
+                                                                      capacity=3), dtype=torch.bfloat16, device=device)
+        assert rt.source.quant.kernel == kernel_for(mode, device)
+        with torch.inference_mode():
+            out[device] = rt.forward(ids).logits.float().cpu()
+    rel = ((out["cuda"] - out["cpu"]).norm() / out["cpu"].norm()).item()
+    assert rel < 0.02, rel
