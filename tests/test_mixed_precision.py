@@ -211,3 +211,19 @@ def test_bad_flags_are_one_line_errors(tiny, capsys, argv, culprit):
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and "Traceback" not in err and len(errors) == 1 and culprit in errors[0], err
+
+
+def test_step_events_name_the_low_precision_experts(tiny):
+    """The step observers see each step's int4 computes (the live view colours them): per layer they add up to
+    the runtime's counter, and with the served ids they are exactly the routed ids of the step."""
+    rt = _rt(tiny, 2, rule=PrecisionRule(threshold=0.3, promote=2))
+    events, routed = [], []
+    rt.add_step_observer(events.append)
+    rt.add_router_observer(lambda ev: routed.append((ev.layer, sorted(ev.ids[0].tolist()))))
+    decode_logits(rt, _ids(16, seed=5), prefill=1)
+    demand = [ev for ev in events if ev.kind == "demand"]
+    assert [(ev.layer, sorted(ev.order + ev.low)) for ev in demand] == routed
+    assert all(not set(ev.order) & set(ev.low) for ev in demand)
+    per = [sum(len(ev.low) for ev in demand if ev.layer == li) for li in range(len(rt.layers))]
+    assert per == rt.stats()["per_layer_low_computes"] and sum(per) > 0
+    assert any(not ev.order for ev in demand)  # a step of int4 computes only is still reported

@@ -258,12 +258,9 @@ class LayerSteps(RuntimeObservers):
         st.low_computes += len(low)
         return low
 
-    def _run_step(self, st: LayerState, order: list[int], compute, x_TD: torch.Tensor) -> None:
-        if not order:  # every expert of the step computed at low precision: no cache step
-            self._guess_after(st, x_TD)
-            return
+    def _run_step(self, st: LayerState, order: list[int], compute, x_TD: torch.Tensor, low=()) -> None:
         try:
-            seen = self._step(st, order, compute, x_TD)
+            seen = self._step(st, order, compute, x_TD) if order else self._no_step(st, x_TD, low)
         except BaseException:
             self._guess_events.clear()
             self._fail()
@@ -271,9 +268,18 @@ class LayerSteps(RuntimeObservers):
         # the observers after the step, outside its failure handling: an observer's error changes no state
         guesses = self._take_guesses() if self._guess_events else ()
         if seen is not None:
-            self._notify_step(st.moe.index, "demand", order, *seen)
+            self._notify_step(st.moe.index, "demand", order, *seen, low=low)
         for index, ids, issued in guesses:
             self._notify_prefetch(index, "guess", ids, issued)
+
+    def _no_step(self, st: LayerState, x_TD: torch.Tensor | None, low) -> tuple | None:
+        """Every expert of the step computed at low precision: no cache step, the next layer's guess all the same;
+        (no hits, resident, resident) for the step observers, which see the low-precision ids."""
+        self._guess_after(st, x_TD)
+        if low and self._step_observers:
+            resident = st.cache.resident()
+            return [], resident, resident
+        return None
 
     def _take_guesses(self) -> list[tuple]:
         guesses, self._guess_events = self._guess_events, []
@@ -304,7 +310,7 @@ class LayerSteps(RuntimeObservers):
             else:
                 h[e] = st.mlp(x_TD, w)[0]
 
-        self._run_step(st, order, compute, x_TD)
+        self._run_step(st, order, compute, x_TD, low)
         for e in low:
             h[e] = self.low.compute(st.moe.index, e, x_TD)[0]
         if ws:  # the same matrix-vector products; act(gate) * up row-wise (elementwise: the same values)
@@ -348,7 +354,7 @@ class LayerSteps(RuntimeObservers):
             h = st.mlp(x_TD[tok], self._weights(st, e, slot))
             out[e] = (tok, h * w_all[a:b, None])
 
-        self._run_step(st, order, compute, x_TD)
+        self._run_step(st, order, compute, x_TD, low)
         for e in low:  # computed from the resident low-precision copies
             a, b = ends[e], ends[e + 1]
             tok = tok_all[a:b]
