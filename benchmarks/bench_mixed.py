@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from expertcache.offload.bench import machine_info
+from expertcache.offload.bench import closed_loop_nll, machine_info
 from expertcache.results import append_jsonl
 
 OUT = Path(__file__).resolve().parent / "results" / "mixed.jsonl"
@@ -86,15 +86,7 @@ def quality_rows(model: str, chunks: int, threshold: float, low_cost: float, log
     for name, (routing, rule) in quality_configs(rt.expert_bytes, threshold, low_cost).items():
         rt.configure(routing=routing, capacity=capacity, precision=rule)
         t0 = time.perf_counter()
-        nll, count = 0.0, 0
-        with torch.inference_mode():
-            for chunk_S in chunks_NS:
-                logits_BV, past = rt.prefill(chunk_S[None, :1])
-                for t in range(1, seq):
-                    nll -= torch.log_softmax(logits_BV[0].float(), -1)[chunk_S[t]].item()
-                    count += 1
-                    if t < seq - 1:
-                        logits_BV, past = rt.decode_one_token(chunk_S[None, t:t + 1], past)
+        nll, count = closed_loop_nll(rt, chunks_NS)
         s = rt.stats()
         per = count * len(rt.layers)  # token-layer steps (the prefill's first tokens included in the counts)
         row = dict(kind="mixed-quality", model=model, name=name, routing=routing.label(), rule=rule.to_dict(),

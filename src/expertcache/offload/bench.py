@@ -240,6 +240,23 @@ def heldout_ppl(rt: OffloadedModel, stream_N: np.ndarray, seq_len: int = 128, wi
     return float(np.exp(nll / count))
 
 
+@torch.inference_mode()
+def closed_loop_nll(rt: OffloadedModel, chunks_NS: torch.Tensor) -> tuple[float, int]:
+    """(summed negative log-likelihood, tokens scored) of every chunk's positions after the first, token by token
+    through ``rt`` (teacher-forced decode: each token's routing sees the live residency; the caches carried
+    across chunks)."""
+    nll, count = 0.0, 0
+    seq = chunks_NS.shape[1]
+    for chunk_S in chunks_NS:
+        logits_BV, past = rt.prefill(chunk_S[None, :1])
+        for t in range(1, seq):
+            nll -= torch.log_softmax(logits_BV[0].float(), -1)[chunk_S[t]].item()
+            count += 1
+            if t < seq - 1:
+                logits_BV, past = rt.decode_one_token(chunk_S[None, t:t + 1], past)
+    return nll, count
+
+
 def heldout_stream(path, max_docs: int = 4000) -> np.ndarray:
     """Token stream of the held-out split of the training corpus (see expertcache.train.data)."""
     from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, split_documents
