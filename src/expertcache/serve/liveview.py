@@ -464,7 +464,8 @@ def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str
             h_t += sum(hit)
             m_t += len(hit) - sum(hit)
             layers.append(dict(requested=order, hit=sorted(e for e, x in zip(order, hit) if x),
-                               miss=sorted(e for e, x in zip(order, hit) if not x), evicted=_sorted(before - after),
+                               miss=sorted(e for e, x in zip(order, hit) if not x), low=[],
+                               evicted=_sorted(before - after),
                                prefetched=[], resident=_sorted(after)))
         hits += h_t
         misses += m_t
