@@ -227,3 +227,13 @@ def test_step_events_name_the_low_precision_experts(tiny):
     per = [sum(len(ev.low) for ev in demand if ev.layer == li) for li in range(len(rt.layers))]
     assert per == rt.stats()["per_layer_low_computes"] and sum(per) > 0
     assert any(not ev.order for ev in demand)  # a step of int4 computes only is still reported
+
+
+def test_a_prefetched_expert_is_served_at_full_precision(tiny):
+    """With every miss at 4 bits, the only full-precision loads are the next-layer guesses already in a spare
+    slot (no demand read): the demand misses equal the guesses used."""
+    offload = OffloadConfig(tier="host", capacity=2, prefetch=2, resident_quant="int4", low_threshold=2.0)
+    rt = OffloadedModel.from_pretrained(tiny, offload, dtype=torch.float32)
+    decode_logits(rt, _ids(16, seed=6), prefill=1)
+    s = rt.stats()
+    assert s["misses"] == s["prefetch"]["used"] > 0 and s["low_computes"] > 0

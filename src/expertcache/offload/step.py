@@ -236,7 +236,8 @@ class LayerSteps(RuntimeObservers):
                        ) -> set[int]:
         """The requested experts the step computes from their resident low-precision copies
         (:func:`~expertcache.routing.precision.serve_low` on each expert's largest weight in the step, the
-        cache's residency and its low-precision serves since its last load); updates those counts."""
+        cache's residency -- a prefetched spare counts as resident -- and its low-precision serves since its last
+        load); updates those counts."""
         w_cpu_TK = w_TK.detach().to("cpu").float()
         if ids_cpu_TK.shape[0] == 1:
             of = dict(zip(ids_cpu_TK[0].tolist(), w_cpu_TK[0].tolist()))
@@ -245,8 +246,10 @@ class LayerSteps(RuntimeObservers):
             valid = ids_cpu_TK >= 0
             top_E = torch.zeros(self.num_experts).scatter_reduce_(0, ids_cpu_TK[valid], w_cpu_TK[valid], "amax")
             weight = top_E[order].tolist()
-        cache, served = st.cache, st.low_served
-        lows = serve_low(order, weight, [e in cache for e in order], self.precision, expert_bytes=self.expert_bytes,
+        cache, served, spares = st.cache, st.low_served, st.pool.prefetched
+        # a prefetched expert is in memory at full precision already: served from its spare, never at 4 bits
+        lows = serve_low(order, weight, [e in cache or e in spares for e in order], self.precision,
+                         expert_bytes=self.expert_bytes,
                          tokens=ids_cpu_TK.shape[0], low_served=[served.get(e, 0) for e in order])
         low = set()
         for e, is_low in zip(order, lows):
