@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import subprocess
 import sys
 import time
@@ -103,17 +102,6 @@ def quality_rows(model: str, chunks: int, threshold: float, low_cost: float, log
     return rows
 
 
-def quality_table(rows: list[dict]) -> str:
-    base = next(r for r in rows if r["name"] == "bf16 original+LRU")
-    lines = ["| configuration | perplexity | vs bf16 original | full-precision hits | int4 computes | loads "
-             "(per token·layer) | loads vs original+LRU |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['name']} | {r['ppl']:.3f} | {100 * (r['ppl'] / base['ppl'] - 1):+.2f} % | "
-                     f"{r['fp_hits_per_token_layer']:.2f} | {r['low_per_token_layer']:.2f} | "
-                     f"{r['loads_per_token_layer']:.2f} | {100 * (r['loads'] / base['loads'] - 1):+.0f} % |")
-    return "\n".join(lines)
-
-
 # -- speed --------------------------------------------------------------------------------------------------
 
 
@@ -153,11 +141,14 @@ def speed_one(args) -> None:
     build_s = time.perf_counter() - t0
     prompt = torch.randint(3, 50304, (1, 16), generator=torch.Generator().manual_seed(0))
     forced = torch.randint(3, 50304, (1, args.tokens), generator=torch.Generator().manual_seed(1))
-    res = rt.generate(prompt, args.tokens, forced_BN=forced)
+    marks: list[float] = []  # CPU seconds of this process (all threads) when each token is chosen: the decode's
+    # CPU time, whatever share of a busy machine it got (a disk wait costs wall time, not CPU time)
+    res = rt.generate(prompt, args.tokens, forced_BN=forced, on_token=lambda _: marks.append(time.process_time()))
+    cpu_s = marks[-1] - marks[0]
     d, n = res["decode_stats"], max(1, res["decode_tokens"])
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-    print(json.dumps(dict(tok_s=n / res["decode_s"], tokens=n, capacity=rt.capacity, fp_hits_per_token=d["hits"] / n,
+    print(json.dumps(dict(tok_s=n / res["decode_s"], tokens=n, cpu_s_per_token=cpu_s / n, capacity=rt.capacity, fp_hits_per_token=d["hits"] / n,
                           low_computes_per_token=d["low_computes"] / n, loads_per_token=d["misses"] / n,
                           bytes_per_token=d["bytes_read"] / n, plan_total=rt.plan.total,
                           low_tier_bytes=rt.plan.low_tier_bytes, build_s=build_s, peak_rss=peak,
@@ -219,21 +210,6 @@ def _expert_bytes(path: Path) -> int:
     return Checkpoint(path, family_for(config).disk, config.num_experts).expert(0, 0).nbytes
 
 
-def speed_table(rows: list[dict]) -> str:
-    ok = [r for r in rows if "tok_s" in r]
-    names = list(dict.fromkeys(r["name"] for r in ok))
-    med = {n: statistics.median(r["tok_s"] for r in ok if r["name"] == n) for n in names}
-    base = med.get("bf16 Cache-Prior")
-    lines = ["| configuration | C | tok/s (median) | × bf16 Cache-Prior | loads/token | int4 computes/token | "
-             "MiB read/token |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for n in names:
-        rs = [r for r in ok if r["name"] == n]
-        m = lambda k: statistics.median(r[k] for r in rs)
-        lines.append(f"| {n} | {rs[0]['capacity']} | {med[n]:.2f} | {med[n] / base if base else float('nan'):.2f} | "
-                     f"{m('loads_per_token'):.1f} | {m('low_computes_per_token'):.1f} | {m('bytes_per_token') / 2**20:.0f} |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("quality", "speed", "speed-one"))
@@ -266,6 +242,8 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = lambda row: append_jsonl(args.out, dict(row, bench="bench_mixed.py", machine=info, date=stamp))
     log = lambda *a: print(*a, flush=True)
+    from mixed_report import quality_table, speed_table  # benchmarks/mixed_report.py (this script's folder)
+
     if args.what == "quality":
         rows = quality_rows(args.model, args.chunks, args.threshold, args.low_cost, log)
         for r in rows:

@@ -59,7 +59,9 @@ def speed_medians(rows: list[dict]) -> dict[str, dict]:
             out[name] = dict(failed=failed[0].get("error", "failed"))
             continue
         med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+        cpu = [r["cpu_s_per_token"] for r in rs if "cpu_s_per_token" in r]
         out[name] = dict(tok_s=med("tok_s"), capacity=rs[0]["capacity"], loads=med("loads_per_token"),
+                         cpu_ms=1e3 * statistics.median(cpu) if cpu else None,
                          low=med("low_computes_per_token"), hits=med("fp_hits_per_token"),
                          mib=med("bytes_per_token") / 2**20, n=len(rs), tok_s_rounds=[r["tok_s"] for r in rs])
     return out
@@ -71,14 +73,16 @@ def speed_table(rows: list[dict]) -> str:
     r0 = next(r for r in rows)
     lines = [f"| configuration ({r0['layers']} layers, cgroup {r0['limit'] / 2**30:.2f} GiB = {r0['fraction']:g} × bf16, "
              f"--memory {r0['memory'] / 2**30:.2f} GiB) | C | tok/s (median) | × bf16 Cache-Prior | full-precision "
-             "hits/token | int4 computes/token | loads/token | MiB read/token |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "hits/token | int4 computes/token | loads/token | MiB read/token | CPU ms/token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in med.items():
         if "failed" in m:
-            lines.append(f"| {name} | – | did not run: {m['failed']} | | | | | |")
+            lines.append(f"| {name} | – | did not run: {m['failed']} | | | | | | |")
             continue
         ratio = f"{m['tok_s'] / base:.2f}" if base else "–"
+        cpu = "–" if m["cpu_ms"] is None else f"{m['cpu_ms']:.0f}"
         lines.append(f"| {name} | {m['capacity']} | {m['tok_s']:.2f} | {ratio} | {m['hits']:.1f} | {m['low']:.1f} | "
-                     f"{m['loads']:.1f} | {m['mib']:.0f} |")
+                     f"{m['loads']:.1f} | {m['mib']:.0f} | {cpu} |")
     return "\n".join(lines)
 
 
