@@ -28,13 +28,25 @@ def read_rows(path: Path) -> list[dict]:
     return [loads(line, what=str(path)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def latest(rows: list[dict], kind: str) -> list[dict]:
-    """The rows of ``kind`` from the latest run (its date)."""
-    rs = [r for r in rows if r.get("kind") == kind]
+def quality_runs(rows: list[dict]) -> dict[str, list[dict]]:
+    """model -> its quality rows of the latest run (by date)."""
+    out = {}
+    for model in dict.fromkeys(r["model"] for r in rows if r.get("kind") == "mixed-quality"):
+        rs = [r for r in rows if r.get("kind") == "mixed-quality" and r["model"] == model]
+        last = max(r["date"] for r in rs)
+        out[model] = [r for r in rs if r["date"] == last]
+    return out
+
+
+def speed_run(rows: list[dict]) -> list[dict]:
+    """Every speed row at the latest row's setting (layers, cgroup fraction, memory): runs with the same
+    setting pool their rounds (each run interleaves its configurations)."""
+    rs = [r for r in rows if r.get("kind") == "mixed-speed"]
     if not rs:
         return []
-    last = max(r["date"] for r in rs)
-    return [r for r in rs if r["date"] == last]
+    key = lambda r: (r["layers"], r["fraction"], r["memory"])  # noqa: E731
+    last = key(max(rs, key=lambda r: r["date"]))
+    return [r for r in rs if key(r) == last]
 
 
 def quality_table(rows: list[dict]) -> str:
@@ -86,24 +98,37 @@ def speed_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _colour(name: str) -> str:
+    return "black" if name.startswith("bf16") else ("tab:red" if name == "all-int4" else
+                                                   "tab:purple" if "Cache-Prior" in name or "cost" in name else "tab:orange")
+
+
 def figure(quality: list[dict], speed: list[dict], path: Path) -> Path | None:
+    """Left: perplexity against full-precision loads per token and MoE layer (every quality row). Right: perplexity
+    against the OLMoE-shape tok/s of the configurations present in both."""
     med = speed_medians(speed)
     ppl = {r["name"]: r["ppl"] for r in quality}
     both = [n for n in med if "tok_s" in med[n] and n in ppl]
-    if not both:
-        return None
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    for r in quality:
+        left.scatter(r["loads_per_token_layer"], r["ppl"], color=_colour(r["name"]), zorder=3)
+        left.annotate(r["name"], (r["loads_per_token_layer"], r["ppl"]), textcoords="offset points", xytext=(4, 3),
+                      fontsize=7)
+    left.set_xlabel(f"full-precision loads per token and MoE layer ({quality[0]['model']}, C = N/4)")
+    left.set_ylabel(f"WikiText perplexity, {quality[0]['model']}, C = N/4 (closed loop)")
+    left.set_title("quality: int4 computes replace loads")
     for n in both:
-        colour = "black" if n.startswith("bf16") else ("tab:red" if n == "all-int4" else "tab:orange")
-        ax.scatter(med[n]["tok_s"], ppl[n], color=colour, zorder=3)
-        ax.annotate(n, (med[n]["tok_s"], ppl[n]), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    r0 = next(r for r in speed if "tok_s" in r)
-    ax.set_xlabel(f"decode tok/s, OLMoE-1B-7B shape, {r0['layers']} layers, memory cgroup {r0['fraction']:g} × bf16")
-    ax.set_ylabel(f"WikiText perplexity, {quality[0]['model']}, C = N/4 (closed loop)")
-    ax.set_title("Mixed precision: full-precision slots + every expert at int4")
-    ax.grid(alpha=0.3)
-    return save_figure(fig, path, dpi=120)
+        right.scatter(med[n]["tok_s"], ppl[n], color=_colour(n), zorder=3)
+        right.annotate(n, (med[n]["tok_s"], ppl[n]), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    if both:
+        r0 = next(r for r in speed if "tok_s" in r)
+        right.set_xlabel(f"decode tok/s (median), OLMoE-1B-7B shape, {r0['layers']} layers, "
+                         f"cgroup {r0['fraction']:g} × bf16")
+    right.set_title("speed (OLMoE shape) against quality (granular)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    return save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> int:
@@ -112,14 +137,13 @@ def main(argv=None) -> int:
     ap.add_argument("--figure", default=str(FIGURE))
     args = ap.parse_args(argv)
     rows = read_rows(Path(args.rows))
-    quality, speed = latest(rows, "mixed-quality"), latest(rows, "mixed-speed")
-    if quality:
+    runs, speed = quality_runs(rows), speed_run(rows)
+    for quality in runs.values():
         print(quality_table(quality) + "\n")
     if speed:
         print(speed_table(speed) + "\n")
-    if quality and speed:
-        out = figure(quality, speed, Path(args.figure))
-        print(f"figure: {out}" if out else "figure: no configuration in both quality and speed rows")
+    if runs:
+        print(f"figure: {figure(runs.get('granular') or next(iter(runs.values())), speed, Path(args.figure))}")
     return 0
 
 
