@@ -9,12 +9,13 @@ with every expert resident (C = N, host tier), OLMoE-1B-7B shapes.
    ``mv``: what ``--quant int4`` did before the fused kernels), and the fused ``_weight_int8pack_mm`` /
    ``_weight_int4pack_mm_for_cpu`` on the packed blob. Competitors interleaved, ``--repeats`` rounds, medians.
 2. **decode**: the random-weight OLMoE-1B-7B-shape checkpoint with ``--layers`` layers
-   (``expertcache bench --make-model olmoe-1b-7b --layers 4``), every expert resident (C = N = 64, host tier,
-   warmed), ``--tokens`` teacher-forced tokens after a 16-token prompt; each round builds every configuration
-   in turn (one in memory at a time), rounds interleave the configurations, medians of the decode tok/s.
+   (``expertcache bench --make-model olmoe-1b-7b --layers 4``), every expert resident (C = N = 64, warmed: no
+   read during decode), ``--tokens`` teacher-forced tokens after a 16-token prompt; each quantised
+   configuration is held in memory beside the bf16 one and their decode steps alternate token by token
+   (the order alternating), ``--repeats`` rounds, the median of the per-round ratios.
 
 3. **quality**: closed-loop perplexity of the shipped models (``granular``, ``coarse``) on WikiText-2 test
-   (``--chunks`` chunks of 256 tokens from /work/shared/data, the caches carried across chunks), every
+   (``--chunks`` chunks of 256 tokens, default 2 from /work/shared/data, the caches carried across chunks), every
    expert precision (bf16 / int8 / int4) × dense precision (none / int8 / int4) × routing (original,
    Cache-Prior λ 0.2), through the offloaded runtime token by token (teacher-forced decode: each token's routing
    sees the live residency of a C = N/2 LRU cache, as in BENCHMARKS.md's quality section).
@@ -47,13 +48,15 @@ CONFIGS = {  # name -> (expert quant, dense quant)
 }
 
 
-def _median_us(fn, n: int) -> float:
+def _mean_us(fn, n: int) -> float:
+    """Mean CPU time of the calling thread per call (µs): one torch thread computes on it, and a busy machine's
+    time slicing does not count (its cache and memory-bandwidth contention still does)."""
     for _ in range(3):
         fn()
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     for _ in range(n):
         fn()
-    return (time.perf_counter() - t0) / n * 1e6
+    return (time.thread_time() - t0) / n * 1e6
 
 
 def _format1_int4(w_NK: torch.Tensor, group: int):
@@ -102,38 +105,67 @@ def kernel_rows(repeats: int, n: int = 50) -> list[dict]:
     times = {k: [] for k in comps}
     for _ in range(repeats):
         for k, fn in comps.items():  # interleaved
-            times[k].append(_median_us(fn, n))
+            times[k].append(_mean_us(fn, n))
     return [dict(kind="quant-kernel", what=k, us=statistics.median(v), us_rounds=v, d=d, f=f) for k, v in times.items()]
 
 
+def _runtime(path, name: str, tokens: int) -> OffloadedModel:
+    """Every expert resident (C = N), warmed: no read during decode (checked by the rows' ``misses``). The tier
+    is the disk with page-cached reads: with every expert in a slot the decode step is the host tier's, and no
+    second host copy of the experts takes memory."""
+    quant, dense = CONFIGS[name]
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="disk", io="cached", readers=0, quant=quant,
+                                                            quant_dense=dense, context=16 + tokens))
+    rt.warm(range(rt.num_experts))
+    return rt
+
+
 def decode_rows(layers: int, tokens: int, repeats: int, configs: list[str], log) -> list[dict]:
+    """Each configuration against bf16 in pairs held in memory together, decode steps interleaved token by
+    token (the order alternating), so the machine's load changes both sides of a ratio alike."""
     path = make_bench_model("olmoe-1b-7b", layers=layers)
     prompt = torch.randint(3, 50304, (1, 16), generator=torch.Generator().manual_seed(0))
     forced = torch.randint(3, 50304, (1, tokens), generator=torch.Generator().manual_seed(1))
+    base = _runtime(path, "bf16", tokens)
     rows = []
-    for r in range(repeats):
-        order = configs if r % 2 == 0 else configs[::-1]  # alternate the order between rounds
-        for name in order:
-            quant, dense = CONFIGS[name]
-            rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant=quant, quant_dense=dense,
-                                                                    context=16 + tokens))
-            rt.warm(range(rt.num_experts))
-            res = rt.generate(prompt, tokens, forced_BN=forced)
-            d = res["decode_stats"]
-            row = dict(kind="quant-decode", config=name, round=r, layers=layers, tokens=res["decode_tokens"],
-                       decode_tok_s=res["decode_tokens"] / res["decode_s"], misses=d["misses"],
-                       expert_bytes=rt.expert_bytes, non_expert_bytes=rt.plan.non_expert_bytes,
-                       quant_kernel=rt.describe()["quant_kernel"], threads=torch.get_num_threads())
-            log(f"round {r} {name}: {row['decode_tok_s']:.2f} tok/s (expert {rt.expert_bytes / 2**20:.2f} MiB, "
-                f"non-expert {row['non_expert_bytes'] / 2**20:.0f} MiB, misses {d['misses']})")
-            rows.append(row)
-            rt.close()
-            del rt
-            gc.collect()
+    for name in [c for c in configs if c != "bf16"]:
+        rt = _runtime(path, name, tokens)
+        for r in range(repeats):
+            pair = {"bf16": base, name: rt}
+            secs = {k: [] for k in pair}
+            cpu = {k: [] for k in pair}
+            moe = {k: 0.0 for k in pair}
+            with torch.inference_mode():
+                state = {k: m.prefill(prompt) for k, m in pair.items()}
+                m0 = {k: m.stats() for k, m in pair.items()}
+                for t in range(tokens):
+                    for k in (list(pair) if t % 2 == 0 else list(pair)[::-1]):
+                        t0, c0 = time.perf_counter(), time.thread_time()
+                        state[k] = pair[k].decode_one_token(forced[:, t:t + 1], state[k][1])
+                        secs[k].append(time.perf_counter() - t0)
+                        cpu[k].append(time.thread_time() - c0)
+            for k, m in pair.items():
+                s = m.stats()
+                row = dict(kind="quant-decode", config=k, vs=name, round=r, layers=layers, tokens=tokens,
+                           decode_tok_s=tokens / sum(secs[k]), median_token_s=statistics.median(secs[k]),
+                           cpu_tok_s=tokens / sum(cpu[k]), median_token_cpu_s=statistics.median(cpu[k]),
+                           moe_compute_s=(s["compute_seconds"] - m0[k]["compute_seconds"]) / tokens,
+                           misses=s["misses"] - m0[k]["misses"], expert_bytes=m.expert_bytes,
+                           non_expert_bytes=m.plan.non_expert_bytes, quant_kernel=m.describe()["quant_kernel"],
+                           threads=torch.get_num_threads())
+                rows.append(row)
+            a, b = rows[-2], rows[-1]
+            log(f"round {r} {name} vs bf16: {b['decode_tok_s']:.2f} vs {a['decode_tok_s']:.2f} tok/s = "
+                f"{b['decode_tok_s'] / a['decode_tok_s']:.2f}x wall, {b['cpu_tok_s']:.2f} vs {a['cpu_tok_s']:.2f} = "
+                f"{b['cpu_tok_s'] / a['cpu_tok_s']:.2f}x thread CPU time (MoE layers {b['moe_compute_s'] * 1e3:.0f} vs "
+                f"{a['moe_compute_s'] * 1e3:.0f} ms/token; misses {a['misses']}, {b['misses']})")
+        rt.close()
+        del rt, pair
+        gc.collect()
     return rows
 
 
-def quality_rows(models: list[str], chunks: int, log, seq: int = 256) -> list[dict]:
+def quality_rows(models: list[str], chunks: int, log, on_row, seq: int = 256) -> list[dict]:
     import math
 
     from tokenizers import Tokenizer
@@ -144,12 +176,14 @@ def quality_rows(models: list[str], chunks: int, log, seq: int = 256) -> list[di
 
     text = wikitext_text(resolve_eval_data_dir("wikitext"))
     rows = []
+    streams = {}
     for model in models:
         path = resolve_model_path(model)
         ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
-        chunks_NS = torch.tensor(ids[:chunks * seq]).view(chunks, seq)
-        for experts in ("bf16", "int8", "int4"):
-            for dense in ("none", "int8", "int4"):
+        streams[model] = (path, torch.tensor(ids[:chunks * seq]).view(chunks, seq))
+    for dense in ("none", "int8", "int4"):  # the rows the targets need first
+        for model, (path, chunks_NS) in streams.items():
+            for experts in ("bf16", "int8", "int4"):
                 q = None if experts == "bf16" else experts
                 rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant=q, context=seq,
                                                                         quant_dense=None if dense == "none" else dense))
@@ -174,6 +208,7 @@ def quality_rows(models: list[str], chunks: int, log, seq: int = 256) -> list[di
                     log(f"{model} experts={experts} dense={dense} {row['routing']}: ppl {row['ppl']:.2f}, "
                         f"miss rate {row['miss_rate']:.3f} ({row['seconds']:.0f} s)")
                     rows.append(row)
+                    on_row(row)
                 rt.close()
     return rows
 
@@ -185,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", choices=("kernel", "decode", "quality"), default=None)
-    ap.add_argument("--chunks", type=int, default=4, help="quality: WikiText chunks of 256 tokens")
+    ap.add_argument("--chunks", type=int, default=2, help="quality: WikiText chunks of 256 tokens")
     ap.add_argument("--models", nargs="+", default=["granular", "coarse"], help="quality: shipped models")
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--out", default=str(OUT))
@@ -200,7 +235,7 @@ def main(argv=None) -> int:
     if args.only in (None, "kernel"):
         rows = kernel_rows(args.repeats)
         base = next(r["us"] for r in rows if r["what"] == "bf16 mv")
-        print("\n| one OLMoE expert, one token | µs (median) | × bf16 |\n|---|---:|---:|")
+        print("\n| one OLMoE expert, one token | µs thread CPU time (median) | × bf16 |\n|---|---:|---:|")
         for r in rows:
             out(r)
             print(f"| {r['what']} | {r['us']:.0f} | {base / r['us']:.2f} |")
@@ -208,15 +243,19 @@ def main(argv=None) -> int:
         rows = decode_rows(args.layers, args.tokens, args.repeats, args.configs, lambda *a: print(*a, flush=True))
         for r in rows:
             out(r)
-        med = {c: statistics.median(r["decode_tok_s"] for r in rows if r["config"] == c) for c in args.configs}
-        base = med.get("bf16")
-        print(f"\n| C = N, host tier, {args.layers} layers | tok/s (median of {args.repeats}) | × bf16 |\n|---|---:|---:|")
-        for c in args.configs:
-            print(f"| {c} | {med[c]:.2f} | {med[c] / base if base else float('nan'):.2f} |")
+        print(f"\n| C = N, {args.layers} layers, pairs interleaved per token | tok/s (CPU time) | bf16 (same rounds) | "
+              f"× bf16 (median of {args.repeats} rounds; wall-clock) | MoE layers ms/token (wall) |\n|---|---:|---:|---:|---:|")
+        for c in [c for c in args.configs if c != "bf16"]:
+            mine = [r for r in rows if r["config"] == c]
+            theirs = [r for r in rows if r["config"] == "bf16" and r["vs"] == c]
+            ratio = statistics.median(a["cpu_tok_s"] / b["cpu_tok_s"] for a, b in zip(mine, theirs))
+            wall = statistics.median(a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(mine, theirs))
+            print(f"| {c} | {statistics.median(r['cpu_tok_s'] for r in mine):.2f} | "
+                  f"{statistics.median(r['cpu_tok_s'] for r in theirs):.2f} | {ratio:.2f} ({wall:.2f}) | "
+                  f"{statistics.median(r['moe_compute_s'] for r in mine) * 1e3:.0f} vs "
+                  f"{statistics.median(r['moe_compute_s'] for r in theirs) * 1e3:.0f} |")
     if args.only in (None, "quality"):
-        rows = quality_rows(args.models, args.chunks, lambda *a: print(*a, flush=True))
-        for r in rows:
-            out(r)
+        rows = quality_rows(args.models, args.chunks, lambda *a: print(*a, flush=True), out)
         print("\n| model | experts | dense | routing | ppl | vs bf16/none | miss rate |\n|---|---|---|---|---:|---:|---:|")
         for r in rows:
             base = next(b["ppl"] for b in rows if b["model"] == r["model"] and b["routing"] == r["routing"]
