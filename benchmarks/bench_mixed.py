@@ -170,7 +170,7 @@ def _in_cgroup(limit: int, argv: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(wrapped, capture_output=True, text=True)
 
 
-def speed_rows(args, log) -> list[dict]:
+def speed_rows(args, log, on_row=lambda row: None) -> list[dict]:
     from expertcache.offload.make_model import make_bench_model
 
     path = make_bench_model("olmoe-1b-7b", layers=args.layers)
@@ -192,12 +192,14 @@ def speed_rows(args, log) -> list[dict]:
                 tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
                 log(f"round {r} {name}: exit {p.returncode}: {tail}")
                 rows.append(dict(base, failed=p.returncode, error=tail))
+                on_row(rows[-1])
                 continue
             row = dict(base, **loads(p.stdout.strip().splitlines()[-1], what=f"{name} row"))
             log(f"round {r} {name:<30} {row['tok_s']:6.2f} tok/s  C={row['capacity']}  loads/token "
                 f"{row['loads_per_token']:.1f}  int4/token {row['low_computes_per_token']:.1f}  "
                 f"{row['bytes_per_token'] / 2**20:.0f} MiB/token  peak RSS {row['peak_rss'] / 2**30:.2f} GiB")
             rows.append(row)
+            on_row(row)
     return rows
 
 
@@ -250,9 +252,7 @@ def main(argv=None) -> int:
             out(r)
         print("\n" + quality_table(rows))
     else:
-        rows = speed_rows(args, log)
-        for r in rows:
-            out(r)
+        rows = speed_rows(args, log, on_row=out)  # each row as it comes
         print("\n" + speed_table(rows))
     return 0
 
