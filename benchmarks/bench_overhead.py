@@ -40,13 +40,14 @@ SHAPE = dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_ke
 COMPETITORS = ("stock", "C=N", "cache-prior-C=16")
 
 
-def _model(layers: int, out: Path | None) -> Path:
+def _model(layers: int, out: Path | None, dtype: str = "float32") -> Path:
     import torch
 
     from expertcache.offload.make_model import bench_models_dir, make_bench_model
 
-    out = out or bench_models_dir() / f"overhead-olmoe-D64-F32-E64-L{layers}"
-    return make_bench_model("olmoe-1b-7b", layers=layers, out=out, dtype=torch.float32, overrides=SHAPE)
+    tag = "" if dtype == "float32" else f"-{dtype}"
+    out = out or bench_models_dir() / f"overhead-olmoe-D64-F32-E64-L{layers}{tag}"
+    return make_bench_model("olmoe-1b-7b", layers=layers, out=out, dtype=getattr(torch, dtype), overrides=SHAPE)
 
 
 class _MoETimer:
@@ -90,7 +91,8 @@ def run(args) -> list[dict]:
     from expertcache.routing import RoutingConfig
 
     torch.set_num_threads(args.threads)
-    path = _model(args.layers, Path(args.model) if args.model else None)
+    path = _model(args.layers, Path(args.model) if args.model else None, args.dtype)
+    dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, SHAPE["vocab_size"], (1, 8), generator=g)
     forced = torch.randint(3, SHAPE["vocab_size"], (1, args.tokens), generator=g)
@@ -98,7 +100,7 @@ def run(args) -> list[dict]:
     runners = {}
     only = args.only.split(",") if args.only else COMPETITORS
     if "stock" in only:
-        stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        stock = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         blocks = [m.block for m in find_moe_layers(stock, family_for(stock.config))]
         timer = _MoETimer(blocks)
         fwd = lambda ids, past, m=stock: m(input_ids=ids, past_key_values=past, use_cache=True)
@@ -109,7 +111,7 @@ def run(args) -> list[dict]:
             continue
         rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=cap, readers=0,
                                                                 context=64 + args.tokens),
-                                            dtype=torch.float32, routing=routing)
+                                            dtype=dtype, routing=routing)
         if cap is None:
             rt.warm()  # every expert resident before the first round
         timer = _MoETimer([m.block for m in rt.layers])
@@ -127,6 +129,7 @@ def run(args) -> list[dict]:
             t = _decode(fwd, mk, prompt, forced)
             moe = timer.seconds * args.tokens / (args.tokens + 1)  # the prefill's MoE time is 1 of tokens+1 calls
             row = dict(bench="bench_overhead.py", label=args.label, competitor=name, round=r, tokens=args.tokens,
+                       dtype=args.dtype,
                        layers=n_layers, step_ms_per_layer=1e3 * t / args.tokens / n_layers,
                        moe_ms_per_layer=1e3 * moe / args.tokens / n_layers, threads=torch.get_num_threads(),
                        device="cpu", src=str(Path(__import__("expertcache").__file__).parent),
@@ -167,6 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds; competitors interleaved, order rotated")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights and activations (bfloat16: the CPU decode dtype of the shipped models)")
     ap.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(COMPETITORS)}")
     ap.add_argument("--model", default=None, help="checkpoint folder to write/reuse (default: the bench cache)")
     ap.add_argument("--label", default="", help="label stored in every row (e.g. main, h23)")
@@ -191,7 +196,8 @@ def main(argv=None) -> int:
             pairs = list(zip(args.pythonpath, labels))
             for pp, label in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
                 cmd = [sys.executable, __file__, "--tokens", str(args.tokens), "--rounds", "1", "--layers",
-                       str(args.layers), "--threads", str(args.threads), "--label", label, "--out", args.out]
+                       str(args.layers), "--threads", str(args.threads), "--label", label, "--out", args.out,
+                       "--dtype", args.dtype]
                 if args.only:
                     cmd += ["--only", args.only]
                 env = dict(os.environ, PYTHONPATH=pp, OMP_NUM_THREADS=str(args.threads),

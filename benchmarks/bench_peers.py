@@ -8,7 +8,12 @@ The same random-weight checkpoint (``expertcache bench --make-model olmoe-1b-7b 
   shared by all layers, out of the budget; it runs without where they do not fit next to C = K); none for Cache-Prior (it misses too
   rarely to need it); ``ec-bench`` runs ``expertcache bench`` itself inside the cgroup;
 * **llama.cpp** through ``llama-cpp-python`` on a bf16 GGUF conversion of the same weights (mmap, 1 thread), at
-  the block device's default ``read_ahead_kb`` and at 128 KiB (restored afterwards, always);
+  the block device's default ``read_ahead_kb`` and at 128 KiB (restored afterwards, always); ``llama-q4``: the
+  same on the **Q4_K_M** GGUF that llama.cpp's own quantiser makes of it (``quantize``), what llama.cpp's CPU
+  users run; ``--no-repack`` loads without llama.cpp's CPU extra buffer types (its ``--no-repack``);
+* **expertcache with 4-bit experts** (``ec-q4-lru``, ``ec-q4-cp``: ``--quant int4``; ``ec-q4d-*`` adds
+  ``--quant-dense int4`` where the runtime has it); every expertcache child plans with ``--memory auto``
+  inside its cgroup (``--ec-memory reserve``: the earlier rows' limit − 0.5 GiB);
 * **HF accelerate** disk offload (``dispatch_model`` with an offload folder): accelerate offloads whole
   modules, and OLMoE's experts are one fused module per layer (``experts.gate_up_proj [E, 2F, D]``), so it
   can only put *all 64 experts of a layer* on disk or in RAM; each forward of an offloaded layer reads the
@@ -21,13 +26,15 @@ checkpoint files' page cache is dropped (``posix_fadvise(DONTNEED)``) before eac
 random prompt, decodes one warm-up token (not timed), then times ``--tokens`` teacher-forced tokens (the same
 ids for every system) and reports tok/s and bytes read per token (``/proc/self/io`` ``read_bytes`` over the
 timed tokens: every thread's block-device reads, O_DIRECT and page faults alike). Budgets are fractions of
-the checkpoint's size; within a budget and round the systems are interleaved. Rows go to JSONL;
+the checkpoint's size (``0.5``) or of the Q4_K_M GGUF's (``q0.5``); within a budget and round the systems are
+interleaved, their order rotated and reversed from round to round. Rows go to JSONL;
 ``--summary`` prints medians per (budget, system).
 
 Needs root (cgroups, read_ahead_kb) and the ``peers`` extra (llama-cpp-python, gguf, accelerate)::
 
     expertcache bench --make-model olmoe-1b-7b --layers 16
     python benchmarks/bench_peers.py convert  --model M --gguf M-bf16.gguf    # llama.cpp's converter
+    python benchmarks/bench_peers.py quantize --gguf M-bf16.gguf --gguf-q4 M-Q4_K_M.gguf   # llama.cpp's quantiser
     python benchmarks/bench_peers.py prepare-accelerate --model M --accel-dir D --budgets 0.25 0.5 1.0
     python benchmarks/bench_peers.py run --model M --gguf M-bf16.gguf --accel-dir D --out rows.jsonl
     python benchmarks/bench_peers.py summary rows.jsonl
@@ -48,7 +55,15 @@ from pathlib import Path
 
 GiB = 2**30
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
-SYSTEMS = ("ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate", "ec-bench")
+SYSTEMS = ("ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate", "ec-bench", "llama-q4", "ec-q4-lru", "ec-q4-cp",
+           "ec-q4d-lru", "ec-q4d-cp")
+#: expertcache children: (routing policy set, --quant, --quant-dense); "q4" = int4 experts, "q4d" = int4 experts
+#: and int4 dense weights (the ``quant`` branch's --quant-dense)
+EC_CHILDREN = {"ec-lru": ("original+lru", None, None), "ec-lru-pf": ("original+lru", None, None),
+               "ec-cp": ("cache-prior", None, None), "ec-q4-lru": ("original+lru", "int4", None),
+               "ec-q4-cp": ("cache-prior", "int4", None), "ec-q4d-lru": ("original+lru", "int4", "int4"),
+               "ec-q4d-cp": ("cache-prior", "int4", "int4")}
+LLAMA_SYSTEMS = ("llama", "llama-q4")
 RESULT_TAG = "PEERS_RESULT "
 
 
@@ -85,6 +100,27 @@ def checkpoint_bytes(model: str | os.PathLike) -> int:
     if not files:
         raise FileNotFoundError(f"{model}: no *.safetensors files")
     return sum(f.stat().st_size for f in files)
+
+
+def budget_limit(spec: str | float, checkpoint: int, q4: int | None = None) -> tuple[float, int, str]:
+    """A ``--budgets`` entry → (fraction of the checkpoint, cgroup limit in bytes, label). ``0.5`` is half the
+    bf16 checkpoint; ``q0.25`` a quarter of the Q4_K_M GGUF's size (``q4``: its bytes; needed then). The
+    fraction is what rows record as ``budget`` (one axis for both kinds), the label what tables show."""
+    text = str(spec).strip().lower()
+    of_q4 = text.startswith("q")
+    try:
+        frac = float(text[1:] if of_q4 else text)
+    except ValueError:
+        raise ValueError(f"budget {spec!r}: give a fraction of the checkpoint (0.5) or of the Q4 GGUF (q0.5)") from None
+    if not 0 < frac <= 4:
+        raise ValueError(f"budget {spec!r}: the fraction must be in (0, 4]")
+    if of_q4:
+        if not q4:
+            raise ValueError(f"budget {spec!r} is a fraction of the Q4_K_M GGUF: give --gguf-q4")
+        limit = int(frac * q4)
+        return limit / checkpoint, limit, f"{frac:g} of Q4_K_M ({limit / 1e9:.2f} GB)"
+    limit = int(frac * checkpoint)
+    return frac, limit, f"{frac:g} of bf16 ({limit / 1e9:.2f} GB)"
 
 
 def accelerate_split(limit: int, nonexpert: int, layer_experts: int, layers: int, reserve: int = GiB // 2) -> int:
@@ -139,17 +175,21 @@ def summarize(rows: list[dict]) -> list[dict]:
         if llamas:
             best = max(llamas, key=lambda s: s["tok_s"])
             out.append(dict(best, system="llama-best"))
+        q4 = [s for s in out if s["budget"] == budget and s["system"] == "llama-q4" and "tok_s" in s]
+        if len(q4) > 1:  # several readaheads: the better one is the reference
+            out.append(dict(max(q4, key=lambda s: s["tok_s"]), system="llama-q4-best"))
     return out
 
 
-EC_SYSTEMS = ("ec-lru", "ec-lru-pf", "ec-cp")
+EC_SYSTEMS = tuple(EC_CHILDREN)
 
 
-def ratios(summary: list[dict]) -> dict:
-    """Per budget: median tok/s of each expertcache policy ÷ llama.cpp's at its better readahead."""
+def ratios(summary: list[dict], ref: str = "llama-best") -> dict:
+    """Per budget: median tok/s of each expertcache system ÷ the reference's (``llama-best``: llama.cpp on
+    bf16 at its better readahead; ``llama-q4``: llama.cpp on the Q4_K_M GGUF)."""
     res = {}
     for s in summary:
-        if s["system"] != "llama-best":
+        if s["system"] != ref or "tok_s" not in s:
             continue
         for e in summary:
             if e["budget"] == s["budget"] and e["system"] in EC_SYSTEMS and "tok_s" in e:
@@ -157,14 +197,15 @@ def ratios(summary: list[dict]) -> dict:
     return res
 
 
-def round_ratios(rows: list[dict]) -> dict:
+def round_ratios(rows: list[dict], ref: str = "llama") -> dict:
     """Per budget and expertcache system: the ratios within each round (the system's tok/s ÷ the faster of
-    that round's llama.cpp runs), one per round where both ran -- the same-run ratios."""
+    that round's ``ref`` runs: ``llama`` bf16, ``llama-q4``), one per round where both ran -- the same-run
+    ratios."""
     res: dict[tuple, list[float]] = {}
     ok = [r for r in rows if r.get("ok")]
     for b, rnd in sorted({(r["budget"], r["round"]) for r in ok}):
         same = [r for r in ok if r["budget"] == b and r["round"] == rnd]
-        llama = [r["tok_s"] for r in same if r["system"] == "llama"]
+        llama = [r["tok_s"] for r in same if r["system"] == ref]
         if not llama:
             continue
         for r in same:
@@ -240,6 +281,8 @@ def _result(**kw) -> None:
 
 
 def child_expertcache(a) -> None:
+    import dataclasses
+
     import torch
 
     torch.set_num_threads(1)
@@ -248,15 +291,23 @@ def child_expertcache(a) -> None:
 
     cfg = json.loads((Path(a.model) / "config.json").read_text())
     k, vocab = cfg["num_experts_per_tok"], cfg["vocab_size"]
-    name = "cache-prior" if a.system == "ec-cp" else "original+lru"
+    name, quant, quant_dense = EC_CHILDREN[a.system]
     routing, eviction = policy_set(k)[name]
-    memory = a.limit - GiB // 2
+    # inside its cgroup: --memory auto (the plan reads the limit and counts the whole process), or the old
+    # advice of limit − 0.5 GiB (--ec-memory reserve)
+    memory = "auto" if a.ec_memory == "auto" else a.limit - GiB // 2
+    extra = dict(quant=quant) if quant else {}
+    if quant_dense:
+        if "quant_dense" not in {f.name for f in dataclasses.fields(OffloadConfig)}:
+            raise SystemExit(f"{a.system}: this expertcache has no --quant-dense (the quant branch adds it)")
+        extra["quant_dense"] = quant_dense
     ctx = a.prompt_tokens + a.tokens + 2
     prefetch = a.prefetch
     rt = None
     if a.resident:  # all-resident compute (C = N, every expert loaded before the prompt; no reads while decoding)
         rt = OffloadedModel.from_pretrained(a.model, OffloadConfig(capacity=cfg["num_experts"], context=ctx,
-                                                                   readers=a.readers), routing=routing, eviction=eviction)
+                                                                   readers=a.readers, **extra), routing=routing,
+                                            eviction=eviction)
         rt.warm()
         prefetch = 0
     if prefetch and rt is None:
@@ -264,15 +315,15 @@ def child_expertcache(a) -> None:
 
         try:
             rt = OffloadedModel.from_pretrained(a.model, OffloadConfig(memory=memory, context=ctx, readers=a.readers,
-                                                                       prefetch=prefetch), routing=routing,
+                                                                       prefetch=prefetch, **extra), routing=routing,
                                                 eviction=eviction)
         except BudgetError:  # the spares do not fit next to C = K: prefetch off at this budget
             pass
         if rt is None:
             prefetch = 0
     if rt is None:
-        rt = OffloadedModel.from_pretrained(a.model, OffloadConfig(memory=memory, context=ctx, readers=a.readers),
-                                            routing=routing, eviction=eviction)
+        rt = OffloadedModel.from_pretrained(a.model, OffloadConfig(memory=memory, context=ctx, readers=a.readers,
+                                                                   **extra), routing=routing, eviction=eviction)
     prompt = torch.tensor([_ids(vocab, a.prompt_tokens, 0)])
     forced = _ids(vocab, a.tokens + 1, 1)
     with torch.inference_mode():
@@ -290,8 +341,8 @@ def child_expertcache(a) -> None:
     _result(ok=True, tok_s=n / sum(times), times=times, bytes_per_token=(io1["read_bytes"] - io0["read_bytes"]) / n,
             runtime_bytes_per_token=(s1["bytes_read"] - s0["bytes_read"]) / n,
             hit_rate=(s1["hits"] - s0["hits"]) / max(1, s1["accesses"] - s0["accesses"]),
-            capacity=rt.capacity, prefetch=prefetch, readers=a.readers, memory=memory, plan_bytes=rt.plan.total,
-            policy=name)
+            capacity=rt.capacity, prefetch=prefetch, readers=a.readers, memory=rt.plan.budget, plan_bytes=rt.plan.total,
+            process_peak=rt.plan.process_peak, policy=name, quant=quant, quant_dense=quant_dense, ec_memory=a.ec_memory)
 
 
 def child_llama(a) -> None:
@@ -299,7 +350,10 @@ def child_llama(a) -> None:
 
     meta = json.loads((Path(a.model) / "config.json").read_text())
     vocab = meta["vocab_size"]
-    llm = llama_cpp.Llama(a.gguf, n_ctx=max(64, a.prompt_tokens + a.tokens + 8), n_threads=1, n_threads_batch=1,
+    gguf = a.gguf_q4 if a.system == "llama-q4" else a.gguf
+    if a.no_repack:
+        no_repack(llama_cpp)
+    llm = llama_cpp.Llama(gguf, n_ctx=max(64, a.prompt_tokens + a.tokens + 8), n_threads=1, n_threads_batch=1,
                           n_batch=max(8, a.prompt_tokens), use_mmap=True, use_mlock=False, verbose=False)
     prompt = _ids(vocab, a.prompt_tokens, 0)
     forced = _ids(vocab, a.tokens + 1, 1)
@@ -314,7 +368,28 @@ def child_llama(a) -> None:
     io1 = proc_io()
     n = len(times)
     _result(ok=True, tok_s=n / sum(times), times=times, bytes_per_token=(io1["read_bytes"] - io0["read_bytes"]) / n,
-            llama_cpp=llama_cpp.__version__)
+            llama_cpp=llama_cpp.__version__, gguf=Path(gguf).name, gguf_bytes=Path(gguf).stat().st_size,
+            no_repack=bool(a.no_repack))
+
+
+def no_repack(llama_cpp) -> None:
+    """llama.cpp's ``--no-repack`` for llama-cpp-python, which has no argument for it: every model it loads
+    gets ``use_extra_bufts = False`` (no CPU "extra" buffer types: no runtime repacking of Q4_K into
+    interleaved blocks, no AMX buffers), set in the default model params its ``Llama`` starts from."""
+    import llama_cpp.llama as llama_py
+
+    low = llama_py.llama_cpp
+    default = low.llama_model_default_params
+    if getattr(default, "_no_repack", False):
+        return
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    params._no_repack = True
+    low.llama_model_default_params = params
 
 
 def _fused_experts(f, layer: int, experts: int):
@@ -365,7 +440,7 @@ def prepare_accelerate(a) -> None:
 
     nonexpert, layer_b, L, E = _olmoe_sizes(a.model)
     size = checkpoint_bytes(a.model)
-    resident = min(accelerate_split(int(b * size), nonexpert, layer_b, L) for b in a.budgets)
+    resident = min(accelerate_split(budget_limit(b, size)[1], nonexpert, layer_b, L) for b in a.budgets)
     out = Path(a.accel_dir)
     out.mkdir(parents=True, exist_ok=True)
     index = {}
@@ -429,31 +504,39 @@ def child_accelerate(a) -> None:
 
 
 def child(a) -> None:
-    {"ec-lru": child_expertcache, "ec-lru-pf": child_expertcache, "ec-cp": child_expertcache, "llama": child_llama,
-     "accelerate": child_accelerate}[a.system](a)
+    if a.system in EC_CHILDREN:
+        from expertcache.offload.budget import BudgetError
+
+        try:
+            return child_expertcache(a)
+        except BudgetError as exc:  # the plan's refusal, before loading: one line, exit 2 (as the CLI does)
+            print(f"refused: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)
+    {"llama": child_llama, "llama-q4": child_llama, "accelerate": child_accelerate}[a.system](a)
 
 
 # -- the orchestrator -------------------------------------------------------------------------------------
 
-def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | None) -> dict:
+def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | None, label: str = "") -> dict:
     """One child run inside a fresh cgroup; returns its row (ok=False with the reason on failure)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     here = Path(__file__).resolve()
     if system == "ec-bench":  # the CLI benchmark itself inside the cgroup (target: it completes)
         cmd = [sys.executable, "-m", "expertcache.cli.main", "bench", "--model", a.model, "--memory",
-               str(limit - GiB // 2), "--policies", "original+lru", "cache-prior", "--tokens", str(a.tokens),
+               "auto" if a.ec_memory == "auto" else str(limit - GiB // 2), "--policies", "original+lru", "cache-prior", "--tokens", str(a.tokens),
                "--prompt-tokens", str(a.prompt_tokens), "--repeats", "1", "--threads", "1", "--json"]
     else:
         cmd = [sys.executable, str(here), "child", "--system", system, "--model", a.model, "--limit", str(limit),
                "--tokens", str(a.accel_tokens if system == "accelerate" else a.tokens), "--prompt-tokens", str(a.prompt_tokens), "--readers", str(a.readers),
-               "--prefetch", str(a.prefetch if system == "ec-lru-pf" else 0)]
-        if system == "llama":
-            cmd += ["--gguf", a.gguf]
+               "--prefetch", str(a.prefetch if system == "ec-lru-pf" else 0), "--ec-memory", a.ec_memory]
+        if system in LLAMA_SYSTEMS:
+            cmd += ["--gguf", str(a.gguf), "--gguf-q4", str(a.gguf_q4)] + (["--no-repack"] if a.no_repack else [])
         if system == "accelerate":
             cmd += ["--accel-dir", a.accel_dir]
-    drop_page_cache([a.model, a.gguf, a.accel_dir])
+    drop_page_cache([a.model, a.gguf, a.gguf_q4, a.accel_dir])
     cg = MemoryCgroup(f"peers-{os.getpid()}-{system}", limit)
-    row = dict(kind="peers", system=system, budget=budget, limit_bytes=limit, round=rnd, readahead_kb=ra_kb,
+    row = dict(kind="peers", system=system, budget=budget, budget_label=label, limit_bytes=limit, round=rnd,
+               readahead_kb=ra_kb,
                tokens=a.accel_tokens if system == "accelerate" else a.tokens, prompt_tokens=a.prompt_tokens, date=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                loadavg=os.getloadavg()[0])
     t0 = time.perf_counter()
@@ -494,16 +577,26 @@ def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | No
     return row
 
 
+def round_order(plan: list, rnd: int) -> list:
+    """The systems' order in round ``rnd``: reversed on odd rounds (so every system runs both before and after
+    each other one within two rounds: A B, B A) and rotated by one every two rounds."""
+    k = (rnd // 2) % len(plan) if plan else 0
+    order = plan[k:] + plan[:k]
+    return order[::-1] if rnd % 2 else order
+
+
 def orchestrate(a) -> None:
     size = checkpoint_bytes(a.model)
     ra_path = f"/sys/block/{a.device}/queue/read_ahead_kb"
     default_ra = int(Path(ra_path).read_text())
     plan = []
     for s in a.systems:
-        if s == "llama":
-            plan += ([] if a.low_readahead_only else [("llama", None)]) + [("llama", a.low_readahead)]
+        if s in LLAMA_SYSTEMS:
+            plan += ([] if a.low_readahead_only else [(s, None)]) + [(s, a.low_readahead)]
         else:
             plan.append((s, None))
+    q4 = Path(a.gguf_q4).stat().st_size if a.gguf_q4 else a.q4_bytes
+    budgets = [budget_limit(b, size, q4) for b in a.budgets]
     print(f"checkpoint {size / 1e9:.2f} GB; read_ahead_kb default {default_ra}; load {os.getloadavg()[0]:.1f}", flush=True)
     import signal
 
@@ -512,20 +605,19 @@ def orchestrate(a) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        for budget in a.budgets:
-            limit = int(budget * size)
+        for budget, limit, label in budgets:
             for rnd in range(a.first_round, a.first_round + a.rounds):
-                order = plan[rnd % len(plan):] + plan[:rnd % len(plan)]  # rotate: interleaved, no fixed position
+                order = round_order(plan, rnd)
                 for system, ra in order:
                     if system == "ec-bench" and rnd > a.first_round:
                         continue
-                    row = run_one(a, system, budget, limit, rnd, ra)
+                    row = run_one(a, system, budget, limit, rnd, ra, label)
                     if a.out:
                         with open(a.out, "a") as f:
                             f.write(json.dumps(row) + "\n")
                     msg = (f"{row['tok_s']:.3f} tok/s, {row['bytes_per_token'] / 2**20:.0f} MiB/token" if row.get("ok")
                            else row.get("error"))
-                    print(f"[{budget:.0%} r{rnd}] {system:<10} ra={row['readahead_kb']:<5} {msg}  "
+                    print(f"[{label} r{rnd}] {system:<10} ra={row['readahead_kb']:<5} {msg}  "
                           f"(max {row.get('max_usage_bytes', 0) / 2**30:.2f} GiB of {limit / 2**30:.2f}, "
                           f"{row['wall_s']:.0f} s, load {row['loadavg']:.1f})", flush=True)
     finally:
@@ -587,21 +679,46 @@ def convert(a) -> None:
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 
+def quantize(a) -> None:
+    """llama.cpp's own quantiser (``llama_model_quantize`` of the llama.cpp that llama-cpp-python vendors, as
+    ``llama-quantize`` runs it): the bf16 GGUF ``--gguf`` → Q4_K_M ``--gguf-q4`` (attention, embedding and
+    output included, at llama.cpp's per-tensor choices for that type)."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = a.threads
+    tmp = f"{a.gguf_q4}.tmp"
+    t0 = time.perf_counter()
+    rc = llama_cpp.llama_model_quantize(str(a.gguf).encode(), tmp.encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize failed ({rc})")
+    os.replace(tmp, a.gguf_q4)
+    print(f"{a.gguf_q4}: {Path(a.gguf_q4).stat().st_size / 1e9:.2f} GB Q4_K_M in {time.perf_counter() - t0:.0f} s "
+          f"(llama-cpp-python {llama_cpp.__version__})")
+
+
 def print_summary(a) -> None:
     rows = [json.loads(l) for f in a.rows for l in open(f) if l.strip()]
+    labels = {r["budget"]: r.get("budget_label") or f"{r['budget']:.0%} of bf16" for r in rows}
     summ = summarize(rows)
     print("| budget | system | read_ahead_kb | tok/s (median) | tok/s per run | MiB read/token | failed |")
     print("|---|---|---:|---:|---|---:|---:|")
     for s in summ:
         tok = f"{s['tok_s']:.2f}" if "tok_s" in s else "–"
         mib = f"{s['bytes_per_token'] / 2**20:.0f}" if "bytes_per_token" in s else "–"
-        print(f"| {s['budget']:.0%} | {s['system']} | {s['readahead_kb'] or ''} | {tok} | "
+        print(f"| {labels.get(s['budget'], s['budget'])} | {s['system']} | {s['readahead_kb'] or ''} | {tok} | "
               f"{' · '.join(map(str, s.get('tok_s_runs', [])))} | {mib} | {s['failed']} {'; '.join(s['errors'])[:120]} |")
-    per_round = round_ratios(rows)
-    for (b, sys_), r in sorted(ratios(summ).items()):
-        rr = per_round.get((b, sys_), [])
-        print(f"{b:.0%} {sys_} ÷ llama.cpp (better readahead): {r:.2f}× of the medians; within each round "
-              f"{' · '.join(f'{x:.2f}' for x in rr)} (median {statistics.median(rr) if rr else float('nan'):.2f})")
+    q4_ref = "llama-q4-best" if any(s["system"] == "llama-q4-best" for s in summ) else "llama-q4"
+    for ref, row_ref, what in (("llama-best", "llama", "llama.cpp bf16 (better readahead)"),
+                               (q4_ref, "llama-q4", "llama.cpp Q4_K_M")):
+        per_round = round_ratios(rows, row_ref)
+        for (b, sys_), r in sorted(ratios(summ, ref).items()):
+            rr = per_round.get((b, sys_), [])
+            print(f"{labels.get(b, b)} {sys_} ÷ {what}: {r:.2f}× of the medians; within each round "
+                  f"{' · '.join(f'{x:.2f}' for x in rr)} (median {statistics.median(rr) if rr else float('nan'):.2f})")
 
 
 def main(argv=None) -> None:
@@ -609,14 +726,23 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default=str(Path.home() / ".cache/expertcache/bench-models/olmoe-1b-7b-L16-e1"))
-    common.add_argument("--gguf", default=None)
+    common.add_argument("--gguf", default=None, help="llama.cpp's bf16 GGUF of the checkpoint")
+    common.add_argument("--gguf-q4", default=None, help="llama.cpp's Q4_K_M GGUF of the checkpoint (quantize)")
+    common.add_argument("--no-repack", action="store_true",
+                        help="llama.cpp without its CPU extra buffer types (--no-repack: no Q4 repacking, no AMX)")
+    common.add_argument("--ec-memory", choices=("auto", "reserve"), default="auto",
+                        help="expertcache's --memory in its cgroup: auto (reads the limit; default) or reserve "
+                             "(limit − 0.5 GiB, the earlier rows)")
     common.add_argument("--accel-dir", default=None)
     common.add_argument("--tokens", type=int, default=8)
     common.add_argument("--prompt-tokens", type=int, default=4)
     common.add_argument("--readers", type=int, default=4)
     common.add_argument("--prefetch", type=int, default=8, help="spare slots of ec-lru-pf (original + LRU with prefetch), shared by all layers")
     r = sub.add_parser("run", parents=[common])
-    r.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 1.0])
+    r.add_argument("--q4-bytes", type=int, default=None,
+                   help="the Q4_K_M GGUF's size for q-budgets when --gguf-q4 is not given (rows record it)")
+    r.add_argument("--budgets", nargs="+", default=["0.5", "0.25", "1.0"],
+                   help="cgroup limits: fractions of the bf16 checkpoint (0.5) or of the Q4_K_M GGUF (q0.5)")
     r.add_argument("--rounds", type=int, default=2)
     r.add_argument("--first-round", type=int, default=0, help="number of the first round (more rounds appended later)")
     r.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate"])
@@ -638,12 +764,15 @@ def main(argv=None) -> None:
     m.add_argument("--out", default=None)
     v = sub.add_parser("convert", parents=[common])
     v.add_argument("--vendor", required=True, help="vendor/llama.cpp folder of the llama-cpp-python sdist")
+    q = sub.add_parser("quantize", parents=[common])
+    q.add_argument("--threads", type=int, default=2)
     pa = sub.add_parser("prepare-accelerate", parents=[common])
     pa.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 1.0])
     s = sub.add_parser("summary")
     s.add_argument("rows", nargs="+")
     a = p.parse_args(argv)
-    {"run": orchestrate, "child": child, "compute": compute, "convert": convert, "prepare-accelerate": prepare_accelerate,
+    {"run": orchestrate, "child": child, "compute": compute, "convert": convert, "quantize": quantize,
+     "prepare-accelerate": prepare_accelerate,
      "summary": print_summary}[a.cmd](a)
 
 

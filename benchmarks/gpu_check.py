@@ -13,6 +13,14 @@
    tokens, medians of ``--repeats`` rounds: stock transformers (whole model on the device); expertcache at
    C = N; C = N/4 and N/2 with original + LRU and Cache-Prior λ 0.5 (host tier); ``--memory 3GiB``; C = N/4
    on the disk tier (O_DIRECT).
+4. Launches and host waits per decoded token (issue 35), from the CUDA runtime calls ``torch.profiler`` records
+   (kernel launches, stream/event/device synchronisations, memcpy calls; the prefill subtracted: a run of the
+   same prompt with no decode step is profiled too), for C = N and C = N/4 with ``original`` and Cache-Prior,
+   prefetch off and on; the pinned bytes of the host tier against the experts' bytes. The report ends with
+   the table of issue 35's targets beside the measured figures (:data:`TARGETS`).
+
+The same launch and wait counts are pinned on the CPU by ``tests/test_launches.py`` (the tracked-tensor
+proxy, ``tests/device_proxy.py``): a GPU session runs this script first and compares.
 
 Without a CUDA device it prints one line saying so and exits with status 2 (nothing is written).
 """
@@ -28,6 +36,57 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+#: issue 35's targets: (what, target, key of the measured figure in the report's ``targets`` section)
+TARGETS = [("device->host waits per MoE layer (+1/token sampling, +1/token first guess with prefetch)", "1",
+            "syncs_per_layer"),
+           ("blocking host->device copies per MoE layer", "0", "blocking_h2d"),
+           ("MoE block launches per layer", "<= 45", "moe_launches_per_layer"),
+           ("pinned bytes / expert bytes", "<= 1.05", "pinned_ratio"),
+           ("C = N tok/s (OLMoE shapes, 16 layers, bf16, H100)", ">= 150", "tok_s_C=N"),
+           ("C = 16 Cache-Prior tok/s", ">= 80", "tok_s_C=16_cache-prior"),
+           ("C = 16 LRU tok/s", ">= 35", "tok_s_C=16_lru"),
+           ("runtime copies vs a plain pinned copy", ">= 0.80", "runtime_vs_pinned")]
+
+_LAUNCH = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+_SYNC = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+_MEMCPY = ("cudaMemcpyAsync", "cudaMemcpy")
+
+
+def step_counts(path, cfg, routing, prompt, forced, device, tokens: int = 8) -> dict:
+    """Per decoded token of the offloaded runtime on ``device``: CUDA kernel launches, synchronisations (the
+    host waiting: device->host reads) and memcpy calls, per token and per MoE layer, from ``torch.profiler``'s
+    CUDA runtime events; the prefill (and the first token's choice) subtracted by profiling the same
+    ``generate`` with no decode step. Also the host tier's pinned bytes over the experts' bytes."""
+    from collections import Counter
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from expertcache.offload import OffloadedModel
+
+    rt = OffloadedModel.from_pretrained(path, cfg, dtype=torch.bfloat16, device=device, routing=routing)
+    try:
+        with torch.inference_mode():
+            rt.generate(prompt, 4, forced_BN=forced)  # warm: caches, allocator, kernels
+
+            def run(n: int) -> Counter:
+                rt.configure()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    rt.generate(prompt, n, forced_BN=forced)
+                    torch.cuda.synchronize(device)
+                return Counter(e.name for e in prof.events())
+
+            a, b = run(1), run(tokens + 1)
+        d = lambda names: sum(b[k] - a[k] for k in names) / tokens
+        layers = len(rt.layers)
+        experts = rt.expert_bytes * layers * rt.num_experts
+        return dict(launches=d(_LAUNCH), syncs=d(_SYNC), memcpy=d(_MEMCPY), syncs_per_layer=d(_SYNC) / layers,
+                    memcpy_per_layer=d(_MEMCPY) / layers, layers=layers,
+                    pinned_ratio=rt.plan.pinned_bytes / experts if rt.plan.pinned_bytes else None)
+    finally:
+        rt.close()
 
 
 def _fail(msg: str) -> int:
@@ -166,6 +225,38 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     report["sections"]["table"] = rows
     report["sections"]["bandwidth"] = bandwidth
+    log("## launches and host waits per decoded token")
+    from expertcache.routing import RoutingConfig
+
+    counts = []
+    for cap in (n, n // 4):
+        for pol in ("original", "cache-prior"):
+            for pf in (0, 2):
+                cfg = OffloadConfig(tier="host", capacity=cap, prefetch=pf, context=ctx)
+                routing = RoutingConfig() if pol == "original" else RoutingConfig("cache-prior", lam=0.5)
+                name = f"C={cap} {pol} prefetch={pf}"
+                try:
+                    c = step_counts(path, cfg, routing, prompt, forced, device)
+                except Exception as exc:
+                    counts.append(dict(name=name, error=f"{type(exc).__name__}: {exc}"))
+                    log(f"  {name} failed: {type(exc).__name__}: {exc}")
+                    continue
+                counts.append(dict(c, name=name))
+                log(f"  {name}: {c['launches']:.0f} launches, {c['syncs_per_layer']:.2f} syncs and "
+                    f"{c['memcpy_per_layer']:.2f} memcpy per MoE layer")
+                torch.cuda.empty_cache()
+    report["sections"]["counts"] = counts
+    tok = {r["name"]: r["tok_s"] for r in rows if "tok_s" in r and "name" in r}
+    ok = [c for c in counts if "error" not in c]
+    measured = {"syncs_per_layer": max((c["syncs_per_layer"] for c in ok), default=None),
+                "pinned_ratio": next((c["pinned_ratio"] for c in ok if c["pinned_ratio"]), None),
+                "tok_s_C=N": tok.get("C=N (all resident), host: original+lru"),
+                "tok_s_C=16_cache-prior": tok.get("C=N/4, host: cache-prior"),
+                "tok_s_C=16_lru": tok.get("C=N/4, host: original+lru"),
+                "runtime_vs_pinned": bandwidth and bandwidth["runtime_vs_pinned"],
+                "blocking_h2d": "see tests/test_launches.py (CPU proxy)",
+                "moe_launches_per_layer": "see tests/test_launches.py (CPU proxy)"}
+    report["sections"]["targets"] = measured
     report["seconds"] = time.perf_counter() - t_start
     md = [f"# GPU check ({report['device_name']}, {report['device']})", "",
           f"torch {torch.__version__}, {args.layers} layers, {args.tokens} teacher-forced tokens, "
@@ -186,6 +277,16 @@ def main(argv=None) -> int:
                f"runtime reads {bandwidth['runtime'] / 1e9:.1f} GB/s; plain pinned `copy_` "
                f"{bandwidth['plain_pinned'] / 1e9:.1f} GB/s ({bandwidth['runtime_vs_pinned']:.0%}); pageable "
                f"{bandwidth['plain_pageable'] / 1e9:.1f} GB/s"]
+    if counts:
+        md += ["", "## launches and host waits per decoded token", "",
+               "| configuration | launches / token | syncs / MoE layer | memcpy / MoE layer |", "|---|---:|---:|---:|"]
+        for c in counts:
+            md.append(f"| {c['name']} | failed: {c['error']} | | |" if "error" in c else
+                      f"| {c['name']} | {c['launches']:.0f} | {c['syncs_per_layer']:.2f} | {c['memcpy_per_layer']:.2f} |")
+    md += ["", "## issue 35's targets", "", "| target | wanted | measured |", "|---|---|---|"]
+    for what, want, key in TARGETS:
+        v = measured.get(key)
+        md.append(f"| {what} | {want} | {'–' if v is None else (f'{v:.2f}' if isinstance(v, float) else v)} |")
     from expertcache.results import atomic_write_bytes
 
     atomic_write_bytes(out_dir / "gpu_check.json", json.dumps(report, indent=1, default=str).encode())

@@ -36,6 +36,13 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
+DATA=${EXPERTCACHE_DATA:-../shared/data}
+if [[ $BENCH == 0 && ! -d "$DATA/wikitext-2-raw-v1" ]]; then
+  echo "make_figures.sh: no evaluation data at $DATA (needs wikitext-2-raw-v1/, mmlu/, gsm8k/): set EXPERTCACHE_DATA=DIR" \
+       "(this script takes no --data-dir)" >&2
+  exit 2
+fi
+
 WT_LIMIT=${WT_LIMIT:-4}        # WikiText chunks (of the model's context: 256 tokens for the shipped models)
 MMLU_LIMIT=${MMLU_LIMIT:-50}   # MMLU questions (interleaved over subjects)
 GSM_LIMIT=${GSM_LIMIT:-8}      # GSM8K problems

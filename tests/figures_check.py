@@ -40,8 +40,8 @@ def record_figures():
     original = Figure.savefig
 
     def savefig(self, fname, *args, **kwargs):
-        name = Path(str(fname)).name  # expertcache.results.save_figure writes ".<stem>.tmp<suffix>", then renames
-        seen[name[1:].replace(".tmp.", ".", 1) if name.startswith(".") else name] = data_points(self)
+        name = Path(str(fname)).name  # expertcache.results.save_figure writes ".<name>.<random>.expertcache-tmp"
+        seen[name[1:].rsplit(".", 2)[0] if name.endswith(".expertcache-tmp") else name] = data_points(self)
         return original(self, fname, *args, **kwargs)
 
     Figure.savefig = savefig

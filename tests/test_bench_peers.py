@@ -82,3 +82,52 @@ def test_proc_io_and_drop_page_cache(tmp_path):
     os.remove(tmp_path / "a.safetensors")
     with pytest.raises(FileNotFoundError, match="safetensors"):
         bp.checkpoint_bytes(tmp_path)
+
+
+def test_budget_limit_fractions_of_the_checkpoint_and_of_the_q4_file():
+    ckpt, q4 = 13_840_000_000, 4_210_000_000
+    assert bp.budget_limit("0.5", ckpt) == (0.5, 6_920_000_000, "0.5 of bf16 (6.92 GB)")
+    assert bp.budget_limit(0.25, ckpt)[1] == 3_460_000_000
+    frac, limit, label = bp.budget_limit("q0.25", ckpt, q4)
+    assert limit == 1_052_500_000 and frac == pytest.approx(limit / ckpt) and "Q4_K_M (1.05 GB)" in label
+    assert bp.budget_limit("Q0.5", ckpt, q4)[1] == 2_105_000_000
+    for bad in ("half", "q", "0", "-0.5", "5"):
+        with pytest.raises(ValueError, match="budget"):
+            bp.budget_limit(bad, ckpt, q4)
+    with pytest.raises(ValueError, match="--gguf-q4"):
+        bp.budget_limit("q0.5", ckpt, None)
+
+
+def test_round_order_puts_every_system_before_and_after_every_other():
+    plan = ["a", "b", "c"]
+    orders = [bp.round_order(plan, r) for r in range(6)]
+    assert all(sorted(o) == plan for o in orders)
+    for x in plan:
+        for y in plan:
+            if x != y:
+                assert any(o.index(x) < o.index(y) for o in orders) and any(o.index(x) > o.index(y) for o in orders)
+    assert [bp.round_order(["a", "b"], r) for r in range(2)] == [["a", "b"], ["a", "b"][::-1]]
+
+
+def test_no_repack_turns_off_extra_buffer_types_in_every_model_llama_cpp_python_loads(monkeypatch):
+    """llama-cpp-python's Llama starts from llama_model_default_params() of its low-level module; the patch
+    makes that return use_extra_bufts=False (llama.cpp's --no-repack), once, keeping every other default."""
+    import sys
+    import types
+
+    class Params:
+        def __init__(self):
+            self.use_extra_bufts, self.use_mmap = True, True
+
+    low = types.SimpleNamespace(llama_model_default_params=Params)
+    pkg = types.ModuleType("llama_cpp")
+    llama_py = types.ModuleType("llama_cpp.llama")
+    llama_py.llama_cpp = low
+    pkg.llama = llama_py
+    monkeypatch.setitem(sys.modules, "llama_cpp", pkg)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama", llama_py)
+    bp.no_repack(pkg)
+    bp.no_repack(pkg)  # idempotent
+    p = low.llama_model_default_params()
+    assert p.use_extra_bufts is False and p.use_mmap is True
+    assert low.llama_model_default_params._no_repack

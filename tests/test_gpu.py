@@ -7,7 +7,8 @@ test_device.py); not yet run on a GPU when written (no GPU was available).
   (union path);
 - live hit/miss/eviction counts equal ``sim.replay`` of the recorded ids;
 - a decode step makes no tensor off the device (``device_guard``) and mixes no devices in one op;
-- CPU and GPU greedy tokens are equal on the shipped models;
+- CPU and GPU greedy tokens agree on the shipped models up to a near tie (logits close, the first differing
+  token's margin within the devices' own logit difference: ``assert_greedy_agrees``);
 - ``expertcache generate --device cuda`` runs, and bench rows record the device.
 """
 
@@ -109,20 +110,58 @@ def test_generate_and_sampling_on_the_device(tiny_dir):
     assert torch.equal(out["tokens"], want)  # sampling draws on the CPU from the same generator
 
 
+def test_copy_waits_are_timed_on_the_device(tiny_dir):
+    """On CUDA the compute stream, not the host, waits for a slot's copy: those waits are timed by CUDA events
+    and booked as io_wait (issue 35), in seconds -- never more than the run's wall time."""
+    rt = _rt(tiny_dir["olmoe"], 1)  # C = 1: misses at every step
+    with torch.inference_mode():
+        out = rt.generate(torch.tensor([[5, 6]]), 8)
+    s = out["decode_stats"]
+    assert s["misses"] > 0 and 0.0 <= s["io_wait_seconds"] <= out["decode_s"] + out["prefill_s"]
+    rt.close()
+
+
+def assert_greedy_agrees(rt_cpu, rt_dev, prompt: list[int], cpu: list[int], dev: list[int]) -> None:
+    """The CPU's and the device's greedy continuations of ``prompt`` agree up to their first differing token, and
+    that difference is a near tie the devices' float differences explain -- not a wrong runtime. Both runtimes
+    score the common prefix (one teacher-forced forward each): their logits are close at every position, and at
+    the first differing position the two tokens' logits are, on each device, within twice the largest CPU-vs-device
+    logit difference there (a greedy choice can flip only when the margin is below what the devices disagree by).
+    Exact token equality would fail a correct runtime on a near tie."""
+    j = next((i for i, (a, b) in enumerate(zip(cpu, dev)) if a != b), None)
+    assert j is not None or len(cpu) == len(dev), (len(cpu), len(dev))
+    prefix = torch.tensor([prompt + cpu[:len(cpu) if j is None else j]])
+    logits = []
+    for rt in (rt_cpu, rt_dev):
+        with torch.inference_mode():
+            logits.append(rt.model(input_ids=prefix.to(rt.device), use_cache=False).logits[0].float().cpu())
+    l_cpu, l_dev = logits
+    scale = float(l_cpu.abs().max())
+    torch.testing.assert_close(l_dev, l_cpu, rtol=1e-3, atol=1e-3 * scale)
+    if j is None:
+        return
+    diff = float((l_dev[-1] - l_cpu[-1]).abs().max())
+    for name, l in (("cpu", l_cpu[-1]), ("device", l_dev[-1])):
+        margin = abs(float(l[cpu[j]] - l[dev[j]]))
+        assert margin <= 2 * diff + 1e-5 * scale, (f"token {j}: {cpu[j]} (cpu) vs {dev[j]} (device) is no near tie on "
+                                                   f"the {name}: margin {margin:.3g}, devices differ by {diff:.3g}")
+
+
 @pytest.mark.parametrize("name", ["granular", "coarse"])
-def test_cpu_and_gpu_greedy_tokens_equal_on_shipped_models(name):
+def test_cpu_and_gpu_greedy_tokens_agree_on_shipped_models(name):
     from expertcache.cli.generate import load_prompt
     from expertcache.offload.runtime import resolve_model_path
 
     path = resolve_model_path(name)
     ids, _ = load_prompt(path, "The package manager installs")
-    toks = {}
+    toks, rts = {}, {}
     for dev in ("cpu", DEV):
-        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8, readers=2),
-                                            dtype=torch.float32, device=dev)
-        toks[dev] = rt.generate(ids, 48)["tokens"]
+        rts[dev] = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8, readers=2),
+                                                  dtype=torch.float32, device=dev)
+        toks[dev] = rts[dev].generate(ids, 48)["tokens"][0].tolist()
+    assert_greedy_agrees(rts["cpu"], rts[DEV], ids[0].tolist(), toks["cpu"], toks[DEV])
+    for rt in rts.values():
         rt.close()
-    assert torch.equal(toks["cpu"], toks[DEV])
 
 
 def test_serve_engine_batches_on_the_device():
@@ -154,7 +193,7 @@ def test_serve_engine_batches_on_the_device():
         engine.shutdown(0)
     cpu = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=8), dtype=torch.float32)
     for i, p in enumerate(prompts):
-        assert done[i]["token_ids"] == cpu.generate(torch.tensor([p]), 6)["tokens"][0].tolist(), i
+        assert_greedy_agrees(cpu, rt, p, cpu.generate(torch.tensor([p]), 6)["tokens"][0].tolist(), done[i]["token_ids"])
 
 
 def test_cli_generate_and_bench_on_cuda(tmp_path, capsys):

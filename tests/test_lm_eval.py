@@ -156,3 +156,23 @@ def test_launcher_command_line(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "ec_mmlu_abstract_algebra" in p.stdout
     assert "expertcache: cache-prior(lam=0.2,J=1) capacity=16: miss rate" in p.stderr
+
+
+@pytest.mark.parametrize("argv, device", [(["--tasks", "x"], "auto"), (["--device", "cpu", "--tasks", "x"], "cpu"),
+                                          (["--device=cuda:1"], "cuda:1")])
+def test_launcher_defaults_the_device_to_auto(monkeypatch, argv, device):
+    """lm-eval's config turns an absent ``--device`` into ``cuda:0``, which a machine without CUDA refuses: the
+    launcher passes ``--device auto`` unless one is given (the slow launcher test failed on every CPU machine, unseen
+    while CI never ran the slow tests)."""
+    import lm_eval.__main__
+
+    from expertcache.integrations import lm_eval as launcher
+
+    seen = []
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append(list(sys.argv[1:])))
+    monkeypatch.setattr(sys, "argv", ["prog"])
+    assert launcher.main(argv) == 0
+    got = seen[0]
+    given = [a.split("=", 1)[1] for a in got if a.startswith("--device=")] + \
+        [got[i + 1] for i, a in enumerate(got) if a == "--device"]
+    assert given == [device], got

@@ -82,13 +82,13 @@ def test_request_vector_value_is_the_top_k_mask():
 
 @pytest.mark.parametrize("mode", ["st", "masked"])
 def test_cache_sim_loss_has_a_gradient_on_the_router(mode):
-    from expertcache.melinoe.finetune import _RouterTap
+    from expertcache.melinoe.finetune import RouterTap
     from expertcache.models.adapters import family_for, find_moe_layers
     from expertcache.models.tiny import build_tiny
 
     model = build_tiny("olmoe", seed=0)
     layers = find_moe_layers(model, family_for(model))
-    tap = _RouterTap(layers)
+    tap = RouterTap(layers)
     x = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     model(input_ids=x, use_cache=False)
     pf = tap.stacked(2, 24)
@@ -107,7 +107,7 @@ def test_rank_match_base_is_the_base_models_own_forward():
     (the earlier p_b) differs from layer 1 on."""
     pytest.importorskip("peft")
     from expertcache.assets import shipped_model_dir
-    from expertcache.melinoe.finetune import BaseRouting, FinetuneConfig, _RouterTap, build_trainable, step_losses
+    from expertcache.melinoe.finetune import BaseRouting, FinetuneConfig, RouterTap, build_trainable, step_losses
     from expertcache.models import load_model
 
     src = shipped_model_dir("granular")
@@ -120,7 +120,7 @@ def test_rank_match_base_is_the_base_models_own_forward():
             m.router.weight.add_(0.3 * torch.randn(m.router.weight.shape, generator=g))
     inputs = []
     handles = [m.router.register_forward_hook(lambda mod, a, o: inputs.append(a[0].detach())) for m in layers]
-    tap, base = _RouterTap(layers), BaseRouting(load_model(src))
+    tap, base = RouterTap(layers), BaseRouting(load_model(src))
     xy = torch.randint(3, 8000, (2, 25), generator=g)
     x, y = xy[:, :-1], xy[:, 1:]
     res = step_losses(pm, tap, base, x, y, cfg, 8, 8)

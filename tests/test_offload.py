@@ -371,14 +371,9 @@ def test_rss_growth_stays_within_plan(tmp_path_factory, io, c, p):
         pytest.skip("no /proc/self/statm")
     path = tmp_path_factory.getbasetemp() / "rss-model"
     if not (path / "model.safetensors").is_file():
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from test_memory_plan import olmoe_checkpoint
 
-        cfg = AutoConfig.for_model("olmoe", vocab_size=128, hidden_size=512, intermediate_size=1024,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
-                                   num_experts_per_tok=2, max_position_embeddings=256, pad_token_id=0,
-                                   bos_token_id=1, eos_token_id=2)
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+        olmoe_checkpoint(path, vocab_size=128)
     if io == "direct" and not direct_io_supported(path / "model.safetensors"):
         pytest.skip("filesystem does not support O_DIRECT")
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -36,8 +36,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 class ToyLRU(LRUCache):
     """LRU under another name: the victim score of code LRU, nothing else."""
 
-    kind = "toy-lru"
-
 
 TOY = PolicySpec("toy-max-rank", SPECS["max-rank"].code, "m")
 TOY_RULE = EvictionRule("toy-lru", ToyLRU)

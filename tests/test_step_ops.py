@@ -140,22 +140,17 @@ def test_hits_are_computed_while_the_misses_are_read(tmp_path):
 @pytest.mark.parametrize("arch", ["olmoe", "deepseek_v3", "gpt_oss"])
 def test_cache_aware_step_reads_the_routed_ids_from_the_host(tmp_path, arch):
     """With a cache-aware policy the ids are made on the host (from the logits' one copy there): the step reuses
-    that host copy instead of copying the ids back from the device (on a GPU: one device -> host transfer
-    per layer, not two). Pinned here: transformers hands the router's ids object to the experts unchanged."""
+    that host copy instead of copying the ids back from the device -- on the device proxy
+    (``device_proxy``), one device -> host transfer per MoE layer, not two, and no blocking copy back.
+    Pinned here: transformers hands the router's ids object to the experts unchanged."""
+    from device_proxy import PROXY, DeviceProxy, count_decode, track_runtime
     from expertcache.models.tiny import save_tiny
 
     path = save_tiny(arch, tmp_path / arch, seed=4)
-    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=2, readers=0), dtype=torch.float32,
-                                        routing=RoutingConfig("cache-prior", lam=0.5))
-    seen = []
-    serve = rt._serve
-
-    def spy(index, x_TD, ids_TK, w_TK):
-        seen.append(rt._routed_ids is not None and rt._routed_ids[0] is ids_TK)
-        return serve(index, x_TD, ids_TK, w_TK)
-
-    rt._serve = spy
-    with torch.inference_mode():
-        out = rt.forward(torch.tensor([[5, 6]]), DynamicCache(config=rt.config))
-        rt.forward(torch.tensor([[7]]), out.past_key_values)
-    assert seen and all(seen)
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=2, readers=1), dtype=torch.float32,
+                                        device=PROXY, routing=RoutingConfig("cache-prior", lam=0.5))
+    px = DeviceProxy()
+    track_runtime(px, rt)
+    got = count_decode(rt, px, torch.tensor([[5, 6]]), tokens=2, warm=1)
+    rt.close()
+    assert got["d2h"] == 1 and got["h2d_blocking"] == 0 and got["mixed"] == 0, got["where"]

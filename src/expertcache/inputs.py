@@ -40,10 +40,12 @@ def json_text_fields(line: str, keys: tuple[str, ...], where: str) -> tuple[str,
     was scored as the text "None" / "12345") or not valid Unicode."""
     import json
 
+    from expertcache.jsonsafe import JSONError, loads
+
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        row = loads(line, what=where)
+    except JSONError as exc:
+        raise ValueError(str(exc)) from None
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object with {', '.join(map(repr, keys))}, got a JSON "
                          f"{type(row).__name__}")

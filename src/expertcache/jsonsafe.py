@@ -60,4 +60,6 @@ def loads(text: str | bytes | bytearray, what: str = "JSON", max_depth: int = MA
 def load_path(path: str | Path, what: str | None = None, max_depth: int = MAX_DEPTH):
     """The JSON document in the file at ``path`` (see :func:`loads`); ``what`` defaults to the path."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a FIFO would block the read forever; a folder, a device: no JSON
+        raise JSONError(f"{what or path}: not a regular file")
     return loads(path.read_bytes(), what=what or str(path), max_depth=max_depth)

@@ -14,11 +14,22 @@ value of the declaration (``get``, ``items``, ...), over the declarations satisf
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Names", "Field", "unregister", "registered"]
+__all__ = ["Names", "Field", "unregister", "registered", "NAME", "check_name"]
+
+#: a registered policy or eviction name: no comma (sweep's --policies and --eviction are comma-separated lists),
+#: no '+' (bench's original+lru pairs), no upper case
+NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")
+
+
+def check_name(name: object, what: str) -> None:
+    """ValueError unless ``name`` is a string matching :data:`NAME` (``what``: "policy", "eviction")."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"{what} name must be lower-case letters, digits, '-', '_' or '.', got {name!r}")
 
 
 def unregister(source: dict, builtin, name: str, what: str, lookup: Callable[[str], Any]) -> None:

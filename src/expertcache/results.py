@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from expertcache.jsonsafe import JSONError, loads
+
 
 def named(exc: OSError, path: str | os.PathLike) -> OSError:
     """``exc`` naming ``path`` (errors of ``os.write``/``fsync`` on a descriptor carry no file name, so a full
@@ -105,8 +107,8 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
-        except json.JSONDecodeError:
+            yield loads(line, what=f"{path}:{i + 1}")
+        except JSONError:
             if i == len(lines) - 1:  # torn last line of an interrupted write
                 return
             raise ValueError(f"{path}:{i + 1}: not a JSON row") from None
@@ -125,17 +127,20 @@ def pyplot():
 def save_figure(fig, path: str | os.PathLike, *, tight: bool = True, **savefig) -> Path:
     """Lay ``fig`` out (``tight``), write it to ``path`` through a temporary file beside it (creating the folder;
     a reader never sees half a PNG), close it and return the path. ``savefig``: e.g. ``dpi``, ``bbox_inches``."""
+    from expertcache.outputs import temp_file
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    tmp = None
     try:
+        tmp = temp_file(path)
         if tight:
             fig.tight_layout()
-        fig.savefig(tmp, **savefig)
+        fig.savefig(tmp, **{"format": path.suffix.lstrip(".") or None, **savefig})
         os.replace(tmp, path)
     except OSError as exc:
         raise named(exc, path) from None
     finally:
         pyplot().close(fig)
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return path

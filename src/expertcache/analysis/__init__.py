@@ -38,7 +38,7 @@ class Analysis:
 
 
 def analyze(trace, *, signal: str = "probs", max_batch: int = 32, batch_mode: str = "random",
-            samples: int = 256, seed: int = 0, top_n: int = 10) -> Analysis:
+            samples: int = 256, seed: int = 0, top_n: int = 10, progress: bool = False) -> Analysis:
     """Profile a :class:`~expertcache.trace.RoutingTrace`: frequency, correlation (of ``signal``, see
     :func:`router_signal`), distinct experts for batch sizes 1..``max_batch`` (``batch_mode``, see
     :func:`distinct_experts`). The summary records the configuration and the trace's metadata."""
@@ -59,7 +59,7 @@ def analyze(trace, *, signal: str = "probs", max_batch: int = 32, batch_mode: st
                 s = layer_correlation(expert_correlation(x[:, sorted({a, b}), :]), len({a, b}))  # a == b: [1, 1]
                 layer_corr[a, b], layer_corr[b, a] = s[0, -1], s[-1, 0]
     distinct = distinct_experts(trace.ids_TLK, e, max_batch, mode=batch_mode, samples=samples, seed=seed,
-                                sequence_starts=m.sequence_starts)
+                                sequence_starts=m.sequence_starts, progress=progress)
     summary = {
         "trace": {"model": m.model, "source": m.source, "tokens": trace.num_tokens, "num_layers": l,
                   "num_experts": e, "top_k": k, "scoring": m.scoring, "layer_ids": m.layer_ids,

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from expertcache.analysis.profiling import activation_frequency
+from expertcache.jsonsafe import load_path
 from expertcache.results import atomic_write_bytes, save_npy
 
 __all__ = ["PROFILE_SUFFIXES", "profile_of", "save_profile", "load_profile", "load_freq"]
@@ -60,7 +61,7 @@ def load_profile(path: str | os.PathLike) -> np.ndarray:
         if path.suffix == ".npy":
             freq = np.load(path, allow_pickle=False)
         elif path.suffix == ".json":
-            doc = json.loads(path.read_text(encoding="utf-8"))
+            doc = load_path(path)
             freq = np.asarray(doc["freq"], dtype=np.float64)
         else:
             raise ValueError(f"profile file must end in {' or '.join(PROFILE_SUFFIXES)}, got {path.name!r}")

@@ -146,7 +146,7 @@ def _windows(b: int, num_tokens: int, sequence_starts: list[int] | None) -> np.n
 
 def distinct_experts(ids_TLK: np.ndarray, num_experts: int, max_batch: int, *, mode: str = "random",
                      samples: int = 256, seed: int = 0,
-                     sequence_starts: list[int] | None = None) -> np.ndarray:
+                     sequence_starts: list[int] | None = None, progress: bool = False) -> np.ndarray:
     """[B, L] float64: row b-1 is the mean number of distinct experts requested at each layer by a batch of
     b tokens (the union of their selected ids), for b = 1..``max_batch`` (003 Fig. 6).
 
@@ -169,7 +169,10 @@ def distinct_experts(ids_TLK: np.ndarray, num_experts: int, max_batch: int, *, m
     rng = np.random.default_rng(seed)
     out = np.full((max_batch, l), np.nan)
     ids_flat = np.where(ids >= 0, ids, num_experts)  # [T, L, K]; dropped -> spare column E
-    for b in range(1, max_batch + 1):
+    from tqdm import tqdm
+
+    for b in tqdm(range(1, max_batch + 1), desc="distinct experts", unit="batch size", disable=not progress,
+                  leave=False):
         if mode == "random":
             if b > t:
                 continue

@@ -2,7 +2,7 @@
 ``lfu``, ``gamma`` -- the always-admitting ``gamma-admit`` --, ``discounted`` -- 004's Definition C.1 γ cache,
 registry name ``gamma`` --, ``belady``), statistics (``stats``) and the registry (``caches.make_cache``)."""
 
-from expertcache.cache.base import ExpertCache
+from expertcache.cache.base import DEFAULT_GAMMA, ExpertCache
 from expertcache.cache.belady import BeladyCache
 from expertcache.cache.caches import (EVICTION_POLICIES, EVICTIONS, LIVE_EVICTIONS, EvictionRule, eviction_rule, evictions,
                                       make_cache, register_eviction, registered_eviction, resolve_capacity,
@@ -16,5 +16,5 @@ from expertcache.cache.stats import CacheStats
 __all__ = [
     "EVICTION_POLICIES", "EVICTIONS", "LIVE_EVICTIONS", "EvictionRule", "eviction_rule", "evictions",
     "register_eviction", "registered_eviction", "unregister_eviction", "BeladyCache", "CacheStats", "DiscountedCache", "ExpertCache", "GammaCache", "LFUCache",
-    "LRUCache", "make_cache", "resolve_capacity",
+    "LRUCache", "make_cache", "resolve_capacity", "DEFAULT_GAMMA",
 ]

@@ -56,7 +56,11 @@ from expertcache.cache.stats import CacheStats
 from expertcache.compiled import jit_each as _jit_each
 from expertcache.compiled import jit_inline as _jit_inline
 
-__all__ = ["ExpertCache", "initial_set", "order_steps", "serve_one"]
+__all__ = ["ExpertCache", "initial_set", "order_steps", "serve_one", "DEFAULT_GAMMA"]
+
+#: γ of the discounted-count caches (``gamma``, ``gamma-admit``) when none is given: every signature, flag and
+#: sweep reads it from here
+DEFAULT_GAMMA = 0.9
 
 RESIDENT, STAMP, LOADED_AT, LT_SUM, LT_CNT, LOADS, SERVING = range(7)
 CLOCK, STEP, N_RES, CAP, ACCESSES, HITS, MISSES, LIFETIME_SUM, LIFETIME_SUMSQ, LIFETIMES = range(10)
@@ -240,7 +244,6 @@ class ExpertCache:
     expert_bytes: bytes loaded per miss, an int for all experts or a per-expert sequence (optional).
     """
 
-    kind = "base"
     code = LRU
 
     def __init__(self, num_experts: int, capacity: int, *, initial: str | Iterable[int] | None = None,
@@ -354,10 +357,16 @@ class ExpertCache:
                 raise ValueError(f"order_by must be [P={ids_PK.shape[0]}, E={n}], got {order_by.shape}")
             ids_PK = np.ascontiguousarray(order_steps(ids_PK, order_by))
         bad = _SERVE[self.code](ids_PK, self._next_steps(ids_PK), self.st_E, self.score_E, self.st_S, self.pf)
-        self._unfolded = True
+        self.kernel_served()
         if bad >= 0:
             raise ValueError(f"bad step {ids_PK[bad].tolist()}: ids must be distinct and in [0, {n}); "
                              "an expert is requested twice in one step or is out of range")
+
+    def kernel_served(self) -> None:
+        """Note that a compiled kernel served steps on ``st_E``/``score_E``/``st_S``/``pf`` (this class's
+        :meth:`serve_array`, or a kernel outside it: ``models/fused.py``'s fused routing and serving): the counts
+        it made are moved into :attr:`stats` on the next read."""
+        self._unfolded = True
 
     def _next_steps(self, ids_PK: np.ndarray) -> np.ndarray:
         """Belady's next-request step of each id of the P steps about to be served (others: unused)."""
@@ -416,7 +425,7 @@ class ExpertCache:
         out.__dict__.update({k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.__dict__.items()})
         step = self._step
         for e in np.flatnonzero(self.st_E[RESIDENT]).tolist():
-            out._close(e, step - int(self.st_E[LOADED_AT, e]))
+            out.close_residency(e, step - int(self.st_E[LOADED_AT, e]))
             out.censored += 1
         return out
 

@@ -27,7 +27,6 @@ class BeladyCache(ExpertCache):
     a miss and an eviction with lifetime 0) instead of displacing it, so Belady stays a lower bound.
     """
 
-    kind = "belady"
     code = BELADY
 
     def __init__(self, num_experts: int, capacity: int, *, future: Sequence[Sequence[int]], **kw) -> None:

@@ -5,18 +5,17 @@ is accepted by all of them; :func:`make_cache` builds one layer's cache by name;
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from expertcache.cache import base as _base
-from expertcache.cache.base import ExpertCache
+from expertcache.cache.base import DEFAULT_GAMMA, ExpertCache
 from expertcache.cache.belady import BeladyCache
 from expertcache.cache.discounted import DiscountedCache
 from expertcache.cache.gamma import GammaCache
 from expertcache.cache.lfu import LFUCache
 from expertcache.cache.lru import LRUCache
-from expertcache.registries import Names, registered, unregister
+from expertcache.registries import Names, check_name, registered, unregister
 
 __all__ = ["EVICTION_POLICIES", "EVICTIONS", "LIVE_EVICTIONS", "EvictionRule", "eviction_rule", "evictions",
            "make_cache", "register_eviction", "registered_eviction", "resolve_capacity", "unregister_eviction"]
@@ -66,7 +65,6 @@ _CODE_RULE = {_base.LRU: (True, False), _base.COUNTS: (True, False), _base.BELAD
               _base.DISCOUNTED: (False, False)}
 #: the make_cache keywords a rule may read
 _PARAMS = ("gamma",)
-_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # no comma: sweep's --eviction is a comma-separated list
 
 
 def evictions() -> tuple[str, ...]:
@@ -91,8 +89,7 @@ def register_eviction(rule: EvictionRule) -> EvictionRule:
     if not isinstance(rule, EvictionRule):
         raise ValueError(f"register_eviction takes an EvictionRule, got {type(rule).__name__}")
     name = rule.name
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"eviction name must be lower-case letters, digits, '-', '_' or '.', got {name!r}")
+    check_name(name, "eviction")
     if name in EVICTIONS:
         raise ValueError(f"eviction rule {name!r} is already registered")
     if not (isinstance(rule.cls, type) and issubclass(rule.cls, ExpertCache)):
@@ -152,7 +149,7 @@ def make_cache(
     *,
     initial: str | Iterable[int] | None = None,
     seed: int = 0,
-    gamma: float = 0.9,
+    gamma: float = DEFAULT_GAMMA,
     future: Sequence[Sequence[int]] | None = None,
     expert_bytes: int | Sequence[int] | None = None,
 ) -> ExpertCache:

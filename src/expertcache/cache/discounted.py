@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from expertcache.cache.base import DISCOUNTED, RESIDENT, ExpertCache
+from expertcache.cache.base import DEFAULT_GAMMA, DISCOUNTED, RESIDENT, ExpertCache
 
 __all__ = ["DiscountedCache"]
 
@@ -41,10 +41,9 @@ __all__ = ["DiscountedCache"]
 class DiscountedCache(ExpertCache):
     """004 Definition C.1 γ cache (see the module docstring). Registry name ``gamma``."""
 
-    kind = "gamma"
     code = DISCOUNTED
 
-    def __init__(self, num_experts: int, capacity: int, *, gamma: float = 0.9,
+    def __init__(self, num_experts: int, capacity: int, *, gamma: float = DEFAULT_GAMMA,
                  initial: str | Iterable[int] | None = None, **kw) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"γ must be in [0, 1], got {gamma}")

@@ -7,6 +7,7 @@ count score of :func:`expertcache.cache.base.serve_one` (code ``COUNTS``)."""
 
 from __future__ import annotations
 
+from expertcache.cache.base import DEFAULT_GAMMA
 from expertcache.cache.lfu import LFUCache
 
 __all__ = ["GammaCache"]
@@ -15,9 +16,7 @@ __all__ = ["GammaCache"]
 class GammaCache(LFUCache):
     """γ-discounted request counts, always admitting (``gamma-admit``); ``gamma`` in [0, 1]."""
 
-    kind = "gamma-admit"
-
-    def __init__(self, num_experts: int, capacity: int, *, gamma: float = 0.9, **kw) -> None:
+    def __init__(self, num_experts: int, capacity: int, *, gamma: float = DEFAULT_GAMMA, **kw) -> None:
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"γ must be in [0, 1], got {gamma}")
         self.gamma = gamma

@@ -12,5 +12,4 @@ __all__ = ["LFUCache"]
 class LFUCache(ExpertCache):
     """Least-frequently-used eviction (global request counts, ties by recency)."""
 
-    kind = "lfu"
     code = COUNTS

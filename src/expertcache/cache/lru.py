@@ -12,5 +12,4 @@ __all__ = ["LRUCache"]
 class LRUCache(ExpertCache):
     """Least-recently-used eviction; within a step the higher-weight expert is evicted first."""
 
-    kind = "lru"
     code = LRU

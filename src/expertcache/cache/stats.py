@@ -51,7 +51,9 @@ class CacheStats:
         mean = self.lifetime_sum / n
         return math.sqrt(max(0.0, self.lifetime_sumsq / n - mean * mean))
 
-    def _close(self, expert: int, lifetime: int) -> None:
+    def close_residency(self, expert: int, lifetime: int) -> None:
+        """Count one residency of ``expert`` that ended (evicted, or still open at :meth:`ExpertCache.finish`)
+        after ``lifetime`` steps."""
         self.lifetime_sum += lifetime
         self.lifetime_sumsq += lifetime * lifetime
         self.lifetime_count += 1

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from expertcache.cli.common import check_output_path, nonneg_int, positive_int
+from expertcache.cli.common import check_output_path, int_in, positive_int, seed_int
 
 DESCRIPTION = """\
 Profile the expert activations of a routing trace (003 MoE-ERAS section IV-A):
@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-mode", choices=("random", "consecutive"), default="random",
                    help="batches of random tokens (independent sequences) or consecutive tokens of one sequence "
                    "(default: random)")
-    p.add_argument("--samples", type=positive_int, default=256, help="random batches per batch size (default: 256)")
-    p.add_argument("--seed", type=nonneg_int, default=0, help="seed of the random batches (default: 0)")
+    p.add_argument("--samples", type=int_in(1, 100_000, "random batches per size"), default=256, help="random batches per batch size (default: 256)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the random batches (default: 0)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -57,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
 
         args.trace = str(demo_trace_path())
     trace = RoutingTrace.load(args.trace)
+    check_batches(args, trace)
     result = analyze(trace, signal=args.signal, max_batch=args.max_batch, batch_mode=args.batch_mode,
-                     samples=args.samples, seed=args.seed)
+                     samples=args.samples, seed=args.seed, progress=sys.stderr.isatty())
     summary = {**result.summary, "trace_file": str(args.trace)}
     written = []
     if args.profile_out:
@@ -89,6 +90,34 @@ def run(args: argparse.Namespace) -> int:
     for p in written:
         print(f"wrote {p}", file=sys.stderr)
     return 0
+
+
+#: the most memory the distinct-experts batches may take (the largest batch size's [samples, b, L, K] ids)
+MAX_BATCH_BYTES = 2 << 30
+#: the most random batches drawn in all (--samples per batch size, sizes 1..--max-batch): ~1 min on one core
+MAX_DRAWS = 1_000_000
+
+
+def check_batches(args, trace) -> None:
+    """Refuse (one line naming the flag) a --max-batch past the trace's tokens -- a batch holds distinct tokens --
+    and --samples × --max-batch past :data:`MAX_DRAWS` or :data:`MAX_BATCH_BYTES` (a MemoryError or minutes of
+    silence before)."""
+    from expertcache.cli.main import UsageError
+
+    t = trace.num_tokens
+    if args.max_batch > t:
+        raise UsageError(f"--max-batch {args.max_batch}: the trace holds only {t} tokens (a batch is of distinct "
+                         f"tokens); give --max-batch ≤ {t}")
+    if args.batch_mode != "random":
+        return
+    if args.samples * args.max_batch > MAX_DRAWS:
+        raise UsageError(f"--samples {args.samples} × --max-batch {args.max_batch} random batches: at most "
+                         f"{MAX_DRAWS:,} in all (≤ {MAX_DRAWS // args.max_batch} samples at this --max-batch)")
+    need = args.samples * args.max_batch * trace.num_layers * (8 * trace.meta.top_k + trace.meta.num_experts + 1)
+    if need > MAX_BATCH_BYTES:
+        raise UsageError(f"--samples {args.samples} × --max-batch {args.max_batch} would take "
+                         f"{need / 2**30:.1f} GiB for the largest batch (at most {MAX_BATCH_BYTES / 2**30:.0f} GiB); "
+                         f"lower one of them")
 
 
 def _f(x, fmt="{:.3f}"):

@@ -7,7 +7,11 @@ import argparse
 import json
 import sys
 
-from expertcache.cli.common import add_predictor_arg, device_from_args, check_output_path, nonneg_int, positive_int, predictor_from_args
+from expertcache.cli.common import (add_predictor_arg, check_output_path, device_from_args, int_in, positive_int,
+                                    predictor_from_args, seed_int)
+
+#: the most rows --batch decodes together (the KV cache and the routing of every row are held at once)
+MAX_BATCH = 1024
 from expertcache.cli.generate import add_offload_args, check_context, dtype_from_args, offload_from_args
 
 DESCRIPTION = """\
@@ -45,16 +49,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "$EXPERTCACHE_CACHE defaults to ~/.cache/expertcache)")
     p.add_argument("--policies", nargs="+", choices=bench_policies(), default=None,
                    help=f"policies to run (default: {' '.join(DEFAULT_BENCH)})")
-    p.add_argument("--tokens", type=positive_int, default=32, help="decoded tokens per run (default: 32)")
+    p.add_argument("--tokens", type=int_in(2, 1 << 20), default=32,
+                   help="decoded tokens per run, ≥ 2: the first comes from the prefill (default: 32)")
     p.add_argument("--prompt-tokens", type=positive_int, default=16, help="prompt length (default: 16)")
-    p.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (default: 1)")
+    p.add_argument("--batch", type=int_in(1, MAX_BATCH, "rows decoded together"), default=1, help="sequences decoded together (default: 1)")
     p.add_argument("--repeats", type=positive_int, default=3, help="rounds; medians are reported (default: 3)")
-    p.add_argument("--prompt-seed", type=nonneg_int, default=0, help="seed of the prompt")
+    p.add_argument("--prompt-seed", type=seed_int, default=0, help="seed of the prompt")
     p.add_argument("--out", default=None, help="append one JSONL row per (policy, round) to this file")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     add_offload_args(p)
     add_predictor_arg(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, row_outputs=("out",), replaced_folders=("out_dir",), writer="bench --make-model")
 
 
 def _prompt(path, n: int, batch: int, seed: int):

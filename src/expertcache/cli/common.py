@@ -6,7 +6,7 @@ import argparse
 import math
 from dataclasses import MISSING, fields
 
-from expertcache.cache import EVICTION_POLICIES
+from expertcache.cache import DEFAULT_GAMMA, EVICTION_POLICIES
 from expertcache.routing import POLICIES, RoutingConfig
 
 _HELP = {
@@ -64,7 +64,7 @@ def add_dataclass_args(parser, cls, *, helps: dict | None = None, choices: dict 
         default = getattr(defaults, f.name) if defaults is not None else f.default
         if default is MISSING:  # a collection (default_factory): not a flag
             continue
-        typ = {int: nonneg_int, float: finite_float}.get(type(default), str)
+        typ = {int: seed_int if f.name.endswith("seed") else nonneg_int, float: finite_float}.get(type(default), str)
         kw = dict(dest=f.name, type=typ, default=default, choices=(choices or {}).get(f.name))
         if helps is not None:
             kw["help"] = f"{helps.get(f.name, f.name)} (default: {default})"
@@ -132,10 +132,10 @@ def add_cache_args(parser: argparse.ArgumentParser, *, default_capacity: str = "
 
 def add_cache_state_args(g) -> None:
     """--gamma, --initial, --seed, --between-sequences: the cache options besides eviction and capacity."""
-    g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma / gamma-admit cache in [0, 1] (1 = LFU, "
-                   "0 = LRU; default 0.9)")
+    g.add_argument("--gamma", type=unit_float, default=DEFAULT_GAMMA, help="γ of the gamma / gamma-admit cache in [0, 1] (1 = LFU, "
+                   f"0 = LRU; default {DEFAULT_GAMMA})")
     g.add_argument("--initial", default="empty", choices=("empty", "random"), help="initial cache state")
-    g.add_argument("--seed", type=nonneg_int, default=0, help="seed for a random initial state")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed for a random initial state")
     g.add_argument("--between-sequences", choices=("carry", "reset"), default="carry",
                    help="keep caches across sequences (carry) or start each sequence empty (reset)")
 
@@ -168,6 +168,34 @@ def prompt_text(text: str) -> str:
 def positive_int(text: str) -> int:
     """argparse type: an integer ≥ 1."""
     return _int_at_least(text, 1)
+
+
+def int_in(lo: int, hi: int, why: str = ""):
+    """argparse type: an integer in [lo, hi]; the message says the bound and ``why`` it is one."""
+    def parse(text: str) -> int:
+        value = _int_at_least(text, lo)
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"must be ≤ {hi}{f' ({why})' if why else ''}, got {value}")
+        return value
+    return parse
+
+
+#: the largest seed: numpy's legacy ``np.random.seed`` takes 32 bits (torch 64); a larger one failed deep inside
+#: ("Overflow when unpacking long long")
+MAX_SEED = 2**32 - 1
+seed_int = int_in(0, MAX_SEED, "a 32-bit seed")
+
+#: threads per CPU core a flag may ask for: more only contend, and thousands crashed torch (a segfault at 1999)
+THREADS_PER_CORE = 4
+#: the most reader threads of the I/O queue: reads beyond a few dozen in flight only queue in the device
+MAX_READERS = 64
+
+
+def max_threads(cores: int | None = None) -> int:
+    """The most compute threads a flag may ask for on this machine: :data:`THREADS_PER_CORE` per CPU core."""
+    import os
+
+    return THREADS_PER_CORE * (cores or os.cpu_count() or 1)
 
 
 def nonneg_int(text: str) -> int:
@@ -241,14 +269,15 @@ capacity_list = csv_of(capacity_spec, "cache size")  # sweep's --capacity
 
 
 def memory_spec(text: str) -> str:
-    """argparse type of ``--memory``: a byte size such as 3GiB, 200MiB or a byte count (> 0), or 'minimum'."""
-    from expertcache.offload.budget import MINIMUM, parse_bytes
+    """argparse type of ``--memory``: a byte size such as 3GiB, 200MiB or a byte count (> 0), 'minimum' or
+    'auto' (the memory cgroup's limit)."""
+    from expertcache.offload.budget import AUTO, MINIMUM, parse_bytes
 
     try:
         n = parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if n <= 0 and n != MINIMUM:
+    if n <= 0 and n not in (MINIMUM, AUTO):
         raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
     return str(text)
 
@@ -327,7 +356,9 @@ def add_threads_arg(parser) -> None:
 
 
 def _threads_type(text: str):
-    return text if text == "auto" else positive_int(text)
+    if text == "auto":
+        return text
+    return int_in(1, max_threads(), f"{THREADS_PER_CORE} per CPU core of this machine")(text)
 
 
 def apply_threads(args: argparse.Namespace, model=None) -> int:
@@ -346,13 +377,14 @@ def apply_threads(args: argparse.Namespace, model=None) -> int:
 def _hidden_size(model) -> int | None:
     if model is None:
         return None
-    import json
     from pathlib import Path
+
+    from expertcache.jsonsafe import load_path
 
     if isinstance(model, (str, Path)):
         try:
-            return int(json.loads((Path(model) / "config.json").read_text()).get("hidden_size"))
-        except (OSError, ValueError, TypeError):
+            return int(load_path(Path(model) / "config.json").get("hidden_size"))
+        except (OSError, ValueError, TypeError, AttributeError):
             return None
     cfg = getattr(model, "config", model)
     return getattr(cfg, "hidden_size", None)

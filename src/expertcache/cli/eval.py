@@ -69,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one machine-readable JSON row instead of a table")
     p.add_argument("--out", default=None, help="also append the JSON row to this JSONL file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, row_outputs=("out",))
 
 
 def freq_profile(args, routing):

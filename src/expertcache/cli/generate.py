@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 
-from expertcache.cache import LIVE_EVICTIONS
+from expertcache.cache import DEFAULT_GAMMA, LIVE_EVICTIONS
 from expertcache.cli.common import (add_device_arg, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads, device_from_args, memory_spec,
-                                    nonneg_float, nonneg_int, positive_int, predictor_from_args, print_resolved,
-                                    prompt_text, routing_from_args, unit_float)
+                                    MAX_READERS, int_in, nonneg_float, nonneg_int, positive_int, predictor_from_args, print_resolved,
+                                    prompt_text, routing_from_args, seed_int, unit_float)
 
 DESCRIPTION = """\
 Generate text with the experts offloaded: only C experts per MoE layer are in fast memory (from --memory or
@@ -41,8 +41,11 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g = parser.add_argument_group("offloading")
     size = g.add_mutually_exclusive_group()
     size.add_argument("--memory", type=memory_spec, default=None,
-                      help="fast-memory budget (e.g. 3GiB, 200MiB, or 'minimum' for K experts per layer): non-expert "
-                           "weights + KV cache + expert slots")
+                      help="fast-memory budget (e.g. 3GiB, 200MiB, 'minimum' for K experts per layer, or 'auto': the "
+                           "largest that keeps the whole process within its memory cgroup's limit): non-expert "
+                           "weights + KV cache + expert slots. Inside a memory cgroup the whole process (this "
+                           "budget + the interpreter's own memory + loading peaks) must fit the limit, else it is "
+                           "refused before loading")
     size.add_argument("--cache-experts", type=positive_int, default=None, metavar="C",
                       help="expert slots per MoE layer (default: all N if no --memory)")
     g.add_argument("--tier", choices=TIERS, default="disk", help="where the experts live (default: disk)")
@@ -52,18 +55,23 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--io", choices=IO_MODES, default=default_io,
                    help=f"disk reads: direct (O_DIRECT), fadvise (drop page cache first), cached (default: {default_io})")
     d = OffloadConfig()
-    g.add_argument("--readers", type=nonneg_int, default=None,
+    g.add_argument("--readers", type=int_in(0, MAX_READERS, "reader threads"), default=None,
                    help=f"reader threads issuing expert reads in parallel with compute (0 = serial reads on the "
-                        f"compute thread; default: 0 with --tier host on a CPU, where a read is a memory copy shorter "
-                        f"than a thread hand-off, else {d.PARALLEL_READERS})")
+                        f"compute thread; default: 0 with --tier host, where a read is a memory copy (CPU) or an "
+                        f"asynchronous copy queued on the copy stream (CUDA), shorter than a thread hand-off; "
+                        f"{d.PARALLEL_READERS} with --tier disk)")
     g.add_argument("--prefetch", type=int, nargs="?", const=-1, default=d.prefetch, metavar="P",
                    help="next-layer speculative prefetch into P spare slots shared by all layers (counted in the "
                         "memory plan; --prefetch alone: P = 2K); default: off")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the dense part of each decoder layer (norms, attention); the first "
+                        "tokens pay the compilation")
     g.add_argument("--quant", choices=QUANT_MODES, default=None,
                    help="quantised experts, packed once for torch's fused weight-only kernels: int8 (per output "
                         "channel, _weight_int8pack_mm) or int4 (group-wise, _weight_int4pack_mm / _for_cpu); where D "
                         "or F is not the kernel's multiple (int4: G, int8: 16; the shipped models) K is zero-padded, "
-                        "never a slower path; the log names the kernel and padding")
+                        "never a slower path; the log names the kernel and padding. int4 is the fast one (int8 halves the "
+                        "bytes, but its CPU kernel runs at about bf16's speed: BENCHMARKS.md)")
     g.add_argument("--group", type=int, choices=KERNEL_GROUPS, default=None, metavar="G",
                    help="int4 group size: 32, 64, 128 or 256 (the kernels'); default 64 where it divides D and F, "
                         "else 32 with K padded")
@@ -92,7 +100,8 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--eviction", choices=LIVE_EVICTIONS, default="lru",
                    help="eviction policy (default: lru; gamma: 004's Top-C of discounted counts, gamma-admit: "
                    "discounted counts, always admits)")
-    g.add_argument("--gamma", type=unit_float, default=0.9, help="γ of the gamma / gamma-admit cache in [0, 1] (default 0.9)")
+    g.add_argument("--gamma", type=unit_float, default=DEFAULT_GAMMA,
+                   help=f"γ of the gamma / gamma-admit cache in [0, 1] (default {DEFAULT_GAMMA})")
     add_threads_arg(g)
     add_device_arg(g)
 
@@ -139,6 +148,9 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
         prefetch = 2 * (_top_k(path) if path is not None else 8)
     elif prefetch < 0:
         raise ValueError(f"--prefetch must be >= 0, got {prefetch}")
+    if path is not None and prefetch > (most := _expert_count(path)):
+        raise ValueError(f"--prefetch {prefetch}: more spare slots than the model's {most} experts (all layers); "
+                         f"give --prefetch ≤ {most}")
     host_memory = getattr(args, "host_memory", None)
     if host_memory is not None and args.tier != "disk":
         raise ValueError(f"--host-memory needs --tier disk (with --tier {args.tier} every expert is in host RAM already)")
@@ -158,7 +170,18 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
                          quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
                          prefetch=prefetch, host_memory=host_memory, quant_dense=None if dense == "none" else dense,
-                         resident_quant=low, **rule)
+                         compile=bool(getattr(args, "compile", False)), resident_quant=low, **rule)
+
+
+def _expert_count(path) -> int:
+    """Routed experts over all layers of the checkpoint ``path`` (the most slots a prefetch could use)."""
+    from expertcache.models.loader import read_config_json
+
+    cfg = read_config_json(path)
+    n = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if isinstance(cfg.get(k), int)),
+             None)
+    layers = cfg.get("num_hidden_layers")
+    return n * layers if isinstance(n, int) and isinstance(layers, int) else 1 << 20
 
 
 def _top_k(path) -> int:
@@ -182,7 +205,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=64,
                    help="tokens to generate (default: 64; prompt + this must fit in the model's context)")
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature (0 = greedy, default)")
-    p.add_argument("--seed", type=nonneg_int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=seed_int, default=0, help="sampling seed")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON row (stderr)")
     add_offload_args(p)
     add_predictor_arg(p)
@@ -241,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
     offload = offload_from_args(args, context=ids.shape[1] + args.max_new_tokens, path=path)
     rt = OffloadedModel.from_pretrained(path, offload, dtype=dtype_from_args(args), routing=routing,
                                         eviction=args.eviction, gamma=args.gamma, device=args.device)
+    if args.memory == "auto":  # what the container's limit became
+        print(f"expertcache generate: {rt.plan.describe()}", file=sys.stderr)
     out = sys.stdout
     shown = ""
     generated: list[int] = []

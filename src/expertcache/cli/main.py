@@ -150,6 +150,11 @@ def _warnings_as_lines(command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if sys.stdout is None:  # started with stdout closed (``>&-``): every print would fail with AttributeError
+        if sys.stderr is not None:
+            print(f"expertcache {_command_of(argv) or ''}: error: stdout is closed (run it with an output, e.g. "
+                  "> /dev/null)".replace("  ", " "), file=sys.stderr)
+        return 2
     if argv[:1] == ["--version"]:  # fast path: no command module, no torch
         print(f"expertcache {__version__}")
         return 0
@@ -171,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _warnings_as_lines(args.command)
     try:
+        from expertcache.outputs import check_args
+
+        check_args(args, args.command)  # no output may damage an input or a user's file: before any work
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a full disk or closed pipe on stdout fails here, inside the handlers below
         return code
@@ -187,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         print(f"expertcache {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except UnicodeEncodeError as exc:  # PYTHONIOENCODING=ascii, a C locale: the output, not an input, is at fault
+        print(f"expertcache {args.command}: error: stdout: cannot write {exc.object[exc.start:exc.end]!r} in the "
+              f"output's encoding {exc.encoding} (set PYTHONIOENCODING=utf-8)", file=sys.stderr)
         return 2
     except (UsageError, ValueError) as exc:  # bad input: files, flags, prompts, output paths
         print(f"expertcache {args.command}: error: {_one_line(exc)}", file=sys.stderr)

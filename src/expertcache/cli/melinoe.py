@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 
 from expertcache.cli.common import add_dataclass_args, config_from_args
+from expertcache.jsonsafe import load_path
 
 DESCRIPTION = """\
 MELINOE (seed 004): change the model once so that each sequence leans on fewer experts, then predict those
@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             action.help = (f"{_FT_HELP.get(action.dest, action.dest)} (default: from --preset: "
                            + ", ".join(f"{name} {rec[action.dest][0]}" for name, rec in PRESETS.items()) + ")")
     ft.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ft.set_defaults(func=run_finetune)
+    ft.set_defaults(func=run_finetune, replaced_folders=(("out", "model"), ("out", "state")), writer="melinoe finetune")
     pr = msub.add_parser("predictor", help="train the prompt -> expert-preference predictor (004 Sec. 3.1.2)")
     add_dataclass_args(pr, PredictorConfig, helps=PredictorConfig.HELP)
     pr.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -80,7 +80,7 @@ def run_finetune(args) -> int:
     cfg = finetune_config(args)
     cfg.check()  # --out included, before the model loads
     path = finetune(cfg, command="expertcache " + shlex.join(sys.argv[1:]), progress=not args.no_progress)
-    summary = json.loads((path / "melinoe_summary.json").read_text())
+    summary = load_path(path / "melinoe_summary.json")
     ev = summary["heldout"]
     print(f"wrote {path}: held-out ppl {ev['ppl']:.3f}, γ-cache misses/token/layer "
           f"{ev['gamma_misses_per_token_layer']:.3f} (C={summary['capacity']}, K={summary['top_k']})")

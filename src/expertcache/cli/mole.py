@@ -16,6 +16,7 @@ import shlex
 import sys
 
 from expertcache.cli.common import add_device_arg, add_threads_arg, apply_threads, config_from_args, device_from_args
+from expertcache.jsonsafe import load_path
 
 
 def register(subparsers) -> None:
@@ -33,7 +34,7 @@ def register(subparsers) -> None:
     add_dataclass_args(t, MoleTrainConfig, choices={"kind": KINDS})  # raw field defaults: ``model=""`` is from the kind
     t.add_argument("--tokenizer", default="", help="tokenizer folder (default: the shipped models' tokenizer)")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    t.set_defaults(func=run_train)
+    t.set_defaults(func=run_train, replaced_folders=(("out", "model"),), writer="train")
 
     e = sub.add_parser("export", help="re-parameterise a trained MoLE model into a lookup-table folder")
     e.add_argument("model_dir", metavar="MODEL_DIR", help="training-form MoLE model folder (<run>/model)")
@@ -42,7 +43,7 @@ def register(subparsers) -> None:
                    help="table values: none (--dtype), int8 or nf4 (block-wise absmax, 64-value blocks)")
     e.add_argument("--dtype", choices=("float16", "float32"), default="float16", help="values with --quant none")
     add_threads_arg(e)
-    e.set_defaults(func=run_export)
+    e.set_defaults(func=run_export, replaced_folders=("out",), writer="mole export")
 
     g = sub.add_parser("generate", help="stream a greedy continuation (table form reads the table per token)")
     g.add_argument("model_dir", metavar="TABLE_MODEL", help="exported table folder (or any compared model folder)")
@@ -71,7 +72,7 @@ def register(subparsers) -> None:
     add_threads_arg(v)
     v.add_argument("--label", default="", help="row label (default: the folder name)")
     v.add_argument("--out", default="", help="append the row to this JSONL file")
-    v.set_defaults(func=run_eval)
+    v.set_defaults(func=run_eval, row_outputs=("out",))
 
 
 def _check_model_dir(path) -> None:
@@ -94,10 +95,9 @@ def _command() -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from expertcache.cli.common import check_output_path
     from expertcache.mole.configs import MoleTrainConfig
     from expertcache.mole.train import train_mole
-
-    from expertcache.cli.common import check_output_path
 
     cfg = config_from_args(MoleTrainConfig, args)
     check_output_path(cfg.out or None, "--out", directory=True)
@@ -114,7 +114,7 @@ def run_export(args: argparse.Namespace) -> int:
     check_output_path(args.out, "--out", directory=True)
     apply_threads(args, args.model_dir)
     out = export_table(args.model_dir, args.out, quant=args.quant, dtype=args.dtype, threads=args.threads)
-    spec = TableSpec(**json.loads((out / "config.json").read_text())["lookup_table"])
+    spec = TableSpec(**load_path(out / "config.json")["lookup_table"])
     print(f"wrote {out}: {spec.quant} table [V={spec.vocab}, L={spec.layers}, N={spec.experts}, D={spec.hidden}], "
           f"{spec.table_bytes / 2**20:.1f} MiB, {spec.record_bytes} bytes read per token")
     return 0

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="append the rows to this JSONL file")
     p.add_argument("--fig", default=None, help="write the figure to this PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, row_outputs=("out",))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,8 +7,8 @@ import sys
 
 from expertcache.cli.common import add_routing_args, nonneg_float, nonneg_int, positive_int, routing_from_args
 from expertcache.cli.generate import add_offload_args, add_routing_alias, dtype_from_args, offload_from_args
+from expertcache.serve.defaults import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS, is_loopback
 
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 API_KEY_ENV = "EXPERTCACHE_API_KEY"
 
 DESCRIPTION = """\
@@ -152,41 +152,31 @@ def run(args: argparse.Namespace) -> int:
 def allowed_hosts(host: str, extra: list[str]) -> tuple[str, ...] | None:
     """The Host names the server answers to: on loopback, localhost / 127.0.0.1 / ::1 plus ``extra``
     (--allowed-host); elsewhere None (any) unless ``extra`` names some."""
-    from expertcache.serve.app import LOOPBACK_HOSTS
-
     if is_loopback(host) or extra:
         return (*LOOPBACK_HOSTS, host.strip("[]"), *extra)
     return None
 
 
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host in ("localhost", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def what_fits(args, path, context: int) -> str:
     """What this --memory holds instead: the largest --max-batch (the KV cache reserves --max-batch rows of the
     whole context), or the memory --max-batch rows need. Plans a one-row runtime to read the sizes."""
     from expertcache.offload import BudgetError, OffloadedModel
-    from expertcache.offload.budget import MINIMUM, format_bytes, parse_bytes
+    from expertcache.offload.budget import AUTO, MINIMUM, format_bytes, parse_bytes
 
-    need_1 = None
+    need_1 = auto = None
     try:
         one = OffloadedModel.from_pretrained(path, offload_from_args(args, context=context, batch=1),
                                              dtype=dtype_from_args(args))
-        plan = one._plan()
-        need_1, kv_row = plan.minimum, plan.kv_bytes
+        plan = one.plan
+        need_1, kv_row, auto = plan.minimum, plan.kv_bytes, plan.budget
     except BudgetError:
         pass
     if need_1 is None:
         return "it cannot hold even one row of the context: give more --memory"
     budget = parse_bytes(args.memory) if args.memory is not None else MINIMUM
+    budget = auto if budget == AUTO else budget  # --memory auto: what the container leaves
     need = need_1 + (args.max_batch - 1) * kv_row
     fits = 1 + (budget - need_1) // kv_row if budget != MINIMUM else 1
     return (f"--max-batch {args.max_batch} needs at least {format_bytes(need)} ({format_bytes(kv_row)} of KV "

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from expertcache.routing.registry import NEEDS_PROFILE
+from expertcache.routing.registry import NEEDS_PROFILE, STRENGTH_RANGES
 from expertcache.cache import EVICTION_POLICIES
 from expertcache.cli.common import (add_cache_state_args, apply_threads, capacity_list, check_input_file,
-                                    check_output_path, csv_of, flag_message, nonneg_float, nonneg_int, one_of,
+                                    check_output_path, csv_of, flag_message, int_in, nonneg_float, nonneg_int, one_of,
                                     positive_int)
 from expertcache.routing import POLICIES, RoutingConfig
 
@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("grid")
     g.add_argument("--policies", type=csv_of(one_of(POLICIES, "policy"), "policy"), default=_DEFAULT_POLICIES,
                    help=f"comma-separated policies among {', '.join(POLICIES)} (default: {_DEFAULT_POLICIES})")
-    g.add_argument("--grid", type=positive_int, default=50, help="points of the continuous grids in [0, 1] (001: 50)")
+    g.add_argument("--grid", type=int_in(1, 10_000, "points of a grid in [0, 1]"), default=50, help="points of the continuous grids in [0, 1] (001: 50)")
     g.add_argument("--strengths", type=csv_of(nonneg_float, "value"), default=None,
                    help="explicit comma-separated values for p / lambda / alpha / beta")
     g.add_argument("--beta-max", type=nonneg_float, default=4.0, help="eras-bias: largest beta (default 4)")
@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--ray without ADDRESS: CPUs (= parallel runs) of the local Ray instance (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print how many runs are planned and pending, run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, row_outputs=("out",))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,7 +155,7 @@ def _plan(plan, **kw):
         return plan(**kw)
     except ValueError as exc:
         msg = flag_message(str(exc), ["top_j", "delta"])
-        for name in ("p", "lam", "alpha", "beta"):
+        for name in STRENGTH_RANGES:
             if msg.startswith(name + " "):
                 msg = "--strengths / --beta-max: " + msg
         raise ValueError(msg) from None

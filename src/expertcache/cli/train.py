@@ -13,6 +13,34 @@ import shlex
 import sys
 
 
+#: one line per TrainConfig field for ``expertcache train --help`` (the defaults come from TrainConfig)
+HELPS = {
+    "model": "which shipped architecture to train",
+    "out": "run folder: checkpoint, logs and the exported model/ (\"\" = runs/<model>; resumes from its "
+           "ckpt.safetensors)",
+    "data_dir": "corpus folder of *.jsonl documents (\"\" = $EXPERTCACHE_DATA/corpus-debian-docs or "
+                "../shared/data/corpus-debian-docs)",
+    "seed": "seed of the initial weights and the batch order",
+    "vocab_size": "tokens of the BPE tokenizer trained on the corpus",
+    "seq_len": "tokens per training sequence (≥ 2; also the model's context)",
+    "batch_size": "sequences per step",
+    "steps": "optimizer steps",
+    "lr": "peak learning rate (after warm-up; cosine decay to lr × min-lr-ratio)",
+    "min_lr_ratio": "final learning rate as a fraction of --lr",
+    "warmup_steps": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay of the matrices (not embeddings or norms)",
+    "grad_clip": "clip the global gradient norm to this",
+    "log_every": "steps between loss lines in the log",
+    "eval_every": "steps between held-out evaluations",
+    "eval_tokens": "held-out tokens scored at each evaluation",
+    "ckpt_every": "steps between resumable checkpoints",
+    "threads": "torch CPU threads",
+    "experts_implementation": "transformers experts kernel: grouped_mm (fastest on CPU here), eager or batched_mm",
+    "save_dtype": "dtype of the exported weights",
+    "max_docs": "use only the first N documents (0 = all; for tests)",
+}
+
+
 def register(subparsers) -> None:
     from expertcache.cli.common import add_dataclass_args, nonneg_int
     from expertcache.train.configs import MODEL_SPECS, TrainConfig
@@ -21,9 +49,8 @@ def register(subparsers) -> None:
         "train", help="train a small MoE LM from scratch (or write its model card)",
         description="Train one of the shipped MoE models on the Debian-docs corpus (deterministic, resumable), "
         "optionally copy it into the package, or write MODEL_CARD.md for a trained model folder.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_dataclass_args(p, TrainConfig, choices={"model": sorted(MODEL_SPECS)}, defaults=TrainConfig())
+    add_dataclass_args(p, TrainConfig, choices={"model": sorted(MODEL_SPECS)}, defaults=TrainConfig(), helps=HELPS)
     p.add_argument("--ship", action="store_true",
                    help="after training, copy <out>/model into src/expertcache/assets/models/<model>")
     p.add_argument("--card-only", metavar="MODEL_DIR", default=None,
@@ -31,7 +58,7 @@ def register(subparsers) -> None:
     p.add_argument("--card-tokens", type=nonneg_int, default=0,
                    help="with --card-only: cap on held-out / WikiText tokens scored (0 = all)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, replaced_folders=(("out", "model"),), writer="train")
 
 
 def run(args: argparse.Namespace) -> int:

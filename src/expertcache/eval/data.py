@@ -86,6 +86,8 @@ def _read_mmlu_csv(path: Path, subject: str) -> list[MMLUQuestion]:
                 out.append(MMLUQuestion(subject, row["question"], choices, answer))  # type: ignore[arg-type]
             except (KeyError, ValueError, TypeError) as exc:
                 raise ValueError(f"{path}:{i}: expected question,choice0..choice3,answer(0-3) ({exc})") from None
+    if not out:  # every score would divide by 0 questions
+        raise ValueError(f"{path}: no questions (the file is empty or holds only its header)")
     return out
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from expertcache import __version__
+from expertcache.cache import DEFAULT_GAMMA
 from expertcache.eval.tasks import Task, build_task, context_length
 from expertcache.eval.timeline import step_misses
 from expertcache.models.loader import load_model, load_tokenizer_checked, resolve_model_path
@@ -55,7 +56,7 @@ def prepare(model_spec: str, task: str, *, data_dir=None, limit: int | None = No
 
 
 def evaluate(model, task: Task, routing: RoutingConfig, *, eviction: str = "lru", capacity="0.5",
-             gamma: float = 0.9, initial: str | None = None, seed: int = 0, between_sequences: str = "carry",
+             gamma: float = DEFAULT_GAMMA, initial: str | None = None, seed: int = 0, between_sequences: str = "carry",
              scope: str | None = None, freq_LE=None, replace_rank: int | None = None, progress: bool = False,
              trace_out: str | None = None, model_name: str | None = None, prefetch=None,
              router_hook=None) -> dict[str, Any]:

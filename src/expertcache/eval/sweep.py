@@ -31,10 +31,10 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from expertcache import __version__
-from expertcache.cache import eviction_rule, resolve_capacity
+from expertcache.cache import DEFAULT_GAMMA, eviction_rule, resolve_capacity
 from expertcache.routing import RoutingConfig
 from expertcache.routing.config import CACHE_PRIOR, STRENGTH
-from expertcache.routing.registry import spec
+from expertcache.routing.registry import STRENGTH_RANGES, spec
 
 __all__ = ["policy_grid", "plan", "config_key", "done_keys", "drop_torn_tail", "pending_runs", "sweep_row", "run_sweep",
            "open_loop_row", "closed_loop_row", "router_mass", "sweep_lock", "SweepLockedError"]
@@ -98,7 +98,7 @@ def policy_grid(policy: str, *, k: int, num_experts: int, points: int = 50, top_
         return [RoutingConfig(policy, m=m, top_j=top_j) for m in range(k, num_experts + 1)]
     if name == "beta":
         values = unit if strengths is not None else [round(beta_max * x, 6) for x in unit]
-    elif name in ("p", "lam", "alpha"):
+    elif name in STRENGTH_RANGES:  # p, λ, α: the unit grid
         values = unit
     else:
         raise ValueError(f"no sweep grid for {policy!r}'s strength {name!r}")
@@ -108,7 +108,7 @@ def policy_grid(policy: str, *, k: int, num_experts: int, points: int = 50, top_
 def plan(*, mode: str, source: dict[str, Any], policies: Iterable[str], k: int, num_experts: int,
          capacities: Iterable[str | int | float], evictions: Iterable[str], points: int = 50,
          top_j: int | None = None,
-         beta_max: float = 4.0, strengths=None, delta=None, gamma: float = 0.9, initial: str = "empty",
+         beta_max: float = 4.0, strengths=None, delta=None, gamma: float = DEFAULT_GAMMA, initial: str = "empty",
          seed: int = 0, between_sequences: str = "carry", scope: str | None = None) -> list[dict[str, Any]]:
     """Every run of the sweep as a JSON-able dict (its identity; see :func:`config_key`), capacity-major.
     Belady eviction is planned only for fixed selections (original, prune); in closed loop never (every
@@ -160,7 +160,11 @@ def drop_torn_tail(path: str | Path) -> bool:
 
 def pending_runs(runs: list[dict[str, Any]], out: str | Path) -> list[dict[str, Any]]:
     """The runs whose config key is not yet in ``out`` (each key once), after cutting a torn last line off it
-    (:func:`drop_torn_tail`). Call it holding :func:`sweep_lock`."""
+    (:func:`drop_torn_tail`) -- only when ``out`` is a row file (:func:`expertcache.outputs.check_row_file`:
+    a text file or a trace is refused untouched). Call it holding :func:`sweep_lock`."""
+    from expertcache.outputs import check_row_file
+
+    check_row_file(out, "--out")
     drop_torn_tail(out)
     done = done_keys(out)
     todo = {k: r for r in runs if (k := config_key(r)) not in done}
@@ -215,7 +219,7 @@ def router_mass(logits_TLE: np.ndarray, served_TLK: np.ndarray, k: int, scoring:
 def _gamma(run: dict[str, Any]) -> float:
     """γ of a planned run: its own value where its eviction rule reads one (0 included), else make_cache's
     default (unused by the rule)."""
-    return 0.9 if run.get("gamma") is None else float(run["gamma"])
+    return DEFAULT_GAMMA if run.get("gamma") is None else float(run["gamma"])
 
 
 def closed_loop_row(model, task, run: dict[str, Any], *, freq_LE=None, model_name: str = "") -> dict[str, Any]:

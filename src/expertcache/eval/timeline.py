@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from expertcache.cache import make_cache, resolve_capacity
+from expertcache.cache import DEFAULT_GAMMA, make_cache, resolve_capacity
 from expertcache.sim.simulator import sequence_segments
 
 __all__ = ["step_misses", "layer_raster", "RASTER_IDLE", "RASTER_RESIDENT", "RASTER_HIT", "RASTER_MISS"]
@@ -19,7 +19,7 @@ __all__ = ["step_misses", "layer_raster", "RASTER_IDLE", "RASTER_RESIDENT", "RAS
 RASTER_IDLE, RASTER_RESIDENT, RASTER_HIT, RASTER_MISS = 0, 1, 2, 3
 
 
-def step_misses(ids_TLK: np.ndarray, num_experts: int, capacity, *, eviction: str = "lru", gamma: float = 0.9,
+def step_misses(ids_TLK: np.ndarray, num_experts: int, capacity, *, eviction: str = "lru", gamma: float = DEFAULT_GAMMA,
                 initial: str | Iterable[int] | None = None, seed: int = 0,
                 sequence_starts: Sequence[int] | None = None, between_sequences: str = "carry") -> np.ndarray:
     """int32 [T, L]: misses of every token at every layer when ``ids_TLK`` (descending weight, -1 = dropped)
@@ -38,7 +38,7 @@ def step_misses(ids_TLK: np.ndarray, num_experts: int, capacity, *, eviction: st
     return out
 
 
-def layer_raster(ids_TK: np.ndarray, num_experts: int, capacity, *, eviction: str = "lru", gamma: float = 0.9,
+def layer_raster(ids_TK: np.ndarray, num_experts: int, capacity, *, eviction: str = "lru", gamma: float = DEFAULT_GAMMA,
                  initial: str | Iterable[int] | None = None, seed: int = 0) -> np.ndarray:
     """int8 [T, E] events of one layer's cache over T consecutive tokens: ``RASTER_HIT`` / ``RASTER_MISS`` for
     the experts a token requested, ``RASTER_RESIDENT`` for experts resident before the token but not

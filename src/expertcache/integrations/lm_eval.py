@@ -48,6 +48,7 @@ import torch
 
 from expertcache.results import atomic_write_bytes
 from expertcache.routing import RoutingConfig
+from expertcache.routing.registry import STRENGTH_RANGES
 
 __all__ = ["ExpertCacheLM", "write_local_tasks", "main"]
 
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 _TASKS = Path(__file__).with_name("lm_eval_tasks")  # task YAML templates ($test, $dev, $subject)
 _INSTANCES: list = []  # every ExpertCacheLM built in this process: the launcher prints their miss rates
 
-_FLOATS = ("lam", "p", "alpha", "beta", "delta")
+_FLOATS = (*STRENGTH_RANGES, "delta")
 _INTS = ("m", "h", "top_j")
 
 
@@ -103,8 +104,8 @@ class ExpertCacheLM(TemplateLM):
                              "(its caches see one token stream); use --batch_size 1")
         from expertcache.device import resolve_device
 
-        # lm-eval passes --device only when given: None = auto (the first CUDA device, else the CPU); a device
-        # this machine lacks is a ValueError naming --device
+        # None (lm-eval's simple_evaluate without a device) or auto (the launcher, main(), when --device is not
+        # given): the first CUDA device, else the CPU; a device this machine lacks is a ValueError naming --device
         self._device = resolve_device(device)
         torch.set_num_threads(_num("threads", threads, int) or 1)
         cap = capacity
@@ -300,8 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     ``expertcache`` model registered, then the miss rates (stderr)."""
     from lm_eval.__main__ import cli_evaluate
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not any(a == "--device" or a.startswith("--device=") for a in args):
+        # lm-eval's own config defaults an absent --device to cuda:0, also on a machine without CUDA (refused there):
+        # the expertcache model's default is auto (the first CUDA device, else the CPU)
+        args += ["--device", "auto"]
+    sys.argv = [sys.argv[0], *args]
     cli_evaluate()
     for lm in list(_INSTANCES):
         r = lm.miss_report()

@@ -42,10 +42,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.jsonsafe import load_path
 from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
 from expertcache.results import atomic_write_bytes, pyplot, save_figure, save_npy
 from expertcache.train.configs import check_positive, check_save_dtype
-from expertcache.train.loop import publish_folder
+from expertcache.outputs import check_folder_output, publish_folder, temp_folder
 
 __all__ = ["FinetuneConfig", "PRESETS", "apply_preset", "BaseRouting", "step_losses", "finetune", "lr_factor",
            "plot_losses", "TOKENIZER_FILES"]
@@ -180,7 +181,7 @@ def lr_factor(step: int, steps: int, warmup_ratio: float) -> float:
     return max(0.0, (steps - step) / max(1, steps - warm))
 
 
-class _RouterTap:
+class RouterTap:
     """Forward hooks on the routers: the router probabilities p of every MoE layer's last call."""
 
     def __init__(self, layers) -> None:
@@ -213,7 +214,7 @@ class BaseRouting:
         self.model = base_model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self.tap = _RouterTap(find_moe_layers(self.model, family_for(self.model)))
+        self.tap = RouterTap(find_moe_layers(self.model, family_for(self.model)))
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -224,7 +225,7 @@ class BaseRouting:
         self.tap.remove()
 
 
-def step_losses(pm, tap: _RouterTap, base: BaseRouting, x: torch.Tensor, y: torch.Tensor, cfg: FinetuneConfig,
+def step_losses(pm, tap: RouterTap, base: BaseRouting, x: torch.Tensor, y: torch.Tensor, cfg: FinetuneConfig,
                 k: int, capacity: int) -> dict:
     """One training step's forward: L = L_nll + λ_cs L_cs + λ_rm L_rm on ``x`` -> ``y``; returns the losses
     (tensors) and the router distributions ``pf`` (fine-tuned, with gradient) and ``pb`` (base, frozen)."""
@@ -273,11 +274,18 @@ def build_trainable(model, cfg: FinetuneConfig):
 
 
 def _save_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer, meta: dict) -> None:
+
+    tmp = temp_folder(state_dir)
+    try:
+        _write_state(tmp, trainable, opt, meta)
+        publish_folder(tmp, state_dir, "melinoe finetune")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_state(tmp: Path, trainable: dict, opt: torch.optim.Optimizer, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    tmp = state_dir.with_name(state_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tensors = {f"param/{n}": p.detach().contiguous().cpu() for n, p in trainable.items()}
     for n, p in trainable.items():
         st = opt.state.get(p, {})
@@ -288,13 +296,12 @@ def _save_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer, me
             meta.setdefault("adam_steps", {})[n] = float(st["step"])
     save_file(tensors, str(tmp / "trainable.safetensors"))
     (tmp / "state.json").write_text(json.dumps(meta) + "\n")
-    publish_folder(tmp, state_dir)
 
 
 def _load_state(state_dir: Path, trainable: dict, opt: torch.optim.Optimizer) -> dict:
     from safetensors.torch import load_file
 
-    meta = json.loads((state_dir / "state.json").read_text())
+    meta = load_path(state_dir / "state.json")
     tensors = load_file(str(state_dir / "trainable.safetensors"))
     with torch.no_grad():
         for n, p in trainable.items():
@@ -342,7 +349,7 @@ def heldout_eval(model, stream: np.ndarray, seq_len: int, k: int, capacity: int,
     from expertcache.models.adapters import family_for, find_moe_layers
 
     layers = find_moe_layers(model, family_for(model))
-    tap = _RouterTap(layers)
+    tap = RouterTap(layers)
     n = min(len(stream), max_tokens) // seq_len
     chunks = torch.from_numpy(stream[: n * seq_len].astype(np.int64)).view(n, seq_len)
     nll, cnt, miss, steps = 0.0, 0, 0.0, 0
@@ -381,6 +388,8 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"--model {cfg.model}: not a checkpoint folder or a shipped model (granular, coarse)")
     out = Path(cfg.out)
+    for name in ("model", "state"):  # replaced later: refused before any work
+        check_folder_output(out / name, "--out", "melinoe finetune")
     out.mkdir(parents=True, exist_ok=True)
     state_dir = out / "state"
     from expertcache.device import resolve_device
@@ -408,7 +417,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rows: list[dict] = []
     start = 0
-    tap = _RouterTap(layers)  # the tuned model's router probabilities (p of L_cs and L_rm)
+    tap = RouterTap(layers)  # the tuned model's router probabilities (p of L_cs and L_rm)
     if (state_dir / "state.json").exists():
         meta = _load_state(state_dir, trainable, opt)
         if meta["config"]["model"] != cfg.model or meta["config"]["lora_r"] != cfg.lora_r:
@@ -465,8 +474,14 @@ def export(pm, src: Path, out: Path, cfg: FinetuneConfig, rows: list[dict], capa
     """Merge the LoRA weights, write ``out/model`` (save_pretrained + tokenizer files + summary) atomically."""
     merged = pm.merge_and_unload()
     ev = heldout_eval(merged, heldout, cfg.seq_len, k, capacity, cfg.gamma, cfg.eval_tokens)
-    final, tmp = out / "model", out / "model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    final, tmp = out / "model", temp_folder(out / "model")
+    try:
+        return _export(merged, src, out, cfg, rows, capacity, k, ev, command, final, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _export(merged, src, out, cfg, rows, capacity, k, ev, command, final, tmp) -> Path:
     export_model = merged.to(getattr(torch, cfg.save_dtype))
     export_model.config.use_cache = True
     export_model.save_pretrained(tmp)
@@ -478,4 +493,4 @@ def export(pm, src: Path, out: Path, cfg: FinetuneConfig, rows: list[dict], capa
                    steps_done=len(rows), final=rows[-1] if rows else None, heldout=ev,
                    wall_s=rows[-1]["elapsed_s"] if rows else 0.0)
     (tmp / "melinoe_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return publish_folder(tmp, final)
+    return publish_folder(tmp, final, "melinoe finetune")

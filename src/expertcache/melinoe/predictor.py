@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from expertcache.jsonsafe import load_path
+
 __all__ = ["PredictorConfig", "Predictor", "load_embedder", "collect", "train_predictor", "topc_metrics"]
 
 # ---------------------------------------------------------------------------------------------
@@ -164,11 +166,11 @@ class Predictor:
             raise FileNotFoundError(f"--predictor {path}: not a predictor folder (needs predictor.json and "
                                     "predictor.safetensors, written by `expertcache melinoe predictor`)")
         try:
-            meta = json.loads((path / "predictor.json").read_text())
+            meta = load_path(path / "predictor.json")
             mlp = _MLP(int(meta["embedding_dim"]), int(meta["hidden"]), int(meta["num_layers"]),
                        int(meta["num_experts"]))
             mlp.load_state_dict(load_file(str(path / "predictor.safetensors")))
-        except (KeyError, ValueError, RuntimeError, json.JSONDecodeError) as exc:
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise ValueError(f"--predictor {path}: damaged predictor files ({str(exc).splitlines()[0]})") from None
         return cls(mlp, meta)
 
@@ -184,12 +186,12 @@ def collect(model, prompts: list[list[int]], cont_len: int, *, batch: int = 32, 
     over the continuation's tokens, counts [L, E]: how often each expert is in the Top-K there)."""
     from tqdm import tqdm
 
-    from expertcache.melinoe.finetune import _RouterTap
+    from expertcache.melinoe.finetune import RouterTap
     from expertcache.models.adapters import family_for, find_moe_layers
 
     layers = find_moe_layers(model, family_for(model))
     k = layers[0].top_k
-    tap = _RouterTap(layers)  # the router probabilities of every layer's last call
+    tap = RouterTap(layers)  # the router probabilities of every layer's last call
     ys, cs = [], []
     try:
         for i in tqdm(range(0, len(prompts), batch), desc="continuations", unit="batch", disable=not progress):

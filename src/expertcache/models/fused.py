@@ -68,12 +68,12 @@ def keyed_serve(router: Router, layer: int, zr_PE: torch.Tensor, z_PE: torch.Ten
     params.load()
     out_PK = np.empty((zr.shape[0], router.k), np.int64)
     z = np.ascontiguousarray((zr if z_PE is zr_PE else z_PE.detach().to("cpu", torch.float32)).numpy())
-    done = _KEYED_SERVE[cache.code](zr.numpy(), z, rk._EMPTY_F if probs is None else probs, params.ip, params.fp,
-                                    rk._EMPTY_F if params.penalty is None else params.penalty,
-                                    rk._EMPTY_B if allowed_PE is None else allowed_PE.numpy(), router.k, out_PK,
+    done = _KEYED_SERVE[cache.code](zr.numpy(), z, rk.EMPTY_F if probs is None else probs, params.ip, params.fp,
+                                    rk.EMPTY_F if params.penalty is None else params.penalty,
+                                    rk.EMPTY_B if allowed_PE is None else allowed_PE.numpy(), router.k, out_PK,
                                     cache.st_E, cache.score_E, cache.st_S, cache.pf)
     params.store()
-    cache._unfolded = True
+    cache.kernel_served()
     if done < zr.shape[0]:
         raise ValueError("router logits contain NaN")
     return out_PK

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from expertcache.jsonsafe import JSONError, load_path
 from expertcache.models.adapters import family_for
 
 __all__ = ["load_model", "read_config_json", "check_config_values", "load_config_checked", "check_weights_match_config", "load_tokenizer_checked",
@@ -20,20 +21,25 @@ __all__ = ["load_model", "read_config_json", "check_config_values", "load_config
            "is_hub_name", "fetch_hub_model", "resolve_model_path", "HUB_FILES"]
 
 
+def json_object_file(path: Path, missing: str) -> dict:
+    """The JSON object in the file ``path``: FileNotFoundError ``path: not found (missing)`` without it, ValueError
+    naming it when it is not UTF-8, not JSON, nested too deep or not an object."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not found ({missing})")
+    try:
+        data = load_path(path)  # a FIFO, a folder, a device: "not a regular file"
+    except JSONError as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    return data
+
+
 def read_config_json(folder: str | os.PathLike) -> dict:
     """``folder/config.json`` as a dict. FileNotFoundError / ValueError naming the file when it is missing,
     not UTF-8, not JSON or not a JSON object."""
     path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found ({folder} is not a checkpoint folder)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    data = json_object_file(path, f"{folder} is not a checkpoint folder")
     if "model_type" not in data:
         raise ValueError(f"{path}: no model_type (not a transformers config)")
     check_config_values(data, path)
@@ -107,6 +113,10 @@ def _check_config_size(data: dict, path: Path) -> None:
                          "the config does not describe these weights")
 
 
+#: weight files written with pickle (torch.save): never loaded
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
 def _weight_files(folder: Path) -> list[Path]:
     """The model's safetensors files (not expertcache's quantised sidecars)."""
     return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("expertcache-"))
@@ -118,11 +128,16 @@ def check_weights_match_config(folder: str | os.PathLike, config, model: nn.Modu
     (``.experts.`` keys, stored per expert or fused) must hold as many values as the config says. ValueError
     naming the file and the config fields otherwise. ``model``: the model already built from ``config`` (on
     the meta device), else one is built. Folders without safetensors files are left to transformers."""
-    from expertcache.offload.checkpoint import read_header
+    from expertcache.offload.checkpoint import index_shards, read_header
 
     folder = Path(folder)
+    index = index_shards(folder)  # a shard outside the folder is refused before anything reads it
     files = _weight_files(folder)
-    if not files:
+    if not files and index is None:
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLED_SUFFIXES)
+        if pickled:
+            raise ValueError(f"{folder}: its weights are pickled ({', '.join(pickled[:3])}), which expertcache never "
+                             "loads (unpickling can run code); convert them to safetensors")
         return
     disk: dict[str, tuple[tuple[int, ...], str]] = {}
     for f in files:
@@ -180,6 +195,9 @@ def load_tokenizer_checked(folder: str | os.PathLike):
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found (the model folder has no tokenizer; copy its tokenizer.json "
                                 "and tokenizer_config.json there)")
+    # without tokenizer_config.json the special tokens are unknown (ids past the vocabulary followed)
+    json_object_file(Path(folder) / "tokenizer_config.json", "the model folder's tokenizer needs it beside "
+                     "tokenizer.json: copy the model's own")
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # tokenizers raises plain Exception for a malformed file
@@ -256,6 +274,9 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
         return shipped_model_dir(str(spec))
     if is_hub_name(spec):
         return fetch_hub_model(str(spec))
+    if not str(spec).strip():  # Path("") is the current folder
+        raise FileNotFoundError("--model is empty: give a checkpoint folder, 'granular', 'coarse' or a hub name "
+                                "owner/name")
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"--model {spec}: no such model folder (give a checkpoint folder, 'granular', "
@@ -276,6 +297,8 @@ def load_model(path_or_hub_name: str | os.PathLike, dtype: torch.dtype = torch.f
     from transformers import AutoModelForCausalLM
 
     path = os.fspath(path_or_hub_name)
+    if not path.strip():
+        resolve_model_path(path)  # the one-line refusal of an empty name
     if is_hub_name(path):
         path = os.fspath(fetch_hub_model(path, kwargs.pop("revision", None)))
     local = os.path.isdir(path)

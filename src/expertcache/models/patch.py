@@ -79,7 +79,8 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, ExpertCache, eviction_rule, resolve_capacity
+from expertcache.device import on_host, to_device, to_host, to_host_many
+from expertcache.cache import DEFAULT_GAMMA, CacheStats, ExpertCache, eviction_rule, resolve_capacity
 from expertcache.models import fused
 from expertcache.models.recording import Recording
 from expertcache.models.streams import CacheStreams
@@ -104,7 +105,7 @@ def patch_model(
     between_sequences: str = "reset",
     initial: str | Iterable[int] | None = None,
     seed: int = 0,
-    gamma: float = 0.9,
+    gamma: float = DEFAULT_GAMMA,
     record: bool = False,
     freq_LE: np.ndarray | torch.Tensor | None = None,
     replace_rank: int | None = None,
@@ -201,6 +202,7 @@ class MoEPatch(CacheStreams, Recording):
         self._done: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # finished sequences (TLE, TLK, TLK)
         self._batch: int | None = None  # B of the model forward being run (from its input ids / embeddings)
         self._attention_mask: torch.Tensor | None = None
+        self._mask_host: torch.Tensor | None = None
         self._hooks: list[Any] = []
         self._patched = False
         # selections of residency-independent calls (original routing, nothing recorded) not yet served:
@@ -253,6 +255,7 @@ class MoEPatch(CacheStreams, Recording):
     def _capture_mask(self, module, args, kwargs) -> None:
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         self._attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        self._mask_host = None  # its host copy, made by the first layer that needs it (one transfer a forward)
         x = kwargs.get("input_ids", args[0] if args else None)
         if not isinstance(x, torch.Tensor):
             x = kwargs.get("inputs_embeds")
@@ -301,7 +304,9 @@ class MoEPatch(CacheStreams, Recording):
         if mask.shape[0] != b or mask.shape[1] < s:
             raise RuntimeError(f"attention_mask {tuple(mask.shape)} does not cover the batch of {b} rows × "
                                f"{s} new tokens")
-        return mask[:, -s:].to("cpu") != 0
+        if self._mask_host is None:
+            self._mask_host = to_host(mask)
+        return self._mask_host[:, -s:] != 0
 
     def _route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
         if self._lean:
@@ -325,8 +330,8 @@ class MoEPatch(CacheStreams, Recording):
                 if pos.numel():
                     rows.append((row, pos))
         self._ensure_rows(b)
-        z_cpu_TE = z_TE.detach().to("cpu")
-        ids_cpu_TK = ids0_TK.detach().to("cpu")
+        # what the host needs of the router's output in one device -> host transfer (none on the CPU)
+        z_cpu_TE, ids_cpu_TK, w0_cpu_TK = to_host_many(z_TE.detach(), ids0_TK.detach(), w0_TK.detach())
         if not (has_policy and not (self.scope == "generation" and s > 1)):
             self._observe(m, z_cpu_TE, ids_cpu_TK, rows, real_BS)
             return w0_TK, ids0_TK
@@ -351,7 +356,7 @@ class MoEPatch(CacheStreams, Recording):
         one_slice = len(selected) == 1 and real_BS is None  # batch 1 (the common case): no scatter
         if not one_slice:
             ids_out_TK = ids_cpu_TK.clone()
-            w_out_TK = w0_TK.detach().to("cpu").clone()
+            w_out_TK = w0_cpu_TK.clone()
         for row, pos, ids_PK in selected:
             z_PE = z_cpu_TE[pos]
             w_PK = self.family.weights(m.router, z_PE, ids_PK)
@@ -365,7 +370,7 @@ class MoEPatch(CacheStreams, Recording):
             else:
                 ids_out_TK[pos] = filled_PK.to(ids_out_TK.dtype)
                 w_out_TK[pos] = w_PK.to(w_out_TK.dtype)
-        return w_out_TK.to(w0_TK.device), ids_out_TK.to(ids0_TK.device)
+        return to_device(w_out_TK, w0_TK.device), to_device(ids_out_TK, ids0_TK.device)
 
     def _route_lean(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor):
         """The common case with less Python per call (decoding pays it per token and layer): one row, no
@@ -373,7 +378,7 @@ class MoEPatch(CacheStreams, Recording):
         recorded. Same result as the general path; None when the call is not such a case."""
         t = z_TE.shape[0]
         if (self._attention_mask is not None or (self._batch or 1) != 1 or z_TE.dtype != torch.float32
-                or z_TE.device.type != "cpu" or (t > 1 and self.scope == "generation")):
+                or not on_host(z_TE.device) or (t > 1 and self.scope == "generation")):
             return None
         if z_TE.requires_grad:
             z_TE = z_TE.detach()

@@ -13,13 +13,14 @@ the start of the step; ``expertcache.cache`` step rule). Bytes loaded per token 
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from expertcache.jsonsafe import load_path
 
 
 @torch.no_grad()
@@ -154,7 +155,7 @@ def load_any(model_dir: str | Path, read_mode: str = "mmap"):
 
     from expertcache.mole.modeling import load_table_model  # importing it registers MoLE with the Auto classes
 
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = load_path(Path(model_dir) / "config.json")
     if cfg.get("lookup_table"):
         return load_table_model(model_dir, read_mode)
     kw = {"experts_implementation": "grouped_mm"} if cfg.get("model_type") == "mixtral" else {}

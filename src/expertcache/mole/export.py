@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.jsonsafe import load_path
 from expertcache.mole import quant as Q
 from expertcache.mole.modeling import MoleForCausalLM
 from expertcache.mole.table import TableSpec
-from expertcache.train.loop import publish_folder
+from expertcache.outputs import check_folder_output, check_not_input, publish_folder, temp_folder
 
 __all__ = ["compute_lut", "export_table"]
 
@@ -34,7 +35,6 @@ def export_table(model_dir: str | Path, out: str | Path, quant: str = "none", dt
                  chunk: int = 1024, threads: int = 1) -> Path:
     """Re-parameterise the training-form MoLE model in ``model_dir`` into the table folder ``out`` (see the module
     docstring); returns ``out``. Routed expert outputs are computed in float32 from the saved weights."""
-    from safetensors.torch import save_file
 
 
     if quant not in Q.QUANTS:
@@ -43,7 +43,9 @@ def export_table(model_dir: str | Path, out: str | Path, quant: str = "none", dt
         raise ValueError(f"dtype must be float32 or float16, not {dtype!r}")
     torch.set_num_threads(threads)
     model_dir, out = Path(model_dir), Path(out)
-    cfg_json = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").exists() else {}
+    check_not_input(out, "out", {f"model {model_dir}": model_dir}, replaces_folder=True)
+    check_folder_output(out, "out", "mole export")  # before any work
+    cfg_json = load_path(model_dir / "config.json") if (model_dir / "config.json").exists() else {}
     if cfg_json.get("model_type") != "expertcache_mole" or cfg_json.get("lookup_table") is not None:
         raise ValueError(f"{model_dir} is not a training-form MoLE model folder (config.json model_type "
                          f"{cfg_json.get('model_type')!r})")
@@ -52,9 +54,17 @@ def export_table(model_dir: str | Path, out: str | Path, quant: str = "none", dt
     spec = TableSpec(vocab=cfg.vocab_size, layers=cfg.num_hidden_layers, experts=cfg.num_experts,
                      hidden=cfg.hidden_size, quant=quant, dtype=dtype if quant == "none" else "float16",
                      source=str(model_dir))
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = temp_folder(out)
+    try:
+        return _write_table(model, model_dir, out, tmp, spec, chunk)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_table(model, model_dir: Path, out: Path, tmp: Path, spec: TableSpec, chunk: int) -> Path:
+    from safetensors.torch import save_file
+
+    cfg = model.config
     lut = np.lib.format.open_memmap(tmp / spec.file, mode="w+", dtype=np.uint8, shape=(spec.vocab, spec.record_bytes))
     for a in range(0, spec.vocab, chunk):
         ids = torch.arange(a, min(a + chunk, spec.vocab))
@@ -77,4 +87,4 @@ def export_table(model_dir: str | Path, out: str | Path, quant: str = "none", dt
         "source": str(model_dir), "table": asdict(spec), "record_bytes": spec.record_bytes,
         "table_bytes": spec.table_bytes, "trunk_params": int(sum(v.numel() for v in trunk.values())),
     }, indent=2) + "\n")
-    return publish_folder(tmp, out)
+    return publish_folder(tmp, out, "mole export")

@@ -16,7 +16,6 @@ Units and conventions:
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -25,14 +24,15 @@ import numpy as np
 import torch
 
 from expertcache import __version__
+from expertcache.jsonsafe import load_path
 
 FP16 = 2
 
 
 def heldout_stream(tokenizer_dir: str | Path, data_dir: str = "") -> np.ndarray:
     """The held-out split encoded with the tokenizer in ``tokenizer_dir`` (docs joined with eos)."""
-    from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, split_documents
     from expertcache.mole.modeling import register_auto
+    from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, split_documents
     from expertcache.train.tokenizer import load_tokenizer
 
     register_auto()  # a MoLE folder's config.json must be known to AutoTokenizer's config lookup
@@ -98,7 +98,7 @@ def evaluate(model_dir: str | Path, data_dir: str = "", tokenizer_dir: str | Pat
 
     torch.set_num_threads(threads)
     model_dir = Path(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = load_path(model_dir / "config.json")
     table = cfg.get("lookup_table")
     kind = {"llama": "dense", "mixtral": "moe", "expertcache_mole": "mole-table" if table else "mole"}.get(
         cfg.get("model_type"))
@@ -112,7 +112,7 @@ def evaluate(model_dir: str | Path, data_dir: str = "", tokenizer_dir: str | Pat
     if not summary.exists() and table:
         summary = Path(table["source"]) / "train_summary.json"
     if summary.exists():
-        s = json.loads(summary.read_text())
+        s = load_path(summary)
         row["train"] = {"steps": s["steps_done"], "tokens_seen": s["tokens_seen"], "wall_s": s["train_wall_s"],
                         "command": s["command"], "spec": s.get("spec")}
 

@@ -38,7 +38,6 @@ byte-range reader is noted as follow-up work in docs/MOLE.md.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import time
@@ -48,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from expertcache.jsonsafe import load_path
 from expertcache.mole import quant as Q
 
 LUT_FILE = "lut.npy"
@@ -159,7 +159,7 @@ class LookupTable:
     @classmethod
     def open(cls, table_dir: str | Path, read_mode: str = "mmap", io_threads: int = 8) -> "LookupTable":
         table_dir = Path(table_dir)
-        cfg = json.loads((table_dir / "config.json").read_text())
+        cfg = load_path(table_dir / "config.json")
         if not cfg.get("lookup_table"):
             raise ValueError(f"{table_dir}/config.json has no lookup_table (not an exported MoLE table)")
         spec = TableSpec(**cfg["lookup_table"])

@@ -8,8 +8,18 @@ threads' bounce buffers when a layout needs them). Given a budget, C is the larg
 most N). A budget below ``non-expert + KV + I/O + (L · K + X) · slot_bytes`` (K experts per token, every
 layer) is refused with a :class:`BudgetError` that states that minimum. Sizes are those of the fast tier
 (compute dtype for non-expert weights and KV, storage dtype -- bf16 or quantised -- for expert slots).
-Everything the runtime allocates per run is in the plan; what is not (the Python interpreter, torch's
-kernels and per-op temporaries, thread stacks) is a fixed overhead, pinned by a test.
+Everything the runtime allocates per run is in the plan.
+
+**The process.** ``--memory`` budgets what the runtime allocates; the process around it also holds the
+interpreter's own resident memory (Python, torch, transformers, the compiled kernels: measured, RSS at plan
+time), the host-tier copy of every expert (``--tier host``) and the host cache (``--host-memory``), the page
+cache a buffered tier keeps in flight, a fixed overhead for per-op temporaries and thread stacks
+(:data:`RUNTIME_OVERHEAD`, pinned by a test against ``ru_maxrss``), and, before the slots exist, the
+transient peak of loading (the largest non-expert tensor's read buffer, the quantised sidecar's one-expert
+writer). :attr:`MemoryPlan.process_peak` is their sum at the worst moment. Inside a memory cgroup
+(:func:`cgroup_memory_limit`: v1 ``memory.limit_in_bytes``, v2 ``memory.max``) a plan whose process peak
+exceeds the limit is refused with the largest ``--memory`` that fits; ``--memory auto`` (:data:`AUTO`) plans
+the largest budget whose process peak fits the limit (no limit: ``MemAvailable``).
 With ``--resident-quant int4`` every expert's int4 copy is resident too: ``low_tier_bytes`` (L · N · the
 packed blob's bytes) is one more fixed term, added to the total and the minimum.
 ``--memory minimum`` (:data:`MINIMUM`) asks for exactly that minimum: C = K.
@@ -17,14 +27,32 @@ packed blob's bytes) is one more fixed term, added to the total and the minimum.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
-__all__ = ["BudgetError", "MemoryPlan", "parse_bytes", "plan_memory", "format_bytes", "kv_cache_bytes", "MINIMUM"]
+__all__ = ["BudgetError", "MemoryPlan", "parse_bytes", "plan_memory", "format_bytes", "kv_cache_bytes", "MINIMUM",
+           "AUTO", "cgroup_memory_limit", "container_limit", "process_rss", "RUNTIME_OVERHEAD"]
 
 MINIMUM = -1
 """``parse_bytes('minimum')``: a budget of exactly the plan's minimum (K experts per layer), resolved by
 :func:`plan_memory` once the model's sizes are known."""
+
+AUTO = -2
+"""``parse_bytes('auto')``: the largest budget whose process peak fits the memory cgroup's limit (or
+``MemAvailable`` outside one), resolved by :func:`plan_memory` given ``limit``."""
+
+RUNTIME_OVERHEAD = 64 * 2**20
+"""Bytes a running process holds beyond its plan and its RSS at plan time (measured after the run's cache
+and routing kernels are compiled: ``OffloadedModel._compile_kernels``): per-op temporaries, torch's kernel
+state touched on first use, reader-thread stacks, and a margin for the kernel's own charges to the cgroup.
+Measured 18 MiB for a small OLMoE-shaped run decoding 16 tokens (tests/test_memory_plan.py pins the plan
+against ``ru_maxrss``)."""
+
+#: cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to pages (9223372036854771712); anything this
+#: large is no limit
+_NO_LIMIT = 2**60
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
@@ -36,14 +64,17 @@ class BudgetError(ValueError):
 
 def parse_bytes(text: str | int) -> int:
     """``'3GiB'`` → 3221225472; accepts B, KB/MB/GB (10³), KiB/MiB/GiB (2¹⁰), plain byte counts, and
-    ``'minimum'`` (→ :data:`MINIMUM`, the smallest budget the model runs in)."""
+    ``'minimum'`` (→ :data:`MINIMUM`, the smallest budget the model runs in) and ``'auto'`` (→ :data:`AUTO`,
+    the memory cgroup's limit)."""
     if isinstance(text, int):
         return text
     if str(text).strip().lower() in ("min", "minimum"):
         return MINIMUM
+    if str(text).strip().lower() == "auto":
+        return AUTO
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read memory size {text!r}; use e.g. 3GiB, 512MiB, 2GB, a byte count or 'minimum'")
+        raise ValueError(f"cannot read memory size {text!r}; use e.g. 3GiB, 512MiB, 2GB, a byte count, 'minimum' or 'auto'")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -61,12 +92,86 @@ def kv_cache_bytes(config, context: int, batch: int, dtype_bytes: int) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * context * batch * dtype_bytes
 
 
+def _cgroup_value(path: Path) -> int | None:
+    """A cgroup memory limit file's bytes; None for 'max' or v1's "no limit"; ValueError naming the file for
+    anything else that is not a byte count."""
+    text = path.read_text().strip()
+    if text == "max":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"{path}: cannot read a memory limit from {text[:40]!r}") from None
+    if n < 0:
+        raise ValueError(f"{path}: negative memory limit {n}")
+    return None if n >= _NO_LIMIT else n
+
+
+def cgroup_memory_limit(root: str | os.PathLike = "/") -> int | None:
+    """The memory limit in bytes of the cgroup this process runs in: the smallest over its cgroup and the
+    ancestors visible under the mount; None where there is none. Reads ``<root>/proc/self/cgroup``; cgroup v1
+    (a line ``N:...memory...:/path``): ``<root>/sys/fs/cgroup/memory/<path>/memory.limit_in_bytes``; cgroup
+    v2 (``0::/path``): ``<root>/sys/fs/cgroup/<path>/memory.max`` ('max' = none). A container that mounts its
+    own cgroup at the root (the path is not visible) is read there. ``root``: a fake tree, for tests."""
+    root = Path(root)
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, rel = parts
+        if "memory" in controllers.split(","):
+            base, name = root / "sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        elif hierarchy == "0" and controllers == "":
+            base, name = root / "sys/fs/cgroup", "memory.max"
+        else:
+            continue
+        steps = [s for s in rel.split("/") if s]
+        for depth in range(len(steps) + 1):
+            f = base.joinpath(*steps[:depth], name)
+            if f.is_file():
+                n = _cgroup_value(f)
+                if n is not None:
+                    limits.append(n)
+    return min(limits) if limits else None
+
+
+def process_rss() -> int:
+    """This process's resident memory now (bytes; ``/proc/self/statm``), 0 where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def container_limit(root: str | os.PathLike = "/") -> tuple[int | None, str]:
+    """(bytes, where from) of the memory this process may grow to: its memory cgroup's limit, else (for
+    ``--memory auto`` outside a cgroup) ``MemAvailable`` plus what it holds already; (None, why) if neither
+    can be read."""
+    n = cgroup_memory_limit(root)
+    if n is not None:
+        return n, "memory cgroup limit"
+    try:
+        for line in (Path(root) / "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 + process_rss(), "MemAvailable + this process"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None, "no memory cgroup limit and no /proc/meminfo"
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
-    """How a budget is spent. ``slots`` is C (experts per layer in the fast tier)."""
+    """How a budget is spent. ``slots`` is C (experts per layer in the fast tier). ``total``: what the runtime
+    allocates (what ``--memory`` budgets); ``process_peak``: the whole process at its worst moment."""
 
     budget: int | None
-    non_expert_bytes: int
+    non_expert_bytes: int  # the dense (non-expert) weights in the form they are held (bf16, or --quant-dense)
     kv_bytes: int
     expert_bytes: int
     num_layers: int
@@ -77,6 +182,13 @@ class MemoryPlan:
     io_bytes: int = 0
     host_bytes: int = 0  # the host-RAM level of a two-level cache (--host-memory; its own budget, not in total)
     host_slots: int = 0
+    pinned_bytes: int = 0  # page-locked host memory of the host tier (CUDA runtimes; in host RAM, not in total)
+    baseline_bytes: int = 0  # the interpreter's RSS at plan time (Python, torch, transformers, compiled kernels)
+    load_bytes: int = 0  # transient while loading, beside the non-expert weights (read buffer, sidecar writer)
+    page_cache_bytes: int = 0  # page cache a buffered tier keeps in flight
+    host_tier_bytes: int = 0  # --tier host: every expert in host RAM
+    overhead_bytes: int = 0  # per-op temporaries, thread stacks, kernels compiled on first use (RUNTIME_OVERHEAD)
+    limit: int | None = None  # the container's limit the process peak was checked against (None: none)
     low_tier_bytes: int = 0  # every expert's resident low-precision copy (--resident-quant), fixed, in total
 
     @property
@@ -85,39 +197,107 @@ class MemoryPlan:
         return (self.non_expert_bytes + self.kv_bytes + self.io_bytes + self.low_tier_bytes
                 + (self.num_layers * self.slots + self.extra_slots) * sb)
 
+    @property
+    def beside(self) -> int:
+        """Process bytes beside ``total`` while running: interpreter, host tier, host cache, page cache, overhead."""
+        return (self.baseline_bytes + self.host_tier_bytes + self.host_bytes + self.page_cache_bytes
+                + self.overhead_bytes)
+
+    @property
+    def loading_peak(self) -> int:
+        """The process while loading, before any slot exists: interpreter + non-expert weights + transient."""
+        return self.baseline_bytes + self.non_expert_bytes + self.load_bytes
+
+    @property
+    def process_peak(self) -> int:
+        return max(self.loading_peak, self.beside + self.total)
+
+    def describe(self) -> str:
+        """One line: the budget's parts and the process peak (stderr of generate / bench)."""
+        sb = self.slot_bytes or self.expert_bytes
+        f = format_bytes
+        return (f"memory plan: C={self.slots} slots/layer × {self.num_layers} layers × {f(sb)} + "
+                f"{self.extra_slots} shared + non-expert {f(self.non_expert_bytes)} + KV {f(self.kv_bytes)}"
+                f"{f' + I/O buffers {f(self.io_bytes)}' if self.io_bytes else ''} = {f(self.total)}; process peak "
+                f"{f(self.process_peak)} (interpreter {f(self.baseline_bytes)}"
+                f"{f', host tier {f(self.host_tier_bytes)}' if self.host_tier_bytes else ''}"
+                f"{f', host cache {f(self.host_bytes)}' if self.host_bytes else ''}"
+                f"{f', page cache {f(self.page_cache_bytes)}' if self.page_cache_bytes else ''}"
+                f", overhead {f(self.overhead_bytes)}, loading peak {f(self.loading_peak)})"
+                f"{f' within the limit {f(self.limit)}' if self.limit is not None else ''}")
+
     def to_dict(self) -> dict:
-        return dict(asdict(self), total=self.total, total_with_host=self.total + self.host_bytes)
+        return dict(asdict(self), total=self.total, total_with_host=self.total + self.host_bytes,
+                    process_peak=self.process_peak)
 
 
 def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int, kv_bytes: int, expert_bytes: int,
                 num_layers: int, num_experts: int, top_k: int, slot_bytes: int | None = None, extra_slots: int = 0,
-                io_bytes: int = 0, low_tier_bytes: int = 0) -> MemoryPlan:
+                io_bytes: int = 0, baseline_bytes: int = 0, load_bytes: int = 0, page_cache_bytes: int = 0,
+                host_tier_bytes: int = 0, host_bytes: int = 0, overhead_bytes: int = 0,
+                limit: int | None = None, limit_source: str = "memory limit", low_tier_bytes: int = 0) -> MemoryPlan:
     """Resolve ``budget`` (bytes) or an explicit ``slots`` count into a :class:`MemoryPlan`.
 
-    Exactly one of ``budget`` / ``slots`` is given; ``budget=MINIMUM`` means the minimum itself (C = K). ``slot_bytes`` (default ``expert_bytes``): the bytes of one
-    slot; ``extra_slots``: scratch + prefetch slots shared by all layers; ``io_bytes``: reader buffers;
-    ``low_tier_bytes``: the resident low-precision copies of every expert (``--resident-quant``), a fixed term
-    beside the non-expert weights. Raises BudgetError
-    (with the minimum) when the budget is too small for K experts per layer, ValueError for slots outside
-    [1, N]."""
+    Exactly one of ``budget`` / ``slots`` is given; ``budget=MINIMUM`` means the minimum itself (C = K),
+    ``budget=AUTO`` the largest budget whose process peak fits ``limit``. ``slot_bytes`` (default
+    ``expert_bytes``): the bytes of one slot; ``extra_slots``: scratch + prefetch slots shared by all layers;
+    ``io_bytes``: reader buffers; ``low_tier_bytes``: the resident low-precision copies of every expert
+    (``--resident-quant``), a fixed term beside the non-expert weights. The process terms (``baseline_bytes`` ... ``overhead_bytes``, see
+    :class:`MemoryPlan`) do not count against ``budget``; with a ``limit`` (the container's, named
+    ``limit_source`` in errors) the plan's :attr:`~MemoryPlan.process_peak` must fit it. Raises BudgetError
+    (one line naming the minimum) when the budget is too small for K experts per layer or the process cannot
+    fit the limit, or (naming the largest budget that fits) when this budget's process exceeds it; ValueError
+    for slots outside [1, N] and for AUTO without a limit."""
     sb = slot_bytes or expert_bytes
     fixed = non_expert_bytes + kv_bytes + io_bytes + extra_slots * sb + low_tier_bytes
     minimum = fixed + num_layers * top_k * sb
+    process = dict(baseline_bytes=baseline_bytes, load_bytes=load_bytes, page_cache_bytes=page_cache_bytes,
+                   host_tier_bytes=host_tier_bytes, overhead_bytes=overhead_bytes, limit=limit)
+    beside = baseline_bytes + host_tier_bytes + host_bytes + page_cache_bytes + overhead_bytes
+    loading = baseline_bytes + non_expert_bytes + load_bytes
+    parts = (f"non-expert weights {format_bytes(non_expert_bytes)} + KV cache {format_bytes(kv_bytes)} + K={top_k} "
+             f"experts × {num_layers} layers (+ {extra_slots} shared scratch/prefetch) × {format_bytes(sb)}"
+             f"{f' + I/O buffers {format_bytes(io_bytes)}' if io_bytes else ''}"
+             f"{f' + low-precision copies {format_bytes(low_tier_bytes)}' if low_tier_bytes else ''}")
+    if limit is not None and max(loading, beside + minimum) > limit:
+        need = max(loading, beside + minimum)
+        raise BudgetError(
+            f"{limit_source} {format_bytes(limit)} is too small for this model: the process needs at least "
+            f"{format_bytes(need)} ({need} bytes): interpreter {format_bytes(baseline_bytes)}"
+            f"{f' + host tier {format_bytes(host_tier_bytes)}' if host_tier_bytes else ''}"
+            f"{f' + host cache {format_bytes(host_bytes)}' if host_bytes else ''}"
+            f"{f' + page cache {format_bytes(page_cache_bytes)}' if page_cache_bytes else ''}"
+            f" + overhead {format_bytes(overhead_bytes)} + {parts}"
+            f"{f'; loading peaks at {format_bytes(loading)}' if loading > beside + minimum else ''}")
     if budget == MINIMUM:
         budget = minimum
+    elif budget == AUTO:
+        if limit is None:
+            raise ValueError("--memory auto: no memory limit to plan within (no memory cgroup limit, no "
+                             "/proc/meminfo); give --memory a size")
+        budget = limit - beside
     if (budget is None) == (slots is None):
         raise ValueError("give either a memory budget or a cache size in experts per layer, not both")
     if budget is not None:
         if budget < minimum:
             raise BudgetError(
-                f"memory budget {format_bytes(budget)} is too small: non-expert weights "
-                f"{format_bytes(non_expert_bytes)} + KV cache {format_bytes(kv_bytes)} + K={top_k} experts "
-                f"× {num_layers} layers (+ {extra_slots} shared scratch/prefetch) × {format_bytes(sb)}"
-                f"{f' + I/O buffers {format_bytes(io_bytes)}' if io_bytes else ''}"
-                f"{f' + low-precision copies {format_bytes(low_tier_bytes)}' if low_tier_bytes else ''} need at least "
+                f"memory budget {format_bytes(budget)} is too small: {parts} need at least "
                 f"{format_bytes(minimum)} ({minimum} bytes)")
         slots = min(num_experts, (budget - fixed) // (num_layers * sb))
     elif not 1 <= slots <= num_experts:
         raise ValueError(f"cache size (--cache-experts) must be between 1 and N={num_experts} experts per layer, got {slots}")
-    return MemoryPlan(budget, non_expert_bytes, kv_bytes, expert_bytes, num_layers, int(slots), minimum,
-                      slot_bytes or 0, extra_slots, io_bytes, low_tier_bytes=low_tier_bytes)
+    plan = MemoryPlan(budget, non_expert_bytes, kv_bytes, expert_bytes, num_layers, int(slots), minimum,
+                      slot_bytes or 0, extra_slots, io_bytes, host_bytes, 0, **process, low_tier_bytes=low_tier_bytes)
+    if limit is not None and plan.process_peak > limit:
+        fits = limit - beside
+        c = min(num_experts, (fits - fixed) // (num_layers * sb))
+        what = (f"--memory {format_bytes(budget)}" if budget is not None else f"C={slots} experts per layer")
+        raise BudgetError(
+            f"{what} does not fit the {limit_source} {format_bytes(limit)}: beside the plan's "
+            f"{format_bytes(plan.total)} this process holds {format_bytes(beside)} (interpreter "
+            f"{format_bytes(baseline_bytes)}, overhead {format_bytes(overhead_bytes)}"
+            f"{f', host tier {format_bytes(host_tier_bytes)}' if host_tier_bytes else ''}"
+            f"{f', host cache {format_bytes(host_bytes)}' if host_bytes else ''}"
+            f"{f', page cache {format_bytes(page_cache_bytes)}' if page_cache_bytes else ''}); at most "
+            f"--memory {format_bytes(fits)} ({fits} bytes, C={c}) fits: give that or --memory auto")
+    return plan

@@ -28,7 +28,6 @@ and expert ``e`` (D hidden, F expert intermediate size):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -36,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from expertcache.jsonsafe import JSONError, load_path, loads
 
 __all__ = ["CheckpointError", "TensorEntry", "read_header", "Checkpoint", "ExpertParts", "ByteRange", "DTYPES"]
 
@@ -89,8 +90,8 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
                                   "(truncated, or not a safetensors file)")
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = loads(raw, what="header")
+    except JSONError as exc:
         raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
@@ -114,7 +115,33 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{path}: tensor {key!r} ends at byte {base + end} but the file has only "
                                   f"{size} bytes (truncated file)")
         out[key] = TensorEntry(path, key, dtype, shape, base + begin, end - begin)
+    spans = sorted((e.start, e.start + e.nbytes, k) for k, e in out.items() if e.nbytes)
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:  # two tensors on one byte range: one file's bytes would be both weights
+            raise CheckpointError(f"{path}: tensors {a!r} and {b!r} share bytes {begin}..{end} (corrupt header)")
     return out
+
+
+def index_shards(folder: str | os.PathLike) -> list[Path] | None:
+    """The shard files named by ``folder/model.safetensors.index.json`` (None without an index), each checked to be
+    a plain file name inside ``folder``: an index naming ``../elsewhere`` or ``/etc/passwd`` would make a model folder
+    read outside itself. CheckpointError naming the index otherwise."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        names = set(load_path(index)["weight_map"].values())
+    except JSONError as exc:
+        raise CheckpointError(f"corrupt shard index: {exc}") from None
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{index}: corrupt shard index ({exc!r})") from None
+    root = folder.resolve()
+    for name in names:
+        if not isinstance(name, str) or not name or Path(name).is_absolute() or \
+                root not in (root / name).resolve().parents:
+            raise CheckpointError(f"{index}: shard {name!r} is not a file inside the model folder; refused")
+    return [folder / name for name in sorted(names)]
 
 
 @dataclass(frozen=True)
@@ -163,13 +190,9 @@ class Checkpoint:
         self.folder = Path(folder)
         self.layout = layout
         self.num_experts = num_experts
-        index = self.folder / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index}: corrupt shard index ({exc!r})") from None
-            paths = [self.folder / f for f in files]
+        shards = index_shards(self.folder)
+        if shards is not None:
+            paths = shards
         elif (self.folder / "model.safetensors").is_file():
             paths = [self.folder / "model.safetensors"]
         else:

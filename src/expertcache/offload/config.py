@@ -23,7 +23,9 @@ class OffloadConfig:
     '64MiB') of a host-RAM cache of expert bytes between the fast slots and the disk
     (:mod:`~expertcache.offload.tiers`; None or 0 = none, every miss reads the disk). quant_dense: None,
     'int8' or 'int4': the attention projections and lm_head through the fused kernels, the embedding as int8
-    rows (:mod:`~expertcache.offload.qlinear`; counted in the plan's non-expert bytes).
+    rows (:mod:`~expertcache.offload.qlinear`; counted in the plan's non-expert bytes). compile: the dense
+    part of every decoder layer (its norms and attention) through ``torch.compile`` (opt-in; the router and
+    the MoE block stay eager, so routing decisions are the eager ones bit for bit).
     resident_quant: None or 'int4': every expert's copy in that precision (the fused kernels' layout) held in
     memory beside the full-precision slots (the plan's ``low_tier_bytes``), for misses served at low precision
     instead of loaded; low_threshold, load_budget, promote_after, low_cost: the per-miss rule
@@ -47,6 +49,7 @@ class OffloadConfig:
     load_budget: int | None = None
     promote_after: int = 0
     low_cost: float | None = None
+    compile: bool = False
 
     def precision_rule(self):
         """The per-miss rule of these settings (no rule without a resident low-precision tier)."""
@@ -60,10 +63,13 @@ class OffloadConfig:
     PARALLEL_READERS = 4
 
     def default_readers(self, device) -> int:
-        """Reader threads when none are given: 0 for ``tier='host'`` on a CPU, where a read is one memory copy
-        of an expert (tens of microseconds) and handing it to a thread and back costs more than it overlaps
+        """Reader threads when none are given: 0 for ``tier='host'`` -- on a CPU a read is one memory copy of
+        an expert (tens of microseconds) and handing it to a thread and back costs more than it overlaps
         (granular, C = 8, 16 rows a step: 11.8 ms a step inline against 17.0 ms with 4 readers, one thread);
-        :attr:`PARALLEL_READERS` otherwise (disk reads wait on the device; a GPU copy is queued on its stream)."""
+        on CUDA it is one ``non_blocking`` copy from the pinned row queued on the copy stream, which returns at
+        once (a thread would only hand the queueing off, and readers turn off the batched one-token path);
+        :attr:`PARALLEL_READERS` for the disk tier, whose reads wait on the disk. ``device`` is accepted for
+        callers that name it; the choice no longer depends on it."""
         if self.readers is not None:
             return self.readers
-        return 0 if self.tier == "host" and getattr(device, "type", str(device)) == "cpu" else self.PARALLEL_READERS
+        return 0 if self.tier == "host" else self.PARALLEL_READERS

@@ -158,5 +158,9 @@ class OffloadedExperts(nn.Module):
         self._runtime = [runtime]  # a list: not registered as a submodule
         self.index = index
 
+    def bind(self, runtime) -> None:
+        """Serve from ``runtime`` (the runtime is built after the model it replaces the experts of)."""
+        self._runtime = [runtime]
+
     def forward(self, hidden_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         return self._runtime[0]._serve(self.index, hidden_TD, ids_TK, weights_TK)

@@ -42,6 +42,11 @@ class Ticket:
     def ready(self) -> bool:
         return self._event.is_set()
 
+    def join(self) -> "Ticket":
+        """Block until the job has finished; its exception, if any, stays in ``error`` (not raised)."""
+        self._event.wait()
+        return self
+
     def wait(self) -> "Ticket":
         """Block until the job has finished; re-raise its exception."""
         self._event.wait()

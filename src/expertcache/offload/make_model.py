@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 
 from expertcache.offload.writer import write_safetensors
+from expertcache.outputs import check_folder_output, mark_folder
+
+MAKE_MODEL_COMMAND = "bench --make-model"  # the writer named in the folders it writes
 
 __all__ = ["BENCH_MODELS", "make_bench_model", "bench_models_dir"]
 
@@ -146,6 +149,8 @@ def make_bench_model(name: str, *, layers: int | None = None, out: str | os.Path
     _layer_types(kw)
     n_layers = kw["num_hidden_layers"]
     folder = Path(out) if out is not None else bench_models_dir() / f"{name}-L{n_layers}-e1"
+    if out is not None:  # its config.json is rewritten: never a folder of the user's (expertcache.outputs)
+        check_folder_output(folder, "--out-dir", MAKE_MODEL_COMMAND)
     config = AutoConfig.for_model(model_type, **kw)
     config.dtype = dtype
     done = folder / "model.safetensors"
@@ -153,6 +158,7 @@ def make_bench_model(name: str, *, layers: int | None = None, out: str | os.Path
         meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
     config.architectures = [type(meta).__name__]
     folder.mkdir(parents=True, exist_ok=True)
+    mark_folder(folder, MAKE_MODEL_COMMAND)
     if not (folder / "tokenizer.json").is_file():
         write_bench_tokenizer(folder, int(kw.get("max_position_embeddings", 4096)))
     config.save_pretrained(folder)

@@ -72,8 +72,9 @@ def first_layer_input(decoder_layer: torch.nn.Module, hidden_BSD: torch.Tensor) 
 def guess_next_layer(rt, index: int, x_TD: torch.Tensor) -> list[int]:
     """Distinct expert ids (routing order) that MoE layer ``index`` of runtime ``rt`` would select for
     ``x_TD`` [T, D] -- the hidden state entering the previous MoE layer's experts. Pure: no cache, router or
-    policy state changes."""
+    policy state changes. On a device the ids are read through ``rt.host_copy``: the copy the previous
+    layer's router call fetched with its own (no transfer of their own)."""
     z_TE, w0_TK, ids_TK = rt.stock_route(index, x_TD)
     if rt.routing.policy != "original":
         _, ids_TK = rt.route(rt.layers[index], z_TE, w0_TK, ids_TK, commit=False)
-    return [e for e in dict.fromkeys(ids_TK.reshape(-1).tolist()) if e >= 0]
+    return [e for e in dict.fromkeys(rt.host_copy(ids_TK).reshape(-1).tolist()) if e >= 0]

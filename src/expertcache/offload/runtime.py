@@ -56,9 +56,11 @@ import torch
 from torch import nn
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, eviction_rule, make_cache
+from expertcache.device import on_host, to_device, to_host, to_host_many
+from expertcache.cache import DEFAULT_GAMMA, CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
-from expertcache.offload.budget import MemoryPlan, kv_cache_bytes, parse_bytes, plan_memory
+from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit,
+                                       kv_cache_bytes, parse_bytes, plan_memory, process_rss)
 from expertcache.offload.checkpoint import Checkpoint
 from expertcache.offload.experts import OffloadedExperts, bucket_rows, expert_mlp, use_matvec
 from expertcache.offload.config import OffloadConfig
@@ -67,12 +69,12 @@ from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
 from expertcache.offload.lowtier import LOW_MODES, LowPrecisionTier, low_tier_bytes
 from expertcache.offload.prefetch import PrefetchStats
-from expertcache.offload.qlinear import DENSE_MODES, quantize_dense
+from expertcache.offload.qlinear import DENSE_MODES, dense_bytes, dense_targets, quantize_dense
 from expertcache.offload.quant import padding_note, quant_mlp
 from expertcache.offload.slots import SlotArena, slot_bytes_for
 from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
-from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
+from expertcache.offload.store import (ALIGN, TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
                                        quant_layout_for, quant_sidecar_path, quantize_checkpoint)
 from expertcache.models.loader import check_weights_match_config, load_config_checked, resolve_model_path
 from expertcache.routing import Router, RoutingConfig
@@ -80,6 +82,16 @@ from expertcache.routing.precision import PrecisionRule, tier_costs
 from expertcache.routing.registry import spec
 
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
+
+#: the quantised sidecar's writer holds one expert at a time: its bytes, float32 copies of its largest matrix
+#: and their intermediates (quantize_matrix), the packed blob; a bound in units of the expert's stored bytes
+SIDECAR_TRANSIENT = 6
+
+
+#: ``--quant-dense`` packs one module at a time from its float32 copy: measured 12.9 bytes per element of the
+#: matrix at the peak (OLMoE's lm_head, 2048 × 50304: 1.26 GiB, int4; int8 1.18 GiB) -- counted as a
+#: loading transient for the largest target
+DENSE_PACK_TRANSIENT = 13
 
 
 def _sidecar(path: Path, checkpoint: Checkpoint, layers: list[MoELayer], layout) -> QuantSource:
@@ -98,12 +110,47 @@ def _sidecar(path: Path, checkpoint: Checkpoint, layers: list[MoELayer], layout)
     return QuantSource(side, layout)
 
 
+def _check_resident_quant(offload: OffloadConfig, acts: list) -> None:
+    """ValueError naming ``--resident-quant`` for a mode it does not take or an expert layout without one."""
+    if offload.resident_quant not in LOW_MODES:
+        raise ValueError(f"--resident-quant must be one of {', '.join(LOW_MODES)}, got {offload.resident_quant!r}")
+    if offload.quant == offload.resident_quant:
+        raise ValueError(f"--resident-quant {offload.resident_quant} beside --quant {offload.quant}: the slots "
+                         "already hold that precision (use --quant none or int8 for the full-precision slots)")
+    if any(a is None for a in acts):
+        raise ValueError("--resident-quant needs gate_up/down experts (the 'linear' layout)")
+
+
+def _expert_sizes(parts: dict, placement: dict, readers: int) -> tuple[int, int, int]:
+    """(expert bytes, slot bytes, reader bounce-buffer bytes) of the experts ``parts`` placed as ``placement``."""
+    bounce = [max(n for _, _, n, _, _ in p.spans) for p in placement.values() if p.bounce]
+    return (next(iter(parts.values())).nbytes, slot_bytes_for(max(p.nbytes for p in placement.values())),
+            (max(bounce) if bounce else 0) * max(1, readers))
+
+
+def compile_dense(model: nn.Module) -> None:
+    """``torch.compile`` the dense part of every decoder layer of ``model`` in place: its attention and its
+    norms (``dynamic=True``: one graph for every KV length). The MoE blocks, routers and the step around them
+    stay eager. Each layer's attention is its own graph (its ``layer_idx`` is a constant of the cache
+    update), so the recompile limit is raised to cover every layer."""
+    decoder = model.model.layers
+    limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 4 * len(decoder))
+    torch._dynamo.config.recompile_limit = limit
+    for layer in decoder:
+        for name in ("self_attn", "input_layernorm", "post_attention_layernorm"):
+            mod = getattr(layer, name, None)
+            if mod is not None:
+                mod.forward = torch.compile(mod.forward, dynamic=True)
+
+
 class OffloadedModel(LayerSteps):
     """A causal LM with offloaded experts; see the module docstring. Build with :meth:`from_pretrained`."""
 
     def __init__(self, path: Path, model: nn.Module, family: Family, layers: list[MoELayer], checkpoint: Checkpoint,
-                 offload: OffloadConfig, dtype: torch.dtype, device: torch.device, mlps: list[Callable]) -> None:
+                 offload: OffloadConfig, dtype: torch.dtype, device: torch.device, mlps: list[Callable],
+                 process: dict | None = None) -> None:
         self.path = path
+        self._process = process or {}  # the preflight's process terms (interpreter RSS, limit): see _preflight
         self.model = model
         self.config = model.config
         self.family = family
@@ -129,13 +176,7 @@ class OffloadedModel(LayerSteps):
             self.source = NativeSource(checkpoint)
         low_source = None  # --resident-quant: every expert's low-precision copy, resident (offload/lowtier.py)
         if offload.resident_quant is not None:
-            if offload.resident_quant not in LOW_MODES:
-                raise ValueError(f"--resident-quant must be one of {', '.join(LOW_MODES)}, got {offload.resident_quant!r}")
-            if offload.quant == offload.resident_quant:
-                raise ValueError(f"--resident-quant {offload.resident_quant} beside --quant {offload.quant}: the slots "
-                                 "already hold that precision (use --quant none or int8 for the full-precision slots)")
-            if any(a is None for a in acts):
-                raise ValueError("--resident-quant needs gate_up/down experts (the 'linear' layout)")
+            _check_resident_quant(offload, acts)
             low_layout = quant_layout_for(checkpoint, layers[0].layer_id, offload.resident_quant, None, dtype, device)
             low_source = _sidecar(path, checkpoint, layers, low_layout)
         self.precision = offload.precision_rule()
@@ -143,16 +184,14 @@ class OffloadedModel(LayerSteps):
         io = offload.io if offload.tier == "disk" else "cached"
         self._parts = {(m.index, e): self.source.parts(m.layer_id, e) for m in layers for e in range(self.num_experts)}
         self._placement = {k: place_expert(p, io) for k, p in self._parts.items()}
-        self.expert_bytes = self._parts[(0, 0)].nbytes
-        self.slot_bytes = slot_bytes_for(max(p.nbytes for p in self._placement.values()))
-        bounce = [max(n for _, _, n, _, _ in p.spans) for p in self._placement.values() if p.bounce]
+        self.expert_bytes, self.slot_bytes, self._io_bytes = _expert_sizes(self._parts, self._placement,
+                                                                           offload.readers)
         self.readers = IOQueue(offload.readers)
-        self._io_bytes = (max(bounce) if bounce else 0) * max(1, offload.readers)
         self.tier = DiskTier(offload.io) if offload.tier == "disk" else \
-            HostTier(self.source, [m.layer_id for m in layers], self.num_experts)
+            HostTier(self.source, [m.layer_id for m in layers], self.num_experts, pin=device.type == "cuda")
         if isinstance(self.tier, DiskTier):  # open every file now: O_DIRECT support is checked before any run
             for f in sorted({r.file for p in self._parts.values() for r in p.reads}):
-                self.tier._fd(f)
+                self.tier.fd(f)
         host_budget = parse_host_memory(offload.host_memory)
         if host_budget and offload.tier != "disk":
             raise ValueError("--host-memory is the host-RAM level between the fast slots and the disk: it needs "
@@ -172,13 +211,16 @@ class OffloadedModel(LayerSteps):
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._slot_free: dict[int, object] = {}
         self._slot_ready: dict[int, object] = {}
+        self._stalls: list[tuple] = []  # CUDA: (event before, event after) each compute-stream wait on a copy
         # the views of an expert in a slot depend on its layout there: one small id per distinct layout
         sigs: dict[tuple, int] = {}
         self._layout_of = {k: sigs.setdefault((tuple(p.at), tuple((r.dest, r.nbytes) for r in self._parts[k].reads),
                                                tuple(self._parts[k].tensors().items()), self._parts[k].dtype),
                                               len(sigs)) for k, p in self._placement.items()}
         self.slots_stable = False  # set by each step before its first expert is computed (step.py)
-        self._routed_ids: tuple | None = None  # (ids on the device, the same ids on the host) of the last routing
+        self._on_device = not on_host(device)  # CUDA (or the tests' device proxy): host copies are transfers
+        self._host_copies: dict[int, tuple] = {}  # id(device tensor) -> (it, its host copy): _keep_host
+        self._next_route: tuple | None = None  # (MoE layer index, its stock route) made ahead for its guess
         self._row_router: Callable | None = None  # set_row_router
         self._guess_events: list[tuple] = []  # next-layer guesses made in the running step, for the observers
         self._make_pools(self.capacity)
@@ -224,34 +266,109 @@ class OffloadedModel(LayerSteps):
         for m in layers:
             mlps.append(expert_mlp(layout, m.block.experts))
             m.block.experts = OffloadedExperts(None, m.index)  # runtime bound below
+        cls._compile_kernels(family, layers[0], routing or RoutingConfig(), eviction, configure_kw.get("gamma", 0.9))
+        process = cls._preflight(path, model, layers, checkpoint, offload, dtype, device)  # refuses before loading
         model.to_empty(device=device)
         load_non_expert(model, checkpoint, config)
         recompute_rotary(model, config, device)
         quantize_dense(model, offload.quant_dense)  # --quant-dense: before use_matvec (it skips the replaced modules)
         use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
-        runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps)
+        runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps, process)
+        if offload.compile:
+            compile_dense(model)
         for m in layers:
-            m.block.experts._runtime = [runtime]
+            m.block.experts.bind(runtime)
         runtime.configure(routing=routing or RoutingConfig(), eviction=eviction, **configure_kw)
         return runtime
 
-    def _plan(self) -> MemoryPlan:
-        o = self.offload
-        seen, non_expert = set(), 0
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                non_expert += t.numel() * t.element_size()
-        kv = kv_cache_bytes(self.config, o.context, o.batch, torch.empty((), dtype=self.dtype).element_size())
+    @staticmethod
+    def _compile_kernels(family: Family, m: MoELayer, routing: RoutingConfig, eviction: str, gamma: float) -> None:
+        """Compile (or load from numba's cache) the cache and routing kernels this run uses, before the
+        interpreter's RSS is measured for the plan: compiling holds tens of MiB for the process's life
+        (LLVM), which the first token would otherwise add beyond the plan. Nothing else changes: the
+        runtime builds its own cache and router. A policy that needs inputs given later (ERAS's profile) or
+        an offline eviction rule (refused by :meth:`configure`) is left to its first use."""
+        n, k = m.num_experts, m.top_k
+        try:
+            make_cache(eviction, n, k, gamma=gamma, expert_bytes=1).access_step(list(range(k)))
+            if routing.policy != "original":
+                Router(routing, num_experts=n, k=k, renormalize=True, scoring=family.scoring).rank(
+                    0, torch.zeros(1, n), torch.zeros(n, dtype=torch.bool), commit=False)
+        except (ValueError, TypeError, RuntimeError):
+            pass
+
+    @classmethod
+    def _preflight(cls, path: Path, model: nn.Module, layers: list[MoELayer], checkpoint: Checkpoint,
+                   offload: OffloadConfig, dtype: torch.dtype, device: torch.device) -> dict:
+        """The memory plan from the config and the safetensors headers alone, before any weight is read or
+        any sidecar written: raises BudgetError (one line, the minimum) for a budget or a container that
+        cannot hold this model, so a refusal never follows a large allocation. Measures the interpreter's
+        RSS now (the process's baseline) and reads the container's limit; returns those process terms for
+        the exact plan (:meth:`_plan`), whose slots are never larger than these upper bounds."""
+        o = offload
+        num_experts, readers = layers[0].num_experts, o.default_readers(device)
+        ids = [m.layer_id for m in layers]
+        if o.quant:  # the sidecar may not exist yet: its layout's bytes, at the worst file offset
+            nbytes = quant_layout_for(checkpoint, ids[0], o.quant, o.group, dtype, device).nbytes
+            expert_bytes, io_bytes = nbytes, 0
+            slot_bytes = slot_bytes_for(nbytes) + (ALIGN if o.tier == "disk" and o.io == "direct" else 0)
+        else:
+            io = o.io if o.tier == "disk" else "cached"
+            parts = {(m.index, e): checkpoint.expert(m.layer_id, e) for m in layers for e in range(num_experts)}
+            expert_bytes, slot_bytes, io_bytes = _expert_sizes(parts, {k: place_expert(p, io) for k, p in parts.items()},
+                                                               readers)
+        largest = max((t.nbytes for k, t in checkpoint.entries.items() if not checkpoint.is_expert_key(k)), default=0)
+        load = largest  # Checkpoint.tensor's read buffer beside the weights it is copied into
+        if o.quant or o.resident_quant:  # the sidecar's writer, if it must be written (counted either way: a bound)
+            load = max(load, SIDECAR_TRANSIENT * checkpoint.expert(ids[0], 0).nbytes)
+        low = 0 if o.resident_quant is None else low_tier_bytes(
+            quant_layout_for(checkpoint, ids[0], o.resident_quant, None, dtype, device), len(layers), num_experts)
+        if o.quant_dense not in (None, "none"):  # loaded whole in the stored dtype, then packed module by module
+            stored, held = dense_bytes(model, None), dense_bytes(model, o.quant_dense)
+            biggest = max(m.weight.numel() for m in dense_targets(model).values())
+            load = stored - held + max(load, DENSE_PACK_TRANSIENT * biggest)
         budget = None if o.memory is None else parse_bytes(o.memory)
-        slots = self.num_experts if budget is None and o.capacity is None else o.capacity  # both: plan_memory refuses
-        plan = plan_memory(budget=budget, slots=slots, non_expert_bytes=non_expert,
-                           kv_bytes=kv, expert_bytes=self.expert_bytes, num_layers=len(self.layers),
-                           num_experts=self.num_experts, top_k=self.top_k, slot_bytes=self.slot_bytes,
-                           extra_slots=1 + o.prefetch, io_bytes=self._io_bytes, low_tier_bytes=self._low_bytes)
+        root = os.environ.get("EXPERTCACHE_CGROUP_ROOT", "/")  # a fake tree, for tests
+        if budget == AUTO:
+            limit, source = container_limit(root)
+        else:
+            limit, source = cgroup_memory_limit(root), "memory cgroup limit"
+        process = dict(baseline_bytes=process_rss(), load_bytes=load, overhead_bytes=RUNTIME_OVERHEAD, limit=limit,
+                       limit_source=source)
+        cls._plan_from(model, o, dtype, process, dense_mode=o.quant_dense, expert_bytes=expert_bytes, slot_bytes=slot_bytes, io_bytes=io_bytes,
+                       num_layers=len(layers), num_experts=num_experts, top_k=layers[0].top_k, readers=readers,
+                       host_bytes=parse_host_memory(o.host_memory) if o.tier == "disk" else 0, low_tier_bytes=low)
+        return process
+
+    @staticmethod
+    def _plan_from(model: nn.Module, o: OffloadConfig, dtype: torch.dtype, process: dict, *, dense_mode: str | None,
+                   expert_bytes: int,
+                   slot_bytes: int, io_bytes: int, num_layers: int, num_experts: int, top_k: int, readers: int,
+                   host_bytes: int, low_tier_bytes: int = 0) -> MemoryPlan:
+        """The plan of ``model`` under ``o`` with these expert sizes: ``dense_mode`` None for a loaded model
+        (its tensors as they are), ``o.quant_dense`` for the meta skeleton (the same bytes, before loading)."""
+        non_expert = dense_bytes(model, dense_mode)
+        kv = kv_cache_bytes(model.config, o.context, o.batch, torch.empty((), dtype=dtype).element_size())
+        budget = None if o.memory is None else parse_bytes(o.memory)
+        slots = num_experts if budget is None and o.capacity is None else o.capacity  # both: plan_memory refuses
+        buffered = o.tier == "disk" and o.io != "direct"  # reads through the page cache: in flight per reader
+        return plan_memory(budget=budget, slots=slots, non_expert_bytes=non_expert, kv_bytes=kv,
+                           expert_bytes=expert_bytes, num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+                           slot_bytes=slot_bytes, extra_slots=1 + o.prefetch, io_bytes=io_bytes,
+                           page_cache_bytes=max(1, readers) * slot_bytes if buffered else 0,
+                           host_tier_bytes=num_layers * num_experts * expert_bytes if o.tier == "host" else 0,
+                           host_bytes=host_bytes, low_tier_bytes=low_tier_bytes, **process)
+
+    def _plan(self) -> MemoryPlan:
+        plan = self._plan_from(self.model, self.offload, self.dtype, self._process, dense_mode=None,
+                               expert_bytes=self.expert_bytes,
+                               slot_bytes=self.slot_bytes, io_bytes=self._io_bytes, num_layers=len(self.layers),
+                               num_experts=self.num_experts, top_k=self.top_k, readers=self.offload.readers,
+                               host_bytes=self.host.nbytes if self.host is not None else 0,
+                               low_tier_bytes=self._low_bytes)
         if self.host is not None:  # the host level has its own budget (--host-memory), beside the fast tier's
-            plan = dataclasses.replace(plan, host_bytes=self.host.nbytes, host_slots=self.host.slots)
-        return plan
+            plan = dataclasses.replace(plan, host_slots=self.host.slots)
+        return dataclasses.replace(plan, pinned_bytes=getattr(self.tier, "pinned_bytes", 0))
 
     def _make_pools(self, capacity: int) -> None:
         """One arena of C cache slots per layer plus one scratch slot and P spares shared by all layers."""
@@ -282,7 +399,12 @@ class OffloadedModel(LayerSteps):
 
     def stock_route(self, index: int, x_TD: torch.Tensor):
         """(logits [T, E], weights [T, K], ids [T, K]) of MoE layer ``index``'s own router for ``x_TD``, without
-        the routing policy and without a cache step (the next-layer guess's first half)."""
+        the routing policy and without a cache step (the next-layer guess's first half). On a device, the
+        next layer's guess was computed by the previous layer's router call and its host copy fetched with
+        that layer's (:meth:`_fetch_host`): taken from there."""
+        made, self._next_route = self._next_route, None
+        if made is not None and made[0] == index:
+            return made[1]
         return self._stock_routers[index](x_TD)
 
     def read_job(self, index: int, e: int, slot: int) -> Callable[[], int]:
@@ -298,7 +420,7 @@ class OffloadedModel(LayerSteps):
         weights returned are then the stock ones, and the next step's ids are not touched."""
         if self.routing.policy == "original":
             return w0_TK, ids0_TK
-        z_cpu_TE = z_TE.detach().to("cpu")
+        z_cpu_TE = self.host_copy(z_TE).detach()  # the layer's one device -> host transfer (or its copy)
         zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
         if self.routing.cache_aware:
             resident_TE = torch.from_numpy(self.states[m.index].cache.resident_array()).expand_as(zr_TE)
@@ -309,12 +431,52 @@ class OffloadedModel(LayerSteps):
         if spec(self.routing.policy).miss_costs:
             self.router.set_miss_costs(m.index, self.miss_costs(m.index))
         ids_TK = order_by_logits(self.router.rank(m.index, zr_TE, resident_TE, commit=commit), z_cpu_TE)
+        ids_dev_TK = self._keep_host(to_device(ids_TK, ids0_TK.device), ids_TK)  # the step reads the host copy
         if not commit:
-            return w0_TK, ids_TK.to(ids0_TK.device)
-        w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK)
-        ids_dev_TK = ids_TK.to(ids0_TK.device)
-        self._routed_ids = (ids_dev_TK, ids_TK)  # the step reads the host copy back (no second device -> host)
-        return w_TK.to(w0_TK.dtype).to(w0_TK.device), ids_dev_TK
+            return w0_TK, ids_dev_TK
+        w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK).to(w0_TK.dtype)
+        return self._keep_host(to_device(w_TK, w0_TK.device), w_TK), ids_dev_TK
+
+    # -- the host's copies (one device -> host transfer per MoE layer) ---------------------------
+
+    def _keep_host(self, dev: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """Remember ``host`` as the host copy of device tensor ``dev`` (until the next router call); ``dev``."""
+        if dev is not host:
+            self._host_copies[id(dev)] = (dev, host)
+        return dev
+
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in host memory: its kept copy (:meth:`_fetch_host`, :meth:`route_policy`) when there is one,
+        else a transfer of its own (a wait); ``t`` itself on the CPU."""
+        kept = self._host_copies.get(id(t))
+        if kept is not None and kept[0] is t:
+            return kept[1]
+        return to_host(t)
+
+    def _fetch_host(self, m: MoELayer, x_TD: torch.Tensor, t: int | None, z_TE: torch.Tensor, w0_TK: torch.Tensor,
+                    ids0_TK: torch.Tensor) -> None:
+        """Device runs: bring what the host needs from this MoE layer's router in ONE transfer -- the ids
+        (``original``) or the logits (a routing policy; both, and the weights, for a row router or T > 1) and,
+        with prefetch on, the same of the next MoE layer's stock router applied to ``x_TD`` (its guess,
+        :meth:`stock_route`), packed (:func:`~expertcache.device.to_host_many`)."""
+        self._host_copies.clear()
+        self._next_route = None
+        rows = self._row_router is not None
+        many = z_TE.shape[0] > 1
+        original = self.routing.policy == "original"
+
+        def wanted(z, w0, ids0):
+            return ([z] if rows or not original else []) + ([ids0] if rows or original else []) + \
+                ([w0] if many and (rows or original) else [])
+        need = wanted(z_TE, w0_TK, ids0_TK)
+        if self.offload.prefetch and m.index + 1 < len(self.layers):
+            nxt = self._stock_routers[m.index + 1](x_TD)
+            if t is not None:
+                nxt = tuple(a[:t] for a in nxt)
+            self._next_route = (m.index + 1, nxt)
+            need += wanted(*nxt)
+        for a, h in zip(need, to_host_many(*need)):
+            self._keep_host(a, h)
 
     def miss_costs(self, index: int) -> np.ndarray:
         """float32 [N]: the cost of loading each expert of layer ``index`` now, relative to the most expensive
@@ -336,6 +498,8 @@ class OffloadedModel(LayerSteps):
             z_TE, w0_TK, ids0_TK = stock(x_TD, *args, **kwargs)
             if x_TD is not hidden_states:  # rows padded to a bucket as every linear's (offload/experts.py); per token
                 z_TE, w0_TK, ids0_TK = z_TE[:t], w0_TK[:t], ids0_TK[:t]
+            if self._on_device:
+                self._fetch_host(m, x_TD, t if x_TD is not hidden_states else None, z_TE, w0_TK, ids0_TK)
             w_TK, ids_TK = self.route(m, z_TE, w0_TK, ids0_TK)
             if self._router_observers:
                 self._notify_router(m.index, z_TE, ids_TK, w_TK)
@@ -345,7 +509,7 @@ class OffloadedModel(LayerSteps):
 
     # -- configuration ---------------------------------------------------------------------------
 
-    def configure(self, *, routing: RoutingConfig | None = None, eviction: str | None = None, gamma: float = 0.9,
+    def configure(self, *, routing: RoutingConfig | None = None, eviction: str | None = None, gamma: float = DEFAULT_GAMMA,
                   freq_LE: np.ndarray | torch.Tensor | None = None, record: bool | None = None,
                   capacity: int | None = None, precision: PrecisionRule | None = None) -> None:
         """(Re)start with a routing policy and fresh, empty caches (slots emptied, statistics zeroed).
@@ -383,6 +547,7 @@ class OffloadedModel(LayerSteps):
             self.host.reset()
         self.compute_seconds = 0.0
         self.io_wait_seconds = 0.0
+        self._stalls.clear()
         self.prefetch_stats = PrefetchStats()
 
     def warm(self, experts: Iterable[int] | None = None) -> None:
@@ -398,6 +563,7 @@ class OffloadedModel(LayerSteps):
         if self.host is not None:  # keep the host entries the warm-up filled; zero its counters
             self.host.counts = type(self.host.counts)()
         self.io_wait_seconds = 0.0
+        self._stalls.clear()
         self.prefetch_stats = PrefetchStats()
 
     def close(self) -> None:
@@ -410,7 +576,7 @@ class OffloadedModel(LayerSteps):
     @torch.inference_mode()
     def forward(self, input_ids_BS: torch.Tensor, past=None, attention_mask=None):
         """One model forward (prefill or decode); returns the transformers output (logits, past_key_values)."""
-        return self.model(input_ids=input_ids_BS.to(self.device), past_key_values=past, use_cache=True,
+        return self.model(input_ids=to_device(input_ids_BS, self.device), past_key_values=past, use_cache=True,
                           attention_mask=attention_mask)
 
     def prefill(self, input_ids_BS: torch.Tensor):
@@ -441,16 +607,28 @@ class OffloadedModel(LayerSteps):
         toks = []
         decode_s = 0.0
         for i in range(max_new_tokens):
-            if not bool(torch.isfinite(logits_BV).all()):
+            # one device -> host transfer per token: the greedy choice with the finiteness check packed beside
+            # it, or (sampling with the host generator) the logits
+            if forced_BN is not None:
+                finite = bool(to_host(torch.isfinite(logits_BV).all()))
+            elif temperature > 0:
+                host_BV = to_host(logits_BV.float())
+                finite = bool(torch.isfinite(host_BV).all())
+            else:
+                pick_B1 = torch.cat([logits_BV.float().argmax(dim=-1, keepdim=True),
+                                     torch.isfinite(logits_BV).all().long().expand(logits_BV.shape[0], 1)], dim=1)
+                pick_B1 = to_host(pick_B1)
+                finite = bool(pick_B1[0, 1])
+            if not finite:
                 raise ValueError(f"non-finite logits (NaN/inf) at decode step {i}: the weights or activations of "
                                  f"{self.path} are not finite")
             if forced_BN is not None:  # teacher-forced continuation (benchmarks: same tokens for every policy)
                 nxt_B1 = forced_BN[:, i:i + 1]
             elif temperature > 0:
-                probs = torch.softmax(logits_BV.float().cpu() / temperature, dim=-1)
+                probs = torch.softmax(host_BV / temperature, dim=-1)
                 nxt_B1 = torch.multinomial(probs, 1, generator=g)
             else:
-                nxt_B1 = logits_BV.float().cpu().argmax(dim=-1, keepdim=True)
+                nxt_B1 = pick_B1[:, :1]
             toks.append(nxt_B1)
             if on_token is not None:
                 on_token(nxt_B1)
@@ -478,7 +656,11 @@ class OffloadedModel(LayerSteps):
         seconds (summed over reader threads), seconds the compute thread waited for reads, compute seconds,
         prefetch counters (:class:`PrefetchStats`). Waits for reads in flight first, so counts are final."""
         for t in self.arena.tickets():
-            t._event.wait()
+            t.join()
+        if self._stalls:  # pragma: no cover - GPU only: the device-side copy waits, timed by CUDA events
+            self._stalls[-1][1].synchronize()
+            self.io_wait_seconds += sum(a.elapsed_time(b) for a, b in self._stalls) / 1e3
+            self._stalls.clear()
         per = self.cache_stats()
         total = functools.reduce(CacheStats.merge, per)
         host = self.host.counts if self.host is not None else None
@@ -526,4 +708,5 @@ class OffloadedModel(LayerSteps):
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),
                     eviction=self.eviction, gamma=eviction_rule(self.eviction).settings(gamma=self.gamma).get("gamma"),
                     readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,
+                    compile=self.offload.compile,
                     threads=torch.get_num_threads())

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from expertcache.cache import ExpertCache, make_cache
+from expertcache.device import to_device
 from expertcache.models.adapters import MoELayer
 from expertcache.offload.experts import expert_views
 from expertcache.offload.ioqueue import Ticket
@@ -48,7 +49,8 @@ __all__ = ["LayerState", "LayerSteps", "union_order"]
 
 def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: int) -> list[int]:
     """The experts one step requests (CPU ``ids_TK``, -1 slots skipped): one token's own order; for T > 1 the
-    union of the rows' experts, by total weight ``w_TK`` (descending; ties by id; unused for one token)."""
+    union of the rows' experts, by total weight ``w_TK`` (descending; ties by id; unused for one token). The one
+    serving order: the runtime's step and the live view's shadow cache both read it from here."""
     if ids_TK.shape[0] == 1:
         return [e for e in ids_TK[0].tolist() if e >= 0]
     valid_TK = ids_TK >= 0
@@ -177,6 +179,12 @@ class LayerSteps(RuntimeObservers):
             for t in arena.tickets():
                 self._wait(t, swallow=True)
             arena.pending.clear()
+        if getattr(self, "_cuda", False):  # pragma: no cover - GPU only
+            # copies the readers queued may still be writing into slots about to be freed or reused (an unused
+            # prefetch, most likely): the copy stream is drained before any slot changes hands
+            self._copy_stream.synchronize()
+            self._slot_ready.clear()
+            self._slot_free.clear()
 
     def _weights(self, st: LayerState, e: int, slot: int) -> tuple[torch.Tensor, ...]:
         """The expert's tensors as views of its slot (cached per slot while it holds ``e``)."""
@@ -207,16 +215,12 @@ class LayerSteps(RuntimeObservers):
 
     def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         st = self.states[index]
-        routed, self._routed_ids = self._routed_ids, None
-        # the layer's one device -> host transfer (what the cache step needs); none when the routing policy made
-        # these very ids on the host (cache-aware routing copied the logits instead)
-        ids_cpu_TK = routed[1] if routed is not None and routed[0] is ids_TK else ids_TK.to("cpu")
+        # the host copy the router call fetched (the layer's one device -> host transfer) or that the routing
+        # policy made these very ids from; a transfer of their own only for ids made otherwise (a row router's)
+        ids_cpu_TK = self.host_copy(ids_TK)
         one = ids_cpu_TK.shape[0] == 1
-        if one:
-            row = ids_cpu_TK[0].tolist()
-            order = [e for e in row if e >= 0]
-        else:
-            order = union_order(ids_cpu_TK, w_TK, self.num_experts)
+        # the one serving order (the live view's shadow too); one token's needs no weights (no transfer)
+        order = union_order(ids_cpu_TK, None if one else self.host_copy(w_TK), self.num_experts)
         if self.record and one:
             st.steps.append(list(order))
         t0 = time.perf_counter()
@@ -346,7 +350,7 @@ class LayerSteps(RuntimeObservers):
         flat_cpu = ids_cpu_TK.T.reshape(-1)  # position p = k * T + t: by slot k, then token
         pos = torch.argsort(flat_cpu, stable=True)
         ends = torch.bincount(flat_cpu + 1, minlength=self.num_experts + 1).cumsum(0).tolist()  # -1 sorts first
-        pos = pos.to(ids_TK.device)
+        pos = to_device(pos, ids_TK.device)
         tok_all = pos % t_count
         w_all = w_TK.T.reshape(-1)[pos]
         out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -496,7 +500,14 @@ class LayerSteps(RuntimeObservers):
         if self._cuda:  # pragma: no cover - GPU only: compute after the slot's copy (a device-side wait)
             ready = self._slot_ready.pop(slot, None)
             if ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(ready)
+                # timed on the device: the compute stream's stall on the copy is the copy wait of a GPU run
+                # (the host never blocks here); resolved into io_wait_seconds by stats()
+                stream = torch.cuda.current_stream(self.device)
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(stream)
+                stream.wait_event(ready)
+                after.record(stream)
+                self._stalls.append((before, after))
         if on_ready is not None:
             on_ready(e, slot)
 

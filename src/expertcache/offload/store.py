@@ -11,8 +11,9 @@ pinned staging buffer on the way to a GPU) and counts what it moved:
   cache is dropped before each read, so it too reads the device). ``io='cached'``: plain ``pread`` (a warm
   page cache makes this a RAM copy). ``bytes_read`` counts the bytes requested from the device (the aligned
   span for ``direct``).
-- :class:`HostTier`: every expert of every MoE layer read once into host RAM (pinned when CUDA is
-  available), one contiguous row per expert; a miss is a memory copy (the PCIe setting of 003/004).
+- :class:`HostTier`: every expert of every MoE layer read once into host RAM (page-locked for a CUDA
+  runtime, in power-of-two blocks torch's pinned allocator does not round: :func:`pinned_blocks`), one
+  contiguous row per expert; a miss is a memory copy (the PCIe setting of 003/004).
 
 Asynchronous use: :meth:`DiskTier.read` / :meth:`HostTier.read` copy one expert into its *slot* following a
 :class:`Placement` (:func:`place_expert`) and are safe to call from several reader threads at once (see
@@ -44,8 +45,8 @@ from expertcache.offload.checkpoint import ByteRange, Checkpoint, CheckpointErro
 from expertcache.offload.quant import FORMAT_VERSION, QuantLayout, default_group, kernel_for, pack_expert
 
 __all__ = ["IO_MODES", "TIERS", "NativeSource", "QuantSource", "DiskTier", "HostTier", "TierStats", "Placement",
-           "place_expert", "quantize_checkpoint", "quant_sidecar_path", "direct_io_supported", "ALIGN",
-           "verify_quant_sidecar", "CHECKSUM_KEY", "check_sidecar_layout", "quant_layout_for"]
+           "place_expert", "pinned_blocks", "quantize_checkpoint", "quant_sidecar_path", "direct_io_supported",
+           "ALIGN", "verify_quant_sidecar", "CHECKSUM_KEY", "check_sidecar_layout", "quant_layout_for"]
 
 #: tensor of a quantised sidecar holding one blake2b-128 digest per expert blob (uint8 [n, 16], rows in the
 #: order the blobs are stored in the file)
@@ -327,7 +328,9 @@ class DiskTier:
         self._open_lock = threading.Lock()
         self._local = threading.local()  # per reader thread: its bounce buffer
 
-    def _fd(self, file: Path) -> int:
+    def fd(self, file: Path) -> int:
+        """The read descriptor of ``file`` (opened once, with O_DIRECT in ``direct`` io; an unsupported O_DIRECT
+        is refused here, so the runtime opens every file at start)."""
         fd = self._fds.get(file)
         if fd is not None:
             return fd
@@ -385,7 +388,7 @@ class DiskTier:
     def _pread(self, file: Path, offset: int, target: memoryview, needed: int) -> int:
         """One ``preadv`` of ``target.nbytes`` bytes at ``offset`` of ``file`` (page cache dropped first with
         ``io='fadvise'``); fewer than ``needed`` bytes → CheckpointError, an OS error → OSError naming the file."""
-        fd, length = self._fd(file), target.nbytes
+        fd, length = self.fd(file), target.nbytes
         if self.io == "fadvise":
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
         try:
@@ -404,22 +407,66 @@ class DiskTier:
         return buf
 
 
-class HostTier:
-    """Every expert of ``layer_ids`` in host RAM: one [E, nbytes] uint8 tensor per layer (pinned when CUDA
-    is available). Loaded once at construction from ``source`` with buffered reads."""
+#: the smallest block a pinned host tier asks for (and at least 32 rows' bytes, rounded to a power of two)
+PINNED_BLOCK = 1 << 28
 
-    def __init__(self, source, layer_ids: list[int], num_experts: int) -> None:
+
+def pinned_blocks(row_bytes: int, rows: int, block: int = PINNED_BLOCK) -> list[tuple[int, int]]:
+    """How to hold ``rows`` rows of ``row_bytes`` in page-locked memory without paying torch's rounding:
+    [(block bytes, rows in it)], every block a power of two (torch's pinned allocator rounds each request up
+    to one: a block asked at that size costs what it holds). Full blocks are the smallest power of two ≥
+    max(``block``, 32 rows) -- each wastes less than one row, < 1/32 of it --, the rest is split into halving
+    powers of two (each wastes less than a row) and a last row alone (< 2× its bytes). Pure arithmetic."""
+    if row_bytes <= 0 or rows < 0:
+        raise ValueError(f"row_bytes must be > 0 and rows >= 0, got {row_bytes}, {rows}")
+    big = 1 << (max(block, 32 * row_bytes) - 1).bit_length()
+    per = big // row_bytes
+    out, left = [], rows
+    while left >= per:
+        out.append((big, per))
+        left -= per
+    while left:
+        size = left * row_bytes
+        p = 1 << (size.bit_length() - 1)  # the largest power of two ≤ what is left
+        if p < row_bytes:  # one row left, less than twice a smaller power of two: its own rounded block
+            out.append((1 << (size - 1).bit_length(), left))
+            break
+        out.append((p, p // row_bytes))
+        left -= p // row_bytes
+    return out
+
+
+class HostTier:
+    """Every expert of ``layer_ids`` in host RAM: ``rows[layer_id][e]`` its bytes (uint8). ``pin`` (a CUDA
+    runtime): in page-locked blocks laid out by :func:`pinned_blocks` (``pinned_bytes`` ≤ 1.05 × the experts'
+    bytes on every shipped model, where one page-locked tensor per layer paid up to 2×); else one ordinary
+    [E, nbytes] tensor per layer and nothing pinned. Loaded once at construction from ``source`` with
+    buffered reads."""
+
+    def __init__(self, source, layer_ids: list[int], num_experts: int, *, pin: bool = False) -> None:
         disk = DiskTier("cached")
         self.stats = TierStats()
-        self.rows: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, torch.Tensor | list[torch.Tensor]] = {}
+        self.pinned_bytes = 0
+        sizes = {i: source.parts(i, 0).nbytes for i in layer_ids}
+        if pin and len(set(sizes.values())) == 1:
+            nbytes = next(iter(sizes.values()))
+            views = []
+            for size, n in pinned_blocks(nbytes, len(layer_ids) * num_experts):
+                blk = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                self.pinned_bytes += size
+                views += [blk[r * nbytes:(r + 1) * nbytes] for r in range(n)]
+            for j, i in enumerate(layer_ids):
+                self.rows[i] = views[j * num_experts:(j + 1) * num_experts]
+        else:
+            for i in layer_ids:
+                self.rows[i] = torch.empty(num_experts, sizes[i], dtype=torch.uint8, pin_memory=pin)
+                self.pinned_bytes += self.rows[i].numel() if pin else 0
         for i in layer_ids:
-            nbytes = source.parts(i, 0).nbytes
-            rows = torch.empty(num_experts, nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             for e in range(num_experts):
-                disk.fetch(source.parts(i, e), rows[e])
-            self.rows[i] = rows
+                disk.fetch(source.parts(i, e), self.rows[i][e])
         disk.close()
-        self.nbytes = sum(r.numel() for r in self.rows.values())
+        self.nbytes = sum(num_experts * n for n in sizes.values())
 
     def read(self, layer_id: int, e: int, dest_u8: torch.Tensor) -> int:
         """Copy expert ``e`` of ``layer_id`` into its slot (packed layout); thread-safe."""

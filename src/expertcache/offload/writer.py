@@ -1,6 +1,7 @@
 """A streaming safetensors writer: tensors are produced one at a time, so a multi-GB checkpoint is written
-without holding it in memory. The file is written to ``path + '.tmp'`` and renamed when complete (an
-interrupted write never leaves a file that looks valid)."""
+without holding it in memory. The file is written to a temporary file beside it (``expertcache.outputs.temp_file``)
+and renamed when complete (an interrupted write never leaves a file that looks valid; a failed one -- a full disk --
+leaves no temporary file and names ``path``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Callable, Iterable
 import torch
 
 from expertcache.offload.checkpoint import DTYPES
+from expertcache.outputs import temp_file
+from expertcache.results import named
 
 __all__ = ["write_safetensors"]
 
@@ -34,8 +37,19 @@ def write_safetensors(path: str | os.PathLike,
         at += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = path.with_name(path.name + ".tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_file(path)
+    try:
+        _write(tmp, raw, entries, path)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no temporary file behind
+        if isinstance(exc, OSError):
+            raise named(exc, path) from None
+        raise
+    return path
+
+
+def _write(tmp: Path, raw: bytes, entries: list, path: Path) -> None:
     with open(tmp, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
@@ -49,5 +63,3 @@ def write_safetensors(path: str | os.PathLike,
             f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path

@@ -29,7 +29,7 @@ import torch
 from expertcache.routing import kernels as _rk
 from expertcache.routing.config import STRENGTH, Router
 from expertcache.routing.controller import ControllerConfig, MissRateController
-from expertcache.routing.policies import _check
+from expertcache.routing.policies import check_logits
 from expertcache.routing.registry import STEERABLE
 
 __all__ = ["BudgetRouter", "attach", "wrap", "expert_bytes"]
@@ -87,7 +87,7 @@ class BudgetRouter:
             resident = torch.zeros(e, dtype=torch.bool)
         res_TE = resident.reshape(-1, e).expand(z_TE.shape[0], e) if resident.dim() == 1 or resident.shape[0] == 1 \
             else resident
-        _check(z_TE, self.base.k, res_TE)  # once for all rows (as Router.rank would per row)
+        check_logits(z_TE, self.base.k, res_TE)  # once for all rows (as Router.rank would per row)
         # rows go straight to the policy kernel (what Router.rank does for one row, without its per-call torch
         # conversions): numpy in, numpy out, misses counted on the same arrays
         z_TE_np = np.ascontiguousarray(z_TE.detach().to("cpu", torch.float32).numpy())

@@ -15,8 +15,9 @@ import torch
 
 from expertcache.routing import kernels as _rk
 # policy names, strengths, default top-J, Cache-Prior's set: declared once, in routing/registry.py (live views)
-from expertcache.routing.registry import CACHE_PRIOR, DEFAULT_TOP_J, POLICIES, SPECS, STRENGTH, spec  # noqa: F401
-from expertcache.routing.policies import (DeltaAvg, Selection, _check, prune_rank, scores_from_logits,
+from expertcache.routing.registry import (CACHE_PRIOR, DEFAULT_TOP_J, POLICIES, SPECS, STRENGTH,  # noqa: F401
+                                          STRENGTH_RANGES, spec)
+from expertcache.routing.policies import (DeltaAvg, Selection, check_logits, prune_rank, scores_from_logits,
                                           topk_rank, weights_for)
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class RoutingConfig:
                 raise ValueError(f"{name} must be a whole number, got {value!r}")
             if value < (1 if name == "h" else 0):
                 raise ValueError(f"{name} must be ≥ {1 if name == 'h' else 0}, got {value}")
-        for name in ("p", "lam", "alpha", "beta", "delta"):
+        for name in (*STRENGTH_RANGES, "delta"):
             value = getattr(self, name)
             if value is None and name == "delta":
                 continue
@@ -68,8 +69,9 @@ class RoutingConfig:
                 raise ValueError(f"{name} must be a number, got {value!r}")
             if not np.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value}")
-            if name in ("p", "lam") and not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
+            low, high = STRENGTH_RANGES.get(name, (0.0, None))
+            if high is not None and not low <= value <= high:
+                raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}")
             if value < 0:  # a negative delta / beta / alpha would make the policy avoid resident experts
                 raise ValueError(f"{name} must be ≥ 0, got {value}")
 
@@ -184,7 +186,7 @@ class Router:
             return topk_rank(z_TE, self.k)
         if c.policy == "prune":
             return prune_rank(z_TE, self.k, self.k if c.h is None else c.h)
-        _check(z_TE, self.k, resident)
+        check_logits(z_TE, self.k, resident)
         if not rows:
             return self._rank(layer, z_TE, resident, commit)
         res_TE = resident.expand_as(z_TE)
@@ -230,7 +232,7 @@ class Router:
             s = SPECS[c.policy]
             d = self.delta_for(layer) if s.running_delta else None
             name = s.strength  # the kernel's strength slot: λ, p or α (Max-Rank's M is ip's m; β scales the penalty)
-            strength = float(getattr(c, name)) if name in ("lam", "p", "alpha") else 0.0
+            strength = float(getattr(c, name)) if name in STRENGTH_RANGES and not s.needs_profile else 0.0
             ip, fp = _rk.pack(c.policy, min(c.top_j, self.k), m=min(c.m, self.num_experts), strength=strength,
                               fixed=None if d is None else d.fixed, allowed=allowed)
             penalty = None

@@ -41,7 +41,7 @@ from expertcache.compiled import jit_inline as _jit_inline
 from expertcache.routing.registry import CODES, NEEDS_PROBS, spec
 
 __all__ = ["AVAILABLE", "CODES", "KERNEL_CODES", "NEEDS_PROBS", "OK", "NOT_FINITE", "token_keys", "select", "rank",
-           "pack", "restrict_to_groups"]
+           "pack", "restrict_to_groups", "EMPTY_F", "EMPTY_B"]
 
 AVAILABLE = compiled.AVAILABLE
 
@@ -183,8 +183,10 @@ def _rank(z_PE, prob_PE, ip, fp, penalty_PE, allowed_PE, resident_PE, k, order_P
     return -1
 
 
-_EMPTY_F = np.zeros((1, 1), np.float32)
-_EMPTY_B = np.zeros((1, 1), np.bool_)
+#: the [1, 1] placeholders a compiled kernel takes for an absent optional array (probabilities, penalties: float;
+#: allowed / resident masks: bool); numba needs an array of the right dtype, never None
+EMPTY_F = np.zeros((1, 1), np.float32)
+EMPTY_B = np.zeros((1, 1), np.bool_)
 _NO_OUT = np.zeros((1, 1), np.int64)
 
 
@@ -220,8 +222,8 @@ def rank(z_PE: np.ndarray, ip: np.ndarray, fp: np.ndarray, k: int, *, resident_P
     kres_PE = np.empty((p, e), np.float32)
     knon_PE = np.empty((p, e), np.float32)
     out_PK = np.empty((p, k), np.int64) if k > 0 else _NO_OUT
-    bad = _rank(z_PE, _rows(prob_PE, _EMPTY_F, np.float32), ip, fp, _rows(penalty_PE, _EMPTY_F, np.float32),
-                _rows(allowed_PE, _EMPTY_B, np.bool_), _rows(resident_PE, _EMPTY_B, np.bool_), int(k),
+    bad = _rank(z_PE, _rows(prob_PE, EMPTY_F, np.float32), ip, fp, _rows(penalty_PE, EMPTY_F, np.float32),
+                _rows(allowed_PE, EMPTY_B, np.bool_), _rows(resident_PE, EMPTY_B, np.bool_), int(k),
                 order_PE, kres_PE, knon_PE, out_PK)
     return int(bad), order_PE, kres_PE, knon_PE, out_PK
 

@@ -58,7 +58,9 @@ class Selection:
 # helpers
 
 
-def _check(z_TE: torch.Tensor, k: int, resident: torch.Tensor | None = None) -> None:
+def check_logits(z_TE: torch.Tensor, k: int, resident: torch.Tensor | None = None) -> None:
+    """ValueError unless ``z_TE`` is float router logits [T, E] without NaN, K in [1, E] and ``resident`` (if
+    given) a mask of E experts (per token or shared): the checks every ranking entry point makes first."""
     if z_TE.dim() != 2:
         raise ValueError(f"router logits must be [T, E], got shape {tuple(z_TE.shape)}")
     t, e = z_TE.shape
@@ -142,7 +144,7 @@ def _rank_order(z_TE: torch.Tensor) -> torch.Tensor:
 
 def topk_rank(z_TE: torch.Tensor, k: int) -> torch.Tensor:
     """Original routing: the K experts with the highest logits."""
-    _check(z_TE, k)
+    check_logits(z_TE, k)
     # Stable sort, not torch.topk: ties (common with float16/bf16 logits) must break exactly as in the
     # other policies (lower id first), or a zero-strength policy would not reproduce the original routing.
     return _rank_order(z_TE)[:, :k]
@@ -153,7 +155,7 @@ def prune_rank(z_TE: torch.Tensor, k: int, h: int) -> torch.Tensor:
 
     ``1 ≤ h ≤ K``; h = K is the original top-K. The miss rate of this policy is normalised by K, not h.
     """
-    _check(z_TE, k)
+    check_logits(z_TE, k)
     if not 1 <= h <= k:
         raise ValueError(f"prune h must be in [1, K={k}], got h={h}")
     ids_TK = _rank_order(z_TE)[:, :k].clone()

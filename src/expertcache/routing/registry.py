@@ -13,12 +13,11 @@ token_keys`` and ``KERNEL_CODES`` under a new ``code`` unless it reuses one, an 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
-from expertcache.registries import Field, Names, registered, unregister
+from expertcache.registries import Field, Names, check_name, registered, unregister
 
-__all__ = ["PolicySpec", "SPECS", "POLICIES", "STRENGTH", "DEFAULT_TOP_J", "CACHE_PRIOR", "CODES", "NEEDS_PROBS",
+__all__ = ["PolicySpec", "SPECS", "POLICIES", "STRENGTH", "STRENGTH_RANGES", "DEFAULT_TOP_J", "CACHE_PRIOR", "CODES", "NEEDS_PROBS",
            "STEERABLE", "NEEDS_PROFILE", "spec", "policies", "policy_colour", "register_policy", "unregister_policy",
            "registered_policy"]
 
@@ -59,6 +58,12 @@ SPECS: dict[str, PolicySpec] = {s.name: s for s in (
     PolicySpec("cache-prior-cost", 5, "lam", running_delta=True, miss_costs=True, colour="tab:pink"),
 )}
 
+#: the real-valued strength fields of :class:`~expertcache.routing.RoutingConfig` and their ranges, (low, high;
+#: None: unbounded): p (001 Alg. 2) and λ (001 Eq. 9) are fractions, α (003) and β (003) non-negative. The
+#: whole-number ones are h (prune, 1..K) and m (max-rank, K..N). Read by RoutingConfig's checks, the kernel's
+#: strength slot, sweep grids and flags, lm-eval's model_args and the registry's check of ``steer``.
+STRENGTH_RANGES = {"p": (0.0, 1.0), "lam": (0.0, 1.0), "alpha": (0.0, None), "beta": (0.0, None)}
+
 #: the policies every install has (:func:`unregister_policy` refuses them)
 BUILTIN = frozenset(SPECS)
 
@@ -81,7 +86,6 @@ NEEDS_PROFILE = Names(SPECS, lambda s: s.needs_profile)
 
 #: the flags a kernel code's key rule reads (``kernels.KERNEL_CODES``); a spec must set exactly those
 _FLAGS = ("running_delta", "needs_probs", "needs_profile", "miss_costs")
-_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # no comma (sweep's --policies), no '+' (bench's original+lru)
 
 
 #: colours of figures for a policy that declares none (picked by its name, so stable across runs)
@@ -118,8 +122,7 @@ def _check(s: PolicySpec) -> None:
 
     if not isinstance(s, PolicySpec):
         raise ValueError(f"register_policy takes a PolicySpec, got {type(s).__name__}")
-    if not isinstance(s.name, str) or not _NAME.fullmatch(s.name):
-        raise ValueError(f"policy name must be lower-case letters, digits, '-', '_' or '.', got {s.name!r}")
+    check_name(s.name, "policy")
     if s.name in SPECS:
         raise ValueError(f"routing policy {s.name!r} is already registered")
     if s.code is None:
@@ -148,8 +151,10 @@ def _check(s: PolicySpec) -> None:
                              f"got {s.steer!r}")
         if s.strength == "m":
             raise ValueError(f"policy {s.name!r}: a whole-number strength (m) cannot be steered")
-        if s.strength in ("lam", "p") and s.steer[1] > 1:
-            raise ValueError(f"policy {s.name!r}: steer's s_max {s.steer[1]} exceeds {s.strength}'s range [0, 1]")
+        high = STRENGTH_RANGES.get(s.strength, (0.0, None))[1]
+        if high is not None and s.steer[1] > high:
+            raise ValueError(f"policy {s.name!r}: steer's s_max {s.steer[1]} exceeds {s.strength}'s range "
+                             f"[{STRENGTH_RANGES[s.strength][0]:g}, {high:g}]")
     if s.colour is not None and not isinstance(s.colour, str):
         raise ValueError(f"policy {s.name!r}: colour must be a matplotlib colour name or None, got {s.colour!r}")
 

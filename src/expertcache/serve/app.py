@@ -31,12 +31,11 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
+from expertcache.serve.defaults import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS  # declared once (the CLI reads them)
 from expertcache.serve.engine import Engine, QueueFull, Request, SamplingParams, ShuttingDown
 
 __all__ = ["create_app", "ServeError", "SHIPPED_CHAT_TEMPLATE", "render_chat", "Guard", "SUPPORTED_FIELDS",
            "DEFAULT_MAX_REQUEST_BYTES", "LOOPBACK_HOSTS", "host_allowed"]
-
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 
 # The shipped models were trained on plain text and have no chat template: this one (documented in
 # docs/SERVE.md) writes each message as "Role: content" paragraphs and ends with "Assistant:".
@@ -397,10 +396,6 @@ def origin_allowed(origin: str | None, host: str | None, scheme: str = "http") -
         return False
     parts = urlsplit(origin)
     return bool(parts.netloc) and _host_of(parts.netloc, parts.scheme) == _host_of(host, scheme)
-
-
-#: the names a loopback server answers to by default: a browser resolves them to this machine itself
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 def host_allowed(host: str | None, allowed: tuple[str, ...] | None) -> bool:

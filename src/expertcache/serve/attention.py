@@ -62,10 +62,16 @@ def _make(base_name: str):
             return torch.cat(outs, dim=1), None
         if attention_mask is None or B == 1 or q != 1:
             return base(module, query_BHqd, key_BHLd, value_BHLd, attention_mask, **kwargs)
-        m_BL = attention_mask[:, 0, -1]  # sdpa masks are bool (True = attend); additive ones are 0 where kept
-        keep_BL = m_BL if m_BL.dtype == torch.bool else m_BL == 0
-        # left padding (serve/kv.py): a row's real columns are its last L_b; one host transfer for all rows
-        starts = (keep_BL.shape[1] - keep_BL.sum(dim=1)).tolist()
+        # left padding (serve/kv.py): a row's real columns are its last L_b; one host transfer for all rows, made
+        # by the first layer of the forward (every layer gets the same mask object)
+        kept = getattr(_state, "starts", None)
+        if kept is not None and kept[0] is attention_mask:
+            starts = kept[1]
+        else:
+            m_BL = attention_mask[:, 0, -1]  # sdpa masks are bool (True = attend); additive ones are 0 where kept
+            keep_BL = m_BL if m_BL.dtype == torch.bool else m_BL == 0
+            starts = (keep_BL.shape[1] - keep_BL.sum(dim=1)).tolist()
+            _state.starts = (attention_mask, starts)
         outs = []
         for b, a in enumerate(starts):
             out_1qHd, _ = base(module, query_BHqd[b:b + 1], key_BHLd[b:b + 1, :, a:], value_BHLd[b:b + 1, :, a:],

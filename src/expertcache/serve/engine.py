@@ -44,6 +44,7 @@ from typing import Callable
 
 import torch
 
+from expertcache.device import to_device
 from expertcache.serve.kv import BatchKV
 
 __all__ = ["Engine", "Request", "SamplingParams", "QueueFull", "ShuttingDown", "sample_next"]
@@ -196,6 +197,15 @@ class Engine:
     def batch_size(self) -> int:
         return len(self._rows)
 
+    def run_if_idle(self, fn) -> bool:
+        """Call ``fn()`` holding the engine's lock if no request is waiting, prefilling or decoding (so no forward
+        starts while it runs); returns whether it ran. The live view applies a control change this way."""
+        with self._lock:
+            if self._waiting or self._prefilling or self._rows:
+                return False
+            fn()
+            return True
+
     def in_flight(self) -> int:
         """Requests admitted and not finished (prefilling or decoding)."""
         return len(self._rows) + len(self._prefilling)
@@ -310,9 +320,11 @@ class Engine:
         dev = self.rt.device
         try:
             with torch.inference_mode():
-                out = self.rt.model(input_ids=ids_BS.to(dev), past_key_values=past, use_cache=True,
-                                    attention_mask=None if mask_BL is None else mask_BL.to(dev),
-                                    position_ids=None if pos_BS is None else pos_BS.to(dev))
+                out = self.rt.model(input_ids=to_device(ids_BS, dev), past_key_values=past, use_cache=True,
+                                    attention_mask=None if mask_BL is None else to_device(mask_BL, dev),
+                                    position_ids=None if pos_BS is None else to_device(pos_BS, dev))
+            if dev.type == "cuda":  # pragma: no cover - GPU only: the forward's kernels, not their queueing
+                torch.cuda.synchronize(dev)
         finally:
             self._original_T = None
         dt = time.perf_counter() - t0

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from expertcache.routing.registry import NEEDS_PROFILE
-from expertcache.cache import EVICTIONS, LIVE_EVICTIONS, eviction_rule
+from expertcache.cache import DEFAULT_GAMMA, EVICTIONS, LIVE_EVICTIONS, eviction_rule
 from expertcache.routing import POLICIES, STRENGTH, Router, RoutingConfig
 
 __all__ = ["install_liveview", "Broker", "Tap", "LiveControl", "replay_frames", "SCHEMA_VERSION", "shipped_traces"]
@@ -340,10 +340,7 @@ class LiveControl:
         return dict(routing=cfg, router=router, eviction=eviction, gamma=float(gamma), capacity=int(capacity))
 
     def _apply_if_idle(self) -> None:
-        eng = self.engine
-        with eng._lock:  # idle: no forward can start while we hold the engine's lock
-            if not (eng._waiting or eng._prefilling or eng._rows):
-                self.apply_pending()
+        self.engine.run_if_idle(self.apply_pending)  # idle: no forward can start meanwhile
 
     def request(self, body) -> dict:
         """Validate and queue ``body``; applied at once when the engine is idle. Returns the resolved config."""
@@ -426,7 +423,7 @@ def list_traces(trace_dirs) -> dict[str, Path]:
     return out
 
 
-def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str = "lru", gamma: float = 0.9,
+def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str = "lru", gamma: float = DEFAULT_GAMMA,
                   start: int = 0, steps: int = 256) -> dict:
     """Tokens ``start .. start+steps`` of ``trace`` under ``routing`` / ``eviction`` / ``capacity`` through
     :func:`expertcache.sim.simulate` (one sequence, caches carried, empty at ``start``), then the served
@@ -494,7 +491,7 @@ def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
     if eviction_rule(eviction).offline and cfg.cache_aware:
         raise ConfigError("eviction", "belady needs fixed selections: only with policy original or prune")
     out = dict(routing=cfg, eviction=eviction)
-    for k, default, integer in (("capacity", 8, True), ("gamma", 0.9, False), ("start", 0, True), ("steps", 256, True)):
+    for k, default, integer in (("capacity", 8, True), ("gamma", DEFAULT_GAMMA, False), ("start", 0, True), ("steps", 256, True)):
         v = body.get(k, default)
         _check_number(k, v, integer)
         out[k] = v

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from expertcache import __version__
-from expertcache.cache import CacheStats, eviction_rule, make_cache, resolve_capacity
+from expertcache.cache import DEFAULT_GAMMA, CacheStats, eviction_rule, make_cache, resolve_capacity
 
 __all__ = ["SimResult", "replay", "simulate", "activation_frequency"]
 
@@ -107,7 +107,7 @@ def replay(
     capacity: int | float | str,
     *,
     eviction: str = "lru",
-    gamma: float = 0.9,
+    gamma: float = DEFAULT_GAMMA,
     initial: str | Iterable[int] | None = None,
     seed: int = 0,
     expert_bytes: int | Sequence[int] | None = None,
@@ -179,7 +179,7 @@ def simulate(
     capacity: int | float | str,
     *,
     eviction: str = "lru",
-    gamma: float = 0.9,
+    gamma: float = DEFAULT_GAMMA,
     initial: str | Iterable[int] | None = None,
     seed: int = 0,
     belady: bool = False,

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from expertcache.jsonsafe import JSONError, loads
 from expertcache.results import atomic_write_bytes
 
 __all__ = ["TraceError", "TraceMeta", "RoutingTrace", "FORMAT_VERSION", "atomic_write_bytes"]
@@ -205,6 +206,8 @@ class RoutingTrace:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"no trace file at {path}")
+        if not path.is_file():  # a FIFO would block the read forever, a folder or device is no trace
+            raise TraceError(f"{path}: not a regular file (a trace is a .safetensors file)")
         try:
             with safe_open(str(path), framework="numpy") as f:
                 raw_meta = (f.metadata() or {}).get(_META_KEY)
@@ -221,9 +224,9 @@ class RoutingTrace:
         except Exception as exc:  # safetensors raises its own error types for truncation/corruption
             raise TraceError(f"{path} is not a readable trace (truncated or corrupt?): {exc}") from None
         try:
-            meta = TraceMeta.from_dict(json.loads(raw_meta))
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise TraceError(f"{path}: trace metadata is not valid JSON: {exc}") from None
+            meta = TraceMeta.from_dict(loads(raw_meta, what="trace metadata"))
+        except (JSONError, TypeError) as exc:
+            raise TraceError(f"{path}: {exc}") from None
         except TraceError as exc:
             raise TraceError(f"{path}: {exc}") from None
         if meta.format_version > FORMAT_VERSION:
@@ -235,4 +238,7 @@ class RoutingTrace:
             raise TraceError(f"{path}: {exc}") from None
         if trace.num_tokens == 0:  # every rate would read 0 %: nothing was recorded
             raise TraceError(f"{path}: the trace holds 0 tokens (nothing to simulate or analyse)")
+        if not (np.asarray(trace.ids_TLK) >= 0).any():  # every selection dropped (-1): rates of 0 accesses
+            raise TraceError(f"{path}: the trace selects no expert ({trace.num_tokens} tokens, every selection -1): "
+                             "no accesses to simulate or analyse")
         return trace

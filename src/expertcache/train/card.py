@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from expertcache import __version__
+from expertcache.jsonsafe import load_path
 from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, split_documents
 
 OPENING_SOURCES = ("linux-doc-6.1", "python3.11-doc", "perl-doc")  # first held-out document of each
@@ -163,7 +164,7 @@ def evaluate_model_dir(model_dir: str | Path, data_dir: str | None = None, max_t
                               "continuation": tok.decode(out[0, len(prompt_ids):].tolist())})
 
     summary_path = model_dir / "train_summary.json"
-    train_summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    train_summary = load_path(summary_path) if summary_path.exists() else {}
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return {

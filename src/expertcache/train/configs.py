@@ -80,6 +80,8 @@ class TrainConfig:
     def check_training_fields(self) -> None:
         """Validate the fields every training run shares (dtype, sizes, intervals); ValueError otherwise."""
         check_save_dtype(self.save_dtype)
+        if isinstance(self.seq_len, int) and self.seq_len == 1:  # 0 and negatives: check_positive's message
+            raise ValueError("--seq-len must be ≥ 2 (a sequence's tokens predict the next ones), got 1")
         check_positive(self, ("seq_len", "batch_size", "steps", "vocab_size", "ckpt_every", "log_every", "eval_every"))
 
     def to_dict(self) -> dict:

@@ -28,7 +28,9 @@ import numpy as np
 import torch
 
 from expertcache import __version__
-from expertcache.results import pyplot, save_figure, save_npy
+from expertcache.jsonsafe import loads
+from expertcache.outputs import MARK, check_folder_output, publish_folder, temp_file, temp_folder
+from expertcache.results import named, pyplot, save_figure, save_npy
 from expertcache.train.configs import MODEL_SPECS, TrainConfig, build_hf_config, build_model, count_params
 from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, sample_batch, split_documents
 from expertcache.train.tokenizer import load_tokenizer, train_tokenizer
@@ -147,9 +149,15 @@ def save_train_state(path: Path, *, model_state: dict, optim_state: dict, rng: d
                 optim_scalars=optim_scalars, optim_state_ids=[str(i) for i in optim_state["state"]],
                 rng_numpy=[np_name, int(np_pos), int(np_has_gauss), float(np_gauss)],
                 rng_python=[py_version, list(py_internal), py_gauss])
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={_CKPT_META_KEY: json.dumps(meta)})
-    os.replace(tmp, path)
+    tmp = temp_file(path)
+    try:
+        save_file(tensors, str(tmp), metadata={_CKPT_META_KEY: json.dumps(meta)})
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise named(exc, path) from None
+        raise
 
 
 def load_train_state(path: Path) -> tuple[dict, dict, dict, dict]:
@@ -163,7 +171,7 @@ def load_train_state(path: Path) -> tuple[dict, dict, dict, dict]:
             if raw is None:
                 raise ValueError("not an expertcache training checkpoint (no training state in its header)")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        meta = json.loads(raw)
+        meta = loads(raw, what="training state header")
         if meta.get("format") != CKPT_FORMAT:
             raise ValueError(f"checkpoint format {meta.get('format')!r} is not {CKPT_FORMAT}")
         model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
@@ -220,10 +228,16 @@ def plot_losses(rows: list[dict], path: Path, title: str) -> None:
 def export_model(model, tok, cfg: TrainConfig, run_dir: Path, rows: list[dict], summary: dict) -> Path:
     """Write ``run_dir/model`` (HF checkpoint in ``cfg.save_dtype`` + tokenizer + log + PNG + summary); the folder is
     built next to the old one and swapped in, so a reader never sees a half-written export."""
+    final, tmp = run_dir / "model", temp_folder(run_dir / "model")
+    try:
+        return _export_model(model, tok, cfg, run_dir, rows, summary, final, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _export_model(model, tok, cfg, run_dir, rows, summary, final, tmp) -> Path:
     import copy
 
-    final, tmp = run_dir / "model", run_dir / "model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     export = copy.deepcopy(model).to(getattr(torch, cfg.save_dtype))
     export.config.use_cache = True
     export.config.output_router_logits = False  # inference default; training passes output_router_logits=True
@@ -234,24 +248,7 @@ def export_model(model, tok, cfg: TrainConfig, run_dir: Path, rows: list[dict], 
         fh.writelines(json.dumps(r) + "\n" for r in rows)
     plot_losses(rows, tmp / "loss_curve.png", f"expertcache {cfg.model}: {summary['command']}")
     (tmp / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return publish_folder(tmp, final)
-
-
-def publish_folder(tmp: Path, final: Path) -> Path:
-    """Put the finished folder ``tmp`` in place of ``final`` (a sibling): its files made world-readable
-    (safetensors writes 0600; shipped files must be readable), the previous ``final`` moved aside to
-    ``<final>.old`` beside it and removed only after the swap, so an interrupted run never leaves a
-    half-written ``final``. Returns ``final``."""
-    for f in tmp.iterdir():
-        if f.is_file():
-            f.chmod(0o644)
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+    return publish_folder(tmp, final, "train")
 
 
 def build_shipped_model(cfg: TrainConfig, tok) -> tuple[torch.nn.Module, dict]:
@@ -278,6 +275,7 @@ def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: i
 
     torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.out or f"runs/{cfg.model}")
+    check_folder_output(run_dir / "model", "--out", "train")  # replaced at the end: refused before any work
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / LEGACY_CKPT_NAME).exists():
         raise ValueError(f"{run_dir / LEGACY_CKPT_NAME} is a pickled checkpoint, which expertcache does not load "
@@ -393,5 +391,6 @@ def ship(cfg: TrainConfig) -> Path:
     dest = MODELS_DIR / cfg.model
     dest.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        shutil.copy(f, dest / f.name)
+        if f.name != MARK:  # the shipped folder is the package's, not this run's output
+            shutil.copy(f, dest / f.name)
     return dest

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from expertcache.jsonsafe import load_path
+
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
@@ -32,7 +34,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path, mode
     fast.save_pretrained(out_dir)
     # transformers 5 writes its internal class name; name the public alias so older readers know it too.
     cfg_path = out_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
+    cfg = load_path(cfg_path)
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     return load_tokenizer(out_dir)
