@@ -96,6 +96,10 @@ if [[ "$BENCH" == 1 ]]; then
    python benchmarks/bench_melinoe.py ...                   # MELINOE (after `expertcache melinoe finetune`)
    python benchmarks/bench_tiers_project.py ...             # tiers projected onto 12 MiB experts
    python benchmarks/budget_report.py ...                   # miss-rate controller against fixed strengths
+   python benchmarks/bench_quant.py ...                     # quantised experts: kernel time, C = N decode, quality
+   python benchmarks/bench_mixed.py quality ...             # mixed precision: closed-loop perplexity per rule
+   sudo python benchmarks/bench_mixed.py speed ...          # mixed precision: OLMoE shape in a memory cgroup
+   python benchmarks/mixed_report.py ...                    # its tables and the perplexity-vs-tok/s figure
 EOF
   ls -l "$B"
   exit 0

@@ -43,7 +43,7 @@ from expertcache.train.tokenizer import load_tokenizer  # noqa: E402
 
 C = 8
 TRACE = "granular-wikitext2.trace.safetensors"
-LAYER_KEYS = {"requested", "hit", "miss", "evicted", "prefetched", "resident"}
+LAYER_KEYS = {"requested", "hit", "miss", "low", "evicted", "prefetched", "resident"}
 STEP_KEYS = {"type", "seq", "time", "phase", "rows", "tokens", "seconds", "hits", "misses", "bytes_read", "layers",
              "totals", "dropped", "original"}
 

@@ -8,7 +8,7 @@ import sys
 
 from expertcache.cache import DEFAULT_GAMMA, LIVE_EVICTIONS
 from expertcache.cli.common import (add_device_arg, add_predictor_arg, add_routing_args, add_threads_arg, apply_threads, device_from_args, memory_spec,
-                                    MAX_READERS, int_in, nonneg_float, positive_int, predictor_from_args, print_resolved,
+                                    MAX_READERS, int_in, nonneg_float, nonneg_int, positive_int, predictor_from_args, print_resolved,
                                     prompt_text, routing_from_args, seed_int, unit_float)
 
 DESCRIPTION = """\
@@ -34,6 +34,7 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     from expertcache.offload.store import IO_MODES, TIERS
     from expertcache.offload.qlinear import DENSE_MODES
     from expertcache.offload.quant import KERNEL_GROUPS, QUANT_MODES
+    from expertcache.offload.lowtier import LOW_MODES
 
     parser.add_argument("--model", default="granular",
                         help="checkpoint folder, or a shipped model: granular | coarse (default: granular)")
@@ -77,6 +78,23 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--quant-dense", choices=DENSE_MODES, default=d.quant_dense or "none",
                    help="non-expert weights too: attention projections and lm_head through the same fused kernels "
                         "(int8 per channel / int4 G=32), the token embedding as int8 rows (default: none)")
+    m = parser.add_argument_group("mixed precision (a miss served at 4 bits instead of waited for)")
+    m.add_argument("--resident-quant", choices=("none", *LOW_MODES), default="none",
+                   help="every expert's int4 copy (the fused kernels' layout) resident beside the full-precision "
+                        "slots, counted in the memory plan; a miss the rule below picks is computed from it now "
+                        "instead of loaded (default: none)")
+    m.add_argument("--low-threshold", type=nonneg_float, default=d.low_threshold, metavar="W",
+                   help="HOBBIT's rule: a miss whose router weight is below W is computed at low precision (0 = "
+                        "never; above 1 = every miss); needs --resident-quant")
+    m.add_argument("--load-budget", type=_byte_count, default=None, metavar="BYTES",
+                   help="full-precision loads per token and MoE layer (e.g. 2MiB), spent in descending weight "
+                        "order; the other misses are computed at low precision (default: no budget)")
+    m.add_argument("--promote-after", type=nonneg_int, default=d.promote_after, metavar="N",
+                   help="an expert served at low precision N times is loaded (and admitted by --eviction) at its "
+                        "next miss (0 = never; default: 0)")
+    m.add_argument("--low-cost", type=unit_float, default=None, metavar="C",
+                   help="cache-prior-cost's price of a low-precision compute in [0, 1] (0 as a hit, 1 as a load); "
+                        "default: unpriced")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="compute dtype (default: the checkpoint's)")
     g.add_argument("--eviction", choices=LIVE_EVICTIONS, default="lru",
@@ -86,6 +104,19 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                    help=f"γ of the gamma / gamma-admit cache in [0, 1] (default {DEFAULT_GAMMA})")
     add_threads_arg(g)
     add_device_arg(g)
+
+
+def _byte_count(text: str) -> int:
+    """argparse type of ``--load-budget``: a byte size (0 allowed: every miss at low precision)."""
+    from expertcache.offload.budget import MINIMUM, parse_bytes
+
+    try:
+        n = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if n < 0 or n == MINIMUM:
+        raise argparse.ArgumentTypeError(f"must be a byte size ≥ 0, got {text!r}")
+    return n
 
 
 def _host_memory_spec(text: str) -> str:
@@ -127,10 +158,19 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
         raise ValueError(f"--group applies to --quant int4 (int8 scales are per output channel), got --quant "
                          f"{args.quant or 'none'}")
     dense = getattr(args, "quant_dense", None)
+    low = getattr(args, "resident_quant", "none")
+    low = None if low in (None, "none") else low
+    rule = dict(low_threshold=getattr(args, "low_threshold", 0.0), load_budget=getattr(args, "load_budget", None),
+                promote_after=getattr(args, "promote_after", 0), low_cost=getattr(args, "low_cost", None))
+    if low is None and (rule["low_threshold"] or rule["load_budget"] is not None):
+        raise ValueError("--low-threshold / --load-budget choose misses to compute at low precision: they need "
+                         "--resident-quant int4")
+    if low is not None and low == args.quant:
+        raise ValueError(f"--resident-quant {low} beside --quant {args.quant}: the slots already hold that precision")
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
                          quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
                          prefetch=prefetch, host_memory=host_memory, quant_dense=None if dense == "none" else dense,
-                         compile=bool(getattr(args, "compile", False)))
+                         compile=bool(getattr(args, "compile", False)), resident_quant=low, **rule)
 
 
 def _expert_count(path) -> int:
@@ -253,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     row = dict(kind="generate", prompt_tokens=int(ids.shape[1]), new_tokens=int(r["tokens"].shape[1]),
                prefill_s=r["prefill_s"], decode_s=r["decode_s"], decode_tok_s=tok_s, hit_rate=s["hit_rate"],
                decode_hit_rate=d["hit_rate"], bytes_read=s["bytes_read"], misses=s["misses"],
+               fp_hits=s["hits"], low_computes=s["low_computes"], loads=s["misses"],
                io_wait_s=s["io_wait_seconds"], prefetch=s["prefetch"], prefetched=s["prefetched"], tiers=s["tiers"],
                transfers=s["expert_loads"],  # every expert load: demand misses + --predictor prefetch loads
                threads=args.threads, config=rt.describe())
@@ -272,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
               + (f"; loads: {s['tiers']['host_hits']} from host RAM, {s['tiers']['disk_reads']} from disk"
                  if s["tiers"] else "") + f", {args.threads} thread(s)"
               + (f"; experts {row['config']['quant_kernel']}" if row["config"].get("quant_kernel") else "")
-              + (f"; dense {offload.quant_dense}" if offload.quant_dense else ""),
+              + (f"; dense {offload.quant_dense}" if offload.quant_dense else "")
+              + (f"; {s['hits']} full-precision hits, {s['low_computes']} int4 computes, {s['misses']} loads"
+                 if offload.resident_quant else ""),
               file=sys.stderr)
     return 0

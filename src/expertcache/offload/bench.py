@@ -168,6 +168,9 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
                        prompt_tokens=int(prompt_BS.shape[1]), forced=forced_BN is not None,
                        tok_s=n * prompt_BS.shape[0] / r["decode_s"],
                        s_per_token=per_tok, hit_rate=s["hit_rate"], misses_per_token=s["misses"] / n,
+                       # the three ways a routed expert is served: full-precision hit, low-precision compute
+                       # (--resident-quant), load (= misses)
+                       fp_hits_per_token=s["hits"] / n, low_computes_per_token=s["low_computes"] / n,
                        # every decode-time expert load plus the --predictor prefetch loads made for this sequence
                        transfers_per_token=(s["misses"] + prefetched) / n,
                        bytes_per_token=bytes_tok, io_s_per_token=s["io_seconds"] / n,
@@ -190,7 +193,8 @@ def run_bench(path, offload: OffloadConfig, *, policies: list[str] | None = None
     for name in names:
         rs = [r for r in rows if r["name"] == name]
         med = {k: statistics.median(r[k] for r in rs) for k in
-               ("tok_s", "s_per_token", "hit_rate", "misses_per_token", "transfers_per_token", "bytes_per_token",
+               ("tok_s", "s_per_token", "hit_rate", "misses_per_token", "fp_hits_per_token", "low_computes_per_token",
+                "transfers_per_token", "bytes_per_token",
                 "t_compute",
                 "floor_s_per_token", "floor_ratio", "serial_s_per_token", "serial_ratio", "bandwidth",
                 "serial_bandwidth", "io_wait_s_per_token")}
@@ -234,6 +238,23 @@ def heldout_ppl(rt: OffloadedModel, stream_N: np.ndarray, seq_len: int = 128, wi
         nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:].to(logits.device), reduction="sum").item()
         count += seq_len - 1
     return float(np.exp(nll / count))
+
+
+@torch.inference_mode()
+def closed_loop_nll(rt: OffloadedModel, chunks_NS: torch.Tensor) -> tuple[float, int]:
+    """(summed negative log-likelihood, tokens scored) of every chunk's positions after the first, token by token
+    through ``rt`` (teacher-forced decode: each token's routing sees the live residency; the caches carried
+    across chunks)."""
+    nll, count = 0.0, 0
+    seq = chunks_NS.shape[1]
+    for chunk_S in chunks_NS:
+        logits_BV, past = rt.prefill(chunk_S[None, :1])
+        for t in range(1, seq):
+            nll -= torch.log_softmax(logits_BV[0].float(), -1)[chunk_S[t]].item()
+            count += 1
+            if t < seq - 1:
+                logits_BV, past = rt.decode_one_token(chunk_S[None, t:t + 1], past)
+    return nll, count
 
 
 def heldout_stream(path, max_docs: int = 4000) -> np.ndarray:

@@ -20,6 +20,8 @@ writer). :attr:`MemoryPlan.process_peak` is their sum at the worst moment. Insid
 (:func:`cgroup_memory_limit`: v1 ``memory.limit_in_bytes``, v2 ``memory.max``) a plan whose process peak
 exceeds the limit is refused with the largest ``--memory`` that fits; ``--memory auto`` (:data:`AUTO`) plans
 the largest budget whose process peak fits the limit (no limit: ``MemAvailable``).
+With ``--resident-quant int4`` every expert's int4 copy is resident too: ``low_tier_bytes`` (L · N · the
+packed blob's bytes) is one more fixed term, added to the total and the minimum.
 ``--memory minimum`` (:data:`MINIMUM`) asks for exactly that minimum: C = K.
 """
 
@@ -187,11 +189,12 @@ class MemoryPlan:
     host_tier_bytes: int = 0  # --tier host: every expert in host RAM
     overhead_bytes: int = 0  # per-op temporaries, thread stacks, kernels compiled on first use (RUNTIME_OVERHEAD)
     limit: int | None = None  # the container's limit the process peak was checked against (None: none)
+    low_tier_bytes: int = 0  # every expert's resident low-precision copy (--resident-quant), fixed, in total
 
     @property
     def total(self) -> int:
         sb = self.slot_bytes or self.expert_bytes
-        return (self.non_expert_bytes + self.kv_bytes + self.io_bytes
+        return (self.non_expert_bytes + self.kv_bytes + self.io_bytes + self.low_tier_bytes
                 + (self.num_layers * self.slots + self.extra_slots) * sb)
 
     @property
@@ -232,20 +235,21 @@ def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int,
                 num_layers: int, num_experts: int, top_k: int, slot_bytes: int | None = None, extra_slots: int = 0,
                 io_bytes: int = 0, baseline_bytes: int = 0, load_bytes: int = 0, page_cache_bytes: int = 0,
                 host_tier_bytes: int = 0, host_bytes: int = 0, overhead_bytes: int = 0,
-                limit: int | None = None, limit_source: str = "memory limit") -> MemoryPlan:
+                limit: int | None = None, limit_source: str = "memory limit", low_tier_bytes: int = 0) -> MemoryPlan:
     """Resolve ``budget`` (bytes) or an explicit ``slots`` count into a :class:`MemoryPlan`.
 
     Exactly one of ``budget`` / ``slots`` is given; ``budget=MINIMUM`` means the minimum itself (C = K),
     ``budget=AUTO`` the largest budget whose process peak fits ``limit``. ``slot_bytes`` (default
     ``expert_bytes``): the bytes of one slot; ``extra_slots``: scratch + prefetch slots shared by all layers;
-    ``io_bytes``: reader buffers. The process terms (``baseline_bytes`` ... ``overhead_bytes``, see
+    ``io_bytes``: reader buffers; ``low_tier_bytes``: the resident low-precision copies of every expert
+    (``--resident-quant``), a fixed term beside the non-expert weights. The process terms (``baseline_bytes`` ... ``overhead_bytes``, see
     :class:`MemoryPlan`) do not count against ``budget``; with a ``limit`` (the container's, named
     ``limit_source`` in errors) the plan's :attr:`~MemoryPlan.process_peak` must fit it. Raises BudgetError
     (one line naming the minimum) when the budget is too small for K experts per layer or the process cannot
     fit the limit, or (naming the largest budget that fits) when this budget's process exceeds it; ValueError
     for slots outside [1, N] and for AUTO without a limit."""
     sb = slot_bytes or expert_bytes
-    fixed = non_expert_bytes + kv_bytes + io_bytes + extra_slots * sb
+    fixed = non_expert_bytes + kv_bytes + io_bytes + extra_slots * sb + low_tier_bytes
     minimum = fixed + num_layers * top_k * sb
     process = dict(baseline_bytes=baseline_bytes, load_bytes=load_bytes, page_cache_bytes=page_cache_bytes,
                    host_tier_bytes=host_tier_bytes, overhead_bytes=overhead_bytes, limit=limit)
@@ -253,7 +257,8 @@ def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int,
     loading = baseline_bytes + non_expert_bytes + load_bytes
     parts = (f"non-expert weights {format_bytes(non_expert_bytes)} + KV cache {format_bytes(kv_bytes)} + K={top_k} "
              f"experts × {num_layers} layers (+ {extra_slots} shared scratch/prefetch) × {format_bytes(sb)}"
-             f"{f' + I/O buffers {format_bytes(io_bytes)}' if io_bytes else ''}")
+             f"{f' + I/O buffers {format_bytes(io_bytes)}' if io_bytes else ''}"
+             f"{f' + low-precision copies {format_bytes(low_tier_bytes)}' if low_tier_bytes else ''}")
     if limit is not None and max(loading, beside + minimum) > limit:
         need = max(loading, beside + minimum)
         raise BudgetError(
@@ -282,7 +287,7 @@ def plan_memory(*, budget: int | None, slots: int | None, non_expert_bytes: int,
     elif not 1 <= slots <= num_experts:
         raise ValueError(f"cache size (--cache-experts) must be between 1 and N={num_experts} experts per layer, got {slots}")
     plan = MemoryPlan(budget, non_expert_bytes, kv_bytes, expert_bytes, num_layers, int(slots), minimum,
-                      slot_bytes or 0, extra_slots, io_bytes, host_bytes, 0, **process)
+                      slot_bytes or 0, extra_slots, io_bytes, host_bytes, 0, **process, low_tier_bytes=low_tier_bytes)
     if limit is not None and plan.process_peak > limit:
         fits = limit - beside
         c = min(num_experts, (fits - fixed) // (num_layers * sb))

@@ -26,6 +26,10 @@ class OffloadConfig:
     rows (:mod:`~expertcache.offload.qlinear`; counted in the plan's non-expert bytes). compile: the dense
     part of every decoder layer (its norms and attention) through ``torch.compile`` (opt-in; the router and
     the MoE block stay eager, so routing decisions are the eager ones bit for bit).
+    resident_quant: None or 'int4': every expert's copy in that precision (the fused kernels' layout) held in
+    memory beside the full-precision slots (the plan's ``low_tier_bytes``), for misses served at low precision
+    instead of loaded; low_threshold, load_budget, promote_after, low_cost: the per-miss rule
+    (:class:`~expertcache.routing.precision.PrecisionRule`: threshold, budget, promote, cost).
     """
 
     tier: str = "disk"
@@ -40,7 +44,20 @@ class OffloadConfig:
     prefetch: int = 0
     host_memory: int | str | None = None
     quant_dense: str | None = None
+    resident_quant: str | None = None
+    low_threshold: float = 0.0
+    load_budget: int | None = None
+    promote_after: int = 0
+    low_cost: float | None = None
     compile: bool = False
+
+    def precision_rule(self):
+        """The per-miss rule of these settings (no rule without a resident low-precision tier)."""
+        from expertcache.routing.precision import NEVER, PrecisionRule
+
+        if self.resident_quant is None:
+            return NEVER
+        return PrecisionRule(self.low_threshold, self.load_budget, self.promote_after, self.low_cost)
 
     #: reader threads where reads take long enough to overlap with compute (disk tier, GPU copies)
     PARALLEL_READERS = 4

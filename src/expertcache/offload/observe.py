@@ -40,7 +40,9 @@ class StepEvent:
     """One cache step of MoE layer ``layer``. ``order``: the ids requested, in the order the cache served them
     (descending weight); ``hits``: per entry of ``order``, whether it was resident before the step;
     ``evicted``/``admitted``: the ids that left / entered the cache (sorted); ``resident``: the cache's
-    residency after the step (sorted). ``kind``: ``"demand"`` or ``"prefetch"``."""
+    residency after the step (sorted). ``kind``: ``"demand"`` or ``"prefetch"``. ``low``: the requested ids
+    computed from their resident low-precision copies instead (``--resident-quant``; not in ``order``, not seen
+    by the cache; sorted)."""
 
     layer: int
     kind: str
@@ -49,6 +51,7 @@ class StepEvent:
     evicted: tuple[int, ...]
     admitted: tuple[int, ...]
     resident: tuple[int, ...]
+    low: tuple[int, ...] = ()
 
     @property
     def misses(self) -> tuple[int, ...]:
@@ -127,13 +130,14 @@ class RuntimeObservers:
     def _live(observers: tuple) -> list:
         return [fn for fn, when in observers if when is None or when()]
 
-    def _notify_step(self, index: int, kind: str, order, hits, before, after) -> None:
+    def _notify_step(self, index: int, kind: str, order, hits, before, after, low=()) -> None:
         fns = self._live(self._step_observers)
         if not fns:
             return
         before, after = set(before), set(after)
         ev = StepEvent(index, kind, tuple(int(e) for e in order), tuple(bool(h) for h in hits),
-                       tuple(sorted(before - after)), tuple(sorted(after - before)), tuple(sorted(after)))
+                       tuple(sorted(before - after)), tuple(sorted(after - before)), tuple(sorted(after)),
+                       tuple(sorted(int(e) for e in low)))
         for fn in fns:
             fn(ev)
 

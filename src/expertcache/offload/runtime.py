@@ -67,6 +67,7 @@ from expertcache.offload.config import OffloadConfig
 from expertcache.offload.ioqueue import IOQueue
 from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
+from expertcache.offload.lowtier import LOW_MODES, LowPrecisionTier, low_tier_bytes
 from expertcache.offload.prefetch import PrefetchStats
 from expertcache.offload.qlinear import DENSE_MODES, dense_bytes, dense_targets, quantize_dense
 from expertcache.offload.quant import padding_note, quant_mlp
@@ -77,6 +78,7 @@ from expertcache.offload.store import (ALIGN, TIERS, DiskTier, HostTier, NativeS
                                        quant_layout_for, quant_sidecar_path, quantize_checkpoint)
 from expertcache.models.loader import check_weights_match_config, load_config_checked, resolve_model_path
 from expertcache.routing import Router, RoutingConfig
+from expertcache.routing.precision import PrecisionRule, tier_costs
 from expertcache.routing.registry import spec
 
 __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model_path"]
@@ -90,6 +92,33 @@ SIDECAR_TRANSIENT = 6
 #: matrix at the peak (OLMoE's lm_head, 2048 × 50304: 1.26 GiB, int4; int8 1.18 GiB) -- counted as a
 #: loading transient for the largest target
 DENSE_PACK_TRANSIENT = 13
+
+
+def _sidecar(path: Path, checkpoint: Checkpoint, layers: list[MoELayer], layout) -> QuantSource:
+    """The experts of ``checkpoint`` quantised to ``layout``: the sidecar next to the model if there is one, else
+    one written once (streaming) into the cache folder, keyed by the checkpoint's files (never into the model
+    folder)."""
+    side = quant_sidecar_path(path, layout)
+    if not side.is_file():
+        import hashlib
+
+        stamp = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+                         for p in sorted({t.file for t in checkpoint.entries.values()}))
+        key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+        side = quantize_checkpoint(checkpoint, [m.layer_id for m in layers], layout,
+                                   out=_cache_dir() / "quant" / f"{path.name}-{key}-{side.name}")
+    return QuantSource(side, layout)
+
+
+def _check_resident_quant(offload: OffloadConfig, acts: list) -> None:
+    """ValueError naming ``--resident-quant`` for a mode it does not take or an expert layout without one."""
+    if offload.resident_quant not in LOW_MODES:
+        raise ValueError(f"--resident-quant must be one of {', '.join(LOW_MODES)}, got {offload.resident_quant!r}")
+    if offload.quant == offload.resident_quant:
+        raise ValueError(f"--resident-quant {offload.resident_quant} beside --quant {offload.quant}: the slots "
+                         "already hold that precision (use --quant none or int8 for the full-precision slots)")
+    if any(a is None for a in acts):
+        raise ValueError("--resident-quant needs gate_up/down experts (the 'linear' layout)")
 
 
 def _expert_sizes(parts: dict, placement: dict, readers: int) -> tuple[int, int, int]:
@@ -137,22 +166,20 @@ class OffloadedModel(LayerSteps):
             offload = self.offload = dataclasses.replace(offload, readers=offload.default_readers(device))
         if offload.prefetch < 0 or offload.readers < 0:
             raise ValueError(f"prefetch and readers must be >= 0, got {offload.prefetch}, {offload.readers}")
+        acts = [getattr(f, "act", None) for f in mlps]
         if offload.quant:  # experts packed for the fused kernels (offload/quant.py); K padded where needed
             layout = quant_layout_for(checkpoint, layers[0].layer_id, offload.quant, offload.group, dtype, device)
             offload = self.offload = dataclasses.replace(offload, group=layout.group if offload.quant == "int4" else None)
-            side = quant_sidecar_path(path, layout)
-            if not side.is_file():  # never write into the model folder: a cache keyed by the checkpoint
-                import hashlib
-
-                stamp = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
-                                 for p in sorted({t.file for t in checkpoint.entries.values()}))
-                key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-                side = quantize_checkpoint(checkpoint, [m.layer_id for m in layers], layout,
-                                           out=_cache_dir() / "quant" / f"{path.name}-{key}-{side.name}")
             mlps = [quant_mlp(layout, f.act) for f in mlps]
-            self.source = QuantSource(side, layout)
+            self.source = _sidecar(path, checkpoint, layers, layout)
         else:
             self.source = NativeSource(checkpoint)
+        low_source = None  # --resident-quant: every expert's low-precision copy, resident (offload/lowtier.py)
+        if offload.resident_quant is not None:
+            _check_resident_quant(offload, acts)
+            low_layout = quant_layout_for(checkpoint, layers[0].layer_id, offload.resident_quant, None, dtype, device)
+            low_source = _sidecar(path, checkpoint, layers, low_layout)
+        self.precision = offload.precision_rule()
         # every expert present and well-formed before anything runs (loud); where its bytes go in a slot
         io = offload.io if offload.tier == "disk" else "cached"
         self._parts = {(m.index, e): self.source.parts(m.layer_id, e) for m in layers for e in range(self.num_experts)}
@@ -171,7 +198,11 @@ class OffloadedModel(LayerSteps):
                              f"--tier disk (with --tier {offload.tier} every expert is in host RAM already)")
         self.host = HostCache(host_budget, self.slot_bytes, len(layers), self.num_experts, self.tier) \
             if host_budget else None  # the two-level cache (offload/tiers.py); None = every miss reads the disk
-        self.plan = self._plan()
+        self._low_bytes = 0 if low_source is None else \
+            low_tier_bytes(low_source.quant, len(layers), self.num_experts)
+        self.plan = self._plan()  # refused here, before the low-precision copies are loaded
+        self.low = None if low_source is None else \
+            LowPrecisionTier(low_source, [m.layer_id for m in layers], self.num_experts, device, acts)
         self.capacity = self.plan.slots
         self._mlps = mlps
         self._cuda = device.type == "cuda"
@@ -288,8 +319,10 @@ class OffloadedModel(LayerSteps):
                                                                readers)
         largest = max((t.nbytes for k, t in checkpoint.entries.items() if not checkpoint.is_expert_key(k)), default=0)
         load = largest  # Checkpoint.tensor's read buffer beside the weights it is copied into
-        if o.quant:  # the sidecar's writer, if it must be written (counted either way: a bound, small)
+        if o.quant or o.resident_quant:  # the sidecar's writer, if it must be written (counted either way: a bound)
             load = max(load, SIDECAR_TRANSIENT * checkpoint.expert(ids[0], 0).nbytes)
+        low = 0 if o.resident_quant is None else low_tier_bytes(
+            quant_layout_for(checkpoint, ids[0], o.resident_quant, None, dtype, device), len(layers), num_experts)
         if o.quant_dense not in (None, "none"):  # loaded whole in the stored dtype, then packed module by module
             stored, held = dense_bytes(model, None), dense_bytes(model, o.quant_dense)
             biggest = max(m.weight.numel() for m in dense_targets(model).values())
@@ -304,14 +337,14 @@ class OffloadedModel(LayerSteps):
                        limit_source=source)
         cls._plan_from(model, o, dtype, process, dense_mode=o.quant_dense, expert_bytes=expert_bytes, slot_bytes=slot_bytes, io_bytes=io_bytes,
                        num_layers=len(layers), num_experts=num_experts, top_k=layers[0].top_k, readers=readers,
-                       host_bytes=parse_host_memory(o.host_memory) if o.tier == "disk" else 0)
+                       host_bytes=parse_host_memory(o.host_memory) if o.tier == "disk" else 0, low_tier_bytes=low)
         return process
 
     @staticmethod
     def _plan_from(model: nn.Module, o: OffloadConfig, dtype: torch.dtype, process: dict, *, dense_mode: str | None,
                    expert_bytes: int,
                    slot_bytes: int, io_bytes: int, num_layers: int, num_experts: int, top_k: int, readers: int,
-                   host_bytes: int) -> MemoryPlan:
+                   host_bytes: int, low_tier_bytes: int = 0) -> MemoryPlan:
         """The plan of ``model`` under ``o`` with these expert sizes: ``dense_mode`` None for a loaded model
         (its tensors as they are), ``o.quant_dense`` for the meta skeleton (the same bytes, before loading)."""
         non_expert = dense_bytes(model, dense_mode)
@@ -324,14 +357,15 @@ class OffloadedModel(LayerSteps):
                            slot_bytes=slot_bytes, extra_slots=1 + o.prefetch, io_bytes=io_bytes,
                            page_cache_bytes=max(1, readers) * slot_bytes if buffered else 0,
                            host_tier_bytes=num_layers * num_experts * expert_bytes if o.tier == "host" else 0,
-                           host_bytes=host_bytes, **process)
+                           host_bytes=host_bytes, low_tier_bytes=low_tier_bytes, **process)
 
     def _plan(self) -> MemoryPlan:
         plan = self._plan_from(self.model, self.offload, self.dtype, self._process, dense_mode=None,
                                expert_bytes=self.expert_bytes,
                                slot_bytes=self.slot_bytes, io_bytes=self._io_bytes, num_layers=len(self.layers),
                                num_experts=self.num_experts, top_k=self.top_k, readers=self.offload.readers,
-                               host_bytes=self.host.nbytes if self.host is not None else 0)
+                               host_bytes=self.host.nbytes if self.host is not None else 0,
+                               low_tier_bytes=self._low_bytes)
         if self.host is not None:  # the host level has its own budget (--host-memory), beside the fast tier's
             plan = dataclasses.replace(plan, host_slots=self.host.slots)
         return dataclasses.replace(plan, pinned_bytes=getattr(self.tier, "pinned_bytes", 0))
@@ -448,13 +482,15 @@ class OffloadedModel(LayerSteps):
         """float32 [N]: the cost of loading each expert of layer ``index`` now, relative to the most expensive
         level (``cache-prior-cost``): 0 for a fast-slot resident, host seconds ÷ disk seconds for an expert
         the host cache holds (:meth:`HostCache.miss_costs`: measured bandwidths, priors before), 1 for a
-        disk read. Without a host cache every miss costs 1 (= plain Cache-Prior)."""
+        disk read. Without a host cache every miss costs 1 (= plain Cache-Prior). With a resident low-precision
+        tier and a priced rule (``--low-cost``) no miss costs more than that price
+        (:func:`~expertcache.routing.precision.tier_costs`)."""
         cost_E = np.ones(self.num_experts, np.float32)
         if self.host is not None:
             host_s, disk_s = self.host.miss_costs(self.expert_bytes)
             cost_E[self.host.resident_mask(index)] = min(1.0, host_s / disk_s)
         cost_E[self.states[index].cache.resident_array()] = 0.0
-        return cost_E
+        return tier_costs(cost_E, self.precision)  # --resident-quant: a low-precision compute's price, if set
 
     def _make_router_forward(self, m: MoELayer, stock):
         def forward(hidden_states, *args, **kwargs):
@@ -475,10 +511,16 @@ class OffloadedModel(LayerSteps):
 
     def configure(self, *, routing: RoutingConfig | None = None, eviction: str | None = None, gamma: float = DEFAULT_GAMMA,
                   freq_LE: np.ndarray | torch.Tensor | None = None, record: bool | None = None,
-                  capacity: int | None = None) -> None:
+                  capacity: int | None = None, precision: PrecisionRule | None = None) -> None:
         """(Re)start with a routing policy and fresh, empty caches (slots emptied, statistics zeroed).
         ``capacity`` re-sizes the fast tier to that many slots per layer (bypasses the memory plan).
-        ``freq_LE`` None keeps the current ERAS-bias profile (so ``configure()`` only empties the caches)."""
+        ``freq_LE`` None keeps the current ERAS-bias profile (so ``configure()`` only empties the caches).
+        ``precision``: the per-miss rule (:class:`~expertcache.routing.precision.PrecisionRule`; None keeps the
+        current one); a rule that can choose low precision needs the resident tier (``--resident-quant``)."""
+        if precision is not None:
+            if precision.active and self.low is None:
+                raise ValueError("a low-precision rule (--low-threshold / --load-budget) needs --resident-quant int4")
+            self.precision = precision
         self._drain()
         if capacity is not None and capacity != self.capacity:
             if not 1 <= capacity <= self.num_experts:
@@ -516,6 +558,7 @@ class OffloadedModel(LayerSteps):
         for st in self.states:
             st.cache.stats = CacheStats(self.num_experts)
             st.prefetched = 0
+            st.low_computes = 0
         self.tier.stats = TierStats()
         if self.host is not None:  # keep the host entries the warm-up filled; zero its counters
             self.host.counts = type(self.host.counts)()
@@ -596,8 +639,8 @@ class OffloadedModel(LayerSteps):
             decode_s += time.perf_counter() - t
         tokens = torch.cat(toks, dim=1) if toks else torch.zeros(input_ids_BS.shape[0], 0, dtype=torch.long)
         s1 = self.stats()
-        d = {k: s1[k] - s0[k] for k in ("accesses", "hits", "misses", "bytes_read", "expert_loads", "io_seconds",
-                                         "io_wait_seconds", "compute_seconds")}
+        d = {k: s1[k] - s0[k] for k in ("accesses", "hits", "misses", "low_computes", "bytes_read", "expert_loads",
+                                         "io_seconds", "io_wait_seconds", "compute_seconds")}
         d["hit_rate"] = d["hits"] / d["accesses"] if d["accesses"] else 0.0
         return dict(tokens=tokens, prefill_s=t1 - t0, decode_s=decode_s, decode_tokens=max(0, len(toks) - 1),
                     decode_stats=d)
@@ -608,7 +651,8 @@ class OffloadedModel(LayerSteps):
         return [st.cache.finish() for st in self.states]
 
     def stats(self) -> dict:
-        """Hits, misses, hit rate, bytes read from the tier (demand misses and prefetches), reads, read
+        """Hits (full precision), misses (loads), ``low_computes`` (misses computed from the resident
+        low-precision copies instead, ``--resident-quant``; not in accesses), hit rate, bytes read from the tier (demand misses and prefetches), reads, read
         seconds (summed over reader threads), seconds the compute thread waited for reads, compute seconds,
         prefetch counters (:class:`PrefetchStats`). Waits for reads in flight first, so counts are final."""
         for t in self.arena.tickets():
@@ -631,7 +675,9 @@ class OffloadedModel(LayerSteps):
                     io_seconds=self.tier.stats.seconds + (host.host_busy_seconds if host else 0.0), tiers=tiers,
                     io_wait_seconds=self.io_wait_seconds, compute_seconds=self.compute_seconds,
                     prefetched=sum(st.prefetched for st in self.states), prefetch=self.prefetch_stats.to_dict(),
+                    low_computes=sum(st.low_computes for st in self.states),
                     per_layer_misses=[s.misses for s in per],
+                    per_layer_low_computes=[st.low_computes for st in self.states],
                     per_layer_io_wait_seconds=[st.io_wait for st in self.states])
 
     def recorded_ids_TLK(self) -> np.ndarray:
@@ -655,7 +701,8 @@ class OffloadedModel(LayerSteps):
                     dtype=str(self.dtype).replace("torch.", ""), device=str(self.device), tier=self.offload.tier,
                     host_slots=self.host.slots if self.host is not None else 0,
                     io=self.offload.io if self.offload.tier == "disk" else None, quant=self.offload.quant,
-                    quant_dense=self.offload.quant_dense,
+                    quant_dense=self.offload.quant_dense, resident_quant=self.offload.resident_quant,
+                    precision=self.precision.to_dict() if self.low is not None else None,
                     group=self.offload.group if self.offload.quant else None, capacity=self.capacity,
                     quant_kernel=padding_note(self.source.quant) if self.source.quant is not None else None,
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),

@@ -12,7 +12,9 @@ One forward call at one MoE layer is one **step** of that layer's cache:
    (a scratch slot if the cache does not keep it, only possible when U > C; a miss whose slot still holds a
    hit of this step is issued after the hits are computed); with ``prefetch`` on, layer ℓ+1's guess is
    issued next (:meth:`_guess_next`);
-4. hits are computed from their slots while the misses are in flight; each miss is computed as it lands;
+4. hits are computed from their slots while the misses are in flight; each miss is computed as it lands
+   (with a resident low-precision tier, ``--resident-quant``, the misses the precision rule picks are left out
+   of the cache step and computed from their low-precision copies instead: :meth:`LayerSteps._low_precision`);
 5. per-expert outputs are combined in ascending expert id, as transformers' eager experts loop does --
    so the arrival order never changes the result.
 
@@ -40,6 +42,7 @@ from expertcache.offload.observe import RuntimeObservers
 from expertcache.offload.prefetch import first_layer_input, guess_next_layer
 from expertcache.offload.slots import SlotPool
 from expertcache.offload.store import HostTier, Placement
+from expertcache.routing.precision import serve_low
 
 __all__ = ["LayerState", "LayerSteps", "union_order"]
 
@@ -68,6 +71,8 @@ class LayerState:
     prefetched: int = 0
     guess: list[int] | None = None  # the pending next-layer guess for this layer
     io_wait: float = 0.0  # seconds the compute thread waited for this layer's reads
+    low_computes: int = 0  # misses computed from the resident low-precision copies (--resident-quant)
+    low_served: dict[int, int] = field(default_factory=dict)  # expert -> low-precision serves since its last load
 
     @property
     def act(self):
@@ -220,17 +225,49 @@ class LayerSteps(RuntimeObservers):
             st.steps.append(list(order))
         t0 = time.perf_counter()
         wait0 = self.io_wait_seconds
+        low = self._low_precision(st, order, ids_cpu_TK, w_TK) if self.precision.active else ()
+        if low:
+            order = [e for e in order if e not in low]
         if one:
-            final_TD = self._serve_one(st, x_TD, ids_TK, w_TK, order)
+            final_TD = self._serve_one(st, x_TD, ids_TK, w_TK, order, low)
         else:
-            final_TD = self._serve_many(st, x_TD, ids_TK, w_TK, order, ids_cpu_TK)
+            final_TD = self._serve_many(st, x_TD, ids_TK, w_TK, order, ids_cpu_TK, low)
         st.io_wait += self.io_wait_seconds - wait0
         self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
         return final_TD
 
-    def _run_step(self, st: LayerState, order: list[int], compute, x_TD: torch.Tensor) -> None:
+    def _low_precision(self, st: LayerState, order: list[int], ids_cpu_TK: torch.Tensor, w_TK: torch.Tensor
+                       ) -> set[int]:
+        """The requested experts the step computes from their resident low-precision copies
+        (:func:`~expertcache.routing.precision.serve_low` on each expert's largest weight in the step, the
+        cache's residency -- a prefetched spare counts as resident -- and its low-precision serves since its last
+        load); updates those counts."""
+        w_cpu_TK = w_TK.detach().to("cpu").float()
+        if ids_cpu_TK.shape[0] == 1:
+            of = dict(zip(ids_cpu_TK[0].tolist(), w_cpu_TK[0].tolist()))
+            weight = [of[e] for e in order]
+        else:
+            valid = ids_cpu_TK >= 0
+            top_E = torch.zeros(self.num_experts).scatter_reduce_(0, ids_cpu_TK[valid], w_cpu_TK[valid], "amax")
+            weight = top_E[order].tolist()
+        cache, served, spares = st.cache, st.low_served, st.pool.prefetched
+        # a prefetched expert is in memory at full precision already: served from its spare, never at 4 bits
+        lows = serve_low(order, weight, [e in cache or e in spares for e in order], self.precision,
+                         expert_bytes=self.expert_bytes,
+                         tokens=ids_cpu_TK.shape[0], low_served=[served.get(e, 0) for e in order])
+        low = set()
+        for e, is_low in zip(order, lows):
+            if is_low:
+                low.add(e)
+                served[e] = served.get(e, 0) + 1
+            elif e not in cache:  # loaded at full precision: its count starts again
+                served.pop(e, None)
+        st.low_computes += len(low)
+        return low
+
+    def _run_step(self, st: LayerState, order: list[int], compute, x_TD: torch.Tensor, low=()) -> None:
         try:
-            seen = self._step(st, order, compute, x_TD)
+            seen = self._step(st, order, compute, x_TD) if order else self._no_step(st, x_TD, low)
         except BaseException:
             self._guess_events.clear()
             self._fail()
@@ -238,23 +275,33 @@ class LayerSteps(RuntimeObservers):
         # the observers after the step, outside its failure handling: an observer's error changes no state
         guesses = self._take_guesses() if self._guess_events else ()
         if seen is not None:
-            self._notify_step(st.moe.index, "demand", order, *seen)
+            self._notify_step(st.moe.index, "demand", order, *seen, low=low)
         for index, ids, issued in guesses:
             self._notify_prefetch(index, "guess", ids, issued)
+
+    def _no_step(self, st: LayerState, x_TD: torch.Tensor | None, low) -> tuple | None:
+        """Every expert of the step computed at low precision: no cache step, the next layer's guess all the same;
+        (no hits, resident, resident) for the step observers, which see the low-precision ids."""
+        self._guess_after(st, x_TD)
+        if low and self._step_observers:
+            resident = st.cache.resident()
+            return [], resident, resident
+        return None
 
     def _take_guesses(self) -> list[tuple]:
         guesses, self._guess_events = self._guess_events, []
         return guesses
 
     def _serve_one(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
-                   order: list[int]) -> torch.Tensor:
+                   order: list[int], low: set[int] | tuple = ()) -> torch.Tensor:
         """One token ([1, D]), ``linear`` layout: the experts' matrix-vector products (two ``mv`` each, exactly
         the family's one-token MLP in :func:`~expertcache.offload.experts.expert_mlp`) with the activation
         batched over the step's U experts, when the step reads no slot twice (:attr:`slots_stable`; else each
         expert's MLP as its slot is ready, a scratch slot being reused for the next one; other layouts: the
         family's MLP per expert). Then, batched: the routing weights and the combine -- in ascending expert
         id, each output added to a zero row in turn, the sums of transformers' experts loop (``index_add_``
-        per expert), so the values are the per-expert path's bit for bit. About 3U + 14 tensor ops."""
+        per expert), so the values are the per-expert path's bit for bit. About 3U + 14 tensor ops. The experts
+        of ``low`` (not in ``order``) are computed from their low-precision copies and combined the same way."""
         x_D = x_TD[0]
         act = st.act
         h: dict[int, torch.Tensor] = {}
@@ -270,12 +317,18 @@ class LayerSteps(RuntimeObservers):
             else:
                 h[e] = st.mlp(x_TD, w)[0]
 
-        self._run_step(st, order, compute, x_TD)
+        self._run_step(st, order, compute, x_TD, low)
+        for e in low:
+            h[e] = self.low.compute(st.moe.index, e, x_TD)[0]
         if ws:  # the same matrix-vector products; act(gate) * up row-wise (elementwise: the same values)
             es = sorted(ws)
             gate_UF, up_UF = torch.stack([torch.mv(ws[e][0], x_D) for e in es]).chunk(2, dim=-1)
             a_UF = act(gate_UF) * up_UF
             h_UD = torch.stack([torch.mv(ws[e][1], a_F) for e, a_F in zip(es, a_UF.unbind(0))])
+            if h:  # the low-precision outputs beside them, in ascending expert id
+                h.update(zip(es, h_UD.unbind(0)))
+                es = sorted(h)
+                h_UD = torch.stack([h[e] for e in es])
         else:
             es = sorted(h)
             h_UD = torch.stack([h[e] for e in es])
@@ -288,7 +341,7 @@ class LayerSteps(RuntimeObservers):
         return final_D[None]
 
     def _serve_many(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
-                    order: list[int], ids_cpu_TK: torch.Tensor) -> torch.Tensor:
+                    order: list[int], ids_cpu_TK: torch.Tensor, low: set[int] | tuple = ()) -> torch.Tensor:
         """T > 1 tokens: each expert's rows gathered and computed as its slot is ready; combined in ascending
         expert id (transformers' order). The (slot k, token) pairs of every expert come from one stable sort
         of the ids, slot-major -- for each expert the pairs ``torch.where((ids_TK == e).T)`` gives, in its
@@ -308,7 +361,11 @@ class LayerSteps(RuntimeObservers):
             h = st.mlp(x_TD[tok], self._weights(st, e, slot))
             out[e] = (tok, h * w_all[a:b, None])
 
-        self._run_step(st, order, compute, x_TD)
+        self._run_step(st, order, compute, x_TD, low)
+        for e in low:  # computed from the resident low-precision copies
+            a, b = ends[e], ends[e + 1]
+            tok = tok_all[a:b]
+            out[e] = (tok, self.low.compute(st.moe.index, e, x_TD[tok]) * w_all[a:b, None])
         final_TD = torch.zeros_like(x_TD)
         for e in sorted(out):
             tok, h = out[e]

@@ -673,6 +673,7 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
     def ec_object(info: dict, want_ids: bool) -> dict:
         acc = info["hits"] + info["misses"]
         d = dict(hits=round(info["hits"], 3), misses=round(info["misses"], 3),
+                 low_computes=round(info.get("low_computes", 0.0), 3),  # misses computed at 4 bits (--resident-quant)
                  bytes_read=int(round(info["bytes_read"])), hit_rate=(info["hits"] / acc) if acc else None,
                  forwards=info["forwards"], mean_batch=round(info["mean_batch"], 3), ttft_s=info["ttft_s"],
                  **policy())

@@ -118,7 +118,8 @@ class Request:
         self.sent = 0         # characters of ``text`` already sent
         self.finish_reason: str | None = None
         self.cancelled = threading.Event()
-        self.stats = dict(hits=0.0, misses=0.0, bytes_read=0.0, forwards=0, shared_steps=0, batch_rows=0)
+        self.stats = dict(hits=0.0, misses=0.0, low_computes=0.0, bytes_read=0.0, forwards=0, shared_steps=0,
+                          batch_rows=0)
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
         # prefill state
@@ -134,7 +135,8 @@ class Request:
         s = self.stats
         return dict(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.tokens),
                     finish_reason=self.finish_reason, text=self.text, token_ids=list(self.tokens),
-                    hits=s["hits"], misses=s["misses"], bytes_read=s["bytes_read"], forwards=s["forwards"],
+                    hits=s["hits"], misses=s["misses"], low_computes=s["low_computes"], bytes_read=s["bytes_read"],
+                    forwards=s["forwards"],
                     mean_batch=(s["batch_rows"] / s["shared_steps"]) if s["shared_steps"] else 1.0,
                     ttft_s=None if self.t_first is None else self.t_first - self.t_submit)
 
@@ -345,7 +347,7 @@ class Engine:
             self._original_T = None
         dt = time.perf_counter() - t0
         s1 = self.rt.stats()
-        delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "bytes_read")}
+        delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "low_computes", "bytes_read")}
         return out.logits, out.past_key_values, dt, delta
 
     def _prefill_some(self) -> None:
@@ -474,7 +476,7 @@ class Engine:
         weights = weights or [1] * len(rows)
         total = sum(weights)
         for r, w in zip(rows, weights):
-            for k in ("hits", "misses", "bytes_read"):
+            for k in ("hits", "misses", "low_computes", "bytes_read"):
                 r.stats[k] += delta[k] * w / total
             r.stats["forwards"] += 1
             if shared:

@@ -173,7 +173,7 @@ class Tap:
         self.rt, self.broker, self.control = engine.rt, broker, control
         self._acc = self._empty()
         self.seq = 0
-        self.totals = dict(tokens=0, hits=0, misses=0, prefetched=0, bytes_read=0, forwards=0, decode_tokens=0,
+        self.totals = dict(tokens=0, hits=0, misses=0, low_computes=0, prefetched=0, bytes_read=0, forwards=0, decode_tokens=0,
                            decode_bytes=0, decode_seconds=0.0)
         self._recent: collections.deque = collections.deque(maxlen=32)
         # the shadow: what original routing would have hit on the same tokens (cache-aware policies only)
@@ -194,6 +194,7 @@ class Tap:
             a["requested"].extend(ev.order)
             for e, hit in zip(ev.order, ev.hits):
                 (a["hit"] if hit else a["miss"]).add(e)
+            a["low"].update(ev.low)  # computed at 4 bits instead of loaded (--resident-quant)
         a["evicted"].update(ev.evicted)
 
     def _on_prefetch(self, ev) -> None:
@@ -236,7 +237,8 @@ class Tap:
         self._shadow_acc[1] += len(hits) - sum(hits)
 
     def _empty(self) -> list[dict]:
-        return [dict(requested=[], hit=set(), miss=set(), evicted=set(), prefetched=set()) for _ in self.rt.layers]
+        return [dict(requested=[], hit=set(), miss=set(), low=set(), evicted=set(), prefetched=set())
+                for _ in self.rt.layers]
 
     def _on_forward(self, rows: int, tokens: int, seconds: float, delta: dict) -> None:
         t = self.totals
@@ -244,6 +246,7 @@ class Tap:
         t["tokens"] += tokens
         t["hits"] += h
         t["misses"] += m
+        t["low_computes"] += int(round(delta.get("low_computes", 0)))
         t["bytes_read"] += b
         t["forwards"] += 1
         if rows:  # a decode step
@@ -262,6 +265,7 @@ class Tap:
         layers = []
         for st, a in zip(self.rt.states, acc):
             layers.append(dict(requested=a["requested"], hit=_sorted(a["hit"]), miss=_sorted(a["miss"]),
+                               low=_sorted(a["low"]),
                                evicted=_sorted(a["evicted"]), prefetched=_sorted(a["prefetched"]),
                                resident=_sorted(st.cache.resident())))
         acc_n = t["hits"] + t["misses"]
@@ -639,7 +643,8 @@ def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str
             h_t += sum(hit)
             m_t += len(hit) - sum(hit)
             layers.append(dict(requested=order, hit=sorted(e for e, x in zip(order, hit) if x),
-                               miss=sorted(e for e, x in zip(order, hit) if not x), evicted=_sorted(before - after),
+                               miss=sorted(e for e, x in zip(order, hit) if not x), low=[],
+                               evicted=_sorted(before - after),
                                prefetched=[], resident=_sorted(after)))
         hits += h_t
         misses += m_t

@@ -85,6 +85,7 @@ function paintLayers(layers) {
     for (const e of ly.evicted || []) cls[e] = "cell c-evict";
     for (const e of ly.prefetched || []) cls[e] = "cell c-pre";
     for (const e of ly.miss || []) cls[e] = "cell c-miss";
+    for (const e of ly.low || []) cls[e] = "cell c-low";
     for (const e of ly.hit || []) cls[e] = "cell c-hit";
     for (let e = 0; e < arr.length; e++) if (arr[e].className !== cls[e]) arr[e].className = cls[e];
   });
