@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from expertcache.offload import OffloadConfig, OffloadedModel
-from expertcache.offload.bench import machine_info
+from expertcache.offload.bench import closed_loop_nll, machine_info
 from expertcache.offload.make_model import make_bench_model
 from expertcache.offload.quant import QuantLayout, pack_expert, quant_mlp
 from expertcache.results import append_jsonl
@@ -190,15 +190,7 @@ def quality_rows(models: list[str], chunks: int, log, on_row, seq: int = 256) ->
                 for routing in (RoutingConfig(), RoutingConfig(policy="cache-prior", lam=0.2)):
                     rt.configure(routing=routing, capacity=rt.num_experts // 2)
                     t0 = time.perf_counter()
-                    nll, count = 0.0, 0
-                    with torch.inference_mode():
-                        for chunk_S in chunks_NS:
-                            logits_BV, past = rt.prefill(chunk_S[None, :1])
-                            for t in range(1, seq):
-                                nll -= torch.log_softmax(logits_BV[0].float(), -1)[chunk_S[t]].item()
-                                count += 1
-                                if t < seq - 1:
-                                    logits_BV, past = rt.decode_one_token(chunk_S[None, t:t + 1], past)
+                    nll, count = closed_loop_nll(rt, chunks_NS)
                     s = rt.stats()
                     row = dict(kind="quant-quality", model=model, experts=experts, dense=dense,
                                routing=routing.label(), capacity=rt.capacity, num_experts=rt.num_experts,
