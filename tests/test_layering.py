@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "expertcache"
 
 #: bottom to top; a package may import only from packages in lower layers (and from itself)
 LAYERS = [
-    {"jsonsafe"},  # the one JSON reader: imports nothing of expertcache
+    {"jsonsafe", "container"},  # the one JSON reader; the memory cgroup's limit: import nothing of expertcache
     {"outputs"},  # the output rule (paths, marks, temporary names): reads marks with jsonsafe
     {"__init__", "compiled", "results", "assets", "inputs", "device", "registries"},  # the package root and shared utilities
     {"routing"},  # policies: logits + residency -> ids (kernels)

@@ -362,3 +362,30 @@ def test_real_cgroup_refuses_instead_of_being_killed(dense_model, tmp_path):
             except OSError:
                 import time
                 time.sleep(0.1)
+
+
+@pytest.mark.parametrize("limit_mib,refused", [(383, True), (384, False)])
+def test_a_cgroup_below_the_interpreter_is_refused_before_torch_is_imported(tmp_path, limit_mib, refused):
+    """A memory cgroup smaller than the interpreter with torch imported (``IMPORT_FLOOR``, 384 MiB) used to kill
+    `generate` while it imported torch (¼ of a 1.16 GB Q4_K_M file: OOM-killed after 4 s, no message); now one
+    line naming the limit, exit 2, and torch never imported. At exactly the floor the check lets it through
+    (the plan decides later). The fake tree is read through $EXPERTCACHE_CGROUP_ROOT, like the plan's."""
+    import subprocess
+    import sys
+
+    from expertcache.container import IMPORT_FLOOR
+
+    assert IMPORT_FLOOR == 384 * MiB
+    m = "sys/fs/cgroup/memory"
+    root = fake_tree(tmp_path, "12:memory:/job\n", {f"{m}/job/memory.limit_in_bytes": str(limit_mib * MiB)})
+    code = ("import sys; from expertcache.cli.main import main; rc = main(['generate', '--no-such-flag']); "
+            "print('RC', rc, 'torch' in sys.modules)")
+    env = dict(os.environ, EXPERTCACHE_CGROUP_ROOT=str(root))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    if refused:
+        assert "RC 2 False" in out.stdout, out
+        assert out.stderr.strip().splitlines() == [
+            f"expertcache generate: error: the memory cgroup allows {limit_mib} MiB, less than the 384 MiB this "
+            "process needs before it can load a model (Python, torch, transformers); give the cgroup more memory"]
+    else:  # past the check: the command's own parser runs (torch imported) and refuses the call for its own reason
+        assert "RC 2 True" in out.stdout and "memory cgroup" not in out.stderr, out

@@ -40,6 +40,9 @@ HELP = {
     "serve": "OpenAI-compatible server with continuous batching over the offloaded runtime",
 }
 COMMANDS = [f"expertcache.cli.{name}" for name in HELP]
+#: the commands that import torch and transformers to load a model (checked against the memory cgroup first)
+MODEL_COMMANDS = frozenset(("train", "eval", "sweep", "sensitivity", "trace", "mole", "generate", "bench", "melinoe",
+                            "serve"))
 
 # Optional packages -> the extra of pyproject.toml that installs them.
 OPTIONAL_EXTRAS = {
@@ -159,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expertcache {__version__}")
         return 0
     command = _command_of(argv)
+    if command in MODEL_COMMANDS and not {"-h", "--help"} & set(argv):
+        from expertcache.container import check_import_floor
+
+        refusal = check_import_floor(command)  # before torch: a cgroup below it kills the import, not a plan
+        if refusal is not None:
+            print(f"expertcache {command}: error: {refusal}", file=sys.stderr)
+            return 2
     try:
         parser = build_parser(command if command in HELP else None)
     except ModuleNotFoundError as exc:

@@ -32,6 +32,8 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from expertcache.container import cgroup_memory_limit  # noqa: F401 - read here by the runtime and the tests
+
 __all__ = ["BudgetError", "MemoryPlan", "parse_bytes", "plan_memory", "format_bytes", "kv_cache_bytes", "MINIMUM",
            "AUTO", "cgroup_memory_limit", "container_limit", "process_rss", "RUNTIME_OVERHEAD"]
 
@@ -50,9 +52,6 @@ state touched on first use, reader-thread stacks, and a margin for the kernel's 
 Measured 18 MiB for a small OLMoE-shaped run decoding 16 tokens (tests/test_memory_plan.py pins the plan
 against ``ru_maxrss``)."""
 
-#: cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to pages (9223372036854771712); anything this
-#: large is no limit
-_NO_LIMIT = 2**60
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
@@ -90,54 +89,6 @@ def kv_cache_bytes(config, context: int, batch: int, dtype_bytes: int) -> int:
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 2 * config.num_hidden_layers * heads * head_dim * context * batch * dtype_bytes
-
-
-def _cgroup_value(path: Path) -> int | None:
-    """A cgroup memory limit file's bytes; None for 'max' or v1's "no limit"; ValueError naming the file for
-    anything else that is not a byte count."""
-    text = path.read_text().strip()
-    if text == "max":
-        return None
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"{path}: cannot read a memory limit from {text[:40]!r}") from None
-    if n < 0:
-        raise ValueError(f"{path}: negative memory limit {n}")
-    return None if n >= _NO_LIMIT else n
-
-
-def cgroup_memory_limit(root: str | os.PathLike = "/") -> int | None:
-    """The memory limit in bytes of the cgroup this process runs in: the smallest over its cgroup and the
-    ancestors visible under the mount; None where there is none. Reads ``<root>/proc/self/cgroup``; cgroup v1
-    (a line ``N:...memory...:/path``): ``<root>/sys/fs/cgroup/memory/<path>/memory.limit_in_bytes``; cgroup
-    v2 (``0::/path``): ``<root>/sys/fs/cgroup/<path>/memory.max`` ('max' = none). A container that mounts its
-    own cgroup at the root (the path is not visible) is read there. ``root``: a fake tree, for tests."""
-    root = Path(root)
-    try:
-        lines = (root / "proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    limits = []
-    for line in lines:
-        parts = line.strip().split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, rel = parts
-        if "memory" in controllers.split(","):
-            base, name = root / "sys/fs/cgroup/memory", "memory.limit_in_bytes"
-        elif hierarchy == "0" and controllers == "":
-            base, name = root / "sys/fs/cgroup", "memory.max"
-        else:
-            continue
-        steps = [s for s in rel.split("/") if s]
-        for depth in range(len(steps) + 1):
-            f = base.joinpath(*steps[:depth], name)
-            if f.is_file():
-                n = _cgroup_value(f)
-                if n is not None:
-                    limits.append(n)
-    return min(limits) if limits else None
 
 
 def process_rss() -> int:
