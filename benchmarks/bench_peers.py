@@ -535,8 +535,8 @@ def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | No
             cmd += ["--accel-dir", a.accel_dir]
     drop_page_cache([a.model, a.gguf, a.gguf_q4, a.accel_dir])
     cg = MemoryCgroup(f"peers-{os.getpid()}-{system}", limit)
-    row = dict(kind="peers", system=system, budget=budget, budget_label=label, limit_bytes=limit, round=rnd,
-               readahead_kb=ra_kb,
+    row = dict(kind="peers", model=Path(a.model).name, system=system, budget=budget, budget_label=label,
+               limit_bytes=limit, round=rnd, readahead_kb=ra_kb,
                tokens=a.accel_tokens if system == "accelerate" else a.tokens, prompt_tokens=a.prompt_tokens, date=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                loadavg=os.getloadavg()[0])
     t0 = time.perf_counter()
@@ -701,7 +701,17 @@ def quantize(a) -> None:
 
 
 def print_summary(a) -> None:
+    """One table per checkpoint (the rows' ``model``: budgets are fractions of each checkpoint's own size, so
+    rows of different checkpoints never share a median or a same-round ratio)."""
     rows = [json.loads(l) for f in a.rows for l in open(f) if l.strip()]
+    models = sorted({r.get("model", "") for r in rows})
+    for model in models:
+        if len(models) > 1:
+            print(f"\n### {model or 'checkpoint not recorded'}\n")
+        print_table([r for r in rows if r.get("model", "") == model])
+
+
+def print_table(rows: list[dict]) -> None:
     labels = {r["budget"]: r.get("budget_label") or f"{r['budget']:.0%} of bf16" for r in rows}
     summ = summarize(rows)
     print("| budget | system | read_ahead_kb | tok/s (median) | tok/s per run | MiB read/token | failed |")

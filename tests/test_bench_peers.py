@@ -71,6 +71,29 @@ def test_summarize_medians_failures_and_llama_at_its_better_readahead():
     assert rr[(0.5, "ec-lru")] == pytest.approx([2.0 / 1.2])
 
 
+def test_summary_keeps_each_checkpoints_rows_apart(tmp_path, capsys):
+    """Budgets are fractions of each checkpoint's own size: 0.5 of a 4-layer and of a 16-layer checkpoint are
+    different limits, so their rows never share a median or a same-round ratio."""
+    import json
+
+    def row(model, system, tok_s, **kw):
+        r = dict(system=system, budget=0.5, budget_label="0.5 of bf16", readahead_kb=128, round=0, ok=True,
+                 tok_s=tok_s, bytes_per_token=2**20, **kw)
+        return r if model is None else dict(r, model=model)
+
+    rows = [row("L4", "ec-cp", 8.0), row("L4", "llama-q4", 2.0), row("L16", "ec-cp", 1.0),
+            row("L16", "llama-q4", 4.0), row(None, "ec-cp", 100.0)]
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bp.main(["summary", str(f)])
+    out = capsys.readouterr().out
+    tables = {t.split("\n", 1)[0].strip(): t for t in out.split("### ")[1:]}
+    assert set(tables) == {"L4", "L16", "checkpoint not recorded"}
+    assert "| ec-cp | 128 | 8.00 |" in tables["L4"] and "4.00×" in tables["L4"]  # 8 ÷ 2, not mixed with L16
+    assert "| ec-cp | 128 | 1.00 |" in tables["L16"] and "0.25×" in tables["L16"]
+    assert "100.00" in tables["checkpoint not recorded"] and "100.00" not in tables["L4"] + tables["L16"]
+
+
 def test_proc_io_and_drop_page_cache(tmp_path):
     io = bp.proc_io()
     assert io["read_bytes"] >= 0 and "rchar" in io
