@@ -37,7 +37,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 DATA=${EXPERTCACHE_DATA:-../shared/data}
-if [[ $BENCH == 0 && ! -d "$DATA/wikitext-2-raw-v1" ]]; then
+if [[ $BENCH == 0 && -z "${EXPERTCACHE_CMD:-}" && ! -d "$DATA/wikitext-2-raw-v1" ]]; then  # EXPERTCACHE_CMD=echo: a dry run reads nothing
   echo "make_figures.sh: no evaluation data at $DATA (needs wikitext-2-raw-v1/, mmlu/, gsm8k/): set EXPERTCACHE_DATA=DIR" \
        "(this script takes no --data-dir)" >&2
   exit 2

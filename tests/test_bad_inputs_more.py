@@ -19,6 +19,10 @@ import pytest
 from expertcache.cli.main import main
 
 import test_bad_inputs
+from conftest import needs_shared_data
+
+#: these run `expertcache eval`, which reads WikiText before it loads the model they test
+needs_wikitext = needs_shared_data("wikitext-2-raw-v1")
 from test_bad_inputs import SHIPPED, _check, _raw_trace
 from test_trace_sim import make_trace
 
@@ -121,6 +125,7 @@ def test_safetensors_header_nested_deep_names_the_file(tmp_path, capsys):
     _check(["generate", "--model", bad, "--max-new-tokens", "2", "The kernel"], "model.safetensors", capsys)
 
 
+@needs_wikitext
 def test_tensors_sharing_bytes_are_refused(tmp_path, capsys):
     """Two tensors on one byte range were accepted; generation ran on the duplicated weights."""
     bad = _model_copy(tmp_path, "alias")
@@ -137,6 +142,7 @@ def test_tensors_sharing_bytes_are_refused(tmp_path, capsys):
         _check(argv, "share bytes", capsys)
 
 
+@needs_wikitext
 @pytest.mark.parametrize("target", ["../outside/model.safetensors", "/etc/passwd"])
 def test_shard_index_outside_the_folder_is_refused(tmp_path, capsys, target):
     bad = _model_copy(tmp_path, "shards")
@@ -153,6 +159,7 @@ def test_shard_index_outside_the_folder_is_refused(tmp_path, capsys, target):
         _check(argv, "not a file inside the model folder", capsys)
 
 
+@needs_wikitext
 def test_pickled_only_model_folder_is_one_line(tmp_path, capsys):
     """torch's 'Weights only load failed' traceback before."""
     bad = _model_copy(tmp_path, "pickled")
@@ -206,6 +213,7 @@ def test_output_encoding_that_cannot_write_the_text_names_stdout(env, capsys, mo
     assert code == 2 and "error: stdout:" in err and "PYTHONIOENCODING" in err, err
 
 
+@needs_wikitext
 def test_empty_model_name_is_refused(capsys, tmp_path, monkeypatch):
     """``--model ""`` read the current folder."""
     monkeypatch.chdir(tmp_path)
