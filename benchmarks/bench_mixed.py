@@ -69,16 +69,36 @@ def quality_configs(expert_bytes: int, threshold: float, low_cost: float):
     }
 
 
-def quality_rows(model: str, chunks: int, threshold: float, low_cost: float, log, seq: int = 256) -> list[dict]:
+DATASETS = ("wikitext", "heldout")
+
+
+def quality_ids(dataset: str, path: Path) -> list[int]:
+    """Token ids of the quality text: ``wikitext`` WikiText-2 raw test (the rows joined by blank lines), or
+    ``heldout`` the project's held-out split of corpus-debian-docs (``expertcache.train.data.split_documents``:
+    its first 64 documents, each followed by EOS, as ``bench_offload.py quant-ppl`` scores them)."""
+    if dataset == "heldout":
+        from expertcache.offload.bench import heldout_stream
+
+        return heldout_stream(path).astype("int64").tolist()
     from tokenizers import Tokenizer
 
     from expertcache.eval.data import resolve_eval_data_dir, wikitext_text
+
+    text = wikitext_text(resolve_eval_data_dir("wikitext"))
+    return Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+
+
+def quality_rows(model: str, chunks: int, threshold: float, low_cost: float, log, seq: int = 256,
+                 dataset: str = "wikitext") -> list[dict]:
     from expertcache.models.loader import resolve_model_path
     from expertcache.offload import OffloadConfig, OffloadedModel
 
-    text = wikitext_text(resolve_eval_data_dir("wikitext"))
     path = resolve_model_path(model)
-    ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    ids = quality_ids(dataset, path)
+    if len(ids) < chunks * seq:
+        print(f"bench_mixed.py: error: --chunks {chunks}: the {dataset} text has {len(ids)} tokens, fewer than "
+              f"{chunks} chunks of {seq}", file=sys.stderr)
+        raise SystemExit(2)
     chunks_NS = torch.tensor(ids[:chunks * seq]).view(chunks, seq)
     rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", resident_quant="int4", context=seq))
     capacity = rt.num_experts // 4
@@ -89,7 +109,7 @@ def quality_rows(model: str, chunks: int, threshold: float, low_cost: float, log
         nll, count = closed_loop_nll(rt, chunks_NS)
         s = rt.stats()
         per = count * len(rt.layers)  # token-layer steps (the prefill's first tokens included in the counts)
-        row = dict(kind="mixed-quality", model=model, name=name, routing=routing.label(), rule=rule.to_dict(),
+        row = dict(kind="mixed-quality", model=model, dataset=dataset, name=name, routing=routing.label(), rule=rule.to_dict(),
                    capacity=rt.capacity, num_experts=rt.num_experts, top_k=rt.top_k, ppl=math.exp(nll / count),
                    tokens=count, fp_hits=s["hits"], low_computes=s["low_computes"], loads=s["misses"],
                    loads_per_token_layer=s["misses"] / per, low_per_token_layer=s["low_computes"] / per,
@@ -97,6 +117,57 @@ def quality_rows(model: str, chunks: int, threshold: float, low_cost: float, log
                    low_tier_bytes=rt.plan.low_tier_bytes, seconds=time.perf_counter() - t0)
         log(f"{name:<40} ppl {row['ppl']:.3f}  hits {s['hits']}  int4 {s['low_computes']}  loads {s['misses']}"
             f"  ({row['seconds']:.0f} s)")
+        rows.append(row)
+    rt.close()
+    return rows
+
+
+def mmlu_names(threshold: float, low_cost: float) -> tuple[str, ...]:
+    """The quality rows that MMLU scores (a subset: token by token, MMLU's prompts cost ~250 forwards each)."""
+    t = threshold
+    return ("bf16 original+LRU", "bf16 Cache-Prior", "all-int4", f"mixed w<{t:g}", f"mixed w<{t:g} + Cache-Prior",
+            f"mixed w<{t:g} + cache-prior-cost {low_cost:g}")
+
+
+def mmlu_rows(model: str, questions: int, shots: int, threshold: float, low_cost: float, log) -> list[dict]:
+    """Closed-loop MMLU accuracy of :func:`mmlu_names`: ``expertcache eval``'s MMLU task (its prompts, k-shot
+    fitted to the model's context, and its scoring :meth:`MMLUTask.score`) with each question's prompt fed token
+    by token through the offloaded runtime at C = N/4, the caches carried across questions; every row scores
+    the same first ``questions`` test questions (interleaved across subjects), so rows compare pairwise."""
+    from expertcache.eval.tasks import MMLUTask
+    from expertcache.models.loader import load_tokenizer_checked, read_config_json, resolve_model_path
+    from expertcache.offload import OffloadConfig, OffloadedModel
+    from expertcache.offload.bench import closed_loop_mmlu
+
+    path = resolve_model_path(model)
+    context = min(1024, read_config_json(path).get("max_position_embeddings") or 1024)  # eval's context_length
+    task = MMLUTask(load_tokenizer_checked(path), context=context, limit=questions, shots=shots)  # shared data
+    tokens = sum(len(p) for p in task.prompts)
+    log(f"mmlu: {len(task)} questions, {task.info['subjects']} subjects, {shots}-shot fitted to {context} tokens "
+        f"(mean {task.info['mean_shots']:.2f} shots), {tokens} tokens per configuration")
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", resident_quant="int4", context=context))
+    capacity = rt.num_experts // 4
+    configs = quality_configs(rt.expert_bytes, threshold, low_cost)
+    rows = []
+    for name in mmlu_names(threshold, low_cost):
+        routing, rule = configs[name]
+        rt.configure(routing=routing, capacity=capacity, precision=rule)
+        t0 = time.perf_counter()
+        res = closed_loop_mmlu(rt, task, lambda i, c: print(f"  {name}: {i + 1}/{len(task)} questions, {c} right",
+                                                             end="\r", flush=True))
+        s, n, correct = rt.stats(), len(task), res["correct"]
+        per = tokens * len(rt.layers)  # token-layer steps
+        acc = correct / n
+        row = dict(kind="mixed-mmlu", model=model, dataset="mmlu", name=name, routing=routing.label(),
+                   rule=rule.to_dict(), capacity=rt.capacity, num_experts=rt.num_experts, top_k=rt.top_k,
+                   questions=n, shots=shots, mean_shots=task.info["mean_shots"], context=context, tokens=tokens,
+                   correct=correct, accuracy=acc, se=math.sqrt(acc * (1 - acc) / n),
+                   mean_answer_loglik=res["mean_answer_loglik"], predictions=res["predictions"],
+                   answers=list(task.answers), fp_hits=s["hits"], low_computes=s["low_computes"], loads=s["misses"],
+                   loads_per_token_layer=s["misses"] / per, low_per_token_layer=s["low_computes"] / per, fp_hits_per_token_layer=s["hits"] / per,
+                   seconds=time.perf_counter() - t0)
+        log(f"{name:<40} accuracy {acc:.3f} ± {row['se']:.3f}  answer log-p {row['mean_answer_loglik']:.3f}  "
+            f"hits {s['hits']}  int4 {s['low_computes']}  loads {s['misses']}  ({row['seconds']:.0f} s)")
         rows.append(row)
     rt.close()
     return rows
@@ -214,12 +285,16 @@ def _expert_bytes(path: Path) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("quality", "speed", "speed-one"))
+    ap.add_argument("what", choices=("quality", "mmlu", "speed", "speed-one"))
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
     ap.add_argument("--memory", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--model", default="granular", help="quality: shipped model")
-    ap.add_argument("--chunks", type=int, default=4, help="quality: WikiText chunks of 256 tokens")
+    ap.add_argument("--chunks", type=int, default=4, help="quality: chunks of 256 tokens")
+    ap.add_argument("--dataset", choices=DATASETS, default="wikitext", help="quality: WikiText-2 test or the "
+                    "project's held-out split (corpus-debian-docs)")
+    ap.add_argument("--questions", type=int, default=100, help="mmlu: the first N test questions")
+    ap.add_argument("--shots", type=int, default=5, help="mmlu: exemplars (as many as fit the context)")
     ap.add_argument("--threshold", type=float, default=0.1, help="quality: the router-weight threshold t (rows at "
                     "t/2, t, 2t)")
     ap.add_argument("--low-cost", type=float, default=0.3, help="quality: cache-prior-cost's int4 price")
@@ -233,6 +308,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    for flag, value, least in (("--chunks", args.chunks, 1), ("--questions", args.questions, 1),
+                               ("--shots", args.shots, 0), ("--threads", args.threads, 1)):
+        if value < least:
+            ap.error(f"{flag} must be ≥ {least}, got {value}")
+    if not 0 < args.threshold <= 1 or not 0 <= args.low_cost <= 1:
+        ap.error(f"--threshold must be in (0, 1] and --low-cost in [0, 1], got {args.threshold:g}, {args.low_cost:g}")
     torch.set_num_threads(args.threads)
     if args.what == "speed-one":
         speed_one(args)
@@ -244,10 +325,15 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = lambda row: append_jsonl(args.out, dict(row, bench="bench_mixed.py", machine=info, date=stamp))
     log = lambda *a: print(*a, flush=True)
-    from mixed_report import quality_table, speed_table  # benchmarks/mixed_report.py (this script's folder)
+    from mixed_report import mmlu_table, quality_table, speed_table  # benchmarks/mixed_report.py (this folder)
 
-    if args.what == "quality":
-        rows = quality_rows(args.model, args.chunks, args.threshold, args.low_cost, log)
+    if args.what == "mmlu":
+        rows = mmlu_rows(args.model, args.questions, args.shots, args.threshold, args.low_cost, log)
+        for r in rows:
+            out(r)
+        print("\n" + mmlu_table(rows))
+    elif args.what == "quality":
+        rows = quality_rows(args.model, args.chunks, args.threshold, args.low_cost, log, dataset=args.dataset)
         for r in rows:
             out(r)
         print("\n" + quality_table(rows))

@@ -3,8 +3,10 @@ of ``benchmarks/bench_mixed.py`` (benchmarks/results/mixed.jsonl).
 
     python benchmarks/mixed_report.py [--rows benchmarks/results/mixed.jsonl] [--figure docs/figures/mixed-frontier.png]
 
-Prints the quality table (granular, C = N/4: perplexity and the three counters per token and MoE layer, against
-bf16 original + LRU) and the speed table (OLMoE shape in a memory cgroup: medians of tok/s, ratios against bf16
+Prints the quality tables (per model and text -- WikiText-2 test, the project's held-out split -- at C = N/4:
+perplexity and the three counters per token and MoE layer, against bf16 original + LRU), the MMLU tables
+(accuracy ± standard error, log-probability of the right letter, answers changed against original + LRU) and
+the speed table (OLMoE shape in a memory cgroup: medians of tok/s, ratios against bf16
 + Cache-Prior of the same rounds), and draws perplexity (quality rows) against tok/s (speed rows) for every
 configuration present in both (the same names: the same rule and routing).
 """
@@ -28,14 +30,25 @@ def read_rows(path: Path) -> list[dict]:
     return [loads(line, what=str(path)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def quality_runs(rows: list[dict]) -> dict[str, list[dict]]:
-    """model -> its quality rows of the latest run (by date)."""
+def dataset_of(row: dict) -> str:
+    """The text a quality row scored: ``wikitext`` (rows written before the field existed) or ``heldout``."""
+    return row.get("dataset", "wikitext")
+
+
+def latest_runs(rows: list[dict], kind: str) -> dict[tuple[str, str], list[dict]]:
+    """(model, dataset) -> its rows of ``kind`` from the latest run (by date)."""
     out = {}
-    for model in dict.fromkeys(r["model"] for r in rows if r.get("kind") == "mixed-quality"):
-        rs = [r for r in rows if r.get("kind") == "mixed-quality" and r["model"] == model]
-        last = max(r["date"] for r in rs)
-        out[model] = [r for r in rs if r["date"] == last]
+    rs = [r for r in rows if r.get("kind") == kind]
+    for key in dict.fromkeys((r["model"], dataset_of(r)) for r in rs):
+        mine = [r for r in rs if (r["model"], dataset_of(r)) == key]
+        last = max(r["date"] for r in mine)
+        out[key] = [r for r in mine if r["date"] == last]
     return out
+
+
+def quality_runs(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """(model, dataset) -> its perplexity rows of the latest run."""
+    return latest_runs(rows, "mixed-quality")
 
 
 def speed_run(rows: list[dict]) -> list[dict]:
@@ -51,12 +64,31 @@ def speed_run(rows: list[dict]) -> list[dict]:
 
 def quality_table(rows: list[dict]) -> str:
     base = next(r for r in rows if r["name"] == "bf16 original+LRU")
-    lines = [f"| configuration ({base['model']}, C = {base['capacity']}/{base['num_experts']}) | perplexity | vs bf16 "
+    text = {"wikitext": "WikiText-2", "heldout": "held-out split"}.get(dataset_of(base), dataset_of(base))
+    lines = [f"| configuration ({base['model']}, {text}, C = {base['capacity']}/{base['num_experts']}) | perplexity | vs bf16 "
              "original+LRU | full-precision hits | int4 computes | loads | loads vs original+LRU |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['ppl']:.2f} | {100 * (r['ppl'] / base['ppl'] - 1):+.2f} % | "
                      f"{r['fp_hits_per_token_layer']:.2f} | {r['low_per_token_layer']:.2f} | "
+                     f"{r['loads_per_token_layer']:.2f} | {100 * (r['loads'] / base['loads'] - 1):+.0f} % |")
+    return "\n".join(lines)
+
+
+def mmlu_table(rows: list[dict]) -> str:
+    """Accuracy ± its binomial standard error, the mean log-probability of the right letter, and the questions
+    whose predicted letter differs from bf16 original + LRU's (the rows score the same questions: a paired
+    comparison, finer than two accuracies' standard errors)."""
+    base = next(r for r in rows if r["name"] == "bf16 original+LRU")
+    lines = [f"| configuration ({base['model']}, MMLU {base['questions']} questions, {base['shots']}-shot "
+             f"(mean {base['mean_shots']:.1f} fit {base['context']} tokens), C = {base['capacity']}/"
+             f"{base['num_experts']}) | accuracy | log p(right letter) | answers ≠ original+LRU | "
+             "full-precision hits | int4 computes | loads | loads vs original+LRU |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        flips = sum(a != b for a, b in zip(r["predictions"], base["predictions"]))
+        lines.append(f"| {r['name']} | {r['accuracy']:.3f} ± {r['se']:.3f} | {r['mean_answer_loglik']:.3f} | "
+                     f"{flips} | {r['fp_hits_per_token_layer']:.2f} | {r['low_per_token_layer']:.2f} | "
                      f"{r['loads_per_token_layer']:.2f} | {100 * (r['loads'] / base['loads'] - 1):+.0f} % |")
     return "\n".join(lines)
 
@@ -137,13 +169,17 @@ def main(argv=None) -> int:
     ap.add_argument("--figure", default=str(FIGURE))
     args = ap.parse_args(argv)
     rows = read_rows(Path(args.rows))
-    runs, speed = quality_runs(rows), speed_run(rows)
+    runs, mmlu, speed = quality_runs(rows), latest_runs(rows, "mixed-mmlu"), speed_run(rows)
     for quality in runs.values():
         print(quality_table(quality) + "\n")
+    for scored in mmlu.values():
+        print(mmlu_table(scored) + "\n")
     if speed:
         print(speed_table(speed) + "\n")
     if runs:
-        print(f"figure: {figure(runs.get('granular') or next(iter(runs.values())), speed, Path(args.figure))}")
+        wiki = {model: r for (model, dataset), r in runs.items() if dataset == "wikitext"} or \
+            {model: r for (model, _), r in runs.items()}
+        print(f"figure: {figure(wiki.get('granular') or next(iter(wiki.values())), speed, Path(args.figure))}")
     return 0
 
 

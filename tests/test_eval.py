@@ -128,6 +128,24 @@ def test_mmlu_accuracy_equals_direct_letter_argmax(env):
     assert decoded.endswith("\nD. " + decoded.split("\nD. ")[-1]) and decoded.endswith("Answer:")
 
 
+def test_mmlu_score_by_hand(env):
+    """MMLUTask.score (the scoring bench_mixed.py's closed loop shares): the letter with the highest logit, and
+    the right letter's log-probability over the whole vocabulary, computed here by hand."""
+    model_dir, data_dir = env
+    _, tok, task = prepare(model_dir, "mmlu", data_dir=data_dir, limit=1)
+    V = len(tok)
+    logits_V = torch.zeros(V)
+    logits_V[task.letter_ids] = torch.tensor([1.0, 3.0, 2.0, 0.5])
+    logits_V[0] = 5.0  # a non-letter token above every letter: never the prediction
+    norm = math.log((V - 5) + math.exp(5.0) + math.exp(1.0) + math.exp(3.0) + math.exp(2.0) + math.exp(0.5))
+    predicted, logp = task.score(logits_V, 2)
+    assert predicted == 1 and logp == pytest.approx(2.0 - norm, abs=1e-5)
+    assert task.score(logits_V.to(torch.bfloat16), 0)[0] == 1
+    logits_V[3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        task.score(logits_V, 0)
+
+
 def test_greedy_generate_equals_full_recompute(env):
     model_dir, _ = env
     model = _stock(model_dir)

@@ -237,3 +237,39 @@ def test_a_prefetched_expert_is_served_at_full_precision(tiny):
     decode_logits(rt, _ids(16, seed=6), prefill=1)
     s = rt.stats()
     assert s["misses"] == s["prefetch"]["used"] > 0 and s["low_computes"] > 0
+
+
+def test_closed_loop_scoring_is_the_stock_models(tmp_path):
+    """bench_mixed.py's closed loop (each text token by token through the offloaded runtime at C < N, the caches
+    carried across chunks and questions), full precision with original routing: its perplexity NLL is the stock
+    model's cross-entropy over each chunk, its MMLU predictions and right-letter log-probabilities the stock
+    model's letter scoring of each prompt (computed here from the stock logits, not through the task)."""
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.eval.synthetic import save_tiny_with_tokenizer, write_toy_data
+    from expertcache.eval.tasks import MMLUTask
+    from expertcache.models.loader import load_tokenizer_checked
+    from expertcache.offload.bench import closed_loop_mmlu, closed_loop_nll
+
+    model_dir = save_tiny_with_tokenizer("olmoe", tmp_path / "model")
+    data_dir = write_toy_data(tmp_path / "data")
+    task = MMLUTask(load_tokenizer_checked(model_dir), context=256, data_dir=data_dir, limit=4)
+    stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rt = OffloadedModel.from_pretrained(model_dir, OffloadConfig(tier="host", capacity=2), dtype=torch.float32)
+    assert rt.capacity < rt.num_experts
+
+    res = closed_loop_mmlu(rt, task)
+    assert rt.stats()["misses"] > 0  # the cache was exercised
+    with torch.no_grad():
+        expected = [torch.log_softmax(stock(torch.tensor([ids])).logits[0, -1], -1) for ids in task.prompts]
+    assert res["predictions"] == [int(lp[task.letter_ids].argmax()) for lp in expected]
+    assert res["correct"] == sum(int(lp[task.letter_ids].argmax()) == a for lp, a in zip(expected, task.answers))
+    mean = sum(float(lp[task.letter_ids[a]]) for lp, a in zip(expected, task.answers)) / len(task)
+    assert res["mean_answer_loglik"] == pytest.approx(mean, abs=1e-4)
+
+    chunks_NS = _ids(48, seed=5).view(3, 16)
+    nll, count = closed_loop_nll(rt, chunks_NS)
+    with torch.no_grad():
+        ce = sum(float(torch.nn.functional.cross_entropy(stock(c[None]).logits[0, :-1], c[1:], reduction="sum"))
+                 for c in chunks_NS)
+    assert count == 3 * 15 and nll == pytest.approx(ce, rel=1e-5)

@@ -167,16 +167,25 @@ class MMLUTask(Task):
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def score(self, logits_V: torch.Tensor, answer: int) -> tuple[int, float]:
+        """(predicted answer index 0-3, log-probability of the right letter ``answer``) of the next-token logits [V]
+        after one prompt: the prediction is the letter whose token has the highest log-probability, a
+        log-probability over the whole vocabulary (not renormalised over the four letters). The one scoring of :meth:`run` and
+        of callers that compute the logits themselves (``benchmarks/bench_mixed.py mmlu``: token by token
+        through the offloaded runtime). ValueError on non-finite logits."""
+        check_finite(logits_V, "in an mmlu question")
+        logp_4 = torch.log_softmax(logits_V.float(), dim=-1)[self.letter_ids]
+        return int(logp_4.argmax()), float(logp_4[answer])
+
     @torch.no_grad()
     def run(self, model, patch=None, *, progress: bool = False) -> dict[str, Any]:
         device = next(model.parameters()).device
         correct, loglik = 0, 0.0
         for ids, answer in _bar(list(zip(self.prompts, self.answers)), progress, "mmlu", len(self)):
-            logits_V = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, -1].float()
-            check_finite(logits_V, "in an mmlu question")
-            logp_4 = torch.log_softmax(logits_V, dim=-1)[self.letter_ids]
-            correct += int(int(logp_4.argmax()) == answer)
-            loglik += float(logp_4[answer])
+            logits_V = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, -1]
+            predicted, logp = self.score(logits_V, answer)
+            correct += int(predicted == answer)
+            loglik += logp
             if patch is not None:
                 patch.new_sequence()
         n = len(self)

@@ -38,7 +38,8 @@ from expertcache.offload.runtime import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
 
 __all__ = ["BENCH_POLICIES", "DEFAULT_BENCH", "bench_policies", "policy_set", "measure_bandwidth", "run_bench", "table", "machine_info",
-           "heldout_ppl", "heldout_stream"]
+           "heldout_ppl", "heldout_stream", "closed_loop_nll", "closed_loop_last_logits", "closed_loop_mmlu",
+           "teacher_forced_logits"]
 
 
 def _bench_strength(name: str, k: int) -> float | int:
@@ -240,21 +241,48 @@ def heldout_ppl(rt: OffloadedModel, stream_N: np.ndarray, seq_len: int = 128, wi
     return float(np.exp(nll / count))
 
 
-@torch.inference_mode()
+def teacher_forced_logits(rt: OffloadedModel, ids_S: torch.Tensor):
+    """The next-token logits [V] after each of ``ids_S``'s positions, token by token through ``rt`` (a fresh KV
+    cache: a prefill of the first token, then one decode step per token; each token's routing sees the live
+    residency, and the expert caches carry on from whatever ran before)."""
+    logits_BV, past = rt.prefill(ids_S[None, :1])  # rt.forward runs in inference mode
+    yield logits_BV[0]
+    for t in range(1, len(ids_S)):
+        logits_BV, past = rt.decode_one_token(ids_S[None, t:t + 1], past)
+        yield logits_BV[0]
+
+
 def closed_loop_nll(rt: OffloadedModel, chunks_NS: torch.Tensor) -> tuple[float, int]:
     """(summed negative log-likelihood, tokens scored) of every chunk's positions after the first, token by token
-    through ``rt`` (teacher-forced decode: each token's routing sees the live residency; the caches carried
-    across chunks)."""
+    through ``rt`` (:func:`teacher_forced_logits`; the caches carried across chunks)."""
     nll, count = 0.0, 0
-    seq = chunks_NS.shape[1]
     for chunk_S in chunks_NS:
-        logits_BV, past = rt.prefill(chunk_S[None, :1])
-        for t in range(1, seq):
-            nll -= torch.log_softmax(logits_BV[0].float(), -1)[chunk_S[t]].item()
+        for t, logits_V in enumerate(teacher_forced_logits(rt, chunk_S[:-1]), 1):
+            nll -= torch.log_softmax(logits_V.float(), -1)[chunk_S[t]].item()
             count += 1
-            if t < seq - 1:
-                logits_BV, past = rt.decode_one_token(chunk_S[None, t:t + 1], past)
     return nll, count
+
+
+def closed_loop_last_logits(rt: OffloadedModel, ids: list[int]) -> torch.Tensor:
+    """The next-token logits [V] after the whole prompt ``ids``, fed token by token (:func:`teacher_forced_logits`)."""
+    for logits_V in teacher_forced_logits(rt, torch.as_tensor(ids, dtype=torch.long)):
+        pass
+    return logits_V
+
+
+def closed_loop_mmlu(rt: OffloadedModel, task, on_question=lambda i, correct: None) -> dict:
+    """An MMLU task (:class:`expertcache.eval.tasks.MMLUTask`: its prompts, its scoring ``task.score``) with
+    every prompt fed token by token through ``rt`` (:func:`closed_loop_last_logits`), in order, the expert
+    caches carried across questions. Returns ``predictions`` (answer index 0-3 per question), ``correct`` and
+    ``mean_answer_loglik`` (log-probability of the right letter); ``on_question(i, correct so far)`` after each."""
+    predictions, correct, loglik = [], 0, 0.0
+    for i, (ids, answer) in enumerate(zip(task.prompts, task.answers)):
+        predicted, logp = task.score(closed_loop_last_logits(rt, ids), answer)
+        predictions.append(predicted)
+        correct += int(predicted == answer)
+        loglik += logp
+        on_question(i, correct)
+    return dict(predictions=predictions, correct=correct, mean_answer_loglik=loglik / max(1, len(predictions)))
 
 
 def heldout_stream(path, max_docs: int = 4000) -> np.ndarray:
