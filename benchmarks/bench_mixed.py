@@ -1,16 +1,23 @@
 """Mixed precision: a miss served at 4 bits instead of waited for (issue 37, ``--resident-quant int4``).
 
-    nice -n 10 python benchmarks/bench_mixed.py quality [--chunks 4] [--model granular]
+    nice -n 10 python benchmarks/bench_mixed.py quality [--chunks 4] [--model granular] [--dataset heldout]
+    nice -n 10 python benchmarks/bench_mixed.py mmlu [--questions 100] [--shots 5] [--model granular]
     nice -n 10 python benchmarks/bench_mixed.py speed [--layers 16] [--tokens 16] [--repeats 3] [--fraction 0.5]
 
-1. **quality**: closed-loop perplexity of a shipped model on WikiText-2 test (``--chunks`` chunks of 256 tokens
-   from /work/shared/data, the caches carried across chunks), token by token through the offloaded runtime at
+1. **quality**: closed-loop perplexity of a shipped model on WikiText-2 test or (``--dataset heldout``) the
+   project's held-out split of corpus-debian-docs (``--chunks`` chunks of 256 tokens from /work/shared/data, the
+   caches carried across chunks), token by token through the offloaded runtime at
    C = N/4 (teacher-forced decode: each token's routing sees the live residency), for full precision (original +
    LRU, Cache-Prior), all-int4 (every miss at low precision and nothing ever loaded: equal to ``--quant int4``,
    ``tests/test_mixed_precision.py``), the mixed tier with each rule (router weight below a threshold, a per-token
    load budget, with and without promotion), and the mixed tier with Cache-Prior / cache-prior-cost. Counts per
    row: full-precision hits, low-precision computes, loads (per token and MoE layer). One runtime (the int4
    copies resident), re-configured per row: deterministic, so one pass.
+   **mmlu**: closed-loop MMLU accuracy of a subset of those rows (:func:`mmlu_names`): ``expertcache eval``'s MMLU
+   prompts (``--shots``, as many as fit the model's context) and scoring (``MMLUTask.score``), each prompt token
+   by token through the same runtime, the caches carried across questions; the first ``--questions`` test
+   questions (interleaved across subjects), the same for every row, whose predicted letters are recorded so
+   rows compare question by question.
 2. **speed**: the random-weight OLMoE-1B-7B-shape checkpoint with ``--layers`` layers (16: 13.8 GB bf16;
    ``expertcache bench --make-model olmoe-1b-7b --layers 16``), each configuration one process alone in a v1
    memory cgroup of ``--fraction`` × the checkpoint's bf16 size (its ``--memory`` = that limit minus
@@ -327,16 +334,16 @@ def main(argv=None) -> int:
     log = lambda *a: print(*a, flush=True)
     from mixed_report import mmlu_table, quality_table, speed_table  # benchmarks/mixed_report.py (this folder)
 
-    if args.what == "mmlu":
-        rows = mmlu_rows(args.model, args.questions, args.shots, args.threshold, args.low_cost, log)
+    if args.what in ("mmlu", "quality"):
+        try:  # a missing model or data folder: one line, before any long work (the data is read first)
+            rows = (mmlu_rows(args.model, args.questions, args.shots, args.threshold, args.low_cost, log)
+                    if args.what == "mmlu" else
+                    quality_rows(args.model, args.chunks, args.threshold, args.low_cost, log, dataset=args.dataset))
+        except FileNotFoundError as e:
+            ap.exit(2, f"bench_mixed.py: error: {e}\n")
         for r in rows:
             out(r)
-        print("\n" + mmlu_table(rows))
-    elif args.what == "quality":
-        rows = quality_rows(args.model, args.chunks, args.threshold, args.low_cost, log, dataset=args.dataset)
-        for r in rows:
-            out(r)
-        print("\n" + quality_table(rows))
+        print("\n" + (mmlu_table(rows) if args.what == "mmlu" else quality_table(rows)))
     else:
         rows = speed_rows(args, log, on_row=out)  # each row as it comes
         print("\n" + speed_table(rows))
