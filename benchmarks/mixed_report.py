@@ -80,8 +80,8 @@ def mmlu_table(rows: list[dict]) -> str:
     whose predicted letter differs from bf16 original + LRU's (the rows score the same questions: a paired
     comparison, finer than two accuracies' standard errors)."""
     base = next(r for r in rows if r["name"] == "bf16 original+LRU")
-    lines = [f"| configuration ({base['model']}, MMLU {base['questions']} questions, {base['shots']}-shot "
-             f"(mean {base['mean_shots']:.1f} fit {base['context']} tokens), C = {base['capacity']}/"
+    lines = [f"| configuration ({base['model']}, MMLU {base['questions']} questions, {base['shots']}-shot cut to "
+             f"{base['context']} tokens: {base['mean_shots']:.1f} exemplars, C = {base['capacity']}/"
              f"{base['num_experts']}) | accuracy | log p(right letter) | answers ≠ original+LRU | "
              "full-precision hits | int4 computes | loads | loads vs original+LRU |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
