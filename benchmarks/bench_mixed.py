@@ -113,7 +113,8 @@ def quality_rows(model: str, chunks: int, threshold: float, low_cost: float, log
     for name, (routing, rule) in quality_configs(rt.expert_bytes, threshold, low_cost).items():
         rt.configure(routing=routing, capacity=capacity, precision=rule)
         t0 = time.perf_counter()
-        nll, count = closed_loop_nll(rt, chunks_NS)
+        chunk_nll = [closed_loop_nll(rt, chunk_1S)[0] for chunk_1S in chunks_NS.split(1)]  # caches carried on
+        nll, count = sum(chunk_nll), chunks * (seq - 1)
         s = rt.stats()
         per = count * len(rt.layers)  # token-layer steps (the prefill's first tokens included in the counts)
         row = dict(kind="mixed-quality", model=model, dataset=dataset, name=name, routing=routing.label(), rule=rule.to_dict(),
@@ -121,7 +122,7 @@ def quality_rows(model: str, chunks: int, threshold: float, low_cost: float, log
                    tokens=count, fp_hits=s["hits"], low_computes=s["low_computes"], loads=s["misses"],
                    loads_per_token_layer=s["misses"] / per, low_per_token_layer=s["low_computes"] / per,
                    fp_hits_per_token_layer=s["hits"] / per, expert_bytes=rt.expert_bytes,
-                   low_tier_bytes=rt.plan.low_tier_bytes, seconds=time.perf_counter() - t0)
+                   low_tier_bytes=rt.plan.low_tier_bytes, chunk_nll=chunk_nll, seconds=time.perf_counter() - t0)
         log(f"{name:<40} ppl {row['ppl']:.3f}  hits {s['hits']}  int4 {s['low_computes']}  loads {s['misses']}"
             f"  ({row['seconds']:.0f} s)")
         rows.append(row)

@@ -14,6 +14,7 @@ configuration present in both (the same names: the same rule and routing).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -62,14 +63,33 @@ def speed_run(rows: list[dict]) -> list[dict]:
     return [r for r in rs if key(r) == last]
 
 
+def paired_se(row: dict, base: dict) -> float | None:
+    """Standard error of ``row``'s log-perplexity minus ``base``'s over their chunks (each chunk's mean NLL
+    difference one sample: the rows score the same chunks), None for rows without per-chunk NLLs or one chunk.
+    ± this, as a percentage, is the resolution of the "vs bf16 original+LRU" column."""
+    a, b = row.get("chunk_nll"), base.get("chunk_nll")
+    if not a or not b or len(a) < 2 or len(a) != len(b):
+        return None
+    per = row["tokens"] / len(a)
+    return statistics.stdev((x - y) / per for x, y in zip(a, b)) / math.sqrt(len(a))
+
+
 def quality_table(rows: list[dict]) -> str:
+    """Perplexity and the three counters per token and MoE layer against bf16 original + LRU; with per-chunk NLLs
+    (rows since the field exists) the change's paired standard error (:func:`paired_se`) beside it."""
     base = next(r for r in rows if r["name"] == "bf16 original+LRU")
     text = {"wikitext": "WikiText-2", "heldout": "held-out split"}.get(dataset_of(base), dataset_of(base))
-    lines = [f"| configuration ({base['model']}, {text}, C = {base['capacity']}/{base['num_experts']}) | perplexity | vs bf16 "
-             "original+LRU | full-precision hits | int4 computes | loads | loads vs original+LRU |",
+    chunks = len(base.get("chunk_nll") or ())
+    size = f"{chunks} × {base['tokens'] // chunks + 1} tokens, " if chunks else ""
+    se_head = " (± paired SE over chunks)" if chunks > 1 else ""
+    lines = [f"| configuration ({base['model']}, {text}, {size}C = {base['capacity']}/{base['num_experts']}) | "
+             f"perplexity | vs bf16 original+LRU{se_head} | full-precision hits | int4 computes | loads | loads vs "
+             "original+LRU |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['name']} | {r['ppl']:.2f} | {100 * (r['ppl'] / base['ppl'] - 1):+.2f} % | "
+        se = None if r is base else paired_se(r, base)
+        pm = "" if se is None else f" ± {100 * se:.2f}"
+        lines.append(f"| {r['name']} | {r['ppl']:.2f} | {100 * (r['ppl'] / base['ppl'] - 1):+.2f}{pm} % | "
                      f"{r['fp_hits_per_token_layer']:.2f} | {r['low_per_token_layer']:.2f} | "
                      f"{r['loads_per_token_layer']:.2f} | {100 * (r['loads'] / base['loads'] - 1):+.0f} % |")
     return "\n".join(lines)

@@ -273,3 +273,21 @@ def test_closed_loop_scoring_is_the_stock_models(tmp_path):
         ce = sum(float(torch.nn.functional.cross_entropy(stock(c[None]).logits[0, :-1], c[1:], reduction="sum"))
                  for c in chunks_NS)
     assert count == 3 * 15 and nll == pytest.approx(ce, rel=1e-5)
+
+
+def test_paired_se_of_the_report_by_hand():
+    """benchmarks/mixed_report.py's resolution of a perplexity change: the standard error, over the chunks both rows
+    scored, of the per-token NLL difference (computed here with numpy); none without per-chunk NLLs."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("mixed_report", Path(__file__).parents[1] / "benchmarks" /
+                                                  "mixed_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    base = dict(chunk_nll=[300.0, 330.0, 310.0, 320.0], tokens=4 * 60)
+    row = dict(chunk_nll=[303.0, 330.0, 316.0, 321.0], tokens=4 * 60)
+    d = (np.array(row["chunk_nll"]) - np.array(base["chunk_nll"])) / 60
+    assert report.paired_se(row, base) == pytest.approx(d.std(ddof=1) / 2)
+    assert report.paired_se(dict(tokens=240), base) is None
+    assert report.paired_se(dict(chunk_nll=[1.0], tokens=60), dict(chunk_nll=[2.0], tokens=60)) is None
