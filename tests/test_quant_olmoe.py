@@ -192,7 +192,7 @@ def test_bf16_logits_match_the_dequantised_model_and_stay_near_the_bf16_model(ol
     assert _rel(got, base) <= bound, (_rel(got, base), bound, eps)
     if not (quant == "int8" and quant_dense == "int4"):
         assert _rel(wrong_e, base) > bound, (_rel(wrong_e, base), bound)
-    agree = lambda x: (x.argmax(-1) == base.argmax(-1)).float().mean().item()  # noqa: E731
+    agree = lambda x: (x.argmax(-1) == base.argmax(-1)).float().mean().item()
     floor = 0.6 if quant_dense == "int4" else 0.9
     assert agree(got) >= floor, agree(got)
     if quant_dense:
