@@ -215,8 +215,11 @@ def speed_one(args) -> None:
     path = Path(args.path)
     fields, routing = speed_config(args.name, _expert_bytes(path), args.speed_threshold)
     t0 = time.perf_counter()
-    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="disk", io="direct", memory=args.memory,
-                                                            context=16 + args.tokens, **fields), routing=routing)
+    dense = None if args.dense == "none" else args.dense
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="disk", io="direct",
+                                                            memory="auto" if args.memory < 0 else args.memory,
+                                                            context=16 + args.tokens, quant_dense=dense, **fields),
+                                        routing=routing)
     build_s = time.perf_counter() - t0
     prompt = torch.randint(3, 50304, (1, 16), generator=torch.Generator().manual_seed(0))
     forced = torch.randint(3, 50304, (1, args.tokens), generator=torch.Generator().manual_seed(1))
@@ -232,6 +235,7 @@ def speed_one(args) -> None:
                           bytes_per_token=d["bytes_read"] / n, plan_total=rt.plan.total,
                           low_tier_bytes=rt.plan.low_tier_bytes, build_s=build_s, peak_rss=peak,
                           routing=routing.label(), quant=rt.offload.quant, resident_quant=rt.offload.resident_quant,
+                          quant_dense=rt.offload.quant_dense,
                           precision=rt.describe()["precision"])))
 
 
@@ -261,11 +265,13 @@ def speed_rows(args, log, on_row=lambda row: None) -> list[dict]:
     rows = []
     for r in range(args.repeats):
         for name in (names if r % 2 == 0 else names[::-1]):
-            argv = [sys.executable, __file__, "speed-one", "--path", str(path), "--name", name, "--memory", str(memory),
+            argv = [sys.executable, __file__, "speed-one", "--path", str(path), "--name", name, "--memory",
+                    str(-1 if args.auto else memory), "--dense", args.dense,
                     "--tokens", str(args.tokens), "--speed-threshold", str(args.speed_threshold), "--threads", "1"]
             t0 = time.perf_counter()
             p = _in_cgroup(limit, argv)
-            base = dict(kind="mixed-speed", name=name, round=r, layers=args.layers, limit=limit, memory=memory,
+            base = dict(kind="mixed-speed", name=name, round=r, layers=args.layers, limit=limit,
+                        memory="auto" if args.auto else memory, dense=args.dense,
                         fraction=args.fraction, process_s=time.perf_counter() - t0)
             if p.returncode != 0:
                 tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -313,6 +319,10 @@ def main(argv=None) -> int:
     ap.add_argument("--headroom", type=int, default=768, help="speed: MiB of the limit left to the interpreter")
     ap.add_argument("--speed-threshold", type=float, default=0.04, help="speed: the threshold of the w<T row")
     ap.add_argument("--configs", nargs="+", choices=SPEED_CONFIGS, default=None, help="speed: a subset")
+    ap.add_argument("--dense", choices=("none", "int8", "int4"), default="none",
+                    help="speed: --quant-dense of every configuration")
+    ap.add_argument("--auto", action="store_true", help="speed: --memory auto (the cgroup's limit, the interpreter "
+                    "counted) instead of the limit less --headroom")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)

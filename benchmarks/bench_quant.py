@@ -2,7 +2,7 @@
 with every expert resident (C = N, host tier), OLMoE-1B-7B shapes.
 
     nice -n 10 python benchmarks/bench_quant.py [--layers 4] [--tokens 16] [--repeats 3] [--threads 1]
-        [--only kernel|decode] [--configs bf16 int8 int4 int4+dense-int8 ...]
+        [--only kernel|decode|quality|logits] [--configs bf16 int8 int4 int4+dense-int8 ...]
 
 1. **kernel**: one OLMoE-1B-7B expert, one token (gate_up [2048, 2048], down [2048, 1024]): the runtime's bf16
    path (two ``torch.mv``), format 1's int4 path (the codes dequantised to bf16 in torch on every use, then
@@ -19,6 +19,14 @@ with every expert resident (C = N, host tier), OLMoE-1B-7B shapes.
    expert precision (bf16 / int8 / int4) × dense precision (none / int8 / int4) × routing (original,
    Cache-Prior λ 0.2), through the offloaded runtime token by token (teacher-forced decode: each token's routing
    sees the live residency of a C = N/2 LRU cache, as in BENCHMARKS.md's quality section).
+
+4. **logits**: the ``--layers``-layer OLMoE-1B-7B-shape checkpoint's logits with int8 / int4 experts × dense
+   none / int8 / int4 against the bf16 model (the runtime, unquantised, bf16) over 32 teacher-forced positions
+   (a 16-token prompt, then 16 one-token decode steps): the largest absolute error, the relative L2 error and the
+   top-1 agreement; a float32-compute row gives the bf16 rounding floor. One configuration in memory at a time
+   (C = 16 slots a layer, reads page-cached). Random weights: each MoE layer's output is only 4-5 % of the
+   residual stream's norm here (N(0, 0.02) matrices under std-1 embeddings; attention 35-40 %), so the experts'
+   error reaches the logits diluted; tests/test_quant_olmoe.py checks a checkpoint where they weigh a third.
 
 Writes rows to benchmarks/results/quant.jsonl (``--out``) and prints markdown tables with ratios against bf16
 measured in the same rounds.
@@ -205,13 +213,71 @@ def quality_rows(models: list[str], chunks: int, log, on_row, seq: int = 256) ->
     return rows
 
 
+LOGIT_CONFIGS = [(q, d) for q in ("int8", "int4") for d in (None, "int8", "int4")]
+
+
+def _forced_logits(rt: OffloadedModel, prompt_BS: torch.Tensor, forced_BN: torch.Tensor) -> torch.Tensor:
+    """Logits [B, S + N, V] (float32) of every position, teacher-forced: the prompt's S from one prefill, then one
+    per one-token decode step feeding ``forced_BN``'s N tokens."""
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        out = rt.forward(prompt_BS, DynamicCache(config=rt.config))
+        logits, past = [out.logits.float()], out.past_key_values
+        for t in range(forced_BN.shape[1]):
+            out = rt.forward(forced_BN[:, t:t + 1], past)
+            logits.append(out.logits.float())
+            past = out.past_key_values
+    return torch.cat(logits, dim=1)
+
+
+def logits_rows(layers: int, log, on_row, capacity: int = 16) -> list[dict]:
+    """Each quantised configuration's logits against the unquantised bf16 runtime's, one model in memory at a
+    time; plus the unquantised model in float32 against bf16 (what bf16 rounding alone moves)."""
+    path = make_bench_model("olmoe-1b-7b", layers=layers)
+    prompt = torch.randint(3, 50304, (1, 16), generator=torch.Generator().manual_seed(0))
+    forced = torch.randint(3, 50304, (1, 16), generator=torch.Generator().manual_seed(1))
+
+    def run(quant, dense, dtype):
+        t0 = time.perf_counter()
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="disk", io="cached", readers=0, quant=quant,
+                                                                quant_dense=dense, capacity=capacity, context=64),
+                                            dtype=dtype)
+        got = _forced_logits(rt, prompt, forced)[0]  # [32, V]
+        info = dict(expert_bytes=rt.expert_bytes, non_expert_bytes=rt.plan.non_expert_bytes,
+                    quant_kernel=rt.describe().get("quant_kernel"), group=rt.offload.group)
+        rt.close()
+        del rt
+        gc.collect()
+        return got, info, time.perf_counter() - t0
+
+    base, _, secs = run(None, None, torch.bfloat16)
+    log(f"bf16 reference: {base.shape[0]} positions ({secs:.0f} s)")
+    rows = []
+    for quant, dense, dtype in [*((q, d, torch.bfloat16) for q, d in LOGIT_CONFIGS), (None, None, torch.float32)]:
+        got, info, secs = run(quant, dense, dtype)
+        err = (got.double() - base.double())
+        row = dict(kind="quant-logits", layers=layers, experts=quant or "bf16", dense=dense or "none",
+                   compute=str(dtype).removeprefix("torch."), positions=base.shape[0], capacity=capacity,
+                   max_abs_err=err.abs().max().item(), max_abs_logit=base.abs().max().item(),
+                   rel_l2_err=(err.norm() / base.double().norm()).item(),
+                   top1_agree=(got.argmax(-1) == base.argmax(-1)).float().mean().item(),
+                   threads=torch.get_num_threads(), seconds=secs, **info)
+        log(f"experts={row['experts']} dense={row['dense']} {row['compute']}: max |err| {row['max_abs_err']:.3f} "
+            f"(max |logit| {row['max_abs_logit']:.2f}), rel L2 {row['rel_l2_err']:.4f}, top-1 "
+            f"{row['top1_agree']:.3f} ({secs:.0f} s)")
+        rows.append(row)
+        on_row(row)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", choices=("kernel", "decode", "quality"), default=None)
+    ap.add_argument("--only", choices=("kernel", "decode", "quality", "logits"), default=None)
     ap.add_argument("--chunks", type=int, default=2, help="quality: WikiText chunks of 256 tokens")
     ap.add_argument("--models", nargs="+", default=["granular", "coarse"], help="quality: shipped models")
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
@@ -246,6 +312,13 @@ def main(argv=None) -> int:
                   f"{statistics.median(r['cpu_tok_s'] for r in theirs):.2f} | {ratio:.2f} ({wall:.2f}) | "
                   f"{statistics.median(r['moe_compute_s'] for r in mine) * 1e3:.0f} vs "
                   f"{statistics.median(r['moe_compute_s'] for r in theirs) * 1e3:.0f} |")
+    if args.only in (None, "logits"):
+        rows = logits_rows(args.layers, lambda *a: print(*a, flush=True), out)
+        print(f"\n| OLMoE-1B-7B shapes, {args.layers} layers: experts | dense | compute | max abs error | relative L2 "
+              f"error | top-1 agreement ({rows[0]['positions']} positions) |\n|---|---|---|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['experts']} | {r['dense']} | {r['compute']} | {r['max_abs_err']:.3f} | "
+                  f"{r['rel_l2_err']:.4f} | {r['top1_agree']:.3f} |")
     if args.only in (None, "quality"):
         rows = quality_rows(args.models, args.chunks, lambda *a: print(*a, flush=True), out)
         print("\n| model | experts | dense | routing | ppl | vs bf16/none | miss rate |\n|---|---|---|---|---:|---:|---:|")

@@ -58,7 +58,7 @@ def speed_run(rows: list[dict]) -> list[dict]:
     rs = [r for r in rows if r.get("kind") == "mixed-speed"]
     if not rs:
         return []
-    key = lambda r: (r["layers"], r["fraction"], r["memory"])  # noqa: E731
+    key = lambda r: (r["layers"], r["fraction"], r["memory"] if r["memory"] == "auto" else 0)  # noqa: E731
     last = key(max(rs, key=lambda r: r["date"]))
     return [r for r in rs if key(r) == last]
 
@@ -113,12 +113,18 @@ def mmlu_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def speed_name(row: dict) -> str:
+    """A speed row's configuration, with its dense part where that is quantised (``--dense``)."""
+    dense = row.get("dense", "none")
+    return row["name"] + ("" if dense == "none" else f", dense {dense}")
+
+
 def speed_medians(rows: list[dict]) -> dict[str, dict]:
     ok = [r for r in rows if "tok_s" in r]
     out = {}
-    for name in dict.fromkeys(r["name"] for r in rows):
-        rs = [r for r in ok if r["name"] == name]
-        failed = [r for r in rows if r["name"] == name and "tok_s" not in r]
+    for name in dict.fromkeys(speed_name(r) for r in rows):
+        rs = [r for r in ok if speed_name(r) == name]
+        failed = [r for r in rows if speed_name(r) == name and "tok_s" not in r]
         if not rs:
             out[name] = dict(failed=failed[0].get("error", "failed"))
             continue
@@ -136,7 +142,7 @@ def speed_table(rows: list[dict]) -> str:
     base = med.get("bf16 Cache-Prior", {}).get("tok_s")
     r0 = next(r for r in rows)
     lines = [f"| configuration ({r0['layers']} layers, cgroup {r0['limit'] / 2**30:.2f} GiB = {r0['fraction']:g} × bf16, "
-             f"--memory {r0['memory'] / 2**30:.2f} GiB) | C | tok/s (median) | × bf16 Cache-Prior | full-precision "
+             f"--memory {_memory(r0['memory'])}) | C | tok/s (median) | × bf16 Cache-Prior | full-precision "
              "hits/token | int4 computes/token | loads/token | MiB read/token | CPU ms/token |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in med.items():
@@ -148,6 +154,10 @@ def speed_table(rows: list[dict]) -> str:
         lines.append(f"| {name} | {m['capacity']} | {m['tok_s']:.2f} | {ratio} | {m['hits']:.1f} | {m['low']:.1f} | "
                      f"{m['loads']:.1f} | {m['mib']:.0f} | {cpu} |")
     return "\n".join(lines)
+
+
+def _memory(memory) -> str:
+    return "auto" if memory == "auto" else f"{memory / 2**30:.2f} GiB"
 
 
 def _colour(name: str) -> str:

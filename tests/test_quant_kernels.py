@@ -313,6 +313,81 @@ def test_dense_quantisation_keeps_logits_within_its_weight_error(mode, agree):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= agree
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("n,k,rows", [(1000, 144, 64), (2500, 256, 1024), (3072, 64, 1024), (16, 64, 64)])
+def test_packing_in_row_blocks_equals_packing_the_whole_matrix(mode, n, k, rows):
+    """``pack_matrix_into`` (the loader's path: a block of rows at a time) gives the bytes ``pack_matrix`` gives
+    for the whole matrix -- also where the last block is short and carries the row padding (n = 1000, 2500)."""
+    from expertcache.offload.quant import pack_matrix_into
+
+    qm = QuantMatrix(mode, kernel_for(mode), n, k, 32, torch.bfloat16)
+    w = _weights(n, k, seed=n).to(torch.bfloat16)
+    whole_w, whole_s = pack_matrix(w.float(), qm)
+    (ws, wd), (ss, sd) = qm.shapes()
+    got_w, got_s = torch.full(ws, 7, dtype=wd), torch.full(ss, 7, dtype=sd)  # not zeros: every byte written
+    asked = []
+    pack_matrix_into(lambda a, b: asked.append(b - a) or w[a:b], qm, got_w, got_s, rows=rows)
+    assert torch.equal(got_w, whole_w) and torch.equal(got_s, whole_s)
+    assert max(asked) <= rows and sum(asked) == n
+
+
+def _olmoe_dense_checkpoint(path, tied):
+    """A random OLMoE checkpoint whose vocabulary (2500) spans three row blocks, the last one short."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("olmoe", vocab_size=2500, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                               tie_word_embeddings=tied)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quant_dense_packs_straight_from_the_checkpoint(tmp_path, monkeypatch, mode, tied):
+    """With ``--quant-dense`` no quantised matrix is ever read whole: every read of its key is at most
+    PACK_ROWS rows (the loading peak is the quantised model plus one block), and the packed buffers equal
+    ``pack_matrix`` of the stored weight read independently (safetensors); the embedding's int8 rows are the
+    documented ``round(w / s)``, ``s = max|row| / 127`` (1 for a zero row). Tied: ``lm_head`` is packed from the embedding's key."""
+    from safetensors.torch import load_file
+
+    from expertcache.offload.checkpoint import Checkpoint
+    from expertcache.offload.qlinear import QuantEmbedding, QuantLinear
+    from expertcache.offload.quant import PACK_ROWS
+
+    path = _olmoe_dense_checkpoint(tmp_path / "m", tied)
+    stored = load_file(str(path / "model.safetensors"))
+    reads, real = [], Checkpoint.tensor
+
+    def spy(self, key, rows=None):
+        t = real(self, key, rows)
+        reads.append((key, t.shape[0] if t.dim() else 0, rows is not None))
+        return t
+
+    monkeypatch.setattr(Checkpoint, "tensor", spy)
+    rt = _rt(path, tier="host", quant_dense=mode, dtype=torch.bfloat16)
+    targets = {n: m for n, m in rt.model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+    assert "lm_head" in targets and "model.embed_tokens" in targets and len(targets) == 2 + 2 * 4
+    keys = {"lm_head.weight" if n == "lm_head" and not tied else "model.embed_tokens.weight" if n == "lm_head"
+            else f"{n}.weight" for n in targets}
+    for key, nrows, blocked in reads:
+        if key in keys:
+            assert blocked and nrows <= PACK_ROWS, (key, nrows)
+    assert {k for k, _, _ in reads} >= keys
+    for name, mod in targets.items():
+        w = stored["model.embed_tokens.weight" if name == "lm_head" and tied else f"{name}.weight"]
+        if isinstance(mod, QuantEmbedding):
+            s = (w.float().abs().amax(dim=1) / 127).to(torch.bfloat16).float()
+            s[s == 0] = 1  # an all-zero row (the padding token's): codes 0 under any scale
+            assert torch.equal(mod.scales.float(), s)
+            assert torch.equal(mod.codes, torch.round(w.float() / s[:, None]).clamp(-127, 127).to(torch.int8))
+        else:
+            want_w, want_s = pack_matrix(w.float(), mod.qm)
+            assert torch.equal(mod.qweight, want_w) and torch.equal(mod.scales, want_s), name
+
+
 def test_dense_bytes_of_a_skeleton_equal_the_loaded_model(tmp_path):
     """:func:`dense_bytes` on a meta-device skeleton (nothing allocated) = the bytes the runtime's plan counts
     for the loaded, quantised model -- the number the memory plan can use before loading."""

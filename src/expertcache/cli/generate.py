@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from expertcache.cache import DEFAULT_GAMMA, LIVE_EVICTIONS
@@ -306,7 +307,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"[{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, {rt.routing.label()}+{rt.eviction}, "
               f"{offload.tier}{'/' + offload.io if offload.tier == 'disk' else ''}] "
-              f"{tok_s:.2f} tok/s decode, prefill {r['prefill_s']:.2f} s, hit rate {s['hit_rate']:.3f} "
+              + (f"{tok_s:.2f} tok/s decode" if math.isfinite(tok_s) else "no decode step (one token: the prefill's)")
+              + f", prefill {r['prefill_s']:.2f} s, hit rate {s['hit_rate']:.3f} "
               f"(decode {d['hit_rate']:.3f}), {s['bytes_read'] / 2**20:.1f} MiB read in {s['expert_loads']} expert loads"
               + (f", prefetch precision {s['prefetch']['precision']:.2f} recall {s['prefetch']['recall']:.2f}"
                  if s["prefetch"]["precision"] is not None else "") + (f" ({s['prefetched']} of them prefetched by --predictor)" if s["prefetched"] else "")

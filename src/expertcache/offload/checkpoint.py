@@ -296,16 +296,25 @@ class Checkpoint:
 
     # -- other tensors ---------------------------------------------------------------------------
 
-    def tensor(self, key: str) -> torch.Tensor:
-        """Read one tensor (a fresh CPU tensor of its stored dtype and shape)."""
+    def tensor(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Read one tensor (a fresh CPU tensor of its stored dtype and shape), or only ``rows`` = (a, b) of its
+        first dimension (shape ``[b - a, *rest]``: one contiguous byte range, so a large matrix can be consumed
+        a block of rows at a time without holding it whole)."""
         t = self.entries.get(key)
         if t is None:
             raise CheckpointError(f"{self.folder}: missing tensor {key!r}")
-        buf = bytearray(t.nbytes)
+        shape, start, nbytes = tuple(t.shape), t.start, t.nbytes
+        if rows is not None:
+            a, b = rows
+            if not shape or not 0 <= a <= b <= shape[0]:
+                raise ValueError(f"rows {rows} outside {key!r} of shape {list(shape)}")
+            row_bytes = t.nbytes // shape[0] if shape[0] else 0
+            shape, start, nbytes = (b - a, *shape[1:]), t.start + a * row_bytes, (b - a) * row_bytes
+        buf = bytearray(nbytes)
         with open(t.file, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buf], t.start)
-        if got != t.nbytes:
-            raise CheckpointError(f"{t.file}: short read of {key!r} ({got} of {t.nbytes} bytes; truncated file)")
-        if t.nbytes == 0:
-            return torch.empty(t.shape, dtype=t.dtype)
-        return torch.frombuffer(buf, dtype=t.dtype).reshape(t.shape)
+            got = os.preadv(f.fileno(), [buf], start)
+        if got != nbytes:
+            raise CheckpointError(f"{t.file}: short read of {key!r} ({got} of {nbytes} bytes; truncated file)")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=t.dtype)
+        return torch.frombuffer(buf, dtype=t.dtype).reshape(shape)

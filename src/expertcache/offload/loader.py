@@ -21,42 +21,72 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EXPERTCACHE_CACHE", Path.home() / ".cache" / "expertcache"))
 
 
-def load_non_expert(model: nn.Module, ckpt: Checkpoint, config) -> None:
+def load_non_expert(model: nn.Module, ckpt: Checkpoint, config, packed: dict[str, nn.Module] | None = None) -> None:
     """Read every non-expert parameter and persistent buffer of ``model`` from the checkpoint by key (tried as
     named, then as the family renames it on disk: ``ckpt.layout.disk_keys``; tied weights once). Missing keys,
-    shape mismatches and unexpected non-expert keys raise."""
+    shape mismatches and unexpected non-expert keys raise.
+
+    ``packed``: {weight name: module with ``load_rows``} of the weights quantised while loading
+    (:func:`expertcache.offload.qlinear.quantize_dense_skeleton`): each is read from the checkpoint a block of
+    rows at a time and packed, never held whole (a tied ``lm_head.weight`` is read from the embedding's key)."""
     used: set[str] = set()
+    packed = packed or {}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     state = model.state_dict(keep_vars=True)
     missing = []
     with torch.no_grad():
         for name, t in state.items():
-            key = next((k for k in ckpt.layout.disk_keys(name) if k in ckpt.entries), None)
+            key = _disk_key(ckpt, name)
             if key is None:
                 if tied and name == "lm_head.weight":
                     continue
                 missing.append(name)
                 continue
             src = ckpt.tensor(key)
-            if tuple(src.shape) != tuple(t.shape):
-                raise CheckpointError(f"{ckpt.folder}: {key} has shape {list(src.shape)}, the model expects "
-                                      f"{list(t.shape)}")
+            _check_shape(ckpt, key, src.shape, t.shape)
             t.copy_(src)
+            used.add(key)
+        for name, mod in packed.items():
+            key = _disk_key(ckpt, name)
+            if key is None and tied and name == "lm_head.weight":
+                key = _disk_key(ckpt, _input_embedding_name(model))
+            if key is None:
+                missing.append(name)
+                continue
+            rows, cols = (mod.out_features, mod.in_features) if hasattr(mod, "out_features") else \
+                (mod.num_embeddings, mod.embedding_dim)
+            _check_shape(ckpt, key, ckpt.entries[key].shape, (rows, cols))
+            mod.load_rows(lambda a, b, key=key: ckpt.tensor(key, (a, b)))
             used.add(key)
     if missing:
         raise CheckpointError(f"{ckpt.folder}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if tied:
+    if tied and "lm_head.weight" not in packed:
         model.lm_head.weight = model.model.embed_tokens.weight
     extra = [k for k in ckpt.entries if k not in used and not ckpt.is_expert_key(k)]
     if extra:
         raise CheckpointError(f"{ckpt.folder}: unexpected tensors {extra[:5]} (unsupported layout?)")
 
 
+def _disk_key(ckpt: Checkpoint, name: str) -> str | None:
+    return next((k for k in ckpt.layout.disk_keys(name) if k in ckpt.entries), None)
+
+
+def _check_shape(ckpt: Checkpoint, key: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"{ckpt.folder}: {key} has shape {list(got)}, the model expects {list(want)}")
+
+
+def _input_embedding_name(model: nn.Module) -> str:
+    emb = model.get_input_embeddings()
+    return next(f"{name}.weight" for name, mod in model.named_modules() if mod is emb)
+
+
 def recompute_rotary(model: nn.Module, config, device: torch.device) -> None:
     """Non-persistent buffers are not in the checkpoint: rebuild rotary-embedding modules (the only ones the
-    supported families have; anything else raises)."""
+    supported families have; anything else raises). Modules whose buffers the loader packed (those with
+    ``load_rows``: ``--quant-dense``) are left as they are."""
     for name, mod in list(model.named_modules()):
-        if not mod._non_persistent_buffers_set:
+        if not mod._non_persistent_buffers_set or hasattr(mod, "load_rows"):
             continue
         if not type(mod).__name__.endswith("RotaryEmbedding"):
             raise RuntimeError(f"{name} ({type(mod).__name__}) has non-persistent buffers "

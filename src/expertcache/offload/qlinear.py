@@ -10,20 +10,25 @@ kernels of :mod:`expertcache.offload.quant`, the token embedding as int8 rows.
   sensitive, the rest is small). With tied embeddings the quantised ``lm_head`` and the int8 embedding are two
   tensors (the bf16 one is dropped).
 
-The packed tensors are non-persistent buffers, so the runtime's memory plan (which sums the model's parameters
+Loading (:func:`quantize_dense_skeleton`, then :func:`expertcache.offload.loader.load_non_expert`) packs each
+weight straight from the checkpoint a block of :data:`~expertcache.offload.quant.PACK_ROWS` rows at a time, so
+no full-precision copy of a quantised matrix is ever held: the loading peak is the quantised model plus one
+block. The packed tensors are non-persistent buffers, so the runtime's memory plan (which sums the model's parameters
 and buffers) counts them; :func:`dense_bytes` gives the same count for a model not yet quantised (a meta-device
 skeleton is enough), for a plan made before loading.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
-from expertcache.offload.quant import QuantMatrix, kernel_for, pack_matrix, qmm
+from expertcache.offload.quant import PACK_ROWS, QuantMatrix, kernel_for, pack_matrix_into, qmm
 
 __all__ = ["DENSE_MODES", "DENSE_GROUP", "QuantLinear", "QuantEmbedding", "dense_targets", "quantize_dense",
-           "dense_bytes"]
+           "quantize_dense_skeleton", "dense_bytes"]
 
 DENSE_MODES = ("none", "int8", "int4")
 #: the int4 group size of the dense weights (K padded to it where needed)
@@ -35,17 +40,37 @@ def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device) -> QuantMatri
 
 
 class QuantLinear(nn.Module):
-    """``F.linear(x, W, b)`` with ``W`` packed for the fused kernel (``x`` of any leading shape)."""
+    """``F.linear(x, W, b)`` with ``W`` packed for the fused kernel (``x`` of any leading shape).
 
-    def __init__(self, linear: nn.Linear, mode: str) -> None:
+    Made empty (:meth:`__init__`: buffers of the packed shapes on ``device``, ``meta`` for a skeleton) and
+    filled by :meth:`load_rows` a block of rows at a time, or from a loaded ``nn.Linear`` (:meth:`from_linear`).
+    ``kernel_device`` names the device the packed layout is for (the skeleton's buffers live on ``meta``)."""
+
+    def __init__(self, n: int, k: int, mode: str, dtype: torch.dtype, *, bias: bool = False,
+                 device: torch.device | str = "cpu", kernel_device: torch.device | str | None = None) -> None:
         super().__init__()
+        self.qm = _matrix(mode, n, k, dtype, kernel_device or device)
+        (ws, wd), (ss, sd) = self.qm.shapes()
+        self.register_buffer("qweight", torch.empty(ws, dtype=wd, device=device), persistent=False)
+        self.register_buffer("scales", torch.empty(ss, dtype=sd, device=device), persistent=False)
+        self.bias = nn.Parameter(torch.empty(n, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.in_features, self.out_features = k, n
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str) -> "QuantLinear":
+        """Pack a loaded ``linear`` (its weight read a block of rows at a time; the bias copied)."""
         w = linear.weight.detach()
-        self.qm = _matrix(mode, w.shape[0], w.shape[1], w.dtype, w.device)
-        packed, scales = pack_matrix(w.to("cpu", torch.float32), self.qm)
-        self.register_buffer("qweight", packed.to(w.device), persistent=False)
-        self.register_buffer("scales", scales.to(w.device), persistent=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        q = cls(w.shape[0], w.shape[1], mode, w.dtype, bias=linear.bias is not None, device=w.device)
+        q.load_rows(lambda a, b: w[a:b])
+        if linear.bias is not None:
+            q.bias.data.copy_(linear.bias.detach())
+        return q
+
+    @torch.no_grad()
+    def load_rows(self, rows_of: Callable[[int, int], torch.Tensor]) -> None:
+        """Pack the weight [n, k] whose rows [a, b) ``rows_of(a, b)`` gives (any float dtype, any device) into
+        this module's buffers, :data:`~expertcache.offload.quant.PACK_ROWS` rows at a time."""
+        pack_matrix_into(lambda a, b: rows_of(a, b).to("cpu", torch.float32), self.qm, self.qweight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = qmm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.qm)
@@ -58,18 +83,35 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """``nn.Embedding`` as int8 rows: ``E[i] = q[i] · s[i]`` (``s = max|row| / 127`` in the compute dtype)."""
+    """``nn.Embedding`` as int8 rows: ``E[i] = q[i] · s[i]`` (``s = max|row| / 127`` in the compute dtype).
+    Made empty and filled by :meth:`load_rows`, or from a loaded ``nn.Embedding`` (:meth:`from_embedding`)."""
 
-    def __init__(self, emb: nn.Embedding) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, *, padding_idx: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
-        w = emb.weight.detach()
-        s = (w.float().abs().amax(dim=1) / 127).to(w.dtype).float()
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        self.register_buffer("codes", torch.round(w.float() / s[:, None]).clamp(-127, 127).to(torch.int8),
+        self.register_buffer("codes", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device),
                              persistent=False)
-        self.register_buffer("scales", s.to(w.dtype), persistent=False)
-        self.padding_idx = emb.padding_idx
-        self.num_embeddings, self.embedding_dim = w.shape
+        self.register_buffer("scales", torch.empty(num_embeddings, dtype=dtype, device=device), persistent=False)
+        self.padding_idx = padding_idx
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding) -> "QuantEmbedding":
+        w = emb.weight.detach()
+        q = cls(w.shape[0], w.shape[1], w.dtype, padding_idx=emb.padding_idx, device=w.device)
+        q.load_rows(lambda a, b: w[a:b])
+        return q
+
+    @torch.no_grad()
+    def load_rows(self, rows_of: Callable[[int, int], torch.Tensor], *, rows: int = PACK_ROWS) -> None:
+        """Quantise the table whose rows [a, b) ``rows_of(a, b)`` gives, ``rows`` rows at a time."""
+        for a in range(0, self.num_embeddings, rows):
+            b = min(self.num_embeddings, a + rows)
+            w = rows_of(a, b).to("cpu", torch.float32)
+            s = (w.abs().amax(dim=1) / 127).to(self.scales.dtype).float()
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            self.codes[a:b].copy_(torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8))
+            self.scales[a:b].copy_(s.to(self.scales.dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.codes[ids].to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
@@ -89,17 +131,48 @@ def dense_targets(model: nn.Module) -> dict[str, nn.Module]:
 
 def quantize_dense(model: nn.Module, mode: str | None) -> int:
     """Replace :func:`dense_targets` of ``model`` (weights loaded) with :class:`QuantLinear` /
-    :class:`QuantEmbedding`, one module at a time (the peak is one bf16 matrix more). Returns how many."""
+    :class:`QuantEmbedding`, one module at a time (the peak is one block of rows more). Returns how many."""
     if mode in (None, "none"):
         return 0
-    if mode not in DENSE_MODES:
-        raise ValueError(f"--quant-dense must be one of {', '.join(DENSE_MODES)}, got {mode!r}")
+    _check_mode(mode)
     targets = dense_targets(model)
     for name, mod in targets.items():
-        new = QuantEmbedding(mod) if isinstance(mod, nn.Embedding) else QuantLinear(mod, mode)
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        _replace(model, name, QuantEmbedding.from_embedding(mod) if isinstance(mod, nn.Embedding)
+                 else QuantLinear.from_linear(mod, mode))
     return len(targets)
+
+
+def quantize_dense_skeleton(model: nn.Module, mode: str | None, device: torch.device | str
+                            ) -> dict[str, nn.Module]:
+    """Replace :func:`dense_targets` of a ``meta``-device skeleton with empty :class:`QuantLinear` /
+    :class:`QuantEmbedding` (packed for ``device``; allocated by ``model.to_empty``), so that loading packs
+    each weight a block of rows at a time straight from the checkpoint and no full-precision copy of it is
+    ever held. Returns {the replaced weight's state-dict name: the new module} (``load_rows`` fills it;
+    :func:`expertcache.offload.loader.load_non_expert` takes this map)."""
+    if mode in (None, "none"):
+        return {}
+    _check_mode(mode)
+    out = {}
+    for name, mod in dense_targets(model).items():
+        w = mod.weight
+        if isinstance(mod, nn.Embedding):
+            new = QuantEmbedding(w.shape[0], w.shape[1], w.dtype, padding_idx=mod.padding_idx, device="meta")
+        else:
+            new = QuantLinear(w.shape[0], w.shape[1], mode, w.dtype, bias=mod.bias is not None, device="meta",
+                              kernel_device=device)
+        _replace(model, name, new)
+        out[f"{name}.weight"] = new
+    return out
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in DENSE_MODES:
+        raise ValueError(f"--quant-dense must be one of {', '.join(DENSE_MODES)}, got {mode!r}")
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
 def dense_bytes(model: nn.Module, mode: str | None, *, skip_experts: bool = True) -> int:

@@ -43,12 +43,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "QuantMatrix", "QuantLayout", "default_group",
-           "kernel_for", "k_align", "quantize_codes", "pack_matrix", "qmm", "pack_expert", "quant_mlp",
+__all__ = ["QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
+           "kernel_for", "k_align", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
            "padding_note"]
 
 QUANT_MODES = ("int8", "int4")
@@ -189,6 +190,35 @@ def pack_matrix(w_NK: torch.Tensor, qm: QuantMatrix) -> tuple[torch.Tensor, torc
     if qm.kernel != kernel_for("int4", "cpu"):
         raise ValueError(f"layout {qm.kernel!r} cannot be packed on this CPU ({kernel_for('int4', 'cpu')})")
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
+
+
+#: rows packed at a time by :func:`pack_matrix_into` (a multiple of 64: the CPU int4 layout's row block, and of
+#: tinygemm's 8), so packing a large matrix holds one block in float32, not the matrix
+PACK_ROWS = 1024
+
+
+def pack_matrix_into(rows_of: Callable[[int, int], torch.Tensor], qm: QuantMatrix, weight: torch.Tensor,
+                     scales: torch.Tensor, *, rows: int = PACK_ROWS) -> None:
+    """Pack the matrix [qm.n, ≤ qm.k_pad] whose rows [a, b) ``rows_of(a, b)`` returns into ``weight`` and
+    ``scales`` (tensors of :meth:`QuantMatrix.shapes`, on any device), ``rows`` rows at a time: the result
+    equals :func:`pack_matrix` of the whole matrix (each block is packed as its own matrix; the layouts keep
+    rows apart in blocks of ``rows``), while the transient is one block. ``rows`` is a multiple of 64."""
+    if rows <= 0 or rows % 64:
+        raise ValueError(f"rows must be a positive multiple of 64, got {rows}")
+    for a in range(0, qm.n, rows):
+        b = min(qm.n, a + rows)
+        sub = QuantMatrix(qm.mode, qm.kernel, b - a, qm.k, qm.group, qm.dtype)
+        w, s = pack_matrix(rows_of(a, b), sub)
+        end = a + sub.n_pad  # the last block carries the row padding
+        if qm.mode == "int8":
+            weight[a:end].copy_(w)
+            scales[a:end].copy_(s)
+            continue
+        if qm.kernel == "cuda":  # pragma: no cover - GPU only
+            weight[a // 8:end // 8].copy_(w)
+        else:
+            weight[a:end].copy_(w)
+        scales[:, a:end].copy_(s)
 
 
 def qmm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:

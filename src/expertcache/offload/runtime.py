@@ -69,8 +69,8 @@ from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
 from expertcache.offload.lowtier import LOW_MODES, LowPrecisionTier, low_tier_bytes
 from expertcache.offload.prefetch import PrefetchStats
-from expertcache.offload.qlinear import DENSE_MODES, dense_bytes, dense_targets, quantize_dense
-from expertcache.offload.quant import padding_note, quant_mlp
+from expertcache.offload.qlinear import DENSE_MODES, dense_bytes, dense_targets, quantize_dense_skeleton
+from expertcache.offload.quant import PACK_ROWS, padding_note, quant_mlp
 from expertcache.offload.slots import SlotArena, slot_bytes_for
 from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
@@ -88,9 +88,9 @@ __all__ = ["OffloadedModel", "OffloadedExperts", "OffloadConfig", "resolve_model
 SIDECAR_TRANSIENT = 6
 
 
-#: ``--quant-dense`` packs one module at a time from its float32 copy: measured 12.9 bytes per element of the
-#: matrix at the peak (OLMoE's lm_head, 2048 × 50304: 1.26 GiB, int4; int8 1.18 GiB) -- counted as a
-#: loading transient for the largest target
+#: ``--quant-dense`` packs each matrix a block of PACK_ROWS rows at a time, read straight from the checkpoint:
+#: the block's bytes, its float32 copy, the padded copy, the int32 codes and the packed block; a bound in bytes
+#: per element of one block (measured 12.9 per element when whole matrices were packed from float32)
 DENSE_PACK_TRANSIENT = 13
 
 
@@ -268,10 +268,10 @@ class OffloadedModel(LayerSteps):
             m.block.experts = OffloadedExperts(None, m.index)  # runtime bound below
         cls._compile_kernels(family, layers[0], routing or RoutingConfig(), eviction, configure_kw.get("gamma", 0.9))
         process = cls._preflight(path, model, layers, checkpoint, offload, dtype, device)  # refuses before loading
+        packed = quantize_dense_skeleton(model, offload.quant_dense, device)  # --quant-dense: packed while loading
         model.to_empty(device=device)
-        load_non_expert(model, checkpoint, config)
+        load_non_expert(model, checkpoint, config, packed)
         recompute_rotary(model, config, device)
-        quantize_dense(model, offload.quant_dense)  # --quant-dense: before use_matvec (it skips the replaced modules)
         use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
         runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps, process)
         if offload.compile:
@@ -317,16 +317,18 @@ class OffloadedModel(LayerSteps):
             parts = {(m.index, e): checkpoint.expert(m.layer_id, e) for m in layers for e in range(num_experts)}
             expert_bytes, slot_bytes, io_bytes = _expert_sizes(parts, {k: place_expert(p, io) for k, p in parts.items()},
                                                                readers)
-        largest = max((t.nbytes for k, t in checkpoint.entries.items() if not checkpoint.is_expert_key(k)), default=0)
+        dense = {} if o.quant_dense in (None, "none") else dense_targets(model)
+        packed_keys = {k for name in dense for k in checkpoint.layout.disk_keys(f"{name}.weight")}
+        largest = max((t.nbytes for k, t in checkpoint.entries.items()
+                       if not checkpoint.is_expert_key(k) and k not in packed_keys), default=0)
         load = largest  # Checkpoint.tensor's read buffer beside the weights it is copied into
         if o.quant or o.resident_quant:  # the sidecar's writer, if it must be written (counted either way: a bound)
             load = max(load, SIDECAR_TRANSIENT * checkpoint.expert(ids[0], 0).nbytes)
         low = 0 if o.resident_quant is None else low_tier_bytes(
             quant_layout_for(checkpoint, ids[0], o.resident_quant, None, dtype, device), len(layers), num_experts)
-        if o.quant_dense not in (None, "none"):  # loaded whole in the stored dtype, then packed module by module
-            stored, held = dense_bytes(model, None), dense_bytes(model, o.quant_dense)
-            biggest = max(m.weight.numel() for m in dense_targets(model).values())
-            load = stored - held + max(load, DENSE_PACK_TRANSIENT * biggest)
+        if dense:  # packed a block of rows at a time, straight from the checkpoint
+            widest = max(m.weight.shape[1] for m in dense.values())
+            load = max(load, DENSE_PACK_TRANSIENT * PACK_ROWS * widest)
         budget = None if o.memory is None else parse_bytes(o.memory)
         root = os.environ.get("EXPERTCACHE_CGROUP_ROOT", "/")  # a fake tree, for tests
         if budget == AUTO:
