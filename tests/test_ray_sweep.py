@@ -140,7 +140,10 @@ def test_interrupted_ray_sweep_resumes_without_duplicates(trace_file, tmp_path):
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "expertcache.cli.main", *args, "--out", str(out), "--ray", "--ray-cpus", "2"]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT back to its default in the child: a SIG_IGN left by an earlier test in this process is inherited
+    # across exec, and Python then installs no KeyboardInterrupt handler (the sweep would run to its end)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # a loaded machine starts Ray slowly: interrupt only once the sweep writes rows (a SIGINT during Ray's own
     # start-up is Ray's to handle, not the sweep's resume logic), and give the driver time to stop
     deadline = time.time() + 400
