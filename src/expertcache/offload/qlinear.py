@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from expertcache.offload.quant import PACK_ROWS, QuantMatrix, kernel_for, pack_matrix_into, qmm
+from expertcache.offload.quant import PACK_ROWS, QuantMatrix, kernel_for, pack_matrix_into, qmm, quantize_codes
 
 __all__ = ["DENSE_MODES", "DENSE_GROUP", "QuantLinear", "QuantEmbedding", "dense_targets", "quantize_dense",
            "quantize_dense_skeleton", "dense_bytes"]
@@ -107,11 +107,9 @@ class QuantEmbedding(nn.Module):
         """Quantise the table whose rows [a, b) ``rows_of(a, b)`` gives, ``rows`` rows at a time."""
         for a in range(0, self.num_embeddings, rows):
             b = min(self.num_embeddings, a + rows)
-            w = rows_of(a, b).to("cpu", torch.float32)
-            s = (w.abs().amax(dim=1) / 127).to(self.scales.dtype).float()
-            s = torch.where(s > 0, s, torch.ones_like(s))
-            self.codes[a:b].copy_(torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8))
-            self.scales[a:b].copy_(s.to(self.scales.dtype))
+            q, s, _ = quantize_codes(rows_of(a, b).to("cpu", torch.float32), "int8", 0, self.scales.dtype)
+            self.codes[a:b].copy_(q.to(torch.int8))
+            self.scales[a:b].copy_(s)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.codes[ids].to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
