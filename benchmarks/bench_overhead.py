@@ -8,7 +8,10 @@ teacher-forced tokens:
 
 - ``stock``: transformers' own model (``AutoModelForCausalLM.from_pretrained``), all experts in memory;
 - ``C=N``: the offloaded runtime with every expert resident (host tier, 0 readers: reads inline), warmed;
-- ``cache-prior C=16``: Cache-Prior λ 0.5 at C = 16 (host tier, 0 readers), caches filled by a warm-up decode.
+- ``cache-prior C=16``: Cache-Prior λ 0.5 at C = 16 (host tier, 0 readers), caches filled by a warm-up decode;
+- ``C=N+compile``, ``cache-prior-C=16+compile``: the same with ``OffloadConfig(compile=True)``, decoded through
+  ``OffloadedModel.generate`` (teacher-forced): the captured decode step (static KV cache, each layer's dense
+  part one compiled segment, :mod:`expertcache.models.captured`); compiled during the warm-up, not timed.
 
 Per (competitor, round) one JSONL row: ``step_ms_per_layer`` (decode wall time per token ÷ MoE layers: the
 whole step, attention included) and ``moe_ms_per_layer`` (time inside the MoE blocks per token and layer,
@@ -37,7 +40,7 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "results" / "overhead.jsonl"
 SHAPE = dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, num_experts=64,
              num_experts_per_tok=8, vocab_size=512, max_position_embeddings=512, pad_token_id=1, eos_token_id=2)
-COMPETITORS = ("stock", "C=N", "cache-prior-C=16")
+COMPETITORS = ("stock", "C=N", "cache-prior-C=16", "C=N+compile", "cache-prior-C=16+compile")
 
 
 def _model(layers: int, out: Path | None, dtype: str = "float32") -> Path:
@@ -72,6 +75,8 @@ def _decode(forward, make_past, prompt_1S, forced_1N):
     import torch
 
     with torch.inference_mode():
+        if getattr(forward, "__code__", None) is not None and "generate" in forward.__code__.co_names:
+            return forward(prompt_1S, forced_1N)["decode_s"]
         out = forward(prompt_1S, make_past())
         past = out.past_key_values
         t0 = time.perf_counter()
@@ -107,16 +112,21 @@ def run(args) -> list[dict]:
         runners["stock"] = (fwd, lambda m=stock: DynamicCache(config=m.config), timer, len(blocks), None)
     for name, cap, routing in (("C=N", None, RoutingConfig()),
                                ("cache-prior-C=16", 16, RoutingConfig("cache-prior", lam=0.5))):
-        if name not in only:
-            continue
-        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=cap, readers=0,
-                                                                context=64 + args.tokens),
-                                            dtype=dtype, routing=routing)
-        if cap is None:
-            rt.warm()  # every expert resident before the first round
-        timer = _MoETimer([m.block for m in rt.layers])
-        fwd = lambda ids, past, r=rt: r.forward(ids, past)
-        runners[name] = (fwd, lambda r=rt: DynamicCache(config=r.config), timer, len(rt.layers), rt)
+        for compiled in (False, True):
+            label = name + ("+compile" if compiled else "")
+            if label not in only:
+                continue
+            rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=cap, readers=0,
+                                                                    context=64 + args.tokens, compile=compiled),
+                                                dtype=dtype, routing=routing)
+            if cap is None:
+                rt.warm()  # every expert resident before the first round
+            timer = _MoETimer([m.block for m in rt.layers])
+            if compiled:  # generate's own loop: the captured step (its seconds are the decode steps')
+                fwd = lambda ids, past, r=rt: r.generate(ids, past.shape[1] + 1, forced_BN=past)
+            else:
+                fwd = lambda ids, past, r=rt: r.forward(ids, past)
+            runners[label] = (fwd, lambda r=rt: DynamicCache(config=r.config), timer, len(rt.layers), rt)
     for name, (fwd, mk, timer, n_layers, rt) in runners.items():  # warm: caches filled, allocator and dispatch hot
         _decode(fwd, mk, prompt, warm_forced)
     rows = []

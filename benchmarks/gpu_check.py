@@ -89,6 +89,12 @@ def step_counts(path, cfg, routing, prompt, forced, device, tokens: int = 8) -> 
         rt.close()
 
 
+def _best(tok: dict, config: str, policy: str) -> float | None:
+    """The faster of the eager and the captured (--compile) runs of ``config`` with ``policy``."""
+    got = [tok.get(f"{config}{c}: {policy}") for c in ("", ", --compile")]
+    return max((v for v in got if v is not None), default=None)
+
+
 def _fail(msg: str) -> int:
     print(f"gpu_check: {msg}", file=sys.stderr)
     return 2
@@ -199,6 +205,12 @@ def main(argv=None) -> int:
                ("C=N/2, host", OffloadConfig(tier="host", capacity=n // 2, **io), ["original+lru", "cache-prior"]),
                ("memory 3GiB, host", OffloadConfig(tier="host", memory="3GiB", **io), ["original+lru", "cache-prior"]),
                ("C=N/4, disk (O_DIRECT)", OffloadConfig(tier="disk", io="direct", capacity=n // 4, **io),
+                ["original+lru", "cache-prior"]),
+               # the captured decode step (models/captured.py: static KV cache, one graph per token, CUDA graphs
+               # between the MoE blocks) with the grouped expert product (expert_product='auto' on CUDA)
+               ("C=N (all resident), host, --compile", OffloadConfig(tier="host", capacity=n, compile=True, **io),
+                ["original+lru"]),
+               ("C=N/4, host, --compile", OffloadConfig(tier="host", capacity=n // 4, compile=True, **io),
                 ["original+lru", "cache-prior"])]
     bandwidth = None
     for label, cfg, policies in configs:
@@ -250,9 +262,9 @@ def main(argv=None) -> int:
     ok = [c for c in counts if "error" not in c]
     measured = {"syncs_per_layer": max((c["syncs_per_layer"] for c in ok), default=None),
                 "pinned_ratio": next((c["pinned_ratio"] for c in ok if c["pinned_ratio"]), None),
-                "tok_s_C=N": tok.get("C=N (all resident), host: original+lru"),
-                "tok_s_C=16_cache-prior": tok.get("C=N/4, host: cache-prior"),
-                "tok_s_C=16_lru": tok.get("C=N/4, host: original+lru"),
+                "tok_s_C=N": _best(tok, "C=N (all resident), host", "original+lru"),
+                "tok_s_C=16_cache-prior": _best(tok, "C=N/4, host", "cache-prior"),
+                "tok_s_C=16_lru": _best(tok, "C=N/4, host", "original+lru"),
                 "runtime_vs_pinned": bandwidth and bandwidth["runtime_vs_pinned"],
                 "blocking_h2d": "see tests/test_launches.py (CPU proxy)",
                 "moe_launches_per_layer": "see tests/test_launches.py (CPU proxy)"}

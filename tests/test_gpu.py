@@ -207,3 +207,51 @@ def test_cli_generate_and_bench_on_cuda(tmp_path, capsys):
                  "--device", "cuda", "--cache-experts", "8", "--out", str(out)]) == 0
     row = json.loads(out.read_text().splitlines()[0])
     assert row["device"].startswith("cuda") and row["config"]["device"].startswith("cuda")
+
+
+@pytest.mark.parametrize("policy,capacity", [("original", None), ("cache-prior", 3)])
+def test_captured_step_on_the_device(tiny_dir, policy, capacity):
+    """Issue 35's captured decode step on CUDA (``mode="reduce-overhead"``: CUDA graphs between the MoE blocks):
+    the logits of a teacher-forced generation equal the eager runtime's on the device within float32
+    tolerance, and the routed ids are the same."""
+    from conftest import decode_logits
+
+    path = tiny_dir["olmoe"]
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(7))
+    routing = RoutingConfig() if policy == "original" else RoutingConfig(policy)
+    out = []
+    for compile_ in (False, True):
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=capacity, readers=0,
+                                                                compile=compile_),
+                                            dtype=torch.float32, device=DEV, routing=routing)
+        rt.configure(record=True)
+        if compile_:
+            cap = rt.captured(1, ids.shape[1])
+            assert cap is not None
+            logits = [cap.prefill(ids[:, :3])] + [cap.step(ids[:, t:t + 1]) for t in range(3, ids.shape[1])]
+            out.append((torch.stack(logits, 1).cpu(), rt.recorded_ids_TLK()))
+        else:
+            out.append((decode_logits(rt, ids, prefill=3)[:, 2:].cpu(), rt.recorded_ids_TLK()))
+        rt.close()
+    (want, ids_a), (got, ids_b) = out
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (ids_a == ids_b).all()
+
+
+def test_grouped_expert_product_on_the_device(tiny_dir):
+    """``expert_product='grouped_mm'`` (bf16, compute capability 9.0+) and ``'bmm'`` against the per-expert
+    ``mv`` path on the device: logits within bf16 rounding, ids the same at C = N (no routing feedback)."""
+    from conftest import decode_logits
+
+    path = tiny_dir["olmoe"]
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(8))
+    products = ["mv", "bmm"] + (["grouped_mm"] if torch.cuda.get_device_capability() >= (9, 0) else [])
+    out = {}
+    for prod in products:
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", readers=0, expert_product=prod),
+                                            dtype=torch.bfloat16, device=DEV)
+        assert rt.describe()["expert_product"] == prod
+        out[prod] = decode_logits(rt, ids, prefill=3).float().cpu()
+        rt.close()
+    for prod in products[1:]:
+        torch.testing.assert_close(out[prod], out["mv"], atol=3e-2, rtol=3e-2)

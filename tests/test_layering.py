@@ -98,8 +98,13 @@ PRIVATE_ALLOWED = {
     ("offload/loader.py", "_non_persistent_buffers_set"): "torch: which buffers state_dict leaves out (no public "
                                                           "accessor), to load only the persistent ones",
     ("serve/attention.py", "_attn_implementation"): "transformers: the attention a config selects (read only)",
-    ("offload/runtime.py", "_dynamo"): "torch: torch.compile's recompile limit (torch._dynamo.config; no public "
+    ("models/captured.py", "_attn_implementation"): "the same: the captured step's mask suits sdpa and eager only",
+    ("models/captured.py", "_dynamo"): "torch: torch.compile's recompile limit (torch._dynamo.config; no public "
                                        "setter), raised to one graph per decoder layer by --compile",
+    ("models/captured.py", "_eager_forward"): "the plain forward compile_dense keeps on each module it wraps, read "
+                                              "back in the same file (the captured step and its prefill run it)",
+    ("offload/step.py", "_grouped_mm"): "torch's grouped GEMM (no public name; transformers' grouped_mm experts "
+                                        "call it the same way)",
     ("offload/experts.py", "_serve"): "OffloadedExperts is the runtime's own forward seam inside the model: the "
                                       "model's experts call the runtime's layer step (offload/step.py), nothing else",
     **{("offload/quant.py", op): "torch's fused int4/int8 weight kernels (aten ops with no public name; gpt-fast and "

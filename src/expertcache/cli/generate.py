@@ -32,6 +32,7 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     """--model, --memory / --cache-experts, --tier, --io, --readers, --prefetch, --quant, --group, --dtype,
     --eviction, --gamma, --threads (defaults from OffloadConfig)."""
     from expertcache.offload import OffloadConfig
+    from expertcache.offload.config import EXPERT_PRODUCTS
     from expertcache.offload.store import IO_MODES, TIERS
     from expertcache.offload.qlinear import DENSE_MODES
     from expertcache.offload.quant import KERNEL_GROUPS, QUANT_MODES
@@ -65,8 +66,15 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                    help="next-layer speculative prefetch into P spare slots shared by all layers (counted in the "
                         "memory plan; --prefetch alone: P = 2K); default: off")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile the dense part of each decoder layer (norms, attention); the first "
-                        "tokens pay the compilation")
+                   help="the captured decode step: a one-row generation decodes each token as one torch.compile "
+                        "graph against a static KV cache, the MoE blocks eager inside it (same routing decisions; "
+                        "logits within float rounding); other layouts and batches compile norms and attention per "
+                        "layer. The first token pays the compilation (seconds to a minute)")
+    g.add_argument("--expert-product", choices=EXPERT_PRODUCTS, default=d.expert_product,
+                   help="a one-token step's expert products: mv (two matrix-vector products per expert, the "
+                        "in-memory model's values bit for bit), grouped_mm (one torch._grouped_mm per matrix over "
+                        "the slots), bmm (one batched product of the gathered matrices); auto: mv on a CPU, "
+                        "grouped_mm on CUDA for bf16 on compute capability 9.0+, else bmm")
     g.add_argument("--quant", choices=QUANT_MODES, default=None,
                    help="quantised experts, packed once for torch's fused weight-only kernels: int8 (per output "
                         "channel, _weight_int8pack_mm) or int4 (group-wise, _weight_int4pack_mm / _for_cpu); where D "
@@ -171,7 +179,8 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
                          quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
                          prefetch=prefetch, host_memory=host_memory, quant_dense=None if dense == "none" else dense,
-                         compile=bool(getattr(args, "compile", False)), resident_quant=low, **rule)
+                         compile=bool(getattr(args, "compile", False)), resident_quant=low,
+                         expert_product=getattr(args, "expert_product", "auto"), **rule)
 
 
 def _expert_count(path) -> int:
@@ -292,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
     d = r["decode_stats"]
     tok_s = r["decode_tokens"] / r["decode_s"] if r["decode_s"] > 0 else float("nan")
     row = dict(kind="generate", prompt_tokens=int(ids.shape[1]), new_tokens=int(r["tokens"].shape[1]),
-               prefill_s=r["prefill_s"], decode_s=r["decode_s"], decode_tok_s=tok_s, hit_rate=s["hit_rate"],
+               prefill_s=r["prefill_s"], decode_s=r["decode_s"], decode_tok_s=tok_s, compile_s=r["compile_s"],
+               hit_rate=s["hit_rate"],
                decode_hit_rate=d["hit_rate"], bytes_read=s["bytes_read"], misses=s["misses"],
                fp_hits=s["hits"], low_computes=s["low_computes"], loads=s["misses"],
                io_wait_s=s["io_wait_seconds"], prefetch=s["prefetch"], prefetched=s["prefetched"], tiers=s["tiers"],
@@ -308,7 +318,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{rt.family.model_type}, C={rt.capacity}/{rt.num_experts} per layer, {rt.routing.label()}+{rt.eviction}, "
               f"{offload.tier}{'/' + offload.io if offload.tier == 'disk' else ''}] "
               + (f"{tok_s:.2f} tok/s decode" if math.isfinite(tok_s) else "no decode step (one token: the prefill's)")
-              + f", prefill {r['prefill_s']:.2f} s, hit rate {s['hit_rate']:.3f} "
+              + f", prefill {r['prefill_s']:.2f} s" + (f", decode step compiled in {r['compile_s']:.1f} s"
+                                                        if r["compile_s"] else "") + f", hit rate {s['hit_rate']:.3f} "
               f"(decode {d['hit_rate']:.3f}), {s['bytes_read'] / 2**20:.1f} MiB read in {s['expert_loads']} expert loads"
               + (f", prefetch precision {s['prefetch']['precision']:.2f} recall {s['prefetch']['recall']:.2f}"
                  if s["prefetch"]["precision"] is not None else "") + (f" ({s['prefetched']} of them prefetched by --predictor)" if s["prefetched"] else "")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OffloadConfig"]
+__all__ = ["EXPERT_PRODUCTS", "OffloadConfig"]
+
+#: OffloadConfig.expert_product's choices
+EXPERT_PRODUCTS = ("auto", "mv", "grouped_mm", "bmm")
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,13 @@ class OffloadConfig:
     'int8' or 'int4': the attention projections and lm_head through the fused kernels, the embedding as int8
     rows (:mod:`~expertcache.offload.qlinear`; counted in the plan's non-expert bytes). compile: the dense
     part of every decoder layer (its norms and attention) through ``torch.compile`` (opt-in; the router and
-    the MoE block stay eager, so routing decisions are the eager ones bit for bit).
+    the MoE block stay eager, so routing decisions are the eager ones bit for bit); batch-1 ``generate`` then
+    takes the captured decode step (:mod:`expertcache.models.captured`: static KV cache, a token's whole step
+    one compiled graph). expert_product: how a one-token step's experts are computed -- 'mv' (two matrix-vector
+    products per expert: the in-memory model's values bit for bit), 'grouped_mm' (one ``torch._grouped_mm``
+    per matrix over the slot arena, empty groups for unused slots), 'bmm' (one batched product of the step's
+    gathered matrices), 'auto' (:data:`EXPERT_PRODUCTS`: 'mv' on a CPU; on CUDA 'grouped_mm' for bf16 on
+    compute capability 9.0 or later, else 'bmm').
     resident_quant: None or 'int4': every expert's copy in that precision (the fused kernels' layout) held in
     memory beside the full-precision slots (the plan's ``low_tier_bytes``), for misses served at low precision
     instead of loaded; low_threshold, load_budget, promote_after, low_cost: the per-miss rule
@@ -50,6 +59,7 @@ class OffloadConfig:
     promote_after: int = 0
     low_cost: float | None = None
     compile: bool = False
+    expert_product: str = "auto"
 
     def precision_rule(self):
         """The per-miss rule of these settings (no rule without a resident low-precision tier)."""

@@ -59,11 +59,12 @@ from expertcache import __version__
 from expertcache.device import on_host, to_device, to_host, to_host_many
 from expertcache.cache import DEFAULT_GAMMA, CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
+from expertcache.models.captured import compile_dense
 from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit,
                                        kv_cache_bytes, parse_bytes, plan_memory, process_rss)
 from expertcache.offload.checkpoint import Checkpoint
 from expertcache.offload.experts import OffloadedExperts, bucket_rows, expert_mlp, use_matvec
-from expertcache.offload.config import OffloadConfig
+from expertcache.offload.config import EXPERT_PRODUCTS, OffloadConfig
 from expertcache.offload.ioqueue import IOQueue
 from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
@@ -128,19 +129,17 @@ def _expert_sizes(parts: dict, placement: dict, readers: int) -> tuple[int, int,
             (max(bounce) if bounce else 0) * max(1, readers))
 
 
-def compile_dense(model: nn.Module) -> None:
-    """``torch.compile`` the dense part of every decoder layer of ``model`` in place: its attention and its
-    norms (``dynamic=True``: one graph for every KV length). The MoE blocks, routers and the step around them
-    stay eager. Each layer's attention is its own graph (its ``layer_idx`` is a constant of the cache
-    update), so the recompile limit is raised to cover every layer."""
-    decoder = model.model.layers
-    limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 4 * len(decoder))
-    torch._dynamo.config.recompile_limit = limit
-    for layer in decoder:
-        for name in ("self_attn", "input_layernorm", "post_attention_layernorm"):
-            mod = getattr(layer, name, None)
-            if mod is not None:
-                mod.forward = torch.compile(mod.forward, dynamic=True)
+def _expert_product(choice: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The one-token expert product ``choice`` resolves to on ``device`` (None: 'mv', the per-expert products)."""
+    if choice not in EXPERT_PRODUCTS:
+        raise ValueError(f"expert_product must be one of {', '.join(EXPERT_PRODUCTS)}, got {choice!r}")
+    if choice == "auto":
+        if device.type != "cuda":
+            return None
+        capable = hasattr(torch, "_grouped_mm") and dtype == torch.bfloat16 and \
+            torch.cuda.get_device_capability(device) >= (9, 0)
+        return "grouped_mm" if capable else "bmm"
+    return None if choice == "mv" else choice
 
 
 class OffloadedModel(LayerSteps):
@@ -223,6 +222,7 @@ class OffloadedModel(LayerSteps):
         self._next_route: tuple | None = None  # (MoE layer index, its stock route) made ahead for its guess
         self._row_router: Callable | None = None  # set_row_router
         self._guess_events: list[tuple] = []  # next-layer guesses made in the running step, for the observers
+        self.grouped = _expert_product(offload.expert_product, dtype, device)  # None: 'mv'
         self._make_pools(self.capacity)
         self._stock_routers = [m.router.forward for m in layers]
         self.routing = RoutingConfig()
@@ -249,6 +249,9 @@ class OffloadedModel(LayerSteps):
         family = family_for(config)  # every registered family declares its disk layout: all offload
         if offload.tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {offload.tier!r}")
+        if offload.expert_product not in EXPERT_PRODUCTS:
+            raise ValueError(f"expert_product must be one of {', '.join(EXPERT_PRODUCTS)}, "
+                             f"got {offload.expert_product!r}")
         if offload.quant_dense not in (None, *DENSE_MODES):
             raise ValueError(f"--quant-dense must be one of {', '.join(DENSE_MODES)}, got {offload.quant_dense!r}")
         if dtype is None:
@@ -377,6 +380,7 @@ class OffloadedModel(LayerSteps):
         self.arena = SlotArena(len(self.layers), capacity, self.slot_bytes, self.device, scratch=1,
                                spare=self.offload.prefetch)
         self._slot_views: dict[int, dict[int, tuple]] = {}  # slot -> layout id -> the expert tensors' views
+        self._grouped_cache: dict[tuple, tuple] = {}  # the arena seen per matrix (step.py _grouped_views)
 
     def route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor, *,
               commit: bool = True):
@@ -592,6 +596,21 @@ class OffloadedModel(LayerSteps):
         out = self.forward(tok_B1, past)
         return out.logits[:, -1], out.past_key_values
 
+    def captured(self, rows: int, length: int):
+        """A captured decode session (:class:`expertcache.models.captured.CapturedDecode`: static KV cache of
+        ``length`` positions or more, the token's whole step one compiled graph, the MoE blocks eager inside it)
+        for a generation of ``rows`` rows, or None where :meth:`generate` decodes eagerly: ``compile`` off, more
+        than one row, or a model of a layout it does not take (``captured_unsupported`` in :meth:`describe`)."""
+        from expertcache.models.captured import CapturedDecode, unsupported_reason
+
+        if not self.offload.compile or rows != 1 or unsupported_reason(self.model) is not None:
+            return None
+        guess = (self.layers[0].layer_id, self._guess_first_captured) if self.offload.prefetch else None
+        return CapturedDecode(self.model, length, guess)
+
+    def _guess_first_captured(self, decoder_layer: nn.Module, h_11D: torch.Tensor) -> None:
+        self._guess_first(decoder_layer, (h_11D,), {})
+
     @torch.inference_mode()
     def generate(self, input_ids_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, seed: int = 0,
                  on_token: Callable[[torch.Tensor], None] | None = None, stop: int | None = None,
@@ -600,10 +619,16 @@ class OffloadedModel(LayerSteps):
         ``decode_s`` (time of the decode steps only), ``decode_tokens`` (forward calls after the prefill) and
         ``decode_stats`` (hits, misses, bytes read ... of those calls only). ``on_token`` sees each new
         [B, 1] token as soon as it is chosen. ``forced_BN`` feeds those tokens instead of choosing (the
-        benchmark's teacher-forced mode: a random-weight model decoded greedily repeats one token)."""
+        benchmark's teacher-forced mode: a random-weight model decoded greedily repeats one token). With
+        ``compile`` on, a one-row generation decodes through :meth:`captured`; ``compile_s`` is the time its
+        graph took to compile (0 when this model already had it), counted in neither prefill nor decode."""
         g = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
-        logits_BV, past = self.prefill(input_ids_BS)
+        captured = self.captured(input_ids_BS.shape[0], input_ids_BS.shape[1] + max_new_tokens)
+        if captured is not None:
+            logits_BV, past = captured.prefill(input_ids_BS), None
+        else:
+            logits_BV, past = self.prefill(input_ids_BS)
         t1 = time.perf_counter()
         s0 = self.stats()
         toks = []
@@ -637,15 +662,19 @@ class OffloadedModel(LayerSteps):
             if (stop is not None and bool((nxt_B1 == stop).all())) or i == max_new_tokens - 1:
                 break
             t = time.perf_counter()
-            logits_BV, past = self.decode_one_token(nxt_B1, past)
+            if captured is not None:
+                logits_BV = captured.step(nxt_B1)
+            else:
+                logits_BV, past = self.decode_one_token(nxt_B1, past)
             decode_s += time.perf_counter() - t
         tokens = torch.cat(toks, dim=1) if toks else torch.zeros(input_ids_BS.shape[0], 0, dtype=torch.long)
         s1 = self.stats()
         d = {k: s1[k] - s0[k] for k in ("accesses", "hits", "misses", "low_computes", "bytes_read", "expert_loads",
                                          "io_seconds", "io_wait_seconds", "compute_seconds")}
         d["hit_rate"] = d["hits"] / d["accesses"] if d["accesses"] else 0.0
-        return dict(tokens=tokens, prefill_s=t1 - t0, decode_s=decode_s, decode_tokens=max(0, len(toks) - 1),
-                    decode_stats=d)
+        compile_s = captured.compile_s if captured is not None else 0.0  # the step's graph, made after the prefill
+        return dict(tokens=tokens, prefill_s=t1 - t0 - compile_s, decode_s=decode_s, decode_tokens=max(0, len(toks) - 1),
+                    decode_stats=d, compile_s=compile_s)
 
     # -- results ---------------------------------------------------------------------------------
 
@@ -710,5 +739,12 @@ class OffloadedModel(LayerSteps):
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),
                     eviction=self.eviction, gamma=eviction_rule(self.eviction).settings(gamma=self.gamma).get("gamma"),
                     readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,
-                    compile=self.offload.compile,
+                    compile=self.offload.compile, expert_product=self.grouped or "mv",
+                    captured_unsupported=self._captured_unsupported(),
                     threads=torch.get_num_threads())
+
+    def _captured_unsupported(self) -> str | None:
+        """Why ``compile`` does not take the captured decode step for this model (None: it does, or compile is off)."""
+        from expertcache.models.captured import unsupported_reason
+
+        return unsupported_reason(self.model) if self.offload.compile else None

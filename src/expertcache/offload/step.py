@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -306,11 +307,13 @@ class LayerSteps(RuntimeObservers):
         act = st.act
         h: dict[int, torch.Tensor] = {}
         ws: dict[int, tuple[torch.Tensor, ...]] = {}
+        slots: dict[int, int] = {}
 
         def compute(e: int, slot: int) -> None:
             w = self._weights(st, e, slot)
             if act is not None and self.slots_stable:  # (set by _step before its first on_ready)
                 ws[e] = w  # computed when the step ends, batched over its experts
+                slots[e] = slot
             elif act is not None:
                 gate_F, up_F = torch.mv(w[0], x_D).chunk(2)
                 h[e] = torch.mv(w[1], act(gate_F) * up_F)
@@ -320,6 +323,10 @@ class LayerSteps(RuntimeObservers):
         self._run_step(st, order, compute, x_TD, low)
         for e in low:
             h[e] = self.low.compute(st.moe.index, e, x_TD)[0]
+        grouped = self._grouped_views(ws) if ws and not h and self.grouped is not None else None
+        if grouped is not None:  # one grouped product per matrix over the step's slots (issue 35)
+            return self._grouped_product(grouped, x_D, slots, self.host_copy(ids_TK)[0].tolist(), w_TK[0],
+                                         act)[None]
         if ws:  # the same matrix-vector products; act(gate) * up row-wise (elementwise: the same values)
             es = sorted(ws)
             gate_UF, up_UF = torch.stack([torch.mv(ws[e][0], x_D) for e in es]).chunk(2, dim=-1)
@@ -339,6 +346,57 @@ class LayerSteps(RuntimeObservers):
         for hw_D in hw_UD.unbind(0):
             final_D.add_(hw_D)
         return final_D[None]
+
+    def _grouped_views(self, ws: dict[int, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up [n, 2F, D], down [n, D, F]): every slot of the arena seen as one strided tensor per matrix, where
+        the step's experts sit at one offset of their slots (the host tier's single layout; disk placements vary
+        with file alignment: None, and the step takes the per-expert products)."""
+        first = next(iter(ws.values()))
+        buffer = self.arena.buffer
+        el = first[0].element_size()
+        base = buffer.data_ptr()
+        where = {tuple((t.data_ptr() - base) % self.slot_bytes for t in w[:2]) for w in ws.values()}
+        if len(where) != 1 or self.slot_bytes % el or not all(t.is_contiguous() for t in first[:2]):
+            return None
+        offs = where.pop()
+        key = (offs, first[0].shape, first[1].shape, first[0].dtype)
+        got = self._grouped_cache.get(key)
+        if got is None:
+            flat = buffer.view(first[0].dtype)  # [n, slot_bytes / el]
+            n, stride = flat.shape[0], flat.shape[1]
+            got = self._grouped_cache[key] = tuple(
+                flat.as_strided((n, *t.shape), (stride, t.shape[1], 1), off // el) for t, off in zip(first[:2], offs))
+        return got
+
+    def _grouped_product(self, views: tuple[torch.Tensor, torch.Tensor], x_D: torch.Tensor, slot_of: dict[int, int],
+                         ids_K: list[int], w_K: torch.Tensor, act) -> torch.Tensor:
+        """[D]: the MoE output of one token whose experts ``slot_of`` (expert -> slot; ``ids_K`` its routed ids
+        on the host, ``w_K`` their weights on the device) are computed with one product per matrix:
+        ``torch._grouped_mm`` over every slot of the arena (a group of one row per slot used, empty groups
+        elsewhere: only the step's weights are read) or ``bmm`` of the gathered matrices (:attr:`grouped`
+        ``'bmm'``), then combined by one product with the routing weights. The group ends, the slots and the
+        weights' positions, in slot order, are built on the host and reach the device in one ``non_blocking``
+        copy. Values: the per-expert path's within the dtype's rounding (the sums' order differs)."""
+        gate_up, down = views
+        n = gate_up.shape[0]
+        rows = sorted(slot_of.items(), key=lambda es: es[1])  # (expert, slot) by slot: the products' rows
+        u = len(rows)
+        host = np.zeros(n + 2 * u, dtype=np.int64)
+        host[[slot for _, slot in rows]] = 1
+        np.cumsum(host[:n], out=host[:n])  # group ends (offsets): one row per used slot, in slot order
+        host[n:n + u] = [slot for _, slot in rows]  # bmm's gather
+        host[n + u:] = [ids_K.index(e) for e, _ in rows]  # each row's routing weight
+        idx = to_device(torch.from_numpy(host), x_D.device)
+        x_UD = x_D.expand(u, x_D.shape[0])
+        if self.grouped == "grouped_mm":
+            offs_n = idx[:n].to(torch.int32)
+            gate_UF, up_UF = torch._grouped_mm(x_UD.contiguous(), gate_up.transpose(-2, -1), offs=offs_n).chunk(2, -1)
+            h_UD = torch._grouped_mm((act(gate_UF) * up_UF).contiguous(), down.transpose(-2, -1), offs=offs_n)
+        else:  # one batched product of the gathered matrices (a copy of the step's weights)
+            slot_rows = idx[n:n + u]
+            gate_UF, up_UF = torch.bmm(gate_up[slot_rows], x_UD[:, :, None])[..., 0].chunk(2, -1)
+            h_UD = torch.bmm(down[slot_rows], (act(gate_UF) * up_UF)[:, :, None])[..., 0]
+        return torch.mv(h_UD.T, w_K[idx[n + u:]].to(h_UD.dtype)).to(x_D.dtype)
 
     def _serve_many(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
                     order: list[int], ids_cpu_TK: torch.Tensor, low: set[int] | tuple = ()) -> torch.Tensor:

@@ -1,0 +1,264 @@
+"""The captured decode step (issue 35): one token of a batch-1 decode against a static KV cache, compiled as ONE
+graph per token with the MoE blocks as opaque calls inside it.
+
+Letter legend: D hidden, V vocabulary, M the static cache's length (positions), P the token's position.
+
+A decoder layer of the supported layout (:func:`unsupported_reason`: ``input_layernorm``, ``self_attn``,
+``post_attention_layernorm``, ``mlp``; full attention, no sliding window, no attention sinks) is written as::
+
+    h = h + moe_prev                       # the previous layer's MoE output joins the residual
+    x = input_layernorm(h)
+    h = h + self_attn(x, rope(P), mask_M, static cache)
+    moe = expertcache::moe_block(post_attention_layernorm(h), layer)
+
+and the token's whole step (embedding, rotary tables and mask, every layer, final norm, ``lm_head``) is one
+``torch.compile`` graph. ``expertcache::moe_block`` is a custom operator whose implementation is the layer's
+``mlp`` module, run eagerly (router, routing policy, cache step, expert products: the runtime's own host
+decisions, its hooks and observers): the compiler sees an opaque call with the input's shape, so everything
+between two MoE blocks is fused and called from generated code, and a token costs one entry into compiled
+code instead of ~40 eager tensor operations per layer around its MoE block. With the runtime's next-layer
+prefetch on, ``expertcache::guess_first`` starts the first MoE layer's guess from the hidden state entering it,
+as the eager path's forward pre-hook does.
+
+- **Static shapes**: the cache is transformers' ``StaticCache`` of M positions (every layer's keys and values
+  allocated once, written in place at the token's position, read whole with the mask hiding positions > P),
+  so one graph serves every token of a generation. M is a multiple of :data:`BUCKET` (fewer compilations
+  across prompts of different lengths).
+- **One code object per (model, M, dtype, device)**: torch.compile keeps its graphs per code object and checks
+  their guards one after the other; each key gets its own copy of the step's code, so it holds exactly one
+  graph, and once that graph exists the decode runs with guard evaluation skipped (``skip_guard_eval_unsafe``):
+  safe here because the key fixes every shape, dtype and module the graph was traced with (batch 1, one token,
+  M, this model). The first token of a new key compiles (seconds; transformers' code is traced once).
+- **CUDA**: ``mode="reduce-overhead"``: CUDA graphs over the parts between MoE blocks (the custom operators are
+  tagged ``cudagraph_unsafe``, so inductor's graph partitioning replays the dense parts and calls the MoE
+  blocks between them). Not yet run on a GPU.
+
+Contract (``tests/test_captured.py``): the logits of a generation equal the eager runtime's within the dtype's
+rounding, the routing decisions and cache counters are the eager ones (the MoE blocks are the same eager code;
+only the dense part's sums may round differently), and the cache's length is never exceeded
+(:class:`CapturedDecode` refuses a generation longer than M).
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["BUCKET", "CapturedDecode", "compile_dense", "unsupported_reason"]
+
+#: the static cache's length is rounded up to a multiple of this many positions
+BUCKET = 256
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why ``model`` cannot take the captured step (None: it can): a decoder layer without the four parts, a
+    sliding-window or sink attention, an attention implementation other than sdpa/eager."""
+    cfg = model.config
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not hasattr(model.model, "rotary_emb") or not hasattr(model.model, "norm"):
+        return "no model.model.layers / rotary_emb / norm"
+    for i, layer in enumerate(layers):
+        for part in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+            if not hasattr(layer, part):
+                return f"decoder layer {i} has no {part}"
+        if hasattr(layer.self_attn, "sinks"):
+            return "attention sinks"
+    types_ = getattr(cfg, "layer_types", None) or ()
+    if any(t != "full_attention" for t in types_):
+        return "sliding-window layers"
+    if getattr(cfg, "use_sliding_window", None) is True:
+        return "sliding-window attention"
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attention implementation {cfg._attn_implementation}"
+    return None
+
+
+def compile_dense(model: nn.Module) -> None:
+    """``torch.compile`` the dense part of every decoder layer of ``model`` in place: its attention and its
+    norms (``dynamic=True``: one graph for every KV length). The MoE blocks, routers and the step around them
+    stay eager. Each layer's attention is its own graph (its ``layer_idx`` is a constant of the cache
+    update), so the recompile limit is raised to cover every layer. Each wrapped module keeps its plain forward (:func:`_eager`)."""
+    decoder = model.model.layers
+    limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 4 * len(decoder))
+    torch._dynamo.config.recompile_limit = limit
+    for layer in decoder:
+        for name in ("self_attn", "input_layernorm", "post_attention_layernorm"):
+            mod = getattr(layer, name, None)
+            if mod is not None and not hasattr(mod, "_eager_forward"):
+                mod._eager_forward = mod.forward  # the captured decode step traces the plain code
+                mod.forward = torch.compile(mod.forward, dynamic=True)
+
+
+def _eager(mod: nn.Module) -> Callable:
+    """``mod``'s forward as it was before :func:`compile_dense` wrapped it (the step's
+    graph traces the plain code, not a second compiled region)."""
+    return getattr(mod, "_eager_forward", None) or mod.forward
+
+
+# -- the MoE blocks as opaque operators ---------------------------------------------------------------------
+
+#: the step running on this thread (its MoE blocks and guess): the operators' implementations call into it, so a
+#: graph holds only layer indices and is the same for every model of one configuration (inductor's cache hits)
+_running = threading.local()
+
+
+def _moe_block(x: torch.Tensor, layer: int) -> torch.Tensor:
+    # runs inside the step's graph, where guard evaluation is skipped: nothing here may call a compiled function
+    # (the MoE block's modules are never wrapped by compile_dense)
+    return _running.step._blocks[layer](x)
+
+
+def _guess_first_op(h: torch.Tensor, layer: int) -> torch.Tensor:
+    # the guess normalises with the layer's post-attention norm, which compile_dense may have wrapped: its own
+    # graphs must be chosen by their guards (once per token)
+    with torch.compiler.set_stance("default"):
+        _running.step._guess_fn(_running.step._guess_layer, h)
+    return h.clone()  # the step goes on from this output: the call stays in the graph, in its place
+
+
+_LIB = torch.library.Library("expertcache", "FRAGMENT")
+_LIB.define("moe_block(Tensor x, int layer) -> Tensor", tags=(torch.Tag.cudagraph_unsafe,))
+_LIB.define("guess_first(Tensor h, int layer) -> Tensor", tags=(torch.Tag.cudagraph_unsafe,))
+_LIB.impl("moe_block", _moe_block, "CompositeExplicitAutograd")
+_LIB.impl("guess_first", _guess_first_op, "CompositeExplicitAutograd")
+torch.library.register_fake("expertcache::moe_block", lambda x, layer: torch.empty_like(x), lib=_LIB)
+torch.library.register_fake("expertcache::guess_first", lambda h, layer: torch.empty_like(h), lib=_LIB)
+
+
+def _step(model: nn.Module, tok_11: torch.Tensor, pos_1: torch.Tensor, cache, length: int,
+          guess_at: int) -> torch.Tensor:
+    """Logits [1, 1, V] of token ``tok_11`` at position ``pos_1`` (see the module docstring); ``guess_at``: the
+    decoder layer before whose attention the first MoE layer's guess is made (-1: none)."""
+    m = model.model
+    h = m.embed_tokens(tok_11)
+    cos, sin = m.rotary_emb(h, pos_1[None])
+    keep_M = torch.arange(length, device=pos_1.device) <= pos_1
+    mask_111M = torch.where(keep_M, 0.0, torch.finfo(h.dtype).min).to(h.dtype)[None, None, None, :]
+    moe = torch.zeros_like(h)
+    for i, layer in enumerate(m.layers):
+        h = h + moe
+        if i == guess_at:
+            h = torch.ops.expertcache.guess_first(h, i)
+        a, _ = _eager(layer.self_attn)(hidden_states=_eager(layer.input_layernorm)(h), position_embeddings=(cos, sin),
+                                       attention_mask=mask_111M, past_key_values=cache, cache_position=pos_1)
+        h = h + a
+        moe = torch.ops.expertcache.moe_block(_eager(layer.post_attention_layernorm)(h), i)
+    return model.lm_head(m.norm(h + moe))
+
+
+def _own_code(fn: Callable, name: str) -> Callable:
+    """A copy of function ``fn`` with its own code object (torch.compile's graphs are kept per code object)."""
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+class CapturedDecode:
+    """Batch-1 decoding of ``model`` (a transformers causal LM whose MoE blocks are the runtime's) against a
+    static cache of ``length`` positions (rounded up to :data:`BUCKET`). ``guess_first``: (decoder layer index,
+    ``fn(decoder_layer, h_11D)``) called before that layer's attention with the hidden state entering it (the
+    runtime's first-layer guess), or None. :meth:`prefill` then :meth:`step` per token."""
+
+    def __init__(self, model: nn.Module, length: int, guess_first: tuple[int, Callable] | None = None) -> None:
+        from transformers import StaticCache
+
+        why = unsupported_reason(model)
+        if why is not None:
+            raise ValueError(f"the captured decode step does not take this model: {why}")
+        self.model = model
+        self.length = -(-max(1, length) // BUCKET) * BUCKET
+        self.cache = StaticCache(config=model.config, max_cache_len=self.length)
+        self.pos = 0
+        p = model.model.embed_tokens.weight
+        self.device, self.dtype = p.device, p.dtype
+        self._blocks = [layer.mlp for layer in model.model.layers]
+        self._guess_at, self._guess_fn, self._guess_layer = -1, None, None
+        if guess_first is not None:
+            self._guess_at, self._guess_fn = guess_first
+            self._guess_layer = model.model.layers[self._guess_at]
+        kept = model.__dict__.setdefault("_expertcache_captured", {})  # graphs bake in this model's constants
+        self._key = (self.length, self.dtype, str(self.device), self._guess_at)
+        fn = kept.get(self._key)
+        if fn is None:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            fn = kept[self._key] = torch.compile(_own_code(_step, f"_step_{len(kept)}"), dynamic=False, mode=mode)
+        self._fn = fn
+        # guards are skipped only once the graph exists (compiling under that stance is refused)
+        self._warm = model.__dict__.setdefault("_expertcache_captured_warm", set())
+        self.compile_s = 0.0  # seconds :meth:`prefill` spent compiling the step (0: this key's graph existed)
+        # the graph's inputs live in fixed buffers: the same shapes, strides and addresses on every call (a
+        # token sliced out of a wider tensor has other strides, which the skipped guards would not notice)
+        self._tok_11 = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self._pos_1 = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def prefill(self, ids_1S: torch.Tensor) -> torch.Tensor:
+        """Logits [1, V] of the prompt's last position (the stock forward, eager -- modules that
+        ``compile_dense`` wrapped run their plain code: one prompt does not pay a compilation -- filling the
+        static cache); then the step's graph is compiled if this key has none yet (:attr:`compile_s`)."""
+        if ids_1S.shape[0] != 1:
+            raise ValueError(f"the captured decode step takes one row, got {ids_1S.shape[0]}")
+        self._check(ids_1S.shape[1])
+        wrapped = [m for m in self.model.modules() if "_eager_forward" in m.__dict__]
+        compiled = [m.forward for m in wrapped]
+        for m in wrapped:
+            m.forward = m._eager_forward
+        try:
+            out = self.model(input_ids=ids_1S.to(self.device), past_key_values=self.cache, use_cache=True)
+        finally:
+            for m, f in zip(wrapped, compiled):
+                m.forward = f
+        self.pos = ids_1S.shape[1]
+        if self._key not in self._warm and self.pos < self.length:
+            self._compile()
+        return out.logits[:, -1]
+
+    def _compile(self) -> None:
+        """Trace and compile the step's graph now, by one call at the next position whose MoE blocks answer
+        zeros (no cache step, no read, no counter moves) and whose cache writes are undone (the position
+        counters restored; the keys and values written there are overwritten by the real step)."""
+        import time
+
+        t0 = time.perf_counter()
+        counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
+        blocks, guess = self._blocks, self._guess_fn
+        self._blocks = [torch.zeros_like] * len(blocks)
+        self._guess_fn = (lambda layer, h: None) if guess is not None else None
+        try:
+            self._call(torch.zeros(1, 1, dtype=torch.long), skip_guards=False)
+        finally:
+            self._blocks, self._guess_fn = blocks, guess
+            for layer, c in zip(self.cache.layers, counters):
+                layer.cumulative_length.copy_(c)
+        self._warm.add(self._key)
+        self.compile_s = time.perf_counter() - t0
+
+    def _check(self, n: int) -> None:
+        if self.pos + n > self.length:
+            raise ValueError(f"the static cache holds {self.length} positions; {self.pos + n} asked")
+
+    @torch.inference_mode()
+    def step(self, tok_11: torch.Tensor) -> torch.Tensor:
+        """Logits [1, V] after token ``tok_11`` [1, 1] at the next position."""
+        self._check(1)
+        logits = self._call(tok_11, skip_guards=self._key in self._warm)
+        self.pos += 1
+        self._warm.add(self._key)
+        return logits[:, -1]
+
+    def _call(self, tok_11: torch.Tensor, skip_guards: bool) -> torch.Tensor:
+        if self.device.type == "cuda":  # pragma: no cover - GPU only
+            torch.compiler.cudagraph_mark_step_begin()
+        src = tok_11.reshape(1, 1)
+        if src.device != self.device and self.device.type == "cuda":  # pragma: no cover - GPU only
+            src = src.pin_memory()  # staged: the copy does not block the host
+        self._tok_11.copy_(src, non_blocking=True)
+        self._pos_1.fill_(self.pos)
+        _running.step = self
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards):
+                return self._fn(self.model, self._tok_11, self._pos_1, self.cache, self.length, self._guess_at)
+        finally:
+            _running.step = None
