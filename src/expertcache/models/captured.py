@@ -11,8 +11,10 @@ A decoder layer of the supported layout (:func:`unsupported_reason`: ``input_lay
     h = h + self_attn(x, rope(P), mask_M, static cache)
     moe = expertcache::moe_block(post_attention_layernorm(h), layer)
 
-and the token's whole step (embedding, rotary tables and mask, every layer, final norm, ``lm_head``) is one
-``torch.compile`` graph. ``expertcache::moe_block`` is a custom operator whose implementation is the layer's
+and the token's whole step (embedding, rotary tables and mask, every layer, final norm) is one ``torch.compile``
+graph; ``lm_head`` runs eagerly after it (a weight-bound product: aten's matrix-vector kernel beats inductor's
+code for it on a CPU, and inside the graph large one-row products stay aten's as well,
+:data:`~expertcache.offload.experts.OPAQUE_MATVEC_ELEMENTS`). ``expertcache::moe_block`` is a custom operator whose implementation is the layer's
 ``mlp`` module, run eagerly (router, routing policy, cache step, expert products: the runtime's own host
 decisions, its hooks and observers): the compiler sees an opaque call with the input's shape, so everything
 between two MoE blocks is fused and called from generated code, and a token costs one entry into compiled
@@ -131,7 +133,7 @@ torch.library.register_fake("expertcache::guess_first", lambda h, layer: torch.e
 
 def _step(model: nn.Module, tok_11: torch.Tensor, pos_1: torch.Tensor, cache, length: int,
           guess_at: int) -> torch.Tensor:
-    """Logits [1, 1, V] of token ``tok_11`` at position ``pos_1`` (see the module docstring); ``guess_at``: the
+    """The final hidden state [1, 1, D] of token ``tok_11`` at position ``pos_1`` (see the module docstring); ``guess_at``: the
     decoder layer before whose attention the first MoE layer's guess is made (-1: none)."""
     m = model.model
     h = m.embed_tokens(tok_11)
@@ -147,7 +149,7 @@ def _step(model: nn.Module, tok_11: torch.Tensor, pos_1: torch.Tensor, cache, le
                                        attention_mask=mask_111M, past_key_values=cache, cache_position=pos_1)
         h = h + a
         moe = torch.ops.expertcache.moe_block(_eager(layer.post_attention_layernorm)(h), i)
-    return model.lm_head(m.norm(h + moe))
+    return m.norm(h + moe)  # lm_head: eager, after the graph (a weight-bound product; aten's mv is the fast one)
 
 
 def _own_code(fn: Callable, name: str) -> Callable:
@@ -259,6 +261,7 @@ class CapturedDecode:
         _running.step = self
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards):
-                return self._fn(self.model, self._tok_11, self._pos_1, self.cache, self.length, self._guess_at)
+                h_11D = self._fn(self.model, self._tok_11, self._pos_1, self.cache, self.length, self._guess_at)
         finally:
             _running.step = None
+        return self.model.lm_head(h_11D)
