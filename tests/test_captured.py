@@ -11,7 +11,9 @@ MoE block the runtime's), on an OLMoE-layout model (4 layers, 16 experts, top-4)
   the first MoE layer's guess run the same eager code;
 - ``generate`` takes the captured step with ``compile`` on and gives the eager tokens; more rows, or a model
   whose layout the step does not take (sliding-window attention), decode eagerly as before;
-- a generation longer than the static cache is refused before it writes outside it.
+- a generation longer than the static cache is refused before it writes outside it;
+- every registered family's tiny model: the eager logits (DeepSeek-V2's complex rotary frequencies included), or
+  for gpt-oss (sinks, sliding windows) the eager path with the eager tokens.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import decode_logits
+from expertcache.models import SUPPORTED_MODEL_TYPES
 from expertcache.models.captured import BUCKET, CapturedDecode, unsupported_reason
-from expertcache.models.tiny import tiny_config
+from expertcache.models.tiny import save_tiny, tiny_config
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
 
@@ -133,4 +136,34 @@ def test_a_generation_longer_than_the_static_cache_is_refused(olmoe_dir):
     cap.step(torch.ones(1, 1, dtype=torch.long))  # the last position
     with pytest.raises(ValueError, match=f"{BUCKET + 1} asked"):
         cap.step(torch.ones(1, 1, dtype=torch.long))
+    rt.close()
+
+
+FAMILY_PARAMS = [a if a in ("deepseek_v2", "gpt_oss") else pytest.param(a, marks=pytest.mark.slow)
+                 for a in SUPPORTED_MODEL_TYPES]
+
+
+@pytest.mark.parametrize("arch", FAMILY_PARAMS)
+def test_every_family_takes_the_captured_step_or_decodes_eagerly(arch, tmp_path):
+    """Each registered family's tiny model at C = 2: the captured step's logits equal the eager runtime's within
+    float32 rounding (DeepSeek-V2 passes its complex rotary frequencies through as they come), or the family is
+    one the step does not take (gpt-oss: attention sinks and sliding windows) and ``generate`` with ``compile``
+    on decodes eagerly, with the eager tokens."""
+    path = save_tiny(arch, tmp_path / arch, seed=4)
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    kw = dict(tier="host", capacity=2, readers=0)
+    eager = OffloadedModel.from_pretrained(path, OffloadConfig(**kw), dtype=torch.float32)
+    want = decode_logits(eager, ids, prefill=3)[:, 2:]
+    want_tokens = eager.generate(ids[:, :4], 5)["tokens"]
+    eager.close()
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(compile=True, **kw), dtype=torch.float32)
+    why = rt.describe()["captured_unsupported"]
+    if arch == "gpt_oss":
+        assert why == "attention sinks" and rt.captured(1, 10) is None
+        assert torch.equal(rt.generate(ids[:, :4], 5)["tokens"], want_tokens)
+    else:
+        assert why is None
+        cap = rt.captured(1, ids.shape[1])
+        got = torch.stack([cap.prefill(ids[:, :3])] + [cap.step(ids[:, t:t + 1]) for t in range(3, ids.shape[1])], 1)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     rt.close()

@@ -69,11 +69,12 @@ def unsupported_reason(model: nn.Module) -> str | None:
                 return f"decoder layer {i} has no {part}"
         if hasattr(layer.self_attn, "sinks"):
             return "attention sinks"
-    types_ = getattr(cfg, "layer_types", None) or ()
-    if any(t != "full_attention" for t in types_):
-        return "sliding-window layers"
-    if getattr(cfg, "use_sliding_window", None) is True:
-        return "sliding-window attention"
+    types_ = getattr(cfg, "layer_types", None)
+    if types_ is not None:
+        if any(t != "full_attention" for t in types_):
+            return "sliding-window layers"
+    elif getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) is not False:
+        return "sliding-window attention"  # the step's mask is the full causal one
     if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return f"attention implementation {cfg._attn_implementation}"
     return None
@@ -137,7 +138,7 @@ def _step(model: nn.Module, tok_11: torch.Tensor, pos_1: torch.Tensor, cache, le
     decoder layer before whose attention the first MoE layer's guess is made (-1: none)."""
     m = model.model
     h = m.embed_tokens(tok_11)
-    cos, sin = m.rotary_emb(h, pos_1[None])
+    rope = m.rotary_emb(h, pos_1[None])  # (cos, sin); DeepSeek-V2: its complex frequencies
     keep_M = torch.arange(length, device=pos_1.device) <= pos_1
     mask_111M = torch.where(keep_M, 0.0, torch.finfo(h.dtype).min).to(h.dtype)[None, None, None, :]
     moe = torch.zeros_like(h)
@@ -145,7 +146,7 @@ def _step(model: nn.Module, tok_11: torch.Tensor, pos_1: torch.Tensor, cache, le
         h = h + moe
         if i == guess_at:
             h = torch.ops.expertcache.guess_first(h, i)
-        a, _ = _eager(layer.self_attn)(hidden_states=_eager(layer.input_layernorm)(h), position_embeddings=(cos, sin),
+        a, _ = _eager(layer.self_attn)(hidden_states=_eager(layer.input_layernorm)(h), position_embeddings=rope,
                                        attention_mask=mask_111M, past_key_values=cache, cache_position=pos_1)
         h = h + a
         moe = torch.ops.expertcache.moe_block(_eager(layer.post_attention_layernorm)(h), i)
