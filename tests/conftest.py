@@ -79,3 +79,23 @@ def decode_logits(rt, ids_BS, prefill: int = 1):
             logits.append(out.logits)
             past = out.past_key_values
     return torch.cat(logits, dim=1)
+
+
+def save_decisive_olmoe(path, layers: int, experts: int, top_k: int):
+    """A tiny OLMoE (``layers`` layers, ``experts`` experts, top-``top_k``, float32, seed 0) saved to ``path``, its
+    router weights redrawn at scale D^-1/2 so routing is decisive (as models/tiny.py does) and the cache-aware
+    policies change choices; returns ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.models.tiny import tiny_config
+
+    cfg = tiny_config("olmoe")
+    cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok = layers, experts, top_k
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, cfg.hidden_size ** -0.5)
+    model.save_pretrained(path)
+    return path

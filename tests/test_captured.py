@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import decode_logits
+from conftest import decode_logits, save_decisive_olmoe
 from expertcache.models import SUPPORTED_MODEL_TYPES
 from expertcache.models.captured import BUCKET, CapturedDecode, unsupported_reason
 from expertcache.models.tiny import save_tiny, tiny_config
@@ -36,16 +36,7 @@ LAYERS, EXPERTS, TOP_K = 4, 16, 4
 
 @pytest.fixture(scope="module")
 def olmoe_dir(tmp_path_factory):
-    cfg = tiny_config("olmoe")
-    cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok = LAYERS, EXPERTS, TOP_K
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # decisive routing, so that the cache-aware policies change choices
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0, cfg.hidden_size ** -0.5)
-    path = tmp_path_factory.mktemp("olmoe-captured")
-    model.save_pretrained(path)
-    return path
+    return save_decisive_olmoe(tmp_path_factory.mktemp("olmoe-captured"), LAYERS, EXPERTS, TOP_K)
 
 
 def _rt(path, *, compile_, policy="original", capacity=None, prefetch=0):

@@ -24,10 +24,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import decode_logits
+from conftest import decode_logits, save_decisive_olmoe
 from device_proxy import PROXY, DeviceProxy, count_decode, track_runtime
 from expertcache.device import to_device, to_host, to_host_many
-from expertcache.models.tiny import tiny_config
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
 
@@ -39,24 +38,25 @@ POLICIES = ("original", "cache-prior", "max-rank", "eras-threshold")
 
 @pytest.fixture(scope="module")
 def olmoe_dir(tmp_path_factory):
-    cfg = tiny_config("olmoe")
-    cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok = LAYERS, EXPERTS, TOP_K
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # decisive routing (as models/tiny.py does), so that the policies change choices
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0, cfg.hidden_size ** -0.5)
-    path = tmp_path_factory.mktemp("olmoe4")
-    model.save_pretrained(path)
-    return path
+    return save_decisive_olmoe(tmp_path_factory.mktemp("olmoe4"), LAYERS, EXPERTS, TOP_K)
 
 
-def _rt(path, device, policy, capacity, prefetch, readers=1):
+def _rt(path, device, policy, capacity, prefetch, readers=1, expert_product="auto"):
     """Counted runs use one reader thread: its copies (a GPU's copy stream) are outside the proxy's thread."""
     routing = RoutingConfig() if policy == "original" else RoutingConfig(policy)
     return OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=capacity, readers=readers,
-                                                              prefetch=prefetch),
+                                                              prefetch=prefetch, expert_product=expert_product),
                                           dtype=torch.float32, device=device, routing=routing)
+
+
+def _counted(rt) -> dict:
+    """count_decode of a three-token prompt on the proxy, the runtime closed after."""
+    px = DeviceProxy()
+    track_runtime(px, rt)
+    try:
+        return count_decode(rt, px, torch.tensor([[5, 6, 7]]), tokens=3)
+    finally:
+        rt.close()
 
 
 # -- the proxy itself -----------------------------------------------------------------------------
@@ -107,13 +107,7 @@ def test_transfer_helpers_on_the_proxy():
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("capacity,prefetch", [(EXPERTS, 0), (6, 0), (6, 2)])
 def test_decode_token_waits_once_per_layer_and_never_blocks_a_copy(olmoe_dir, policy, capacity, prefetch):
-    rt = _rt(olmoe_dir, PROXY, policy, capacity, prefetch)
-    px = DeviceProxy()
-    track_runtime(px, rt)
-    try:
-        got = count_decode(rt, px, torch.tensor([[5, 6, 7]]), tokens=3)
-    finally:
-        rt.close()
+    got = _counted(_rt(olmoe_dir, PROXY, policy, capacity, prefetch))
     where = got.pop("where")
     first_guess = 1 / LAYERS if prefetch else 0.0
     assert got["d2h"] == pytest.approx(1 + first_guess), where
@@ -259,13 +253,10 @@ def test_grouped_expert_product_one_launch_per_matrix(olmoe_dir, product, policy
     per layer and 6 fewer than the per-expert path (25-30 at top-4; 3U + 14 in general), still one wait per
     layer and no blocking copy (group ends, slots and weight positions go to the device in one
     ``non_blocking`` copy); the logits are the per-expert path's within float32 rounding, the ids the same."""
-    routing = RoutingConfig() if policy == "original" else RoutingConfig(policy)
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(2))
     out = {}
     for prod in ("mv", product):
-        kw = dict(tier="host", capacity=capacity, prefetch=prefetch, expert_product=prod)
-        rt = OffloadedModel.from_pretrained(olmoe_dir, OffloadConfig(readers=0, **kw), dtype=torch.float32,
-                                            device=PROXY, routing=routing)  # serial reads: counts deterministic
+        rt = _rt(olmoe_dir, PROXY, policy, capacity, prefetch, readers=0, expert_product=prod)  # counts deterministic
         rt.configure(record=True)
         px = DeviceProxy()
         track_runtime(px, rt)
@@ -275,14 +266,7 @@ def test_grouped_expert_product_one_launch_per_matrix(olmoe_dir, product, policy
             recorded, described = rt.recorded_ids_TLK(), rt.describe()["expert_product"]
         finally:
             rt.close()
-        rt = OffloadedModel.from_pretrained(olmoe_dir, OffloadConfig(readers=1, **kw), dtype=torch.float32,
-                                            device=PROXY, routing=routing)  # reads on the "copy stream"
-        px = DeviceProxy()
-        track_runtime(px, rt)
-        try:
-            got = count_decode(rt, px, torch.tensor([[5, 6, 7]]), tokens=3)
-        finally:
-            rt.close()
+        got = _counted(_rt(olmoe_dir, PROXY, policy, capacity, prefetch, expert_product=prod))  # reads on the "copy stream"
         out[prod] = (logits, recorded, got, described)
     (la, ra, ga, pa), (lb, rb, gb, pb) = out.values()
     assert (pa, pb) == ("mv", product)
