@@ -6,6 +6,8 @@
 - :mod:`expertcache.models.adapters` -- ``FAMILIES``: one declaration per model type (router seam, ranking
   input, weight formula, on-disk layout, tiny test configs).
 - :mod:`expertcache.models.tiny` -- tiny random models of every supported family, for tests.
+- :mod:`expertcache.models.captured` -- the captured decode step (static KV cache, a token's whole step one
+  ``torch.compile`` graph, the MoE blocks opaque operators inside it; ``--compile``).
 
 Supported ``model_type`` values: olmoe, mixtral, qwen2_moe (Qwen1.5-MoE), qwen3_moe, deepseek_v2 (incl.
 V2-Lite), deepseek_v3, phimoe, gpt_oss.
