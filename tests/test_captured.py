@@ -158,3 +158,16 @@ def test_every_family_takes_the_captured_step_or_decodes_eagerly(arch, tmp_path)
         got = torch.stack([cap.prefill(ids[:, :3])] + [cap.step(ids[:, t:t + 1]) for t in range(3, ids.shape[1])], 1)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     rt.close()
+
+
+def test_captured_step_with_a_quantised_dense_part(olmoe_dir):
+    """``--quant-dense int8`` (its embedding has no ``.weight``) through the captured step: the eager runtime's
+    logits within float32 rounding."""
+    ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    kw = dict(tier="host", capacity=6, readers=0, quant_dense="int8")
+    eager = OffloadedModel.from_pretrained(olmoe_dir, OffloadConfig(**kw), dtype=torch.float32)
+    want = decode_logits(eager, ids, prefill=3)[:, 2:]
+    eager.close()
+    rt = OffloadedModel.from_pretrained(olmoe_dir, OffloadConfig(compile=True, **kw), dtype=torch.float32)
+    torch.testing.assert_close(_captured_logits(rt, ids, 3), want, atol=2e-5, rtol=2e-5)
+    rt.close()

@@ -43,6 +43,7 @@ only the dense part's sums may round differently), and the cache's length is nev
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 from typing import Callable
@@ -96,6 +97,20 @@ def compile_dense(model: nn.Module) -> None:
                 mod.forward = torch.compile(mod.forward, dynamic=True)
 
 
+@contextlib.contextmanager
+def _plain_forwards(root: nn.Module):
+    """Within: every module under ``root`` that :func:`compile_dense` wrapped runs its plain forward."""
+    wrapped = [m for m in root.modules() if "_eager_forward" in m.__dict__]
+    compiled = [m.forward for m in wrapped]
+    for m in wrapped:
+        m.forward = m._eager_forward
+    try:
+        yield
+    finally:
+        for m, f in zip(wrapped, compiled):
+            m.forward = f
+
+
 def _eager(mod: nn.Module) -> Callable:
     """``mod``'s forward as it was before :func:`compile_dense` wrapped it (the step's
     graph traces the plain code, not a second compiled region)."""
@@ -116,10 +131,12 @@ def _moe_block(x: torch.Tensor, layer: int) -> torch.Tensor:
 
 
 def _guess_first_op(h: torch.Tensor, layer: int) -> torch.Tensor:
-    # the guess normalises with the layer's post-attention norm, which compile_dense may have wrapped: its own
-    # graphs must be chosen by their guards (once per token)
-    with torch.compiler.set_stance("default"):
-        _running.step._guess_fn(_running.step._guess_layer, h)
+    # the guess normalises with the layer's post-attention norm, which compile_dense may have wrapped: it runs
+    # the plain code here (no compiled function may run under the step's skipped guards, and none compiles
+    # during a decode)
+    step = _running.step
+    with _plain_forwards(step._guess_layer):
+        step._guess_fn(step._guess_layer, h)
     return h.clone()  # the step goes on from this output: the call stays in the graph, in its place
 
 
@@ -174,8 +191,7 @@ class CapturedDecode:
         self.length = -(-max(1, length) // BUCKET) * BUCKET
         self.cache = StaticCache(config=model.config, max_cache_len=self.length)
         self.pos = 0
-        p = model.model.embed_tokens.weight
-        self.device, self.dtype = p.device, p.dtype
+        self.device, self.dtype = model.device, model.dtype  # (an --quant-dense embedding has no .weight)
         self._blocks = [layer.mlp for layer in model.model.layers]
         self._guess_at, self._guess_fn, self._guess_layer = -1, None, None
         if guess_first is not None:
@@ -204,15 +220,8 @@ class CapturedDecode:
         if ids_1S.shape[0] != 1:
             raise ValueError(f"the captured decode step takes one row, got {ids_1S.shape[0]}")
         self._check(ids_1S.shape[1])
-        wrapped = [m for m in self.model.modules() if "_eager_forward" in m.__dict__]
-        compiled = [m.forward for m in wrapped]
-        for m in wrapped:
-            m.forward = m._eager_forward
-        try:
+        with _plain_forwards(self.model):
             out = self.model(input_ids=ids_1S.to(self.device), past_key_values=self.cache, use_cache=True)
-        finally:
-            for m, f in zip(wrapped, compiled):
-                m.forward = f
         self.pos = ids_1S.shape[1]
         if self._key not in self._warm and self.pos < self.length:
             self._compile()
