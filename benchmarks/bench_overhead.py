@@ -10,8 +10,9 @@ teacher-forced tokens:
 - ``C=N``: the offloaded runtime with every expert resident (host tier, 0 readers: reads inline), warmed;
 - ``cache-prior C=16``: Cache-Prior λ 0.5 at C = 16 (host tier, 0 readers), caches filled by a warm-up decode;
 - ``C=N+compile``, ``cache-prior-C=16+compile``: the same with ``OffloadConfig(compile=True)``, decoded through
-  ``OffloadedModel.generate`` (teacher-forced): the captured decode step (static KV cache, each layer's dense
-  part one compiled segment, :mod:`expertcache.models.captured`); compiled during the warm-up, not timed.
+  ``OffloadedModel.generate`` (teacher-forced; its ``decode_s``): the captured decode step (static KV cache, a
+  token's whole step one compiled graph, :mod:`expertcache.models.captured`); compiled during the warm-up, not
+  timed.
 
 Per (competitor, round) one JSONL row: ``step_ms_per_layer`` (decode wall time per token ÷ MoE layers: the
 whole step, attention included) and ``moe_ms_per_layer`` (time inside the MoE blocks per token and layer,
@@ -71,12 +72,13 @@ class _MoETimer:
 
 
 def _decode(forward, make_past, prompt_1S, forced_1N):
-    """Seconds of the decode steps (prefill excluded) teacher-forcing ``forced_1N``."""
+    """Seconds of the decode steps (prefill excluded) teacher-forcing ``forced_1N``; ``make_past`` None:
+    ``forward(prompt, forced)`` decodes them itself and returns those seconds (``generate``'s own loop)."""
     import torch
 
     with torch.inference_mode():
-        if getattr(forward, "__code__", None) is not None and "generate" in forward.__code__.co_names:
-            return forward(prompt_1S, forced_1N)["decode_s"]
+        if make_past is None:
+            return forward(prompt_1S, forced_1N)
         out = forward(prompt_1S, make_past())
         past = out.past_key_values
         t0 = time.perf_counter()
@@ -123,10 +125,12 @@ def run(args) -> list[dict]:
                 rt.warm()  # every expert resident before the first round
             timer = _MoETimer([m.block for m in rt.layers])
             if compiled:  # generate's own loop: the captured step (its seconds are the decode steps')
-                fwd = lambda ids, past, r=rt: r.generate(ids, past.shape[1] + 1, forced_BN=past)
+                fwd = lambda ids, forced, r=rt: r.generate(ids, forced.shape[1] + 1, forced_BN=forced)["decode_s"]
+                mk = None
             else:
                 fwd = lambda ids, past, r=rt: r.forward(ids, past)
-            runners[label] = (fwd, lambda r=rt: DynamicCache(config=r.config), timer, len(rt.layers), rt)
+                mk = lambda r=rt: DynamicCache(config=r.config)
+            runners[label] = (fwd, mk, timer, len(rt.layers), rt)
     for name, (fwd, mk, timer, n_layers, rt) in runners.items():  # warm: caches filled, allocator and dispatch hot
         _decode(fwd, mk, prompt, warm_forced)
     rows = []
