@@ -193,6 +193,8 @@ def _new_command_flag_cases(env):
         (["serve", "--port", "0", "--max-batch", "0"], "--max-batch"),
         (["serve", "--port", "0", "--trace-dir", env["root"] / "missing"], "--trace-dir"),
         (["generate", "--readers", "-1", "hello"], "--readers"),
+        (["generate", "--expert-product", "grouped", "hello"], "--expert-product"),
+        (["bench", "--model", env["tiny"], "--expert-product", "mm"], "--expert-product"),
         (["generate", "--prefetch", "-3", "hello"], "--prefetch"),
         (["generate", "--threads", "0", "hello"], "--threads"),
         (["generate", "--predictor", env["root"] / "missing", "hello"], "--predictor"),
@@ -205,6 +207,22 @@ def _new_command_flag_cases(env):
 def test_new_command_flags(env, capsys):
     for argv, culprit in _new_command_flag_cases(env):
         _check(argv, culprit, capsys)
+
+
+def test_compile_without_a_cxx_compiler_is_refused_before_loading(env, capsys, monkeypatch, tmp_path):
+    """``--compile`` builds C++ through torch.compile: with no compiler on PATH (nor ``$CXX``) the command stops
+    at once with one line naming ``--compile``, not with inductor's traceback at the first token; the library
+    refuses the same configuration before building anything."""
+    from expertcache.offload import OffloadConfig, OffloadedModel
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    line = _check(["generate", "--model", env["tiny"], "--compile", "5 6 7"], "--compile", capsys)
+    assert "C++ compiler" in line
+    with pytest.raises(ValueError, match="--compile needs a C\\+\\+ compiler"):
+        OffloadedModel.from_pretrained(env["tiny"], OffloadConfig(tier="host", compile=True))
+    monkeypatch.setenv("CXX", "/no/such/c++")
+    assert "/no/such/c++" in _check(["bench", "--model", env["tiny"], "--compile"], "--compile", capsys)
 
 
 def test_output_paths_are_checked_before_any_work(env, capsys):

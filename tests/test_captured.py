@@ -171,3 +171,16 @@ def test_captured_step_with_a_quantised_dense_part(olmoe_dir):
     rt = OffloadedModel.from_pretrained(olmoe_dir, OffloadConfig(compile=True, **kw), dtype=torch.float32)
     torch.testing.assert_close(_captured_logits(rt, ids, 3), want, atol=2e-5, rtol=2e-5)
     rt.close()
+
+
+def test_captured_step_against_stock_transformers(olmoe_dir):
+    """An independent reference: at C = N with original routing the captured step's logits are stock
+    transformers' own (the in-memory model, one forward over the whole sequence) within float32 rounding."""
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(9))
+    stock = AutoModelForCausalLM.from_pretrained(olmoe_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = stock(input_ids=ids).logits[:, 3:]
+    rt = _rt(olmoe_dir, compile_=True)
+    got = _captured_logits(rt, ids, 4)
+    rt.close()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -151,6 +151,11 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     from expertcache.offload import OffloadConfig
 
     device_from_args(args)  # args.device: the resolved device (a bad --device fails here, before any load)
+    if getattr(args, "compile", False):
+        from expertcache.models.captured import missing_compiler
+
+        if (why := missing_compiler()) is not None:
+            raise ValueError(why)
     apply_threads(args, path)
     prefetch = args.prefetch
     if prefetch == -1:

@@ -44,6 +44,8 @@ only the dense part's sums may round differently), and the cache's length is nev
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import threading
 import types
 from typing import Callable
@@ -51,7 +53,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["BUCKET", "CapturedDecode", "compile_dense", "unsupported_reason"]
+__all__ = ["BUCKET", "CapturedDecode", "compile_dense", "missing_compiler", "unsupported_reason"]
 
 #: the static cache's length is rounded up to a multiple of this many positions
 BUCKET = 256
@@ -79,6 +81,16 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return f"attention implementation {cfg._attn_implementation}"
     return None
+
+
+def missing_compiler() -> str | None:
+    """Why ``torch.compile`` cannot build code on this machine (None: it can). Inductor writes C++ (the CPU's
+    kernels, CUDA's launchers) and builds it with ``$CXX`` or ``g++``; without one the first compiled call fails
+    with a long traceback, so ``--compile`` is refused up front instead."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    if any(shutil.which(n) for n in names):
+        return None
+    return f"--compile needs a C++ compiler for torch.compile, and none was found ({' / '.join(names)} on PATH)"
 
 
 def compile_dense(model: nn.Module) -> None:
@@ -237,7 +249,7 @@ class CapturedDecode:
         counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
         blocks, guess = self._blocks, self._guess_fn
         self._blocks = [torch.zeros_like] * len(blocks)
-        self._guess_fn = (lambda layer, h: None) if guess is not None else None
+        self._guess_fn = lambda layer, h: None
         try:
             self._call(torch.zeros(1, 1, dtype=torch.long), skip_guards=False)
         finally:
@@ -255,9 +267,8 @@ class CapturedDecode:
     def step(self, tok_11: torch.Tensor) -> torch.Tensor:
         """Logits [1, V] after token ``tok_11`` [1, 1] at the next position."""
         self._check(1)
-        logits = self._call(tok_11, skip_guards=self._key in self._warm)
+        logits = self._call(tok_11, skip_guards=self._key in self._warm)  # (warm from the prefill on)
         self.pos += 1
-        self._warm.add(self._key)
         return logits[:, -1]
 
     def _call(self, tok_11: torch.Tensor, skip_guards: bool) -> torch.Tensor:

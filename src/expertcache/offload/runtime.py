@@ -59,7 +59,7 @@ from expertcache import __version__
 from expertcache.device import on_host, to_device, to_host, to_host_many
 from expertcache.cache import DEFAULT_GAMMA, CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
-from expertcache.models.captured import compile_dense
+from expertcache.models.captured import compile_dense, missing_compiler
 from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit,
                                        kv_cache_bytes, parse_bytes, plan_memory, process_rss)
 from expertcache.offload.checkpoint import Checkpoint
@@ -249,15 +249,15 @@ class OffloadedModel(LayerSteps):
         family = family_for(config)  # every registered family declares its disk layout: all offload
         if offload.tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}, got {offload.tier!r}")
-        if offload.expert_product not in EXPERT_PRODUCTS:
-            raise ValueError(f"expert_product must be one of {', '.join(EXPERT_PRODUCTS)}, "
-                             f"got {offload.expert_product!r}")
+        if offload.compile and (why := missing_compiler()) is not None:
+            raise ValueError(why)
         if offload.quant_dense not in (None, *DENSE_MODES):
             raise ValueError(f"--quant-dense must be one of {', '.join(DENSE_MODES)}, got {offload.quant_dense!r}")
         if dtype is None:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         device = torch.device(device or "cpu")
+        _expert_product(offload.expert_product, dtype, device)  # a bad choice refused before anything is built
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.eval()

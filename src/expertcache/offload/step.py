@@ -381,10 +381,11 @@ class LayerSteps(RuntimeObservers):
         n = gate_up.shape[0]
         rows = sorted(slot_of.items(), key=lambda es: es[1])  # (expert, slot) by slot: the products' rows
         u = len(rows)
+        slots_U = [slot for _, slot in rows]
         host = np.zeros(n + 2 * u, dtype=np.int64)
-        host[[slot for _, slot in rows]] = 1
+        host[slots_U] = 1
         np.cumsum(host[:n], out=host[:n])  # group ends (offsets): one row per used slot, in slot order
-        host[n:n + u] = [slot for _, slot in rows]  # bmm's gather
+        host[n:n + u] = slots_U  # bmm's gather
         host[n + u:] = [ids_K.index(e) for e, _ in rows]  # each row's routing weight
         idx = to_device(torch.from_numpy(host), x_D.device)
         x_UD = x_D.expand(u, x_D.shape[0])
