@@ -24,12 +24,13 @@ from transformers import AutoModelForCausalLM
 
 from conftest import decode_logits, save_decisive_olmoe
 from expertcache.models import SUPPORTED_MODEL_TYPES
-from expertcache.models.captured import BUCKET, CapturedDecode, unsupported_reason
+from expertcache.models.captured import BUCKET, CapturedDecode, missing_compiler, unsupported_reason
 from expertcache.models.tiny import save_tiny, tiny_config
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(missing_compiler() is not None, reason="torch.compile needs a C++ compiler (g++)")]
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 4
 

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 from conftest import decode_logits, save_decisive_olmoe
 from device_proxy import PROXY, DeviceProxy, count_decode, track_runtime
 from expertcache.device import to_device, to_host, to_host_many
+from expertcache.models.captured import missing_compiler
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.routing import RoutingConfig
 
@@ -227,6 +228,7 @@ def test_host_tier_reads_inline_by_default_on_every_device():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(missing_compiler() is not None, reason="torch.compile needs a C++ compiler (g++)")
 def test_compiled_dense_part_gives_the_eager_logits(olmoe_dir):
     """``OffloadConfig(compile=True)``: norms and attention of every layer through ``torch.compile``; the
     logits equal the eager runtime's within float32 tolerance (the router stays eager: the same experts)."""
