@@ -206,8 +206,8 @@ def main(argv=None) -> int:
                ("memory 3GiB, host", OffloadConfig(tier="host", memory="3GiB", **io), ["original+lru", "cache-prior"]),
                ("C=N/4, disk (O_DIRECT)", OffloadConfig(tier="disk", io="direct", capacity=n // 4, **io),
                 ["original+lru", "cache-prior"]),
-               # the captured decode step (models/captured.py: static KV cache, one graph per token, CUDA graphs
-               # between the MoE blocks) with the grouped expert product (expert_product='auto' on CUDA)
+               # the captured decode step (models/captured.py: static KV cache, one graph per token, the experts
+               # computed in the graph from their slots, CUDA graphs between the host's operators)
                ("C=N (all resident), host, --compile", OffloadConfig(tier="host", capacity=n, compile=True, **io),
                 ["original+lru"]),
                ("C=N/4, host, --compile", OffloadConfig(tier="host", capacity=n // 4, compile=True, **io),
@@ -225,7 +225,8 @@ def main(argv=None) -> int:
         for s in res["summary"]:
             rows.append(dict(name=f"{label}: {s['name']}", tok_s=s["tok_s"], hit_rate=s["hit_rate"],
                              mib_per_token=s["bytes_per_token"] / 2**20, runtime_bandwidth=s["bandwidth"],
-                             capacity=res["config"]["capacity"], tier=cfg.tier))
+                             capacity=res["config"]["capacity"], tier=cfg.tier,
+                             captured_experts=res["config"].get("captured_experts")))
         if bandwidth is None and cfg.tier == "host":
             ref = pinned_copy_bandwidth(res["config"]["expert_bytes"], device)
             bandwidth = dict(expert_bytes=res["config"]["expert_bytes"], runtime=res["summary"][0]["bandwidth"],

@@ -40,10 +40,11 @@ def olmoe_dir(tmp_path_factory):
     return save_decisive_olmoe(tmp_path_factory.mktemp("olmoe-captured"), LAYERS, EXPERTS, TOP_K)
 
 
-def _rt(path, *, compile_, policy="original", capacity=None, prefetch=0):
+def _rt(path, *, compile_, policy="original", capacity=None, prefetch=0, **kw):
     routing = RoutingConfig() if policy == "original" else RoutingConfig(policy)
-    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=capacity, readers=0,
-                                                            prefetch=prefetch, compile=compile_),
+    kw = dict(dict(tier="host", readers=0), **kw)
+    rt = OffloadedModel.from_pretrained(path, OffloadConfig(capacity=capacity, prefetch=prefetch, compile=compile_,
+                                                            **kw),
                                         dtype=torch.float32, routing=routing)
     rt.configure(record=True)
     return rt
@@ -64,17 +65,25 @@ def _counters(rt):
     return {k: s[k] for k in ("hits", "misses", "accesses", "expert_loads")}, s["prefetch"]
 
 
-@pytest.mark.parametrize("policy,capacity,prefetch", [("original", None, 0),
-                                                      pytest.param("original", 6, 2, marks=pytest.mark.slow),
-                                                      ("cache-prior", 6, 0), ("max-rank", 5, 2)])
-def test_captured_step_gives_the_eager_logits_and_decisions(olmoe_dir, policy, capacity, prefetch):
+@pytest.mark.parametrize("policy,capacity,prefetch,kw", [
+    ("original", None, 0, {}),
+    pytest.param("original", 6, 2, {}, marks=pytest.mark.slow),
+    ("cache-prior", 6, 0, {}), ("max-rank", 5, 2, {}),
+    # C < K: each step reads a scratch slot twice (those experts are computed eagerly, beside the graph's)
+    ("original", 2, 0, {}),
+    # reads in flight on two reader threads; the disk tier's packed placement (O_DIRECT through the bounce buffer)
+    pytest.param("cache-prior", 6, 0, dict(tier="disk", readers=2), marks=pytest.mark.slow),
+    # int8 experts: not computed in the graph (the eager products, one operator per MoE block)
+    pytest.param("cache-prior", 6, 0, dict(quant="int8"), marks=pytest.mark.slow)])
+def test_captured_step_gives_the_eager_logits_and_decisions(olmoe_dir, policy, capacity, prefetch, kw):
     ids = torch.randint(3, 128, (1, 14), generator=torch.Generator().manual_seed(3))
     prefill = 4
-    eager = _rt(olmoe_dir, compile_=False, policy=policy, capacity=capacity, prefetch=prefetch)
+    eager = _rt(olmoe_dir, compile_=False, policy=policy, capacity=capacity, prefetch=prefetch, **kw)
     want = decode_logits(eager, ids, prefill=prefill)[:, prefill - 1:]
     ids_e, counts_e = eager.recorded_ids_TLK(), _counters(eager)
     eager.close()
-    rt = _rt(olmoe_dir, compile_=True, policy=policy, capacity=capacity, prefetch=prefetch)
+    rt = _rt(olmoe_dir, compile_=True, policy=policy, capacity=capacity, prefetch=prefetch, **kw)
+    assert rt.describe()["captured_experts"] == ("eager" if kw.get("quant") else "graph")
     got = _captured_logits(rt, ids, prefill)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     assert (rt.recorded_ids_TLK() == ids_e).all()  # every decode step's experts, every layer
@@ -185,3 +194,52 @@ def test_captured_step_against_stock_transformers(olmoe_dir):
     got = _captured_logits(rt, ids, 4)
     rt.close()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_graph_products_against_the_family_mlp(olmoe_dir):
+    """:func:`inline_product` (the in-graph expert products), eager and compiled, against the family's own
+    one-expert MLP (``expert_mlp``: two ``mv``) summed with the routing weights, on the runtime's arena: positions
+    with slot -1 contribute nothing even where that slot holds NaN, and a repeated slot counts once per position."""
+    rt = _rt(olmoe_dir, compile_=True, capacity=6)
+    views, act = rt.graph_products(0)
+    gate_up, down = views
+    g = torch.Generator().manual_seed(2)
+    n = gate_up.shape[0]
+    for s_ in range(n):  # every slot's matrices set (the arena is zeros until a read lands)
+        gate_up[s_].copy_(torch.randn(gate_up.shape[1:], generator=g))
+        down[s_].copy_(torch.randn(down.shape[1:], generator=g))
+    gate_up[3].fill_(float("nan"))
+    x_TD = torch.randn(1, gate_up.shape[2], generator=g)
+    slot_K = torch.tensor([5, -1, 0, 5])
+    w_TK = torch.rand(1, 4, generator=g)
+    mlp = rt._mlps[0]  # the family's one-expert MLP (offload/experts.py expert_mlp)
+    want = sum(w_TK[0, k] * mlp(x_TD, (gate_up[s_], down[s_])) for k, s_ in enumerate(slot_K.tolist()) if s_ >= 0)
+    from expertcache.offload.step import inline_product
+
+    got = inline_product(views, x_TD, slot_K, w_TK, act)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    compiled = torch.compile(inline_product, dynamic=False)
+    torch.testing.assert_close(compiled(views, x_TD, torch.tensor([-1, 3, 0, 5]).where(
+        torch.tensor([False, False, True, True]), -1), w_TK, act),
+        w_TK[0, 2] * mlp(x_TD, (gate_up[0], down[0])) + w_TK[0, 3] * mlp(x_TD, (gate_up[5], down[5])),
+        atol=1e-5, rtol=1e-5)
+    rt.close()
+
+
+def test_a_hooked_moe_block_stays_opaque_and_its_hook_runs(olmoe_dir):
+    """A forward hook on a MoE block would be traced into the graph (its state baked in): the step keeps such
+    blocks opaque (``expertcache::moe_block``), the hook runs once per token and block, and the logits are the
+    eager ones."""
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4))
+    eager = _rt(olmoe_dir, compile_=False, capacity=6)
+    want = decode_logits(eager, ids, prefill=3)[:, 2:]
+    eager.close()
+    rt = _rt(olmoe_dir, compile_=True, capacity=6)
+    calls = []
+    rt.layers[1].block.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    cap = rt.captured(1, ids.shape[1])
+    assert not cap._traced
+    got = _captured_logits(rt, ids, 3)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert len(calls) == 1 + ids.shape[1] - 3  # the prefill, then each token (the compiling call runs no block)
+    rt.close()

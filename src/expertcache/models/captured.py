@@ -1,7 +1,8 @@
 """The captured decode step (issue 35): one token of a batch-1 decode against a static KV cache, compiled as ONE
-graph per token with the MoE blocks as opaque calls inside it.
+graph per token, the host's decisions as opaque calls inside it.
 
-Letter legend: D hidden, V vocabulary, M the static cache's length (positions), P the token's position.
+Letter legend: D hidden, V vocabulary, M the static cache's length (positions), P the token's position, K experts
+per token.
 
 A decoder layer of the supported layout (:func:`unsupported_reason`: ``input_layernorm``, ``self_attn``,
 ``post_attention_layernorm``, ``mlp``; full attention, no sliding window, no attention sinks) is written as::
@@ -9,16 +10,22 @@ A decoder layer of the supported layout (:func:`unsupported_reason`: ``input_lay
     h = h + moe_prev                       # the previous layer's MoE output joins the residual
     x = input_layernorm(h)
     h = h + self_attn(x, rope(P), mask_M, static cache)
-    moe = expertcache::moe_block(post_attention_layernorm(h), layer)
+    moe = mlp(post_attention_layernorm(h)) # the MoE block's own code, traced (see below)
 
 and the token's whole step (embedding, rotary tables and mask, every layer, final norm) is one ``torch.compile``
 graph; ``lm_head`` runs eagerly after it (a weight-bound product: aten's matrix-vector kernel beats inductor's
 code for it on a CPU, and inside the graph large one-row products stay aten's as well,
-:data:`~expertcache.offload.experts.OPAQUE_MATVEC_ELEMENTS`). ``expertcache::moe_block`` is a custom operator whose implementation is the layer's
-``mlp`` module, run eagerly (router, routing policy, cache step, expert products: the runtime's own host
-decisions, its hooks and observers): the compiler sees an opaque call with the input's shape, so everything
-between two MoE blocks is fused and called from generated code, and a token costs one entry into compiled
-code instead of ~40 eager tensor operations per layer around its MoE block. With the runtime's next-layer
+:data:`~expertcache.offload.experts.OPAQUE_MATVEC_ELEMENTS`).
+
+**The MoE blocks.** With an ``owner`` (the offloaded runtime) the family's block is traced -- its router call, its
+shared experts, its combine -- and the owner's two seams call custom operators when traced: the router's
+``expertcache::route`` (the routing policy's host decisions: ids and weights) and the experts'
+``expertcache::cache_step`` (the cache step: which slot holds each routed expert, the reads, the next layer's
+guess; the graph then computes the experts from those slots) or ``expertcache::experts`` (the eager expert
+products, where the graph cannot compute them). A token thus costs one entry into compiled code and a few
+operator calls per layer instead of ~40 eager tensor operations around an eager MoE block. Without an owner,
+or where a MoE block carries a forward hook (it would be traced, its state baked in), each block is one opaque
+``expertcache::moe_block`` whose implementation is ``layer.mlp`` run eagerly. With the runtime's next-layer
 prefetch on, ``expertcache::guess_first`` starts the first MoE layer's guess from the hidden state entering it,
 as the eager path's forward pre-hook does.
 
@@ -26,18 +33,20 @@ as the eager path's forward pre-hook does.
   allocated once, written in place at the token's position, read whole with the mask hiding positions > P),
   so one graph serves every token of a generation. M is a multiple of :data:`BUCKET` (fewer compilations
   across prompts of different lengths).
-- **One code object per (model, M, dtype, device)**: torch.compile keeps its graphs per code object and checks
+- **One code object per (model, M, dtype, device, owner's key)**: torch.compile keeps its graphs per code object and checks
   their guards one after the other; each key gets its own copy of the step's code, so it holds exactly one
   graph, and once that graph exists the decode runs with guard evaluation skipped (``skip_guard_eval_unsafe``):
   safe here because the key fixes every shape, dtype and module the graph was traced with (batch 1, one token,
   M, this model). The first token of a new key compiles (seconds; transformers' code is traced once).
 - **CUDA**: ``mode="reduce-overhead"``: CUDA graphs over the parts between MoE blocks (the custom operators are
-  tagged ``cudagraph_unsafe``, so inductor's graph partitioning replays the dense parts and calls the MoE
-  blocks between them). Not yet run on a GPU.
+  tagged ``cudagraph_unsafe``, so inductor's graph partitioning replays the parts between them, the in-graph
+  expert products included). Not yet run on a GPU. On the CPU the wrapper's size and alignment assertions are
+  off (:data:`_CPU_OPTIONS`).
 
 Contract (``tests/test_captured.py``): the logits of a generation equal the eager runtime's within the dtype's
-rounding, the routing decisions and cache counters are the eager ones (the MoE blocks are the same eager code;
-only the dense part's sums may round differently), and the cache's length is never exceeded
+rounding, the routing decisions and cache counters are the eager ones (the operators run the same host code;
+only sums -- the dense part's, the in-graph expert products' -- may round differently), and the cache's length is
+never exceeded
 (:class:`CapturedDecode` refuses a generation longer than M).
 """
 
@@ -139,7 +148,8 @@ _running = threading.local()
 def _moe_block(x: torch.Tensor, layer: int) -> torch.Tensor:
     # runs inside the step's graph, where guard evaluation is skipped: nothing here may call a compiled function
     # (the MoE block's modules are never wrapped by compile_dense)
-    return _running.step._blocks[layer](x)
+    step = _running.step
+    return torch.zeros_like(x) if step._dry else step._blocks[layer](x)
 
 
 def _guess_first_op(h: torch.Tensor, layer: int) -> torch.Tensor:
@@ -147,24 +157,60 @@ def _guess_first_op(h: torch.Tensor, layer: int) -> torch.Tensor:
     # the plain code here (no compiled function may run under the step's skipped guards, and none compiles
     # during a decode)
     step = _running.step
-    with _plain_forwards(step._guess_layer):
-        step._guess_fn(step._guess_layer, h)
+    if not step._dry:
+        with _plain_forwards(step._guess_layer):
+            step._guess_fn(step._guess_layer, h)
     return h.clone()  # the step goes on from this output: the call stays in the graph, in its place
 
 
+def _route_op(x: torch.Tensor, z: torch.Tensor, w0: torch.Tensor, ids0: torch.Tensor, layer: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    step = _running.step
+    if step._dry:  # the compiling call: the stock route, nothing committed
+        return w0.clone(), ids0.clone()
+    return step.owner.captured_route(x, z, w0, ids0, layer)
+
+
+def _cache_step_op(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, layer: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    step = _running.step
+    if step._dry:  # the compiling call: no expert computed in the graph, nothing loaded
+        return torch.full((ids.numel(),), -1, dtype=torch.long, device=x.device), torch.zeros_like(x)
+    return step.owner.captured_cache_step(x, ids, w, layer)
+
+
+def _experts_op(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, layer: int) -> torch.Tensor:
+    step = _running.step
+    if step._dry:
+        return torch.zeros_like(x)
+    return step.owner.captured_experts(x, ids, w, layer)
+
+
 _LIB = torch.library.Library("expertcache", "FRAGMENT")
-_LIB.define("moe_block(Tensor x, int layer) -> Tensor", tags=(torch.Tag.cudagraph_unsafe,))
-_LIB.define("guess_first(Tensor h, int layer) -> Tensor", tags=(torch.Tag.cudagraph_unsafe,))
-_LIB.impl("moe_block", _moe_block, "CompositeExplicitAutograd")
-_LIB.impl("guess_first", _guess_first_op, "CompositeExplicitAutograd")
+_UNSAFE = (torch.Tag.cudagraph_unsafe,)  # host decisions: never inside a CUDA graph
+_LIB.define("moe_block(Tensor x, int layer) -> Tensor", tags=_UNSAFE)
+_LIB.define("guess_first(Tensor h, int layer) -> Tensor", tags=_UNSAFE)
+_LIB.define("route(Tensor x, Tensor z, Tensor w0, Tensor ids0, int layer) -> (Tensor, Tensor)", tags=_UNSAFE)
+_LIB.define("cache_step(Tensor x, Tensor ids, Tensor w, int layer) -> (Tensor, Tensor)", tags=_UNSAFE)
+_LIB.define("experts(Tensor x, Tensor ids, Tensor w, int layer) -> Tensor", tags=_UNSAFE)
+for _name, _fn in (("moe_block", _moe_block), ("guess_first", _guess_first_op), ("route", _route_op),
+                   ("cache_step", _cache_step_op), ("experts", _experts_op)):
+    _LIB.impl(_name, _fn, "CompositeExplicitAutograd")
 torch.library.register_fake("expertcache::moe_block", lambda x, layer: torch.empty_like(x), lib=_LIB)
 torch.library.register_fake("expertcache::guess_first", lambda h, layer: torch.empty_like(h), lib=_LIB)
+torch.library.register_fake("expertcache::route", lambda x, z, w0, ids0, layer: (torch.empty_like(w0),
+                                                                                torch.empty_like(ids0)), lib=_LIB)
+torch.library.register_fake("expertcache::cache_step", lambda x, ids, w, layer: (
+    ids.new_empty(ids.numel()), torch.empty_like(x)), lib=_LIB)
+torch.library.register_fake("expertcache::experts", lambda x, ids, w, layer: torch.empty_like(x), lib=_LIB)
 
 
 def _step(model: nn.Module, tok_11: torch.Tensor, pos_1: torch.Tensor, cache, length: int,
-          guess_at: int) -> torch.Tensor:
+          guess_at: int, traced: bool) -> torch.Tensor:
     """The final hidden state [1, 1, D] of token ``tok_11`` at position ``pos_1`` (see the module docstring); ``guess_at``: the
-    decoder layer before whose attention the first MoE layer's guess is made (-1: none)."""
+    decoder layer before whose attention the first MoE layer's guess is made (-1: none); ``traced``: the MoE
+    blocks' own code is traced (their owner's router and experts seams, :class:`CapturedDecode`), else each is
+    one opaque ``expertcache::moe_block``."""
     m = model.model
     h = m.embed_tokens(tok_11)
     rope = m.rotary_emb(h, pos_1[None])  # (cos, sin); DeepSeek-V2: its complex frequencies
@@ -178,8 +224,19 @@ def _step(model: nn.Module, tok_11: torch.Tensor, pos_1: torch.Tensor, cache, le
         a, _ = _eager(layer.self_attn)(hidden_states=_eager(layer.input_layernorm)(h), position_embeddings=rope,
                                        attention_mask=mask_111M, past_key_values=cache, cache_position=pos_1)
         h = h + a
-        moe = torch.ops.expertcache.moe_block(_eager(layer.post_attention_layernorm)(h), i)
+        x = _eager(layer.post_attention_layernorm)(h)
+        moe = layer.mlp(x) if traced else torch.ops.expertcache.moe_block(x, i)
     return m.norm(h + moe)  # lm_head: eager, after the graph (a weight-bound product; aten's mv is the fast one)
+
+
+def _hooked(block: nn.Module) -> bool:
+    """Whether a forward hook (pre or post, of ``block`` or a module under it) would run with its forward."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in block.modules())
+
+
+#: inductor options of the CPU step: no size, stride or alignment assertions in the generated wrapper (~300 per
+#: token at 16 layers, each a Python call); indirect-indexing bounds checks stay (a slot index out of range fails)
+_CPU_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 
 
 def _own_code(fn: Callable, name: str) -> Callable:
@@ -191,9 +248,20 @@ class CapturedDecode:
     """Batch-1 decoding of ``model`` (a transformers causal LM whose MoE blocks are the runtime's) against a
     static cache of ``length`` positions (rounded up to :data:`BUCKET`). ``guess_first``: (decoder layer index,
     ``fn(decoder_layer, h_11D)``) called before that layer's attention with the hidden state entering it (the
-    runtime's first-layer guess), or None. :meth:`prefill` then :meth:`step` per token."""
+    runtime's first-layer guess), or None. :meth:`prefill` then :meth:`step` per token.
 
-    def __init__(self, model: nn.Module, length: int, guess_first: tuple[int, Callable] | None = None) -> None:
+    ``owner``: the object whose seams the MoE blocks' traced code calls (the offloaded runtime), or None: then
+    each MoE block is one opaque ``expertcache::moe_block``. With an owner the graph traces each block's own code
+    (``layer.mlp``: the family's router call and combine, shared experts included) and the owner's router and
+    experts seams call, when traced (``torch.compiler.is_compiling()``), the operators ``expertcache::route``
+    (``owner.captured_route(x, z, w0, ids0, layer) -> (w, ids)``: the routing policy) and either
+    ``expertcache::cache_step`` (``owner.captured_cache_step(x, ids, w, layer) -> (slot_K, rest)``: the cache
+    step; the graph computes the experts of the slots >= 0, ``rest`` is the sum of those computed eagerly) or
+    ``expertcache::experts`` (``owner.captured_experts(x, ids, w, layer) -> out``). ``owner.captured_key()``
+    names what the traced code baked in (part of the graph's key)."""
+
+    def __init__(self, model: nn.Module, length: int, guess_first: tuple[int, Callable] | None = None,
+                 owner=None) -> None:
         from transformers import StaticCache
 
         why = unsupported_reason(model)
@@ -205,16 +273,25 @@ class CapturedDecode:
         self.pos = 0
         self.device, self.dtype = model.device, model.dtype  # (an --quant-dense embedding has no .weight)
         self._blocks = [layer.mlp for layer in model.model.layers]
+        self.owner = owner
+        # a hook on a block would be traced into the graph (and its state baked in): such blocks stay opaque
+        self._traced = owner is not None and not any(_hooked(b) for b in self._blocks)
+        self._dry = False  # the compiling call: every operator answers without committing anything
         self._guess_at, self._guess_fn, self._guess_layer = -1, None, None
         if guess_first is not None:
             self._guess_at, self._guess_fn = guess_first
             self._guess_layer = model.model.layers[self._guess_at]
         kept = model.__dict__.setdefault("_expertcache_captured", {})  # graphs bake in this model's constants
-        self._key = (self.length, self.dtype, str(self.device), self._guess_at)
+        self._key = (self.length, self.dtype, str(self.device), self._guess_at,
+                     owner.captured_key() if self._traced else None)
         fn = kept.get(self._key)
         if fn is None:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            fn = kept[self._key] = torch.compile(_own_code(_step, f"_step_{len(kept)}"), dynamic=False, mode=mode)
+            step = _own_code(_step, f"_step_{len(kept)}")
+            if self.device.type == "cuda":  # pragma: no cover - GPU only
+                fn = torch.compile(step, dynamic=False, mode="reduce-overhead")
+            else:  # the wrapper's per-call checks of every input's and extern output's sizes: fixed by the key
+                fn = torch.compile(step, dynamic=False, options=_CPU_OPTIONS)
+            kept[self._key] = fn
         self._fn = fn
         # guards are skipped only once the graph exists (compiling under that stance is refused)
         self._warm = model.__dict__.setdefault("_expertcache_captured_warm", set())
@@ -240,20 +317,19 @@ class CapturedDecode:
         return out.logits[:, -1]
 
     def _compile(self) -> None:
-        """Trace and compile the step's graph now, by one call at the next position whose MoE blocks answer
-        zeros (no cache step, no read, no counter moves) and whose cache writes are undone (the position
+        """Trace and compile the step's graph now, by one call at the next position whose operators answer
+        without committing anything (the stock route; no cache step, no read, no counter moves; every MoE output
+        zero) and whose cache writes are undone (the position
         counters restored; the keys and values written there are overwritten by the real step)."""
         import time
 
         t0 = time.perf_counter()
         counters = [layer.cumulative_length.clone() for layer in self.cache.layers]
-        blocks, guess = self._blocks, self._guess_fn
-        self._blocks = [torch.zeros_like] * len(blocks)
-        self._guess_fn = lambda layer, h: None
+        self._dry = True
         try:
             self._call(torch.zeros(1, 1, dtype=torch.long), skip_guards=False)
         finally:
-            self._blocks, self._guess_fn = blocks, guess
+            self._dry = False
             for layer, c in zip(self.cache.layers, counters):
                 layer.cumulative_length.copy_(c)
         self._warm.add(self._key)
@@ -282,7 +358,8 @@ class CapturedDecode:
         _running.step = self
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards):
-                h_11D = self._fn(self.model, self._tok_11, self._pos_1, self.cache, self.length, self._guess_at)
+                h_11D = self._fn(self.model, self._tok_11, self._pos_1, self.cache, self.length, self._guess_at,
+                                 self._traced)
         finally:
             _running.step = None
         return self.model.lm_head(h_11D)

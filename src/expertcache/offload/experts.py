@@ -178,4 +178,13 @@ class OffloadedExperts(nn.Module):
         self._runtime = [runtime]
 
     def forward(self, hidden_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        return self._runtime[0]._serve(self.index, hidden_TD, ids_TK, weights_TK)
+        rt = self._runtime[0]
+        if torch.compiler.is_compiling():  # traced by the captured decode step (models/captured.py)
+            graph = rt.graph_products(self.index)
+            if graph is None:
+                return torch.ops.expertcache.experts(hidden_TD, ids_TK, weights_TK, self.index)
+            from expertcache.offload.step import inline_product
+
+            slot_K, rest_TD = torch.ops.expertcache.cache_step(hidden_TD, ids_TK, weights_TK, self.index)
+            return inline_product(graph[0], hidden_TD, slot_K, weights_TK, graph[1]) + rest_TD
+        return rt._serve(self.index, hidden_TD, ids_TK, weights_TK)

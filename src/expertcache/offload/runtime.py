@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import threading
 import time
@@ -59,11 +60,11 @@ from expertcache import __version__
 from expertcache.device import on_host, to_device, to_host, to_host_many
 from expertcache.cache import DEFAULT_GAMMA, CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
-from expertcache.models.captured import compile_dense, missing_compiler
+from expertcache.models.captured import compile_dense, missing_compiler, unsupported_reason
 from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit,
                                        kv_cache_bytes, parse_bytes, plan_memory, process_rss)
-from expertcache.offload.checkpoint import Checkpoint
-from expertcache.offload.experts import OffloadedExperts, bucket_rows, expert_mlp, use_matvec
+from expertcache.offload.checkpoint import Checkpoint, ExpertParts
+from expertcache.offload.experts import OPAQUE_MATVEC_ELEMENTS, OffloadedExperts, bucket_rows, expert_mlp, use_matvec
 from expertcache.offload.config import EXPERT_PRODUCTS, OffloadConfig
 from expertcache.offload.ioqueue import IOQueue
 from expertcache.offload.loader import cache_dir as _cache_dir
@@ -129,6 +130,20 @@ def _expert_sizes(parts: dict, placement: dict, readers: int) -> tuple[int, int,
             (max(bounce) if bounce else 0) * max(1, readers))
 
 
+def _graph_products(o: OffloadConfig, model: nn.Module, parts: ExpertParts, dtype: torch.dtype,
+                    device: torch.device) -> bool:
+    """Whether the captured decode step computes these experts in its graph (:func:`~expertcache.offload.step.
+    inline_product`): ``compile`` on, a model the step takes, full-precision ``linear`` experts stored in the
+    compute dtype, and on a CPU matrices under :data:`~expertcache.offload.experts.OPAQUE_MATVEC_ELEMENTS`
+    (larger ones: aten's ``mv`` is faster there). Their disk reads then land at the packed layout (O_DIRECT
+    through the bounce buffer: one copy per read), so that every slot holds its expert at one layout."""
+    if not o.compile or o.quant or parts.layout != "linear" or parts.dtype != dtype:
+        return False
+    if on_host(device) and max(math.prod(shape) for _, shape in parts.tensors().values()) >= OPAQUE_MATVEC_ELEMENTS:
+        return False
+    return unsupported_reason(model) is None
+
+
 def _expert_product(choice: str, dtype: torch.dtype, device: torch.device) -> str | None:
     """The one-token expert product ``choice`` resolves to on ``device`` (None: 'mv', the per-expert products)."""
     if choice not in EXPERT_PRODUCTS:
@@ -182,7 +197,9 @@ class OffloadedModel(LayerSteps):
         # every expert present and well-formed before anything runs (loud); where its bytes go in a slot
         io = offload.io if offload.tier == "disk" else "cached"
         self._parts = {(m.index, e): self.source.parts(m.layer_id, e) for m in layers for e in range(self.num_experts)}
-        self._placement = {k: place_expert(p, io) for k, p in self._parts.items()}
+        # the captured step's in-graph products read every slot at one layout: disk reads land packed
+        packed = _graph_products(offload, model, next(iter(self._parts.values())), dtype, device)
+        self._placement = {k: place_expert(p, io, packed=packed) for k, p in self._parts.items()}
         self.expert_bytes, self.slot_bytes, self._io_bytes = _expert_sizes(self._parts, self._placement,
                                                                            offload.readers)
         self.readers = IOQueue(offload.readers)
@@ -217,6 +234,7 @@ class OffloadedModel(LayerSteps):
                                                tuple(self._parts[k].tensors().items()), self._parts[k].dtype),
                                               len(sigs)) for k, p in self._placement.items()}
         self.slots_stable = False  # set by each step before its first expert is computed (step.py)
+        self.slots_kept = False  # likewise: no slot of the step is read into twice (its experts' bytes stay)
         self._on_device = not on_host(device)  # CUDA (or the tests' device proxy): host copies are transfers
         self._host_copies: dict[int, tuple] = {}  # id(device tensor) -> (it, its host copy): _keep_host
         self._next_route: tuple | None = None  # (MoE layer index, its stock route) made ahead for its guess
@@ -318,8 +336,9 @@ class OffloadedModel(LayerSteps):
         else:
             io = o.io if o.tier == "disk" else "cached"
             parts = {(m.index, e): checkpoint.expert(m.layer_id, e) for m in layers for e in range(num_experts)}
-            expert_bytes, slot_bytes, io_bytes = _expert_sizes(parts, {k: place_expert(p, io) for k, p in parts.items()},
-                                                               readers)
+            packed = _graph_products(o, model, next(iter(parts.values())), dtype, device)
+            expert_bytes, slot_bytes, io_bytes = _expert_sizes(
+                parts, {k: place_expert(p, io, packed=packed) for k, p in parts.items()}, readers)
         dense = {} if o.quant_dense in (None, "none") else dense_targets(model)
         packed_keys = {k for name in dense for k in checkpoint.layout.disk_keys(f"{name}.weight")}
         largest = max((t.nbytes for k, t in checkpoint.entries.items()
@@ -381,6 +400,10 @@ class OffloadedModel(LayerSteps):
                                spare=self.offload.prefetch)
         self._slot_views: dict[int, dict[int, tuple]] = {}  # slot -> layout id -> the expert tensors' views
         self._grouped_cache: dict[tuple, tuple] = {}  # the arena seen per matrix (step.py _grouped_views)
+        self._inline_views = self._make_inline_views()  # the captured step's in-graph expert products (or None)
+        # captured decode graphs bake in the arena: a new one needs new graphs
+        self.model.__dict__.pop("_expertcache_captured", None)
+        self.model.__dict__.pop("_expertcache_captured_warm", None)
 
     def route(self, m: MoELayer, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor, *,
               commit: bool = True):
@@ -500,6 +523,10 @@ class OffloadedModel(LayerSteps):
 
     def _make_router_forward(self, m: MoELayer, stock):
         def forward(hidden_states, *args, **kwargs):
+            if torch.compiler.is_compiling():  # traced by the captured decode step: the policy is an operator
+                z_TE, w0_TK, ids0_TK = stock(hidden_states, *args, **kwargs)
+                w_TK, ids_TK = torch.ops.expertcache.route(hidden_states, z_TE, w0_TK, ids0_TK, m.index)
+                return z_TE, w_TK, ids_TK
             x_TD, t = bucket_rows(hidden_states) if hidden_states.dim() == 2 else (hidden_states, None)
             z_TE, w0_TK, ids0_TK = stock(x_TD, *args, **kwargs)
             if x_TD is not hidden_states:  # rows padded to a bucket as every linear's (offload/experts.py); per token
@@ -601,12 +628,52 @@ class OffloadedModel(LayerSteps):
         ``length`` positions or more, the token's whole step one compiled graph, the MoE blocks eager inside it)
         for a generation of ``rows`` rows, or None where :meth:`generate` decodes eagerly: ``compile`` off, more
         than one row, or a model of a layout it does not take (``captured_unsupported`` in :meth:`describe`)."""
-        from expertcache.models.captured import CapturedDecode, unsupported_reason
+        from expertcache.models.captured import CapturedDecode
 
         if not self.offload.compile or rows != 1 or unsupported_reason(self.model) is not None:
             return None
         guess = (self.layers[0].layer_id, self._guess_first_captured) if self.offload.prefetch else None
-        return CapturedDecode(self.model, length, guess)
+        return CapturedDecode(self.model, length, guess, owner=self)
+
+    # -- the captured decode step's seams (models/captured.py: its operators call these) ----------
+
+    def captured_key(self) -> tuple:
+        """What the MoE blocks' traced code bakes in: whether the experts are computed in the graph."""
+        return ("inline" if self._inline_views is not None else "experts",)
+
+    def graph_products(self, index: int) -> tuple[tuple[torch.Tensor, torch.Tensor], Callable] | None:
+        """(the arena's per-matrix views, MoE layer ``index``'s activation) with which the captured step's graph
+        computes that layer's experts (:func:`~expertcache.offload.step.inline_product`), or None where it does
+        not (``describe()["captured_experts"]``)."""
+        if self._inline_views is None:
+            return None
+        return self._inline_views, self._mlps[index].act
+
+    def captured_route(self, x_TD: torch.Tensor, z_TE: torch.Tensor, w0_TK: torch.Tensor, ids0_TK: torch.Tensor,
+                       index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``expertcache::route``: the router seam's host part (:meth:`_make_router_forward` after the stock
+        router): the device run's one transfer, the routing policy, the router observers; new tensors (an
+        operator's outputs never alias its inputs), whose host copies are kept for the cache step."""
+        m = self.layers[index]
+        if self._on_device:
+            self._fetch_host(m, x_TD, None, z_TE, w0_TK, ids0_TK)
+        w_TK, ids_TK = self.route(m, z_TE, w0_TK, ids0_TK)
+        if self._router_observers:
+            self._notify_router(m.index, z_TE, ids_TK, w_TK)
+        w_out, ids_out = w_TK.clone(), ids_TK.clone()
+        if self._on_device:
+            self._keep_host(ids_out, self.host_copy(ids_TK))
+        return w_out, ids_out
+
+    def captured_cache_step(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, index: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``expertcache::cache_step``: :meth:`~expertcache.offload.step.LayerSteps._serve_slots`."""
+        return self._serve_slots(index, x_TD, ids_TK, w_TK)
+
+    def captured_experts(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor, index: int
+                         ) -> torch.Tensor:
+        """``expertcache::experts``: the eager experts seam (:meth:`_serve`)."""
+        return self._serve(index, x_TD, ids_TK, w_TK)
 
     def _guess_first_captured(self, decoder_layer: nn.Module, h_11D: torch.Tensor) -> None:
         self._guess_first(decoder_layer, (h_11D,), {})
@@ -741,10 +808,16 @@ class OffloadedModel(LayerSteps):
                     readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,
                     compile=self.offload.compile, expert_product=self.grouped or "mv",
                     captured_unsupported=self._captured_unsupported(),
-                    threads=torch.get_num_threads())
+                    captured_experts=self._captured_experts(), threads=torch.get_num_threads())
+
+    def _captured_experts(self) -> str | None:
+        """Where the captured decode step computes a token's experts: ``"graph"`` (in its compiled code,
+        :func:`~expertcache.offload.step.inline_product`) or ``"eager"`` (the eager products, one operator per
+        MoE block); None where it does not run (``compile`` off, or a model it does not take)."""
+        if not self.offload.compile or self._captured_unsupported() is not None:
+            return None
+        return "graph" if self._inline_views is not None else "eager"
 
     def _captured_unsupported(self) -> str | None:
         """Why ``compile`` does not take the captured decode step for this model (None: it does, or compile is off)."""
-        from expertcache.models.captured import unsupported_reason
-
         return unsupported_reason(self.model) if self.offload.compile else None

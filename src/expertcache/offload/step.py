@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from expertcache.cache import ExpertCache, make_cache
-from expertcache.device import to_device
+from expertcache.device import on_host, to_device
 from expertcache.models.adapters import MoELayer
-from expertcache.offload.experts import expert_views
+from expertcache.offload.experts import OPAQUE_MATVEC_ELEMENTS, expert_views
 from expertcache.offload.ioqueue import Ticket
 from expertcache.offload.observe import RuntimeObservers
 from expertcache.offload.prefetch import first_layer_input, guess_next_layer
@@ -45,7 +45,7 @@ from expertcache.offload.slots import SlotPool
 from expertcache.offload.store import HostTier, Placement
 from expertcache.routing.precision import serve_low
 
-__all__ = ["LayerState", "LayerSteps", "union_order"]
+__all__ = ["LayerState", "LayerSteps", "inline_product", "union_order"]
 
 
 def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: int) -> list[int]:
@@ -58,6 +58,26 @@ def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: in
     total_E = torch.zeros(num_experts, dtype=torch.float32, device="cpu").index_add_(
         0, ids_TK[valid_TK], w_TK.to("cpu").float()[valid_TK])
     return sorted(set(ids_TK[valid_TK].tolist()), key=lambda e: (-float(total_E[e]), e))
+
+
+def inline_product(views: tuple[torch.Tensor, torch.Tensor], x_TD: torch.Tensor, slot_K: torch.Tensor,
+                   w_TK: torch.Tensor, act: Callable) -> torch.Tensor:
+    """[1, D]: one token's routed experts computed from the arena's slots (``views``:
+    :meth:`LayerSteps._make_inline_views`) as traced code of the captured decode step: each position k of
+    ``slot_K`` >= 0 contributes ``w_TK[0, k] * down[slot] @ (act(gate) * up)`` with ``gate, up = gate_up[slot] @ x``
+    (the family's ``linear`` MLP); positions < 0 contribute nothing. Written as broadcast products summed
+    over the inner dimension, which the compiler fuses into one reduction per matrix that reads the slots in
+    place (no gathered copy of the weights); the products' sums may round differently from ``mv``'s."""
+    gate_up, down = views
+    keep_K = slot_K >= 0
+    s_K = slot_K.clamp(min=0)
+    x_D = x_TD[0]
+    gu_KF2 = (gate_up[s_K] * x_D).sum(-1)
+    gate_KF, up_KF = gu_KF2.chunk(2, dim=-1)
+    a_KF = act(gate_KF) * up_KF
+    h_KD = (down[s_K] * a_KF[:, None, :]).sum(-1)
+    hw_KD = torch.where(keep_K[:, None], h_KD * w_TK[0, :, None].to(h_KD.dtype), 0)  # a skipped slot may hold NaN
+    return hw_KD.sum(0, keepdim=True).to(x_TD.dtype)
 
 
 @dataclass
@@ -347,6 +367,76 @@ class LayerSteps(RuntimeObservers):
             final_D.add_(hw_D)
         return final_D[None]
 
+    def _make_inline_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up [n, 2F, D], down [n, D, F]): every slot of the arena seen as one strided tensor per matrix,
+        for the captured decode step's in-graph expert products (:func:`inline_product`), or None where those
+        products are not made in the graph: experts not of the ``linear`` layout, quantised, stored in another
+        dtype, or placed at more than one layout in their slots (disk placements follow file alignment); and
+        on a CPU experts whose matrices reach :data:`~expertcache.offload.experts.OPAQUE_MATVEC_ELEMENTS`
+        (inductor's fused product is slower than aten's ``mv`` there: 1.2x in float32, 2x in bfloat16 at
+        OLMoE's shape, so those steps keep the eager products, ``expertcache::experts``)."""
+        if not self.offload.compile or self.source.quant is not None \
+                or any(getattr(f, "act", None) is None for f in self._mlps) \
+                or len(set(self._layout_of.values())) != 1:
+            return None
+        key = next(iter(self._parts))
+        parts = self._parts[key]
+        if parts.dtype != self.dtype:
+            return None
+        w = expert_views(self.arena.buffer[0], parts, self._placement[key], self.dtype)
+        el = parts.dtype.itemsize
+        if len(w) != 2 or self.slot_bytes % el or not all(t.is_contiguous() for t in w):
+            return None
+        if on_host(self.device) and max(t.numel() for t in w) >= OPAQUE_MATVEC_ELEMENTS:
+            return None
+        base = self.arena.buffer.data_ptr()
+        flat = self.arena.buffer.view(parts.dtype)  # [n, slot_bytes / el]
+        n, stride = flat.shape
+        return tuple(flat.as_strided((n, *t.shape), (stride, t.shape[1], 1), (t.data_ptr() - base) // el)
+                     for t in w)
+
+    def _serve_slots(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache step of one token ([1, D]) whose experts the captured decode step computes in its graph:
+        (slot [K] int64 on ``x_TD``'s device: the arena slot of each routed position's expert, -1 where the
+        graph computes nothing, and rest [1, D]: the weighted sum of the experts computed here instead). The
+        same step as :meth:`_serve` (bookkeeping, reads, the next layer's guess, observers), returning once every
+        read has landed (the hits are not computed while the misses are read, as the eager step does); every
+        expert is in the graph when the step reads no slot twice (:attr:`slots_kept`), else each is computed
+        here as its slot is ready, as are the low-precision ones (``--resident-quant``)."""
+        st = self.states[index]
+        ids_cpu_TK = self.host_copy(ids_TK)
+        if ids_cpu_TK.shape[0] != 1:
+            raise ValueError(f"the captured step serves one token, got {ids_cpu_TK.shape[0]}")
+        order = union_order(ids_cpu_TK, None, self.num_experts)
+        if self.record:
+            st.steps.append(list(order))
+        t0 = time.perf_counter()
+        wait0 = self.io_wait_seconds
+        low = self._low_precision(st, order, ids_cpu_TK, w_TK) if self.precision.active else ()
+        if low:
+            order = [e for e in order if e not in low]
+        slot_of: dict[int, int] = {}
+        h: dict[int, torch.Tensor] = {}
+
+        def compute(e: int, slot: int) -> None:
+            if self.slots_kept:  # (set by _step before its first on_ready): in the graph, once every read landed
+                slot_of[e] = slot
+            else:
+                h[e] = st.mlp(x_TD, self._weights(st, e, slot))[0]
+
+        self._run_step(st, order, compute, x_TD, low)
+        for e in low:
+            h[e] = self.low.compute(st.moe.index, e, x_TD)[0]
+        ids_K = ids_cpu_TK[0].tolist()
+        slot_K = torch.tensor([slot_of.get(e, -1) for e in ids_K], dtype=torch.long)
+        rest_TD = torch.zeros_like(x_TD)
+        for e in sorted(h):  # ascending expert id, as the eager combine
+            rest_TD[0].add_((h[e] * w_TK[0, ids_K.index(e)]).to(x_TD.dtype))
+        st.io_wait += self.io_wait_seconds - wait0
+        self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
+        return to_device(slot_K, x_TD.device), rest_TD
+
     def _grouped_views(self, ws: dict[int, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(gate_up [n, 2F, D], down [n, D, F]): every slot of the arena seen as one strided tensor per matrix, where
         the step's experts sit at one offset of their slots (the host tier's single layout; disk placements vary
@@ -458,7 +548,7 @@ class LayerSteps(RuntimeObservers):
             st.guess = None
         slot_of = pool.slot_of
         if all(e in slot_of for e in order):  # every request a hit: no read, no eviction, no slot changes hands
-            self.slots_stable = True
+            self.slots_stable = self.slots_kept = True
             st.cache.access_step(order)
             if self.host is not None:
                 self.host.touch(st.moe.index, order)
@@ -518,7 +608,8 @@ class LayerSteps(RuntimeObservers):
         # expert's slot keeps its bytes until the step ends, so on_ready may compute from it later -- when no
         # read is in flight either (serial reads are done already): else the hits are computed now, while the
         # misses are read
-        self.slots_stable = not (deferred or on_scratch or waiting_scratch) and \
+        self.slots_kept = not (deferred or on_scratch or waiting_scratch)
+        self.slots_stable = self.slots_kept and \
             (not inflight or not self.readers.readers)
         if on_ready is not None:
             for e, hit in zip(order, hits):
