@@ -238,24 +238,34 @@ class LayerSteps(RuntimeObservers):
         st = self.states[index]
         # the host copy the router call fetched (the layer's one device -> host transfer) or that the routing
         # policy made these very ids from; a transfer of their own only for ids made otherwise (a row router's)
+        t0, wait0 = time.perf_counter(), self.io_wait_seconds
+        ids_cpu_TK, order, low = self._requests(st, ids_TK, w_TK)
+        if ids_cpu_TK.shape[0] == 1:
+            final_TD = self._serve_one(st, x_TD, ids_TK, w_TK, order, low)
+        else:
+            final_TD = self._serve_many(st, x_TD, ids_TK, w_TK, order, ids_cpu_TK, low)
+        self._book(st, t0, wait0)
+        return final_TD
+
+    def _requests(self, st: LayerState, ids_TK: torch.Tensor, w_TK: torch.Tensor
+                  ) -> tuple[torch.Tensor, list[int], set[int] | tuple]:
+        """(the ids in host memory, the step's serving order less the experts computed at low precision, those
+        experts) for routed ids ``ids_TK`` and weights ``w_TK``; a one-token step's order is recorded."""
         ids_cpu_TK = self.host_copy(ids_TK)
         one = ids_cpu_TK.shape[0] == 1
         # the one serving order (the live view's shadow too); one token's needs no weights (no transfer)
         order = union_order(ids_cpu_TK, None if one else self.host_copy(w_TK), self.num_experts)
         if self.record and one:
             st.steps.append(list(order))
-        t0 = time.perf_counter()
-        wait0 = self.io_wait_seconds
         low = self._low_precision(st, order, ids_cpu_TK, w_TK) if self.precision.active else ()
         if low:
             order = [e for e in order if e not in low]
-        if one:
-            final_TD = self._serve_one(st, x_TD, ids_TK, w_TK, order, low)
-        else:
-            final_TD = self._serve_many(st, x_TD, ids_TK, w_TK, order, ids_cpu_TK, low)
+        return ids_cpu_TK, order, low
+
+    def _book(self, st: LayerState, t0: float, wait0: float) -> None:
+        """Book a step begun at ``t0`` (io_wait_seconds then ``wait0``): its read waits and its compute time."""
         st.io_wait += self.io_wait_seconds - wait0
         self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
-        return final_TD
 
     def _low_precision(self, st: LayerState, order: list[int], ids_cpu_TK: torch.Tensor, w_TK: torch.Tensor
                        ) -> set[int]:
@@ -405,17 +415,10 @@ class LayerSteps(RuntimeObservers):
         expert is in the graph when the step reads no slot twice (:attr:`slots_kept`), else each is computed
         here as its slot is ready, as are the low-precision ones (``--resident-quant``)."""
         st = self.states[index]
-        ids_cpu_TK = self.host_copy(ids_TK)
-        if ids_cpu_TK.shape[0] != 1:
-            raise ValueError(f"the captured step serves one token, got {ids_cpu_TK.shape[0]}")
-        order = union_order(ids_cpu_TK, None, self.num_experts)
-        if self.record:
-            st.steps.append(list(order))
-        t0 = time.perf_counter()
-        wait0 = self.io_wait_seconds
-        low = self._low_precision(st, order, ids_cpu_TK, w_TK) if self.precision.active else ()
-        if low:
-            order = [e for e in order if e not in low]
+        if ids_TK.shape[0] != 1:
+            raise ValueError(f"the captured step serves one token, got {ids_TK.shape[0]}")
+        t0, wait0 = time.perf_counter(), self.io_wait_seconds
+        ids_cpu_TK, order, low = self._requests(st, ids_TK, w_TK)
         slot_of: dict[int, int] = {}
         h: dict[int, torch.Tensor] = {}
 
@@ -433,8 +436,7 @@ class LayerSteps(RuntimeObservers):
         rest_TD = torch.zeros_like(x_TD)
         for e in sorted(h):  # ascending expert id, as the eager combine
             rest_TD[0].add_((h[e] * w_TK[0, ids_K.index(e)]).to(x_TD.dtype))
-        st.io_wait += self.io_wait_seconds - wait0
-        self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
+        self._book(st, t0, wait0)
         return to_device(slot_K, x_TD.device), rest_TD
 
     def _grouped_views(self, ws: dict[int, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor] | None:
