@@ -74,7 +74,9 @@ def _counters(rt):
     # reads in flight on two reader threads; the disk tier's packed placement (O_DIRECT through the bounce buffer)
     pytest.param("cache-prior", 6, 0, dict(tier="disk", readers=2), marks=pytest.mark.slow),
     # int8 experts: not computed in the graph (the eager products, one operator per MoE block)
-    pytest.param("cache-prior", 6, 0, dict(quant="int8"), marks=pytest.mark.slow)])
+    pytest.param("cache-prior", 6, 0, dict(quant="int8"), marks=pytest.mark.slow),
+    # resident int4 copies: the misses the rule picks are computed from them beside the graph (its `rest`)
+    pytest.param("original", 4, 0, dict(resident_quant="int4", low_threshold=2.0), marks=pytest.mark.slow)])
 def test_captured_step_gives_the_eager_logits_and_decisions(olmoe_dir, policy, capacity, prefetch, kw):
     ids = torch.randint(3, 128, (1, 14), generator=torch.Generator().manual_seed(3))
     prefill = 4
@@ -88,6 +90,8 @@ def test_captured_step_gives_the_eager_logits_and_decisions(olmoe_dir, policy, c
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     assert (rt.recorded_ids_TLK() == ids_e).all()  # every decode step's experts, every layer
     assert _counters(rt) == counts_e
+    assert rt.stats()["low_computes"] == eager.stats()["low_computes"]
+    assert rt.stats()["low_computes"] > 0 or "resident_quant" not in kw
     if prefetch:
         assert counts_e[1]["guessed"] > 0  # the first MoE layer's guess ran inside the graph too
     rt.close()
