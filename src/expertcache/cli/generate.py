@@ -67,9 +67,10 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                         "memory plan; --prefetch alone: P = 2K); default: off")
     g.add_argument("--compile", action="store_true",
                    help="the captured decode step: a one-row generation decodes each token as one torch.compile "
-                        "graph against a static KV cache, the MoE blocks eager inside it (same routing decisions; "
-                        "logits within float rounding); other layouts and batches compile norms and attention per "
-                        "layer. The first token pays the compilation (seconds to a minute)")
+                        "graph against a static KV cache, the experts computed in it from their slots and the "
+                        "routing policy and cache step as eager host calls inside it (same decisions; logits within "
+                        "float rounding); other layouts and batches compile norms and attention per layer. The "
+                        "first token pays the compilation (seconds to a minute)")
     g.add_argument("--expert-product", choices=EXPERT_PRODUCTS, default=d.expert_product,
                    help="a one-token step's expert products: mv (two matrix-vector products per expert, the "
                         "in-memory model's values bit for bit), grouped_mm (one torch._grouped_mm per matrix over "

@@ -27,10 +27,12 @@ class OffloadConfig:
     (:mod:`~expertcache.offload.tiers`; None or 0 = none, every miss reads the disk). quant_dense: None,
     'int8' or 'int4': the attention projections and lm_head through the fused kernels, the embedding as int8
     rows (:mod:`~expertcache.offload.qlinear`; counted in the plan's non-expert bytes). compile: the dense
-    part of every decoder layer (its norms and attention) through ``torch.compile`` (opt-in; the router and
-    the MoE block stay eager, so routing decisions are the eager ones bit for bit); batch-1 ``generate`` then
-    takes the captured decode step (:mod:`expertcache.models.captured`: static KV cache, a token's whole step
-    one compiled graph). expert_product: how a one-token step's experts are computed -- 'mv' (two matrix-vector
+    part of every decoder layer (its norms and attention) through ``torch.compile`` (opt-in); batch-1
+    ``generate`` then takes the captured decode step (:mod:`expertcache.models.captured`: static KV cache, a
+    token's whole step one compiled graph, the experts computed in it from their slots where
+    ``describe()["captured_experts"]`` says ``graph``; the routing policy and the cache step run the eager host
+    code inside it, so the decisions are the eager ones up to the dense part's rounding). expert_product: how an
+    eager one-token step's experts are computed -- 'mv' (two matrix-vector
     products per expert: the in-memory model's values bit for bit), 'grouped_mm' (one ``torch._grouped_mm``
     per matrix over the slot arena, empty groups for unused slots), 'bmm' (one batched product of the step's
     gathered matrices), 'auto' (:data:`EXPERT_PRODUCTS`: 'mv' on a CPU; on CUDA 'grouped_mm' for bf16 on
