@@ -258,7 +258,8 @@ class CapturedDecode:
     ``expertcache::cache_step`` (``owner.captured_cache_step(x, ids, w, layer) -> (slot_K, rest)``: the cache
     step; the graph computes the experts of the slots >= 0, ``rest`` is the sum of those computed eagerly) or
     ``expertcache::experts`` (``owner.captured_experts(x, ids, w, layer) -> out``). ``owner.captured_key()``
-    names what the traced code baked in (part of the graph's key)."""
+    names what the traced code baked in (part of the graph's key); ``owner.capturing`` is True while the step
+    runs (the seams take their traced branch only then: a model compiled otherwise traces their eager code)."""
 
     def __init__(self, model: nn.Module, length: int, guess_first: tuple[int, Callable] | None = None,
                  owner=None) -> None:
@@ -356,10 +357,14 @@ class CapturedDecode:
         self._tok_11.copy_(src, non_blocking=True)
         self._pos_1.fill_(self.pos)
         _running.step = self
+        if self._traced:
+            self.owner.capturing = True  # its seams take their traced branch (and no other compilation's)
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards):
                 h_11D = self._fn(self.model, self._tok_11, self._pos_1, self.cache, self.length, self._guess_at,
                                  self._traced)
         finally:
             _running.step = None
+            if self._traced:
+                self.owner.capturing = False
         return self.model.lm_head(h_11D)

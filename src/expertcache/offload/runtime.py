@@ -239,6 +239,7 @@ class OffloadedModel(LayerSteps):
         self._host_copies: dict[int, tuple] = {}  # id(device tensor) -> (it, its host copy): _keep_host
         self._next_route: tuple | None = None  # (MoE layer index, its stock route) made ahead for its guess
         self._row_router: Callable | None = None  # set_row_router
+        self.capturing = False  # True while a captured decode step runs (models/captured.py sets it)
         self._guess_events: list[tuple] = []  # next-layer guesses made in the running step, for the observers
         self.grouped = _expert_product(offload.expert_product, dtype, device)  # None: 'mv'
         self._make_pools(self.capacity)
@@ -523,7 +524,7 @@ class OffloadedModel(LayerSteps):
 
     def _make_router_forward(self, m: MoELayer, stock):
         def forward(hidden_states, *args, **kwargs):
-            if torch.compiler.is_compiling():  # traced by the captured decode step: the policy is an operator
+            if self.capturing and torch.compiler.is_compiling():  # traced by the captured step: an operator
                 z_TE, w0_TK, ids0_TK = stock(hidden_states, *args, **kwargs)
                 w_TK, ids_TK = torch.ops.expertcache.route(hidden_states, z_TE, w0_TK, ids0_TK, m.index)
                 return z_TE, w_TK, ids_TK

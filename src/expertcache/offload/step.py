@@ -402,8 +402,11 @@ class LayerSteps(RuntimeObservers):
         base = self.arena.buffer.data_ptr()
         flat = self.arena.buffer.view(parts.dtype)  # [n, slot_bytes / el]
         n, stride = flat.shape
-        return tuple(flat.as_strided((n, *t.shape), (stride, t.shape[1], 1), (t.data_ptr() - base) // el)
-                     for t in w)
+        views = tuple(flat.as_strided((n, *t.shape), (stride, t.shape[1], 1), (t.data_ptr() - base) // el)
+                      for t in w)
+        for v in views:  # graph inputs at a fixed address: CUDA graphs read the arena in place, never a copy of it
+            torch._dynamo.mark_static_address(v)
+        return views
 
     def _serve_slots(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
