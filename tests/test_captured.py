@@ -1,14 +1,19 @@
 """Issue 35's captured decode step (:mod:`expertcache.models.captured`): a batch-1 token's whole step one compiled
-graph against a static KV cache, the MoE blocks eager inside it as opaque operators.
+graph against a static KV cache, the MoE blocks traced into it, the host's decisions custom operators inside it and
+the experts computed in the graph from their slots.
 
 Checked against the eager runtime (the reference: the stock transformers forward with a dynamic cache, every
 MoE block the runtime's), on an OLMoE-layout model (4 layers, 16 experts, top-4), teacher-forced:
 
-- the logits of every decoded position within float32 rounding (the dense part's sums may be fused
-  differently: nothing else changes);
-- the routing decisions (recorded ids) and the cache counters (hits, misses, prefetch guesses and reads) equal,
-  for original routing and the cache-aware policies, C = N and C < N, prefetch off and on: the MoE blocks and
-  the first MoE layer's guess run the same eager code;
+- the logits of every decoded position within float32 rounding (the dense part's and the in-graph expert
+  products' sums may be fused differently: nothing else changes);
+- the routing decisions (recorded ids) and the cache counters (hits, misses, prefetch guesses and reads,
+  low-precision computes) equal, for original routing and the cache-aware policies, C = N, C < N and C < K
+  (a scratch slot read twice: those experts computed beside the graph), prefetch off and on, reads in flight on
+  two reader threads from the disk tier, int8 experts (the eager products as one operator) and resident int4
+  copies: the operators run the same eager host code;
+- the in-graph products (:func:`~expertcache.offload.step.inline_product`) against the family's own one-expert
+  MLP; a MoE block with a forward hook stays one opaque operator and its hook runs;
 - ``generate`` takes the captured step with ``compile`` on and gives the eager tokens; more rows, or a model
   whose layout the step does not take (sliding-window attention), decode eagerly as before;
 - a generation longer than the static cache is refused before it writes outside it;

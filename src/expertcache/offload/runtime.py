@@ -626,7 +626,8 @@ class OffloadedModel(LayerSteps):
 
     def captured(self, rows: int, length: int):
         """A captured decode session (:class:`expertcache.models.captured.CapturedDecode`: static KV cache of
-        ``length`` positions or more, the token's whole step one compiled graph, the MoE blocks eager inside it)
+        ``length`` positions or more, the token's whole step one compiled graph; this runtime's seams its
+        operators: :meth:`captured_route`, :meth:`captured_cache_step` / :meth:`captured_experts`)
         for a generation of ``rows`` rows, or None where :meth:`generate` decodes eagerly: ``compile`` off, more
         than one row, or a model of a layout it does not take (``captured_unsupported`` in :meth:`describe`)."""
         from expertcache.models.captured import CapturedDecode
