@@ -142,7 +142,10 @@ def test_interrupted_ray_sweep_resumes_without_duplicates(trace_file, tmp_path):
     cmd = [sys.executable, "-m", "expertcache.cli.main", *args, "--out", str(out), "--ray", "--ray-cpus", "2"]
     # SIGINT back to its default in the child: a SIG_IGN left by an earlier test in this process is inherited
     # across exec, and Python then installs no KeyboardInterrupt handler (the sweep would run to its end)
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # and its own session: the driver's Ray processes (raylet, GCS, workers) never share pytest's process group,
+    # so nothing Ray signals to its group on the way down can reach this process (a slow-step run once ended
+    # right after this test with no report at all)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # a loaded machine starts Ray slowly: interrupt only once the sweep writes rows (a SIGINT during Ray's own
     # start-up is Ray's to handle, not the sweep's resume logic), and give the driver time to stop
@@ -154,7 +157,7 @@ def test_interrupted_ray_sweep_resumes_without_duplicates(trace_file, tmp_path):
     partial = len(list(read_jsonl(out)))
     print("rows before the interruption:", partial)
     assert 20 <= partial < 480, partial  # interrupted mid-way
-    assert subprocess.run(cmd, env=env, capture_output=True, timeout=300).returncode == 0
+    assert subprocess.run(cmd, env=env, capture_output=True, timeout=300, start_new_session=True).returncode == 0
     assert main([*args, "--out", str(ref)]) == 0
     rows = list(read_jsonl(out))
     assert len(rows) == 480 and len({r["sweep_key"] for r in rows}) == 480
