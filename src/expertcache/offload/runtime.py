@@ -198,8 +198,8 @@ class OffloadedModel(LayerSteps):
         io = offload.io if offload.tier == "disk" else "cached"
         self._parts = {(m.index, e): self.source.parts(m.layer_id, e) for m in layers for e in range(self.num_experts)}
         # the captured step's in-graph products read every slot at one layout: disk reads land packed
-        packed = _graph_products(offload, model, next(iter(self._parts.values())), dtype, device)
-        self._placement = {k: place_expert(p, io, packed=packed) for k, p in self._parts.items()}
+        self.graph_experts = _graph_products(offload, model, next(iter(self._parts.values())), dtype, device)
+        self._placement = {k: place_expert(p, io, packed=self.graph_experts) for k, p in self._parts.items()}
         self.expert_bytes, self.slot_bytes, self._io_bytes = _expert_sizes(self._parts, self._placement,
                                                                            offload.readers)
         self.readers = IOQueue(offload.readers)

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from expertcache.cache import ExpertCache, make_cache
-from expertcache.device import on_host, to_device
+from expertcache.device import to_device
 from expertcache.models.adapters import MoELayer
-from expertcache.offload.experts import OPAQUE_MATVEC_ELEMENTS, expert_views
+from expertcache.offload.experts import expert_views
 from expertcache.offload.ioqueue import Ticket
 from expertcache.offload.observe import RuntimeObservers
 from expertcache.offload.prefetch import first_layer_input, guess_next_layer
@@ -236,8 +236,6 @@ class LayerSteps(RuntimeObservers):
 
     def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         st = self.states[index]
-        # the host copy the router call fetched (the layer's one device -> host transfer) or that the routing
-        # policy made these very ids from; a transfer of their own only for ids made otherwise (a row router's)
         t0, wait0 = time.perf_counter(), self.io_wait_seconds
         ids_cpu_TK, order, low = self._requests(st, ids_TK, w_TK)
         if ids_cpu_TK.shape[0] == 1:
@@ -251,6 +249,8 @@ class LayerSteps(RuntimeObservers):
                   ) -> tuple[torch.Tensor, list[int], set[int] | tuple]:
         """(the ids in host memory, the step's serving order less the experts computed at low precision, those
         experts) for routed ids ``ids_TK`` and weights ``w_TK``; a one-token step's order is recorded."""
+        # the host copy the router call fetched (the layer's one device -> host transfer) or that the routing
+        # policy made these very ids from; a transfer of their own only for ids made otherwise (a row router's)
         ids_cpu_TK = self.host_copy(ids_TK)
         one = ids_cpu_TK.shape[0] == 1
         # the one serving order (the live view's shadow too); one token's needs no weights (no transfer)
@@ -378,33 +378,16 @@ class LayerSteps(RuntimeObservers):
         return final_D[None]
 
     def _make_inline_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(gate_up [n, 2F, D], down [n, D, F]): every slot of the arena seen as one strided tensor per matrix,
-        for the captured decode step's in-graph expert products (:func:`inline_product`), or None where those
-        products are not made in the graph: experts not of the ``linear`` layout, quantised, stored in another
-        dtype, or placed at more than one layout in their slots (disk placements follow file alignment); and
-        on a CPU experts whose matrices reach :data:`~expertcache.offload.experts.OPAQUE_MATVEC_ELEMENTS`
-        (inductor's fused product is slower than aten's ``mv`` there: 1.2x in float32, 2x in bfloat16 at
-        OLMoE's shape, so those steps keep the eager products, ``expertcache::experts``)."""
-        if not self.offload.compile or self.source.quant is not None \
-                or any(getattr(f, "act", None) is None for f in self._mlps) \
-                or len(set(self._layout_of.values())) != 1:
+        """(gate_up [n, 2F, D], down [n, D, F]): the arena's per-matrix views (:meth:`_grouped_views`) for the
+        captured decode step's in-graph expert products (:func:`inline_product`), or None where those products
+        are not made in the graph: where the runtime decided so at construction (:attr:`graph_experts`:
+        ``runtime._graph_products``) or where the experts sit at more than one layout in their slots."""
+        if not self.graph_experts or len(set(self._layout_of.values())) != 1:
             return None
         key = next(iter(self._parts))
-        parts = self._parts[key]
-        if parts.dtype != self.dtype:
-            return None
-        w = expert_views(self.arena.buffer[0], parts, self._placement[key], self.dtype)
-        el = parts.dtype.itemsize
-        if len(w) != 2 or self.slot_bytes % el or not all(t.is_contiguous() for t in w):
-            return None
-        if on_host(self.device) and max(t.numel() for t in w) >= OPAQUE_MATVEC_ELEMENTS:
-            return None
-        base = self.arena.buffer.data_ptr()
-        flat = self.arena.buffer.view(parts.dtype)  # [n, slot_bytes / el]
-        n, stride = flat.shape
-        views = tuple(flat.as_strided((n, *t.shape), (stride, t.shape[1], 1), (t.data_ptr() - base) // el)
-                      for t in w)
-        for v in views:  # graph inputs at a fixed address: CUDA graphs read the arena in place, never a copy of it
+        views = self._grouped_views({key[1]: expert_views(self.arena.buffer[0], self._parts[key],
+                                                          self._placement[key], self.dtype)})
+        for v in views or ():  # graph inputs at a fixed address: CUDA graphs read the arena in place, not a copy
             torch._dynamo.mark_static_address(v)
         return views
 
