@@ -110,10 +110,12 @@ def test_generate_takes_the_captured_step_and_gives_the_eager_tokens(olmoe_dir):
     out = {}
     for compile_ in (False, True):
         rt = _rt(olmoe_dir, compile_=compile_, policy="cache-prior", capacity=6)
-        runs = [rt.generate(p, 9) for p in prompts]
+        notices = []  # on_compile: called once, just before the compilation (the CLI's notice)
+        runs = [rt.generate(p, 9, on_compile=lambda i=i: notices.append(i)) for i, p in enumerate(prompts)]
         out[compile_] = [(r["tokens"], r["decode_stats"]["hits"], r["decode_stats"]["misses"]) for r in runs]
         compiled = [r["compile_s"] for r in runs]
         assert (compiled[0] > 0, compiled[1]) == (compile_, 0.0)
+        assert notices == ([0] if compile_ else [])
         kept = rt.model.__dict__.get("_expertcache_captured", {})
         assert bool(kept) == compile_  # generate compiled a step only with compile on
         rt.close()
@@ -252,3 +254,16 @@ def test_a_hooked_moe_block_stays_opaque_and_its_hook_runs(olmoe_dir):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     assert len(calls) == 1 + ids.shape[1] - 3  # the prefill, then each token (the compiling call runs no block)
     rt.close()
+
+
+def test_cli_generate_compile_says_it_is_compiling_before_the_pause(olmoe_dir, capsys):
+    """``generate --compile``: one stderr line announces the compilation before it starts (a first run is
+    otherwise silent for up to a minute after the prompt), and the summary reports its time apart."""
+    from expertcache.cli.main import main
+
+    assert main(["generate", "--model", str(olmoe_dir), "--tier", "host", "--compile", "--max-new-tokens", "3",
+                 "--seed", "0", "5 6 7"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    notice = [i for i, line in enumerate(err) if "compiling the decode step" in line]
+    summary = [i for i, line in enumerate(err) if "decode step compiled in" in line]
+    assert len(notice) == 1 and len(summary) == 1 and notice[0] < summary[0], err

@@ -300,8 +300,12 @@ def run(args: argparse.Namespace) -> int:
     eos = getattr(rt.config, "eos_token_id", None)
     if predictor is not None:  # MELINOE: the predicted Top-C of every layer, loaded before decoding
         prefetch_runtime(rt, predictor, [args.prompt], tok)
+    def on_compile():  # after the prefill, before the first token: otherwise a silent pause of up to a minute
+        print("expertcache generate: compiling the decode step (--compile; seconds to a minute, faster when "
+              "torch's compile cache has this model's code)", file=sys.stderr, flush=True)
+
     r = rt.generate(ids, args.max_new_tokens, temperature=args.temperature, seed=args.seed, on_token=on_token,
-                    stop=eos if isinstance(eos, int) else None)
+                    stop=eos if isinstance(eos, int) else None, on_compile=on_compile)
     out.write("\n")
     s = rt.stats()
     d = r["decode_stats"]

@@ -303,10 +303,11 @@ class CapturedDecode:
         self._pos_1 = torch.zeros(1, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def prefill(self, ids_1S: torch.Tensor) -> torch.Tensor:
+    def prefill(self, ids_1S: torch.Tensor, on_compile: Callable[[], None] | None = None) -> torch.Tensor:
         """Logits [1, V] of the prompt's last position (the stock forward, eager -- modules that
         ``compile_dense`` wrapped run their plain code: one prompt does not pay a compilation -- filling the
-        static cache); then the step's graph is compiled if this key has none yet (:attr:`compile_s`)."""
+        static cache); then the step's graph is compiled if this key has none yet (:attr:`compile_s`), after a
+        call of ``on_compile()`` (a caller's notice: it takes seconds to a minute)."""
         if ids_1S.shape[0] != 1:
             raise ValueError(f"the captured decode step takes one row, got {ids_1S.shape[0]}")
         self._check(ids_1S.shape[1])
@@ -314,6 +315,8 @@ class CapturedDecode:
             out = self.model(input_ids=ids_1S.to(self.device), past_key_values=self.cache, use_cache=True)
         self.pos = ids_1S.shape[1]
         if self._key not in self._warm and self.pos < self.length:
+            if on_compile is not None:
+                on_compile()
             self._compile()
         return out.logits[:, -1]
 

@@ -686,19 +686,20 @@ class OffloadedModel(LayerSteps):
     @torch.inference_mode()
     def generate(self, input_ids_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, seed: int = 0,
                  on_token: Callable[[torch.Tensor], None] | None = None, stop: int | None = None,
-                 forced_BN: torch.Tensor | None = None) -> dict:
+                 forced_BN: torch.Tensor | None = None, on_compile: Callable[[], None] | None = None) -> dict:
         """Greedy (``temperature=0``) or sampled decoding. Returns ``tokens`` [B, n], ``prefill_s``,
         ``decode_s`` (time of the decode steps only), ``decode_tokens`` (forward calls after the prefill) and
         ``decode_stats`` (hits, misses, bytes read ... of those calls only). ``on_token`` sees each new
         [B, 1] token as soon as it is chosen. ``forced_BN`` feeds those tokens instead of choosing (the
         benchmark's teacher-forced mode: a random-weight model decoded greedily repeats one token). With
         ``compile`` on, a one-row generation decodes through :meth:`captured`; ``compile_s`` is the time its
-        graph took to compile (0 when this model already had it), counted in neither prefill nor decode."""
+        graph took to compile (0 when this model already had it), counted in neither prefill nor decode, and
+        ``on_compile()`` is called just before that compilation starts."""
         g = torch.Generator().manual_seed(seed)
         t0 = time.perf_counter()
         captured = self.captured(input_ids_BS.shape[0], input_ids_BS.shape[1] + max_new_tokens)
         if captured is not None:
-            logits_BV, past = captured.prefill(input_ids_BS), None
+            logits_BV, past = captured.prefill(input_ids_BS, on_compile), None
         else:
             logits_BV, past = self.prefill(input_ids_BS)
         t1 = time.perf_counter()
