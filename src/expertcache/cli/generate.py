@@ -300,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
     eos = getattr(rt.config, "eos_token_id", None)
     if predictor is not None:  # MELINOE: the predicted Top-C of every layer, loaded before decoding
         prefetch_runtime(rt, predictor, [args.prompt], tok)
+
     def on_compile():  # after the prefill, before the first token: otherwise a silent pause of up to a minute
         print("expertcache generate: compiling the decode step (--compile; seconds to a minute, faster when "
               "torch's compile cache has this model's code)", file=sys.stderr, flush=True)

@@ -27,8 +27,10 @@ packed blob's bytes) is one more fixed term, added to the total and the minimum.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -100,28 +102,31 @@ def process_rss() -> int:
         return 0
 
 
-def release_free_heap() -> None:
+@functools.cache
+def glibc():
+    """The C library as a ``ctypes.CDLL`` where it is glibc on Linux (its malloc tunables), else None."""
+    import ctypes
+    import ctypes.util
+    import platform
+
+    name = ctypes.util.find_library("c")
+    if not name or sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def release_free_heap() -> bool:
     """Hand the C heap's free pages back to the kernel (glibc's ``malloc_trim(0)``; nothing elsewhere). A
     transient phase that allocates and frees many blocks of a few MiB (the sidecar's writer: an expert's bytes,
     float32 copies, the packed blob) otherwise leaves them resident: glibc raises its mmap threshold to the
     size of each mmapped block freed, so the next ones come from the heap, whose free pages stay in RSS. That
     memory is in no term of the plan after the loading phase (measured: 20-50 MiB more peak RSS during a cold
-    ``--quant int4`` run's decode than a warm one's)."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC = None
+    ``--quant int4`` run's decode than a warm one's). True if glibc returned memory."""
+    libc = glibc()
+    return bool(libc is not None and libc.malloc_trim(0))
 
 
 def container_limit(root: str | os.PathLike = "/") -> tuple[int | None, str]:

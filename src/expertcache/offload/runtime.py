@@ -61,8 +61,8 @@ from expertcache.device import on_host, to_device, to_host, to_host_many
 from expertcache.cache import DEFAULT_GAMMA, CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.models.captured import compile_dense, missing_compiler, unsupported_reason
-from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit, release_free_heap,
-                                       kv_cache_bytes, parse_bytes, plan_memory, process_rss)
+from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit,
+                                       kv_cache_bytes, parse_bytes, plan_memory, process_rss, release_free_heap)
 from expertcache.offload.checkpoint import Checkpoint, ExpertParts
 from expertcache.offload.experts import OPAQUE_MATVEC_ELEMENTS, OffloadedExperts, bucket_rows, expert_mlp, use_matvec
 from expertcache.offload.config import EXPERT_PRODUCTS, OffloadConfig

@@ -30,17 +30,10 @@ def tune_malloc(threshold: int = 1 << 16) -> bool:
     has risen. Measured in-process on the granular model (16 rows × 32 tokens per round): RSS 526 → 541 MiB
     then flat with it, 543 → 561 MiB and still rising without. The HTTP server's RSS still grows, sub-linearly
     (BENCHMARKS.md, serving section). True if applied."""
-    import ctypes
-    import ctypes.util
+    from expertcache.offload.budget import glibc
 
-    name = ctypes.util.find_library("c")
-    if not name or sys.platform != "linux":
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD = -3
-    except (OSError, AttributeError):
-        return False
+    libc = glibc()
+    return bool(libc is not None and libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD = -3
 
 
 def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
