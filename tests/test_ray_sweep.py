@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,14 +28,15 @@ def _ray_cli(args, *, timeout=300):
     Never Ray inside pytest's own process: a driver whose raylet dies (missed heartbeats on a loaded 2-core
     machine, a kill from the kernel) leaves through ``_exit(1)``, and a slow step that held a Ray in-process
     once ended in the middle of this module with exit 1 and no report at all. Returns the finished process."""
-    import os
-    import subprocess
-    import sys
+    return subprocess.run([sys.executable, "-m", "expertcache.cli.main", *args, "--ray", "--ray-cpus", "2"],
+                          capture_output=True, text=True, env=_child_env(), timeout=timeout, start_new_session=True)
 
+
+def _child_env():
+    """The environment of a Ray driver subprocess: the expertcache under test, one thread, a local Ray."""
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "expertcache.cli.main", *args, "--ray", "--ray-cpus", "2"],
-                          capture_output=True, text=True, env=env, timeout=timeout, start_new_session=True)
+    return env
 
 
 def _ok(p):
@@ -126,15 +130,9 @@ else:
 def test_failed_run_keeps_finished_rows(trace_file, tmp_path):
     """A run that raises on a worker: the driver re-raises it, cancels the rest, and the rows already written
     stay whole and unique (in a process of its own, see _ray_cli)."""
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "x.jsonl"
-    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    env.pop("RAY_ADDRESS", None)
     p = _ok(subprocess.run([sys.executable, "-c", _FAILING_SWEEP, trace_file, str(out)], capture_output=True,
-                           text=True, env=env, timeout=300, start_new_session=True))
+                           text=True, env=_child_env(), timeout=300, start_new_session=True))
     assert "raised:" in p.stdout and "unknown routing policy" in p.stdout, p.stdout + p.stderr[-2000:]
     planned = int(p.stdout.split("planned:")[1].split()[0])
     rows = list(read_jsonl(out)) if out.exists() else []
@@ -158,10 +156,7 @@ def test_dry_run_with_ray_starts_nothing(trace_file, tmp_path, capsys):
 def test_interrupted_ray_sweep_resumes_without_duplicates(trace_file, tmp_path):
     """Ctrl-C (SIGINT) on a running `sweep --ray` driver, then the same command again: every planned run
     exactly once, the rows equal a single-process sweep's."""
-    import os
     import signal
-    import subprocess
-    import sys
     import time
 
     out, ref = tmp_path / "int.jsonl", tmp_path / "ref.jsonl"
@@ -170,8 +165,7 @@ def test_interrupted_ray_sweep_resumes_without_duplicates(trace_file, tmp_path):
     trace_file = str(make_trace(t=800, l=2, e=8, k=2, starts=[0, 400]).save(tmp_path / "long.trace"))
     args = ["sweep", "--trace", trace_file, "--policies", "cache-prior,eras-bias", "--grid", "40",
             "--capacity", "1,2,3,4,5,6", "--no-progress"]
-    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
-    env.pop("RAY_ADDRESS", None)
+    env = _child_env()
     cmd = [sys.executable, "-m", "expertcache.cli.main", *args, "--out", str(out), "--ray", "--ray-cpus", "2"]
     # SIGINT back to its default in the child: a SIG_IGN left by an earlier test in this process is inherited
     # across exec, and Python then installs no KeyboardInterrupt handler (the sweep would run to its end)
