@@ -23,6 +23,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--out", default=None, help="append one JSONL row per configuration to this file")
     args = ap.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
     if args.repeats < 1 or args.tokens < 512:
         ap.error("--repeats must be >= 1 and --tokens >= 512")
     import torch

@@ -28,6 +28,9 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=8)
     ap.add_argument("--out", default=None, help="append one JSONL row per mode to this file")
     a = ap.parse_args()
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, a.out)  # rows go to a row file only: never appended to notes.md
     if a.runs < 1 or a.tokens < 2:
         ap.error("--runs must be >= 1 and --tokens >= 2")
     import httpx

@@ -118,6 +118,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="JSONL output (appended)")
     ap.add_argument("--figure", default=None, help="frontier PNG (default: none)")
     args = ap.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
     torch.set_num_threads(1)
 
     from expertcache.eval.runner import load_model_and_tokenizer

@@ -326,6 +326,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
     for flag, value, least in (("--chunks", args.chunks, 1), ("--questions", args.questions, 1),
                                ("--shots", args.shots, 0), ("--threads", args.threads, 1)):
         if value < least:

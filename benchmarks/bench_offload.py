@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("granular", "olmoe", "ppl"), default=None)
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
     torch.set_num_threads(args.threads)
     print(f"machine: {machine_info()}", flush=True)
     out = lambda row: append_jsonl(args.out, dict(row, bench="bench_offload.py", label=args.label))

@@ -198,6 +198,9 @@ def main(argv=None) -> int:
                          "the label of each is its path unless --label names them (comma-separated)")
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
     if args.tokens < 1 or args.rounds < 1 or args.threads < 1:
         print("bench_overhead: --tokens, --rounds and --threads must be ≥ 1", file=sys.stderr)
         return 2

@@ -198,6 +198,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, metavar="MODEL", help="cProfile the patched variants of MODEL")
     ap.add_argument("--out", default=None, help="append JSONL rows here")
     args = ap.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
     torch.set_num_threads(1)
     import transformers
 

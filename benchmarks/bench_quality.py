@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("rows", nargs="+", help="JSONL rows of `expertcache sweep` (closed loop, one model per file)")
     ap.add_argument("--out", default=None, help="append the chosen runs as JSONL rows to this file")
     args = ap.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
     from expertcache.results import append_jsonl, read_jsonl
 
     for path in args.rows:

@@ -283,6 +283,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
     torch.set_num_threads(args.threads)
     info = machine_info()
     with open("/proc/loadavg") as f:

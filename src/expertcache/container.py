@@ -80,7 +80,7 @@ def check_import_floor(command: str, root: str | os.PathLike | None = None) -> s
     (it would be killed while importing torch); None when it fits or no limit is set. ``root``: the file tree
     the cgroup is read from (default ``$EXPERTCACHE_CGROUP_ROOT`` or ``/``, as the memory plan reads it)."""
     if root is None:
-        root = os.environ.get("EXPERTCACHE_CGROUP_ROOT", "/")
+        root = os.environ.get("EXPERTCACHE_CGROUP_ROOT", "").strip() or "/"
     try:
         limit = cgroup_memory_limit(root)
     except (OSError, ValueError):

@@ -11,7 +11,20 @@ Every command that writes follows it, checked before any work (:func:`check_args
   ``.expertcache-tmp`` beside the output, so they can never be a user's, and are removed on every failure;
 * rows are appended (``simulate``, ``sweep``, ``eval``, ``mole eval``) only to a file that already is a row
   file -- empty, or JSON objects one per line (:func:`check_row_file`); a torn last row of an interrupted run
-  is cut off only then, never the last line of some other file.
+  is cut off only then, never the last line of some other file;
+* the inputs are what a command reads *however it found them*: paths on the command line, the shipped models
+  and traces (found by name, e.g. ``--model granular``), the data folder (``--data-dir``, ``$EXPERTCACHE_DATA``
+  or ``../shared/data``) and the expert cache folder of quantised sidecars (:func:`implicit_inputs`); no existing
+  file inside an input folder is replaced or appended to;
+* an output that exists and is not a regular file, a folder or a character device (a FIFO, a socket, a disk)
+  is refused before the work -- writing it would block, go nowhere or destroy a disk -- except the documented
+  streams ``/dev/stdout`` (also written ``-``), ``/dev/stderr`` and ``/dev/null``; streams and character devices
+  are written in place (no lock file or temporary file beside them, never replaced);
+* a command that writes named files into a folder it does not own (``report``, ``analyze --out-dir``) replaces
+  only the files it wrote there before, as recorded in :data:`FILES_MARK`, unchanged since
+  (:func:`claim_names`); a file of the user's of the same name is refused, never replaced;
+* temporary names fit the file system's name limit (the output's name is shortened in them), so a valid long
+  output name never fails after the work.
 
 Pure path logic, no torch; errors are :class:`OutputError` (a ``ValueError``) naming the flag and the path.
 """
@@ -24,13 +37,19 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["MARK", "TMP_SUFFIX", "OutputError", "check_args", "check_not_input", "check_folder_output",
-           "check_row_file", "mark_folder", "publish_folder", "temp_folder", "temp_file", "OUTPUT_DESTS"]
+__all__ = ["MARK", "FILES_MARK", "TMP_SUFFIX", "STREAMS", "OutputError", "check_args", "check_not_input",
+           "check_folder_output", "check_row_file", "mark_folder", "publish_folder", "temp_folder", "temp_file",
+           "replace_file", "is_stream", "implicit_inputs", "claim_names", "record_names", "name_max",
+           "OUTPUT_DESTS"]
 
 #: the file inside a folder written by an expertcache command, naming the command
 MARK = ".expertcache-output.json"
 #: every temporary file or folder of an output ends with this (never a user's name: created exclusively)
 TMP_SUFFIX = ".expertcache-tmp"
+#: the file inside a folder that a command writes named files into (``report``, ``analyze``) listing them
+FILES_MARK = ".expertcache-files.json"
+#: the outputs that are not regular files but are accepted (written in place, nothing created beside them)
+STREAMS = ("/dev/stdout", "/dev/stderr", "/dev/null")
 
 #: argparse destinations that are outputs (every other path-valued flag or argument is an input)
 OUTPUT_DESTS = ("out", "out_dir", "trace_out", "profile_out", "fig")
@@ -60,9 +79,9 @@ def _inside(child: Path, parent: Path) -> bool:
 
 def check_not_input(out, flag: str, inputs: dict, *, replaces_folder: bool = False, appends: bool = False) -> None:
     """Refuse ``out`` (given as ``flag``) when it is one of ``inputs`` (``{label: path}``, label e.g.
-    ``"t.trace (trace)"``), when it would replace an existing file inside an input folder (a model's weights; not
-    for ``appends``: rows appended to a row file there), or, for an output folder that is replaced
-    (``replaces_folder``), when it holds an input."""
+    ``"t.trace (trace)"``), when it would replace or append to an existing file inside an input folder (a
+    model's weights, a data set's rows), or, for an output folder that is replaced (``replaces_folder``), when it
+    holds an input. ``appends``: kept for callers; an append changes an input's file as much as a write."""
     if out in (None, ""):
         return
     for label, inp in inputs.items():
@@ -72,8 +91,9 @@ def check_not_input(out, flag: str, inputs: dict, *, replaces_folder: bool = Fal
             raise OutputError(f"{flag} {out}: is the input {label}; refusing to overwrite it (give another {flag})")
         if replaces_folder and _inside(inp, out):
             raise OutputError(f"{flag} {out}: holds the input {label} and would be replaced; give another {flag}")
-        if not (replaces_folder or appends) and os.path.isfile(out) and Path(inp).is_dir() and _inside(out, inp):
-            raise OutputError(f"{flag} {out}: would replace a file of the input folder {label}; give another {flag}")
+        if not replaces_folder and os.path.isfile(out) and Path(inp).is_dir() and _inside(out, inp):
+            what = "append to" if appends else "replace"
+            raise OutputError(f"{flag} {out}: would {what} a file of the input folder {label}; give another {flag}")
 
 
 def _marked_by(folder: Path) -> str | None:
@@ -114,20 +134,61 @@ def mark_folder(folder, command: str) -> None:
     (Path(folder) / MARK).write_text(json.dumps({"command": command}) + "\n")
 
 
+def name_max(folder) -> int:
+    """The longest file name (bytes) the file system of ``folder`` takes (255 where it does not say)."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 255
+
+
+#: the random part ``mkstemp``/``mkdtemp`` put between prefix and suffix
+_RANDOM = 8
+
+
+def _temp_prefix(final: Path) -> str:
+    """``.<name>.`` with ``<name>`` shortened (whole UTF-8 characters) so that the temporary name -- prefix,
+    random part, :data:`TMP_SUFFIX` -- fits the folder's name limit even when the output's name is at it."""
+    room = name_max(final.parent) - 2 - _RANDOM - len(TMP_SUFFIX)
+    name = final.name
+    while name and len(os.fsencode(name)) > room:
+        name = name[:-1]
+    return f".{name}."
+
+
 def temp_folder(final) -> Path:
     """A new, empty folder beside ``final`` for building it (created exclusively: never a user's folder)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=TMP_SUFFIX, dir=final.parent))
+    return Path(tempfile.mkdtemp(prefix=_temp_prefix(final), suffix=TMP_SUFFIX, dir=final.parent))
 
 
 def temp_file(final) -> Path:
-    """A new, empty file beside ``final`` for writing it (created exclusively: never a user's file)."""
+    """A new, empty file beside ``final`` for writing it (created exclusively: never a user's file; its name
+    ends in :data:`TMP_SUFFIX` and fits the name limit)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=TMP_SUFFIX, dir=final.parent)
+    fd, name = tempfile.mkstemp(prefix=_temp_prefix(final), suffix=TMP_SUFFIX, dir=final.parent)
     os.close(fd)
     return Path(name)
+
+
+def is_stream(path) -> bool:
+    """Whether ``path`` is one of the accepted non-file outputs (:data:`STREAMS`, or ``-``)."""
+    return str(path) == "-" or str(path) in STREAMS
+
+
+def replace_file(tmp, final) -> None:
+    """Put the finished temporary file ``tmp`` in place of ``final``: renamed over it, or -- for a stream
+    (:data:`STREAMS`: ``/dev/null``, ``/dev/stdout``) that exists and is not a regular file -- its bytes copied
+    into it and ``tmp`` removed (a device is never replaced by a file)."""
+    tmp, final = Path(tmp), Path(final)
+    if final.exists() and not final.is_file() and not final.is_dir():
+        with open(tmp, "rb") as src, open(final, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        tmp.unlink(missing_ok=True)
+        return
+    os.replace(tmp, final)
 
 
 def publish_folder(tmp, final, command: str) -> Path:
@@ -191,6 +252,105 @@ def check_row_file(path, flag: str) -> None:
         raise OutputError(f"{bad} (its last line is not a JSON row); refusing to append to it")
 
 
+def implicit_inputs(values: dict) -> dict[str, str]:
+    """The inputs a command reads that its command line does not spell as paths (``{label: path}``): the
+    shipped models and traces (every command may read them: ``--model granular``, ``analyze`` without a trace,
+    the shipped tokenizer); the data folder of a command with ``--data-dir`` (its value, else
+    ``$EXPERTCACHE_DATA``, else ``<repo>/../shared/data``); the expert cache folder (quantised sidecars, bench
+    models) of every command that can read a model."""
+    from expertcache.inputs import env_path
+
+    found: dict[str, str] = {}
+    assets = Path(__file__).resolve().parent / "assets"
+    for dest, value in values.items():
+        if dest in OUTPUT_DESTS or dest.startswith("_") or not isinstance(value, str):
+            continue
+        if value in ("granular", "coarse") and not os.path.lexists(value):
+            found[f"{value} (--{dest.replace('_', '-')}, the shipped model)"] = str(assets / "models" / value)
+    found[f"{assets} (the shipped models and traces)"] = str(assets)
+    if "data_dir" in values:
+        root = values.get("data_dir") or env_path("EXPERTCACHE_DATA") or \
+            Path(__file__).resolve().parents[2].parent / "shared" / "data"
+        if os.path.isdir(root):
+            found[f"{root} (the data folder: --data-dir, $EXPERTCACHE_DATA or ../shared/data)"] = str(root)
+    if "model" in values or "quant" in values:
+        cache = env_path("EXPERTCACHE_CACHE") or Path.home() / ".cache" / "expertcache"
+        if os.path.isdir(cache):
+            found[f"{cache} (the expert cache folder: $EXPERTCACHE_CACHE)"] = str(cache)
+    return found
+
+
+def check_stream(out, flag: str) -> None:
+    """Refuse an output that exists and is neither a regular file nor a folder (a FIFO would block the command
+    after its work, a socket or a device takes nothing), unless it is one of :data:`STREAMS`."""
+    if is_stream(out):
+        return
+    try:
+        st = os.stat(Path(out).expanduser())
+    except OSError:
+        return
+    if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISCHR(st.st_mode):
+        return  # a character device (/dev/full, a terminal) is written in place, never replaced
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+            else "a block device" if stat.S_ISBLK(st.st_mode) else "not a regular file")
+    raise OutputError(f"{flag} {out}: is {kind}, not a regular file; give a file name (or {', '.join(STREAMS)})")
+
+
+def _digest(path: Path) -> str | None:
+    import hashlib
+
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def _recorded(folder: Path) -> dict:
+    from expertcache.jsonsafe import load_path
+
+    try:
+        doc = load_path(folder / FILES_MARK)
+    except (OSError, ValueError):
+        return {}
+    files = doc.get("files") if isinstance(doc, dict) else None
+    return files if isinstance(files, dict) else {}
+
+
+def claim_names(folder, names, flag: str, command: str, inputs: dict | None = None) -> None:
+    """Before a command writes ``names`` (file names) into ``folder``: refuse (naming ``flag`` and the file) a
+    name that is one of ``inputs`` (``{label: path}``), or that exists and is not a file this ``command`` wrote
+    there (recorded in :data:`FILES_MARK` with its digest, unchanged since) -- a user's ``pareto.md`` or
+    ``analysis_summary.json`` is never replaced."""
+    folder = Path(folder).expanduser()
+    rec = _recorded(folder)
+    for name in names:
+        path = folder / name
+        check_not_input(path, flag, inputs or {})
+        if not os.path.lexists(path):
+            continue
+        mine = rec.get(name)
+        if not (isinstance(mine, dict) and mine.get("command") == command and path.is_file()
+                and not path.is_symlink() and mine.get("sha256") == _digest(path)):
+            raise OutputError(f"{flag} {folder}: holds {name}, which this command did not write (or it was "
+                              f"changed since); refusing to replace it (give another {flag}"
+                              f"{', or a --prefix' if command == 'report' else ''}, or remove it yourself)")
+
+
+def record_names(folder, names, command: str) -> None:
+    """After a command wrote ``names`` into ``folder``: record them, with their digests, in :data:`FILES_MARK`
+    (so that its next run may replace them, and nothing else)."""
+    import json
+
+    from expertcache.results import atomic_write_bytes
+
+    folder = Path(folder)
+    rec = _recorded(folder)
+    for name in names:
+        rec[name] = {"command": command, "sha256": _digest(folder / name)}
+    atomic_write_bytes(folder / FILES_MARK, (json.dumps({"files": rec}, indent=1, sort_keys=True) + "\n").encode())
+
+
 def _paths_of(value) -> list[str]:
     if isinstance(value, (str, os.PathLike)) and str(value):
         return [str(value)]
@@ -210,6 +370,9 @@ def check_args(args, command: str) -> None:
     (``args.writer``: the command named in their mark, default ``command``); the row files a command appends to
     (``args.row_outputs``) against files that are not row files. Commands declare these with ``set_defaults``."""
     values = vars(args)
+    for dest in OUTPUT_DESTS:  # ``-`` is stdout
+        if values.get(dest) == "-" and dest not in ("out_dir", "fig"):
+            setattr(args, dest, "/dev/stdout")
     inputs: dict[str, str] = {}
     for dest, value in values.items():
         if dest in OUTPUT_DESTS or dest.startswith("_"):
@@ -224,9 +387,12 @@ def check_args(args, command: str) -> None:
         dest, sub = (item, None) if isinstance(item, str) else item
         if values.get(dest):
             replaced[dest] = Path(values[dest]) / sub if sub else Path(values[dest])
+    inputs.update(implicit_inputs(values))
+    args._inputs = inputs  # for the commands that check the names they write later (claim_names)
     rows = values.get("row_outputs") or ()
     for dest in OUTPUT_DESTS:
         for out in _paths_of(values.get(dest)):
+            check_stream(out, _flag(dest))
             check_not_input(out, _flag(dest), inputs, replaces_folder=dest in replaced, appends=dest in rows)
     for dest, folder in replaced.items():
         check_folder_output(folder, _flag(dest), values.get("writer") or command)

@@ -8,7 +8,6 @@ import io
 import json
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -36,10 +35,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         except OSError as exc:
             raise named(exc, path) from None
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    from expertcache.outputs import temp_file
+
     try:
-        with os.fdopen(fd, "wb") as f:
+        tmp = temp_file(path)  # ends in .expertcache-tmp, fits the name limit
+    except OSError as exc:
+        raise named(exc, path) from None
+    try:
+        with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -64,13 +67,24 @@ def save_npy(path: str | os.PathLike, arr) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+_ROW_FILES: set[str] = set()  # files this process has checked to be row files (append_jsonl)
+
+
 def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
     """Append one row as a single ``write`` of one line on an O_APPEND descriptor, then fsync: the row is
     whole or absent. A crash leaves at most a torn last line (readers skip it, see ``read_jsonl``); a failed or
     short write (a full disk) is cut off again (the file is truncated back to its size before the row) and
     raises OSError naming ``path``. The caller counts a row as written only when this returns. (Truncating back
-    assumes one writer per file: ``sweep`` holds a lock on its output.)"""
+    assumes one writer per file: ``sweep`` holds a lock on its output.) The first append of a process to a file
+    checks that it is a row file (:func:`expertcache.outputs.check_row_file`): rows are never appended to a
+    Markdown note or a trace (OutputError, a ValueError naming the file, the file untouched)."""
+    from expertcache.outputs import check_row_file
+
     path = Path(path)
+    key = os.path.realpath(path)
+    if key not in _ROW_FILES:
+        check_row_file(path, "rows file")
+        _ROW_FILES.add(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(row, sort_keys=True, allow_nan=False) + "\n").encode()
     try:
@@ -83,7 +97,8 @@ def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
             written = os.write(fd, data)
             if written != len(data):
                 raise OSError(errno.ENOSPC, f"No space left on device (short write: {written} of {len(data)} bytes)")
-            os.fsync(fd)
+            if stat.S_ISREG(os.fstat(fd).st_mode):  # /dev/null, a pipe: nothing to sync (EINVAL)
+                os.fsync(fd)
         except OSError as exc:
             try:
                 if stat.S_ISREG(os.fstat(fd).st_mode):
@@ -93,6 +108,21 @@ def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
             raise named(exc, path) from None
     finally:
         os.close(fd)
+
+
+def check_rows_out(parser, path, flag: str = "--out") -> None:
+    """For the benchmark scripts: ``parser.error`` (exit 2, the message naming ``flag`` and the file) before any
+    work unless rows may be appended to ``path`` (missing, empty, a row file or a stream;
+    :func:`expertcache.outputs.check_row_file`, :func:`expertcache.outputs.check_stream`)."""
+    from expertcache.outputs import check_row_file, check_stream
+
+    if not path:
+        return
+    try:
+        check_stream(path, flag)
+        check_row_file(path, flag)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
@@ -127,7 +157,7 @@ def pyplot():
 def save_figure(fig, path: str | os.PathLike, *, tight: bool = True, **savefig) -> Path:
     """Lay ``fig`` out (``tight``), write it to ``path`` through a temporary file beside it (creating the folder;
     a reader never sees half a PNG), close it and return the path. ``savefig``: e.g. ``dpi``, ``bbox_inches``."""
-    from expertcache.outputs import temp_file
+    from expertcache.outputs import replace_file, temp_file
 
     path = Path(path)
     tmp = None
@@ -136,7 +166,7 @@ def save_figure(fig, path: str | os.PathLike, *, tight: bool = True, **savefig) 
         if tight:
             fig.tight_layout()
         fig.savefig(tmp, **{"format": path.suffix.lstrip(".") or None, **savefig})
-        os.replace(tmp, path)
+        replace_file(tmp, path)  # a device (/dev/null) is written, never replaced
     except OSError as exc:
         raise named(exc, path) from None
     finally:

@@ -24,6 +24,10 @@ Profile the expert activations of a routing trace (003 MoE-ERAS section IV-A):
 """
 
 
+#: the files ``--out-dir`` receives
+OUT_DIR_FILES = ("analysis_frequency.png", "analysis_correlation.png", "analysis_distinct.png", "analysis_summary.json")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("analyze", help="activation profiling of a routing trace; ERAS biasing profile",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--profile-out must end in .npy or .json, got {args.profile_out!r}")
     check_output_path(args.profile_out, "--profile-out")
     check_output_path(args.out_dir, "--out-dir", directory=True)
+    if args.out_dir:  # a user's file of one of these names is refused, never replaced
+        from expertcache.outputs import claim_names
+
+        claim_names(args.out_dir, OUT_DIR_FILES, "--out-dir", "analyze", getattr(args, "_inputs", None))
     if args.trace is None:
         from expertcache.trace.demo import demo_trace_path
 
@@ -83,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
         path = out / "analysis_summary.json"
         atomic_write_bytes(path, (json.dumps(summary, indent=1, sort_keys=True, allow_nan=False) + "\n").encode())
         written.append(path)
+        from expertcache.outputs import record_names
+
+        record_names(out, OUT_DIR_FILES, "analyze")
     if args.json:
         print(json.dumps(summary, sort_keys=True, allow_nan=False))
     else:

@@ -303,9 +303,21 @@ def check_output_path(path, flag: str, *, directory: bool = False):
 
     from expertcache.cli.main import UsageError
 
+    from expertcache.outputs import is_stream, name_max
+
     if path is None or path == "":
         return None
+    if not directory and is_stream(path):  # /dev/stdout, /dev/null: written in place
+        return Path("/dev/stdout" if str(path) == "-" else path)
     p = Path(path).expanduser()
+    if any(len(os.fsencode(part)) > 255 for part in p.parts):
+        raise UsageError(f"{flag} {str(path)[:60]}...: a file or folder name is longer than 255 bytes")
+    anc0 = p.parent
+    while not anc0.exists() and anc0 != anc0.parent:
+        anc0 = anc0.parent
+    if anc0.is_dir() and len(os.fsencode(p.name)) > name_max(anc0):
+        raise UsageError(f"{flag} {str(path)[:60]}...: the name is longer than the {name_max(anc0)} bytes the file "
+                         "system takes")
     if directory:
         if p.exists() and not p.is_dir():
             raise UsageError(f"{flag} {path}: exists and is not a folder")

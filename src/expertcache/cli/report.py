@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from expertcache.eval.report import (group_rows, pareto_markdown, plot_cache_sizes, plot_raster,
                                          plot_sensitivity, plot_tradeoff, slug)
+    from expertcache.outputs import claim_names, record_names
     from expertcache.results import atomic_write_bytes
 
     out = check_output_path(args.out_dir, "--out-dir", directory=True)
@@ -63,32 +64,32 @@ def run(args: argparse.Namespace) -> int:
     if rows and not group_rows(rows) and not any(r.get("kind") == "sensitivity" for r in rows) and not args.trace:
         raise ValueError(f"nothing to report in {', '.join(args.rows)}: the rows have no quality (rows of "
                          "`simulate --out` only have miss rates; use `sweep` for quality vs miss rate)")
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
+    jobs = []  # (file name, write it): every name is known, and claimed, before the first is written
     groups = group_rows(rows)
+    pre = args.prefix
     if groups:
         md = pareto_markdown(groups)
         print(md)
-        atomic_write_bytes(out / f"{args.prefix}pareto.md", (md + "\n").encode())
-        written.append(out / f"{args.prefix}pareto.md")
+        jobs.append((f"{pre}pareto.md", lambda p: (atomic_write_bytes(p, (md + "\n").encode()), p)[1]))
         for (mode, source, cap, ev), rs in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
             n = rs[0].get("config", {}).get("num_experts", "?")
-            written.append(plot_tradeoff(rs, out / f"{args.prefix}tradeoff-{slug(source, mode, f'c{cap}', ev)}.png",
-                                         title=f"{source} ({mode}), cache {cap}/{n}, {ev}"))
+            jobs.append((f"{pre}tradeoff-{slug(source, mode, f'c{cap}', ev)}.png",
+                         lambda p, rs=rs, t=f"{source} ({mode}), cache {cap}/{n}, {ev}": plot_tradeoff(rs, p, title=t)))
         by_source = defaultdict(list)
         for (mode, source, cap, ev), rs in groups.items():
             by_source[(mode, source, ev)].extend(rs)
         for (mode, source, ev), rs in sorted(by_source.items()):
             if len({r["config"]["capacity"] for r in rs}) >= 2:
-                written.append(plot_cache_sizes(rs, out / f"{args.prefix}cache-size-{slug(source, mode, ev)}.png",
-                                                title=f"{source} ({mode}), {ev}"))
+                jobs.append((f"{pre}cache-size-{slug(source, mode, ev)}.png",
+                             lambda p, rs=rs, t=f"{source} ({mode}), {ev}": plot_cache_sizes(rs, p, title=t)))
     sens = defaultdict(list)
     for r in rows:
         if r.get("kind") == "sensitivity":
             sens[str(r["config"].get("model", ""))].append(r)
     for model, rs in sens.items():
-        written.append(plot_sensitivity(rs, out / f"{args.prefix}sensitivity-{slug(model)}.png",
-                                        title=f"{model}: WikiText sensitivity to the expert selection"))
+        jobs.append((f"{pre}sensitivity-{slug(model)}.png",
+                     lambda p, rs=rs, t=f"{model}: WikiText sensitivity to the expert selection":
+                     plot_sensitivity(rs, p, title=t)))
     if args.trace:
         from expertcache.trace import RoutingTrace
 
@@ -96,8 +97,23 @@ def run(args: argparse.Namespace) -> int:
         for spec in args.trace:
             file, _, label = spec.partition("=")
             traces.append((label or Path(file).name, RoutingTrace.load(file)))
-        written.append(plot_raster(traces, out / f"{args.prefix}raster.png", layer=args.layer, start=args.start,
-                                   tokens=args.tokens, capacity=args.raster_capacity))
+        jobs.append((f"{pre}raster.png", lambda p: plot_raster(traces, p, layer=args.layer, start=args.start,
+                                                                tokens=args.tokens, capacity=args.raster_capacity)))
+    # a user's file of the same name in --out-dir (or an input: `report d/pareto.md --out-dir d`) is refused
+    claim_names(out, [name for name, _ in jobs], "--out-dir", "report", getattr(args, "_inputs", None))
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    try:
+        for name, write in jobs:
+            written.append(write(out / name))
+    except BaseException:
+        if written:  # what was written is this command's to replace next time; the first error is the one shown
+            try:
+                record_names(out, [w.name for w in written], "report")
+            except OSError:
+                pass
+        raise
+    record_names(out, [w.name for w in written], "report")
     for w in written:
         print(f"wrote {w}")
     return 0

@@ -51,16 +51,27 @@ _HELD_LOCKS: dict[str, int] = {}  # resolved output path -> fd of its held lock 
 def sweep_lock(out: str | Path):
     """Hold an exclusive, non-blocking ``flock`` on ``<out>.lock`` for the duration: a second sweep (another
     process) appending to the same file would duplicate rows, so it fails at once with SweepLockedError naming
-    the file. Re-entrant within one process. The lock file is left in place (removing it would race)."""
+    the file. Re-entrant within one process. The lock file is left in place (removing it would race). An output
+    that is not a regular file (``/dev/null``, ``/dev/stdout``) takes no lock: nothing may be created beside it.
+    A name at the file system's limit gets a shortened lock name (with a digest of the full name)."""
     import fcntl
+    import hashlib
+
+    from expertcache.outputs import name_max
 
     out = Path(out)
+    if out.exists() and not out.is_file():
+        yield
+        return
     real = out.resolve()  # two names of one file (a symlink, a relative path) share one lock
     key = str(real)
     if key in _HELD_LOCKS:
         yield
         return
     lock = real.with_name(real.name + ".lock")
+    if len(os.fsencode(lock.name)) > name_max(real.parent):
+        short = real.name[:100]
+        lock = real.with_name(f".{short}.{hashlib.sha256(os.fsencode(real.name)).hexdigest()[:16]}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -135,11 +146,12 @@ def config_key(run: dict[str, Any]) -> str:
 
 
 def done_keys(path: str | Path) -> set[str]:
-    """Config keys of the rows already in ``path`` (empty if it does not exist)."""
+    """Config keys of the rows already in ``path`` (empty if it does not exist or is not a regular file: a stream
+    such as ``/dev/stdout`` is never read back -- reading a pipe's other end would block)."""
     from expertcache.results import read_jsonl
 
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         return set()
     return {r["sweep_key"] for r in read_jsonl(path) if "sweep_key" in r}
 
@@ -148,7 +160,7 @@ def drop_torn_tail(path: str | Path) -> bool:
     """Cut an unterminated last line (a row torn by an interrupted write) off ``path`` so that appended rows
     start on a fresh line; returns whether anything was cut. The torn run is simply run again."""
     path = Path(path)
-    if not path.exists() or path.stat().st_size == 0:
+    if not path.is_file() or path.stat().st_size == 0:
         return False
     with open(path, "rb+") as f:
         data = f.read()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from expertcache.mole.configs import MoleTrainConfig, build_model
 from expertcache.results import save_npy
+from expertcache.outputs import temp_file
 
 
 def _data_key(tokenizer_json: Path, corpus: Path, max_docs: int) -> str:
@@ -61,8 +62,12 @@ def prepare_run(cfg: MoleTrainConfig, tokenizer_dir: str | Path | None = None) -
     data_dir.mkdir(parents=True, exist_ok=True)
     for name in ("meta.json", "train.npy", "heldout.npy"):  # heldout last: its presence marks a complete copy
         if (cache / name).exists():
-            shutil.copy(cache / name, data_dir / f".{name}.tmp")
-            os.replace(data_dir / f".{name}.tmp", data_dir / name)
+            tmp = temp_file(data_dir / name)  # exclusive, ends in .expertcache-tmp: never a user's file
+            try:
+                shutil.copy(cache / name, tmp)
+                os.replace(tmp, data_dir / name)
+            finally:
+                tmp.unlink(missing_ok=True)
     return run_dir
 
 

@@ -5,7 +5,6 @@ recomputed). Loud: a missing tensor, a shape mismatch or an unexpected non-exper
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -17,8 +16,11 @@ __all__ = ["cache_dir", "load_non_expert", "recompute_rotary"]
 
 
 def cache_dir() -> Path:
-    """expertcache's cache folder (``$EXPERTCACHE_CACHE``, default ``~/.cache/expertcache``)."""
-    return Path(os.environ.get("EXPERTCACHE_CACHE", Path.home() / ".cache" / "expertcache"))
+    """expertcache's cache folder (``$EXPERTCACHE_CACHE``, default ``~/.cache/expertcache``; an empty variable is
+    unset, not the current folder)."""
+    from expertcache.inputs import env_path
+
+    return env_path("EXPERTCACHE_CACHE") or Path.home() / ".cache" / "expertcache"
 
 
 def load_non_expert(model: nn.Module, ckpt: Checkpoint, config, packed: dict[str, nn.Module] | None = None) -> None:

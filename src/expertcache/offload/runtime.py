@@ -61,6 +61,7 @@ from expertcache.device import on_host, to_device, to_host, to_host_many
 from expertcache.cache import DEFAULT_GAMMA, CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.models.captured import compile_dense, missing_compiler, unsupported_reason
+from expertcache.offload.binding import bound_sidecar
 from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit,
                                        kv_cache_bytes, parse_bytes, plan_memory, process_rss, release_free_heap)
 from expertcache.offload.checkpoint import Checkpoint, ExpertParts
@@ -103,7 +104,7 @@ def _sidecar(path: Path, checkpoint: Checkpoint, layers: list[MoELayer], layout)
     one written once (streaming) into the cache folder, keyed by the checkpoint's files (never into the model
     folder)."""
     side = quant_sidecar_path(path, layout)
-    if not side.is_file():
+    if not bound_sidecar(side, checkpoint, [m.layer_id for m in layers]):  # absent, or made from another model
         import hashlib
 
         stamp = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
@@ -356,7 +357,7 @@ class OffloadedModel(LayerSteps):
             widest = max(m.weight.shape[1] for m in dense.values())
             load = max(load, DENSE_PACK_TRANSIENT * PACK_ROWS * widest)
         budget = None if o.memory is None else parse_bytes(o.memory)
-        root = os.environ.get("EXPERTCACHE_CGROUP_ROOT", "/")  # a fake tree, for tests
+        root = os.environ.get("EXPERTCACHE_CGROUP_ROOT", "").strip() or "/"  # a fake tree, for tests; "" = unset
         if budget == AUTO:
             limit, source = container_limit(root)
         else:

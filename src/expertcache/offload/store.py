@@ -132,6 +132,11 @@ def check_sidecar_layout(path: str | os.PathLike, layout: QuantLayout) -> None:
         (n,) = struct.unpack("<Q", f.read(8))
         meta = loads(f.read(n), what=str(path)).get("__metadata__") or {}  # read_header has checked n
     want = _layout_meta(layout)
+    if meta.get("format_version") != want["format_version"] and str(meta.get("format_version", 1)).isdigit() and \
+            int(meta.get("format_version", 1)) > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: quantised experts in format {meta['format_version']}, written by a newer "
+                              f"expertcache (this one reads format {FORMAT_VERSION}); upgrade expertcache, or delete "
+                              "the file and it is rebuilt in this format")
     if meta.get("format_version") != want["format_version"]:
         raise CheckpointError(f"{path}: quantised experts in format {meta.get('format_version', 1)} (an older "
                               f"expertcache, dequantised per use), this one reads format {FORMAT_VERSION} (the fused "
@@ -192,17 +197,20 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str 
     digest per expert (tensor ``CHECKSUM_KEY``) and the layout in the metadata. Returns its path (default:
     next to the checkpoint). Skips the work if a sidecar of this layout exists whose checksums verify;
     rebuilds a damaged one or one of an older format (a note on stderr)."""
+    from expertcache.offload.binding import SOURCE_KEY, check_bound, check_sidecar_place, source_digest
     from expertcache.offload.experts import expert_views
     from expertcache.offload.writer import write_safetensors
 
     layout = mode if isinstance(mode, QuantLayout) else quant_layout_for(checkpoint, layer_ids[0], mode, group)
     path = Path(out) if out is not None else quant_sidecar_path(checkpoint.folder, layout)
+    check_sidecar_place(path)  # a folder in its place: named, never replaced
     if path.is_file():
         try:
             entries = read_header(path)
             check_sidecar_layout(path, layout)
             if len(entries) == len(layer_ids) * checkpoint.num_experts + 1:
                 verify_quant_sidecar(path, entries)
+                check_bound(path, checkpoint, layer_ids)  # made from this checkpoint (offload.binding)
                 return path
         except CheckpointError as exc:
             print(f"expertcache: {exc}; rebuilding it", file=sys.stderr)
@@ -225,6 +233,7 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str 
     entries.append((CHECKSUM_KEY, torch.uint8, (n, _DIGEST),  # written last: every digest is known by then
                     lambda: torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).reshape(n, _DIGEST)))
     meta = {"format": "pt", "expertcache": "quantized-experts", **_layout_meta(layout),
+            SOURCE_KEY: source_digest(checkpoint, layer_ids),
             "checksum": f"blake2b-{8 * _DIGEST} per expert in {CHECKSUM_KEY}"}
     out_path = write_safetensors(path, entries, meta)
     _VERIFIED.add(_stamp(out_path))

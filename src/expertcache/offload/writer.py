@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 import torch
 
 from expertcache.offload.checkpoint import DTYPES
-from expertcache.outputs import temp_file
+from expertcache.outputs import replace_file, temp_file
 from expertcache.results import named
 
 __all__ = ["write_safetensors"]
@@ -40,7 +40,7 @@ def write_safetensors(path: str | os.PathLike,
     tmp = temp_file(path)
     try:
         _write(tmp, raw, entries, path)
-        os.replace(tmp, path)
+        replace_file(tmp, path)  # a device (/dev/null, /dev/stdout) is written, never replaced
     except BaseException as exc:
         tmp.unlink(missing_ok=True)  # a full disk leaves no temporary file behind
         if isinstance(exc, OSError):

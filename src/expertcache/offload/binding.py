@@ -1,0 +1,120 @@
+"""A quantised sidecar is bound to the checkpoint it was made from.
+
+A sidecar's own checksums (:func:`~expertcache.offload.store.verify_quant_sidecar`) prove that its blobs are the ones
+it wrote, not that they were made from *this* model: a sidecar copied from one model folder into another of the
+same shape verified, was used, and ``--quant int8 --model M`` generated the other model's text. So the writer
+records :func:`source_digest` -- a blake2b digest over every expert it packed: the expert's place (layer, id), its
+packed layout (dtype, sizes, offsets) and its bytes as the checkpoint stores them -- in the sidecar's metadata
+(:data:`SOURCE_KEY`), and a sidecar is read only when that digest equals the digest of the checkpoint it is
+loaded for (:func:`check_bound`); any mismatch, or a sidecar without one, is rebuilt (one line on stderr).
+
+Cost: one sequential read of the checkpoint's expert bytes per process (remembered for unchanged files), the
+read the sidecar's writer does anyway; the shipped models' 14 MB take ~20 ms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from pathlib import Path
+
+from expertcache.offload.checkpoint import CheckpointError
+
+__all__ = ["SOURCE_KEY", "source_digest", "sidecar_source", "check_bound", "check_sidecar_place", "bound_sidecar"]
+
+#: the sidecar metadata key holding the digest of the checkpoint experts it was packed from
+SOURCE_KEY = "source_digest"
+_MEMO: dict[tuple, str] = {}  # (checkpoint files' stamps, layers) -> digest, for this process
+
+
+def _stamps(checkpoint) -> tuple:
+    files = sorted({t.file for t in checkpoint.entries.values()})
+    out = []
+    for p in files:
+        st = Path(p).stat()
+        out.append((str(Path(p).resolve()), st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
+
+
+def source_digest(checkpoint, layer_ids) -> str:
+    """blake2b-128 (hex) over every expert of ``layer_ids`` of ``checkpoint`` (all ``checkpoint.num_experts``):
+    ``layer:e:dtype:d:f:layout:offsets:nbytes`` then the bytes of each of its byte ranges, in file order."""
+    layer_ids = tuple(int(i) for i in layer_ids)
+    key = (_stamps(checkpoint), layer_ids, checkpoint.num_experts)
+    got = _MEMO.get(key)
+    if got is not None:
+        return got
+    h = hashlib.blake2b(digest_size=16)
+    handles: dict[Path, object] = {}
+    try:
+        for layer in layer_ids:
+            for e in range(checkpoint.num_experts):
+                p = checkpoint.expert(layer, e)
+                h.update(f"{layer}:{e}:{p.dtype}:{p.d}:{p.f}:{p.layout}:{p.gate_up_at}:{p.down_at}:"
+                         f"{p.gate_up_bias_at}:{p.down_bias_at}:{p.nbytes};".encode())
+                for r in p.reads:
+                    f = handles.get(r.file)
+                    if f is None:
+                        f = handles[r.file] = open(r.file, "rb")
+                    f.seek(r.offset)
+                    data = f.read(r.nbytes)
+                    if len(data) != r.nbytes:
+                        raise CheckpointError(f"{r.file}: truncated at byte {r.offset + len(data)}")
+                    h.update(struct.pack("<Q", r.nbytes))
+                    h.update(data)
+    finally:
+        for f in handles.values():
+            f.close()
+    _MEMO[key] = h.hexdigest()
+    return _MEMO[key]
+
+
+def sidecar_source(path: str | os.PathLike) -> str | None:
+    """The :data:`SOURCE_KEY` recorded in a sidecar's metadata (None: written before sidecars were bound)."""
+    from expertcache.jsonsafe import loads
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        meta = loads(f.read(n), what=str(path)).get("__metadata__") or {}
+    value = meta.get(SOURCE_KEY)
+    return value if isinstance(value, str) else None
+
+
+def check_bound(path: str | os.PathLike, checkpoint, layer_ids) -> None:
+    """CheckpointError naming the sidecar ``path`` unless it records the :func:`source_digest` of
+    ``checkpoint``'s experts of ``layer_ids`` (made from another checkpoint, or before sidecars were bound)."""
+    got = sidecar_source(path)
+    if got is None:
+        raise CheckpointError(f"{path}: quantised experts without the digest of the checkpoint they were made from "
+                              "(an older expertcache)")
+    if got != source_digest(checkpoint, layer_ids):
+        raise CheckpointError(f"{path}: quantised experts made from another checkpoint than {checkpoint.folder} "
+                              "(their experts' digest differs)")
+
+
+def check_sidecar_place(path: str | os.PathLike) -> None:
+    """CheckpointError naming ``path`` when something that is not a regular file (a folder) sits where the sidecar
+    is to be written: it is the user's to remove, never replaced (and the error is not the temporary file's)."""
+    path = Path(path)
+    if (path.exists() or path.is_symlink()) and not path.is_file():
+        what = "a folder" if path.is_dir() else "not a regular file"
+        raise CheckpointError(f"{path}: is {what}, where the quantised experts' sidecar goes; remove or rename it")
+
+
+def bound_sidecar(path: str | os.PathLike, checkpoint, layer_ids) -> bool:
+    """Whether the sidecar at ``path`` (beside a model) may be read for ``checkpoint``: False when there is none,
+    and -- with one line on stderr -- when it was made from another checkpoint (the experts are then quantised
+    from this one into the cache folder instead; the model folder is an input, never written)."""
+    import sys
+
+    path = Path(path)
+    if not path.is_file():
+        return False
+    try:
+        check_bound(path, checkpoint, layer_ids)
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"expertcache: {exc}; not used: quantising {checkpoint.folder}'s experts into the cache folder",
+              file=sys.stderr)
+        return False
+    return True

@@ -1,0 +1,292 @@
+"""Issue 43 (round 4): inputs found by name or variable are inputs too, folders of the user's keep their files,
+outputs that are not regular files are refused before the work, long output names, empty variables. Each case
+failed (data loss, a hang, an error after the work) on main 0330290; the same in-process style as
+tests/test_bad_inputs.py (whose fixtures it shares)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from expertcache.cli.main import build_parser, main
+from expertcache.outputs import OutputError, check_args
+
+import test_bad_inputs
+from test_bad_inputs import SHIPPED, _check
+from test_trace_sim import make_trace
+
+env, one_thread = test_bad_inputs.env, test_bad_inputs.one_thread  # the shared fixtures
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _rule(argv) -> None:
+    """The output rule alone for ``argv`` (parsed, nothing run): for inputs that must not be touched even when a
+    test fails (the shipped model of the package under test)."""
+    argv = [str(a) for a in argv]
+    args = build_parser(argv[0]).parse_args(argv)
+    check_args(args, args.command)
+
+
+# -- data loss: inputs found by name or through a variable ----------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [
+    ["trace", "record", "--model", "granular", "--task", "wikitext", "--out", SHIPPED / "model.safetensors"],
+    ["trace", "record", "--model", "coarse", "--task", "wikitext", "--out", SHIPPED / "tokenizer.json"],
+    ["sweep", "--model", "granular", "--trace", "x", "--out", SHIPPED / "card.json"],
+    ["eval", "--model", "granular", "--task", "wikitext", "--out", SHIPPED / "config.json"],
+], ids=["model-by-name", "other-shipped", "sweep", "eval-append"])
+def test_shipped_models_by_name_are_inputs(argv, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no folder named granular here
+    with pytest.raises(OutputError, match="input folder"):
+        _rule(argv)
+
+
+def test_data_found_through_a_flag_or_variable_is_an_input(env, capsys, monkeypatch, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(env["data"], data)
+    rows = data / "wikitext-2-raw-v1" / "test.jsonl"
+    before = _digest(rows)
+    base = ["eval", "--model", "granular", "--task", "wikitext", "--limit", "1", "--no-progress"]
+    _check([*base, "--data-dir", data, "--out", rows], "input folder", capsys)
+    monkeypatch.setenv("EXPERTCACHE_DATA", str(data))
+    _check([*base, "--out", rows], "input folder", capsys)
+    _check(["trace", "record", "--model", "granular", "--task", "wikitext", "--out", rows], "input folder", capsys)
+    assert _digest(rows) == before
+
+
+def test_a_sidecar_in_the_cache_folder_is_an_input(env, monkeypatch, tmp_path):
+    cache = tmp_path / "cache"
+    side = cache / "quant" / "granular-0123-expertcache-experts-v2-int8.safetensors"
+    side.parent.mkdir(parents=True)
+    side.write_bytes(b"sidecar")
+    monkeypatch.setenv("EXPERTCACHE_CACHE", str(cache))
+    with pytest.raises(OutputError, match="expert cache folder"):
+        _rule(["trace", "record", "--model", env["tiny"], "--task", "wikitext", "--out", side])
+
+
+# -- data loss: a folder of the user's keeps its files ------------------------------------------------------------
+
+
+def _rows(path: Path) -> Path:
+    rows = [{"kind": "sweep", "mode": "open-loop", "miss_rate": m, "quality": q,
+             "config": {"routing": {"policy": p}, "capacity": 16, "eviction": "lru", "num_experts": 32},
+             "trace": "t.trace", "quality_name": "router_mass", "sweep_key": f"{p}{m}"}
+            for p, m, q in (("original", 0.5, 1.0), ("cache-prior", 0.3, 0.9))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_report_never_replaces_a_users_file_or_its_input(capsys, tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    mine = notes / "pareto.md"
+    mine.write_text("# my own Pareto notes\n")
+    rows = _rows(tmp_path / "rows.jsonl")
+    _check(["report", rows, "--out-dir", notes], "pareto.md", capsys)
+    assert mine.read_text() == "# my own Pareto notes\n"
+    assert sorted(p.name for p in notes.iterdir()) == ["pareto.md"]  # nothing half-written beside it
+    # its own input, named like an output
+    d = tmp_path / "d"
+    d.mkdir()
+    own = _rows(d / "pareto.md")
+    before = _digest(own)
+    _check(["report", own, "--out-dir", d], "pareto.md", capsys)
+    assert _digest(own) == before
+    # what report wrote itself, it may write again; a file changed since is the user's
+    out = tmp_path / "figs"
+    assert main(["report", str(rows), "--out-dir", str(out)]) == 0
+    assert main(["report", str(rows), "--out-dir", str(out)]) == 0
+    (out / "pareto.md").write_text("edited by hand\n")
+    _check(["report", rows, "--out-dir", out], "pareto.md", capsys)
+    assert (out / "pareto.md").read_text() == "edited by hand\n"
+    capsys.readouterr()
+
+
+def test_analyze_never_replaces_a_users_summary(env, capsys, tmp_path):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "analysis_summary.json").write_text('{"mine": true}\n')
+    _check(["analyze", env["trace"], "--samples", "2", "--max-batch", "4", "--out-dir", notes],
+           "analysis_summary.json", capsys)
+    assert json.loads((notes / "analysis_summary.json").read_text()) == {"mine": True}
+    out = tmp_path / "fig"
+    for _ in range(2):  # its own files again: fine
+        assert main(["analyze", env["trace"], "--samples", "2", "--max-batch", "4", "--out-dir", str(out)]) == 0
+    capsys.readouterr()
+
+
+def test_rows_are_never_appended_to_a_note(tmp_path):
+    """bench_quant.py --out notes.md appended JSON rows to a Markdown file, after minutes of work; now refused
+    before the work, by the script and by append_jsonl itself (every writer of rows)."""
+    from expertcache.results import append_jsonl
+
+    notes = tmp_path / "notes.md"
+    notes.write_text("# results\n\nmy notes\n")
+    with pytest.raises(ValueError, match="notes.md"):
+        append_jsonl(notes, {"a": 1})
+    for script, extra in (("bench_quant.py", ["--only", "kernel", "--repeats", "1"]),
+                          ("bench_mixed.py", ["speed", "--fraction", "0.5"])):
+        r = subprocess.run([sys.executable, str(BENCH / script), *extra, "--out", str(notes)], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2, (script, r.stderr[-2000:])
+        assert "notes.md" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert notes.read_text() == "# results\n\nmy notes\n"
+
+
+# -- hangs: an output that is a FIFO blocked forever after the work ----------------------------------------------
+
+
+def _cli(*argv, timeout=120, **kw):
+    """``expertcache ARGV`` in a fresh process (a hang is a TimeoutExpired, not a stuck test run)."""
+    return subprocess.run([sys.executable, "-m", "expertcache.cli.main", *map(str, argv)], capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def test_an_output_that_is_a_fifo_is_refused_before_the_work(env, tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for argv, flag in ((["simulate", env["trace"], "--out", fifo], "--out"),
+                       (["sweep", "--trace", env["trace"], "--policies", "original", "--out", fifo, "--no-progress"],
+                        "--out"),
+                       (["analyze", env["trace"], "--profile-out", fifo], "--profile-out"),
+                       (["eval", "--model", "granular", "--task", "wikitext", "--data-dir", env["data"],
+                         "--trace-out", fifo], "--trace-out"),
+                       (["trace", "record", "--model", "granular", "--data-dir", env["data"], "--out", fifo],
+                        "--out")):
+        r = _cli(*argv, timeout=60)
+        assert r.returncode == 2, (argv, r.stderr)
+        assert f"{flag} {fifo}" in r.stderr and "FIFO" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_streams_take_no_lock_file_beside_them(env):
+    """sweep --out /dev/null left /dev/null.lock (as root) and failed; --out /dev/stdout failed on a lock under
+    /proc; ``-`` is stdout."""
+    had_lock = os.path.exists("/dev/null.lock")
+    r = _cli("sweep", "--trace", env["trace"], "--policies", "original", "--out", "/dev/null", "--no-progress")
+    try:
+        assert r.returncode == 0, r.stderr
+        assert had_lock or not os.path.exists("/dev/null.lock")
+    finally:
+        if not had_lock and os.path.exists("/dev/null.lock"):
+            os.unlink("/dev/null.lock")
+    for out in ("/dev/stdout", "-"):
+        r = _cli("sweep", "--trace", env["trace"], "--policies", "original", "--out", out, "--no-progress")
+        assert r.returncode == 0, r.stderr
+        rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        assert rows and all("miss_rate" in row for row in rows), r.stdout[-500:]
+    assert not Path("-").exists()
+
+
+# -- unclear: a valid long output name, an empty variable ---------------------------------------------------------
+
+
+def test_an_output_name_at_the_limit_is_written(env, capsys, tmp_path):
+    """The temporary name (``.<name>.XXXXXXXX.tmp``) was longer than the output's and failed after the work."""
+    name = "p" * (255 - len(".npy")) + ".npy"
+    assert main(["analyze", env["trace"], "--samples", "2", "--max-batch", "4", "--profile-out",
+                 str(tmp_path / name)]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    _check(["analyze", env["trace"], "--profile-out", tmp_path / ("q" * 300 + ".npy")], "--profile-out", capsys)
+    from expertcache.outputs import TMP_SUFFIX, temp_file
+
+    tmp = temp_file(tmp_path / name)
+    assert tmp.name.endswith(TMP_SUFFIX) and len(tmp.name) <= 255
+    capsys.readouterr()
+
+
+def test_an_empty_variable_is_unset_not_the_current_folder(monkeypatch, tmp_path):
+    from expertcache.offload.loader import cache_dir
+    from expertcache.train.data import data_root
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("EXPERTCACHE_CACHE", "")
+    assert cache_dir() == Path.home() / ".cache" / "expertcache"
+    monkeypatch.setenv("EXPERTCACHE_DATA", "  ")
+    assert data_root() != Path("  ") and data_root().name == "data"
+
+
+# -- silently wrong: a sidecar is bound to the checkpoint it was made from ---------------------------------------
+
+
+def _gen(model, *extra):
+    return ["generate", "--model", str(model), "--quant", "int8", "--io", "cached", "--max-new-tokens", "6",
+            "--temperature", "0", *extra, "1 2 3"]
+
+
+def test_a_sidecar_copied_from_another_model_is_not_used(capsys, tmp_path, monkeypatch):
+    """granular's sidecar copied into another model of the same shape was used: --quant int8 --model M generated
+    granular's text."""
+    from expertcache.models.tiny import save_tiny
+    from expertcache.offload import store
+
+    monkeypatch.setattr(store, "_VERIFIED", set())
+    a, b = save_tiny("olmoe", tmp_path / "a", seed=1), save_tiny("olmoe", tmp_path / "b", seed=2)
+    assert main(_gen(a)) == 0
+    text_a = capsys.readouterr().out
+    assert main(_gen(b)) == 0
+    text_b = capsys.readouterr().out
+    assert text_a != text_b  # two different models
+    side_a = next(p for p in (tmp_path / "cache" / "quant").glob("a-*.safetensors"))
+    for p in (tmp_path / "cache" / "quant").glob("b-*"):
+        p.unlink()  # B's own sidecar gone: only A's copy beside B remains
+    shutil.copy(side_a, b / side_a.name.split("-", 2)[-1])
+    assert main(_gen(b)) == 0
+    cap = capsys.readouterr()
+    assert cap.out == text_b, "the copied sidecar of model a was used for model b"
+    notes = [line for line in cap.err.splitlines() if "another checkpoint" in line]
+    assert len(notes) == 1 and str(b / side_a.name.split("-", 2)[-1]) in notes[0], cap.err
+    # the same copy in the cache folder's place of B's sidecar: rebuilt, one line
+    side_b = next(p for p in (tmp_path / "cache" / "quant").glob("b-*.safetensors"))
+    (b / side_a.name.split("-", 2)[-1]).unlink()
+    shutil.copy(side_a, side_b)
+    store._VERIFIED.clear()
+    assert main(_gen(b)) == 0
+    cap = capsys.readouterr()
+    assert cap.out == text_b
+    assert len([x for x in cap.err.splitlines() if "another checkpoint" in x and "rebuilding" in x]) == 1, cap.err
+
+
+def test_sidecar_format_and_place_are_named_right(capsys, tmp_path, monkeypatch):
+    """A newer format was called "older" and rebuilt over; a folder in the sidecar's place was reported as the
+    temporary file's error."""
+    from expertcache.models.tiny import save_tiny
+    from expertcache.offload import store
+    from expertcache.offload.checkpoint import CheckpointError
+
+    monkeypatch.setattr(store, "_VERIFIED", set())
+    m = save_tiny("olmoe", tmp_path / "m", seed=1)
+    assert main(_gen(m)) == 0
+    capsys.readouterr()
+    side = next((tmp_path / "cache" / "quant").glob("m-*.safetensors"))
+    raw = side.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    meta = dict(header["__metadata__"])
+    header["__metadata__"]["format_version"] = "9"
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (n - len(new)) if len(new) <= n else b""
+    assert len(new) == n
+    side.write_bytes(raw[:8] + new + raw[8 + n:])
+    import torch
+
+    layout = store.QuantLayout(meta["mode"], int(meta["d"]), int(meta["f"]), int(meta["group"]),
+                               getattr(torch, meta["dtype"]), meta["kernel"])
+    with pytest.raises(CheckpointError, match="newer expertcache") as exc:
+        store.check_sidecar_layout(side, layout)
+    assert "older" not in str(exc.value)
+    side.unlink()
+    side.mkdir()
+    _check(_gen(m), f"{side}: is a folder", capsys)
