@@ -290,3 +290,47 @@ def test_sidecar_format_and_place_are_named_right(capsys, tmp_path, monkeypatch)
     side.unlink()
     side.mkdir()
     _check(_gen(m), f"{side}: is a folder", capsys)
+
+
+# -- silently wrong: flags that need another; traces of another model ---------------------------------------------
+
+
+@pytest.mark.parametrize("flags, culprit", [
+    (["--low-cost", "0.5"], "--low-cost"),
+    (["--promote-after", "3"], "--promote-after"),
+    (["--low-cost", "0"], "--low-cost"),  # 0 is a price too
+    (["--low-threshold", "0.1", "--promote-after", "2"], "--promote-after"),
+])
+def test_low_precision_rule_flags_need_resident_quant(env, capsys, flags, culprit):
+    """--low-cost and --promote-after without --resident-quant were accepted and did nothing."""
+    line = _check(["generate", "--model", env["tiny"], *flags, "--max-new-tokens", "2", "1 2"], culprit, capsys)
+    assert "--resident-quant" in line
+
+
+def test_a_trace_of_another_model_is_refused(env, capsys, tmp_path):
+    """eval --calibrate-from a trace of an N = 8 model given to granular (N = 32) was accepted (and back)."""
+    small = env["trace"]  # N = 8, K = 2, 3 layers
+    base = ["eval", "--model", "granular", "--task", "wikitext", "--data-dir", env["data"], "--limit", "1",
+            "--capacity", "16", "--no-progress"]
+    line = _check([*base, "--policy", "cache-prior", "--target-miss-rate", "0.3", "--calibrate-from", small],
+                  "--calibrate-from", capsys)
+    assert "N = 8" in line and "32" in line, line
+    _check([*base, "--policy", "eras-bias", "--freq-from", small], "--freq-from", capsys)
+    # and back: granular's own trace given to the tiny N = 8 model
+    own = tmp_path / "granular.trace"
+    assert main(["trace", "record", "--model", "granular", "--task", "wikitext", "--data-dir", env["data"],
+                 "--tokens", "64", "--out", str(own)]) == 0
+    capsys.readouterr()
+    _check(["eval", "--model", env["tiny"], "--task", "wikitext", "--data-dir", env["data"], "--limit", "1",
+            "--capacity", "4", "--policy", "eras-bias", "--freq-from", own, "--no-progress"], "--freq-from", capsys)
+    # its own trace: accepted
+    assert main([*base, "--policy", "eras-bias", "--freq-from", str(own), "--json"]) == 0
+    capsys.readouterr()
+
+
+def test_generate_offers_only_policies_it_can_run(env, capsys):
+    """generate --policy eras-bias was offered but could not run (it needs a profile no flag passes)."""
+    line = _check(["generate", "--model", env["tiny"], "--policy", "eras-bias", "1 2"], "--policy", capsys)
+    assert "eras-bias" in line
+    assert main(["generate", "--help"]) == 0
+    assert "eras-bias" not in capsys.readouterr().out.split("--policy")[1].split("--")[0]

@@ -23,15 +23,26 @@ _HELP = {
 }
 
 
-def add_routing_args(parser: argparse.ArgumentParser) -> None:
-    """--policy, --top-j, --h, --m, --p, --lam, --delta, --alpha, --beta (from RoutingConfig)."""
+def live_policies() -> tuple[str, ...]:
+    """The policies a command without an activation profile can run (``generate``, ``serve``): every registered
+    one but those that need a profile (ERAS biasing, read from a trace by eval/sweep/simulate/bench)."""
+    from expertcache.routing.registry import SPECS
+
+    return tuple(p for p in POLICIES if not SPECS[p].needs_profile)
+
+
+def add_routing_args(parser: argparse.ArgumentParser, *, live: bool = False) -> None:
+    """--policy, --top-j, --h, --m, --p, --lam, --delta, --alpha, --beta (from RoutingConfig). ``live``: a command
+    that takes no activation profile -- the policies that need one are not offered (:func:`live_policies`)."""
     g = parser.add_argument_group("routing policy")
     for f in fields(RoutingConfig):
         flag = "--" + f.name.replace("_", "-")
         help_ = _HELP[f.name] if f.name == "top_j" else f"{_HELP[f.name]} (default: {f.default})"
         kw = dict(dest=f"routing_{f.name}", default=f.default, help=help_)
         if f.name == "policy":
-            g.add_argument(flag, choices=POLICIES, **kw)
+            if live:
+                kw["help"] += " (policies that need an activation profile run in eval, sweep, simulate and bench)"
+            g.add_argument(flag, choices=live_policies() if live else POLICIES, **kw)
         elif f.name in ("top_j", "h", "m"):
             g.add_argument(flag, type=int, **kw)
         else:

@@ -83,7 +83,25 @@ def freq_profile(args, routing):
     from expertcache.trace import RoutingTrace
 
     tr = RoutingTrace.load(check_input_file(args.freq_from, "--freq-from"))
+    check_trace_fits(tr, args.model, f"--freq-from {args.freq_from}")
     return activation_frequency(tr.ids_TLK, tr.meta.num_experts)
+
+
+def model_shape(model) -> tuple[int, int, list[int]]:
+    """(N experts, K per token, MoE decoder-layer ids) of the model ``model`` (a folder, a shipped or hub name)
+    from its config alone, before its weights load."""
+    from expertcache.models.adapters import family_for
+    from expertcache.models.loader import load_config_checked, resolve_model_path
+
+    cfg = load_config_checked(resolve_model_path(model))
+    n = next(getattr(cfg, k) for k in ("num_experts", "num_local_experts", "n_routed_experts") if
+             isinstance(getattr(cfg, k, None), int))
+    return n, int(cfg.num_experts_per_tok), list(family_for(cfg).expected_moe_layers(cfg))
+
+
+def check_trace_fits(trace, model, what: str) -> None:
+    """ValueError naming ``what`` unless ``trace`` was recorded from a model of ``model``'s shape."""
+    trace.meta.check_fits(*model_shape(model), what)
 
 
 def budget_hook(args, routing, freq):
@@ -111,6 +129,7 @@ def budget_hook(args, routing, freq):
         from expertcache.trace import RoutingTrace
 
         tr = RoutingTrace.load(check_input_file(args.calibrate_from, "--calibrate-from"))
+        check_trace_fits(tr, args.model, f"--calibrate-from {args.calibrate_from}")
         s0 = calibrate_strength(tr, routing.policy, args.capacity, target, freq_LE=freq, tokens=2048)
 
     def hook(patch):

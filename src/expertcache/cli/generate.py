@@ -140,9 +140,9 @@ def _host_memory_spec(text: str) -> str:
 
 
 def add_routing_alias(parser: argparse.ArgumentParser) -> None:
-    from expertcache.routing import POLICIES
+    from expertcache.cli.common import live_policies
 
-    parser.add_argument("--routing", dest="routing_policy", choices=POLICIES, default=argparse.SUPPRESS,
+    parser.add_argument("--routing", dest="routing_policy", choices=live_policies(), default=argparse.SUPPRESS,
                         help="alias of --policy")
 
 
@@ -177,9 +177,11 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     low = None if low in (None, "none") else low
     rule = dict(low_threshold=getattr(args, "low_threshold", 0.0), load_budget=getattr(args, "load_budget", None),
                 promote_after=getattr(args, "promote_after", 0), low_cost=getattr(args, "low_cost", None))
-    if low is None and (rule["low_threshold"] or rule["load_budget"] is not None):
-        raise ValueError("--low-threshold / --load-budget choose misses to compute at low precision: they need "
-                         "--resident-quant int4")
+    unset = dict(low_threshold=0.0, load_budget=None, promote_after=0, low_cost=None)
+    given = [f"--{k.replace('_', '-')}" for k, v in rule.items() if v != unset[k]]
+    if low is None and given:  # every flag of the low-precision rule does nothing without the low-precision tier
+        raise ValueError(f"{' / '.join(given)}: {'it needs' if len(given) == 1 else 'they need'} --resident-quant "
+                         "int4 (the rule chooses misses to compute at low precision)")
     if low is not None and low == args.quant:
         raise ValueError(f"--resident-quant {low} beside --quant {args.quant}: the slots already hold that precision")
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
@@ -225,7 +227,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as one JSON row (stderr)")
     add_offload_args(p)
     add_predictor_arg(p)
-    add_routing_args(p)
+    add_routing_args(p, live=True)
     add_routing_alias(p)
     p.set_defaults(func=run)
 

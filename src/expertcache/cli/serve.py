@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "rebinding; on another --host the check applies only when this is given")
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_offload_args(p)
-    add_routing_args(p)
+    add_routing_args(p, live=True)
     add_routing_alias(p)
     p.set_defaults(func=run)
 

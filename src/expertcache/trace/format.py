@@ -81,6 +81,21 @@ class TraceMeta:
         "extra": (lambda v: isinstance(v, dict), "a JSON object"),
     }
 
+    def check_fits(self, num_experts: int, top_k: int, layer_ids, what: str) -> None:
+        """ValueError naming ``what`` (``--calibrate-from t.trace``) unless this trace was recorded from a model
+        of this shape: ``num_experts`` experts, ``top_k`` per token, MoE layers ``layer_ids`` -- a trace of
+        another model (N = 8 given to N = 32) calibrates or profiles the wrong experts."""
+        layer_ids = [int(i) for i in layer_ids]
+        diff = []
+        if self.num_experts != num_experts:
+            diff.append(f"N = {self.num_experts} experts, the model has {num_experts}")
+        if self.top_k != top_k:
+            diff.append(f"K = {self.top_k} per token, the model routes {top_k}")
+        if self.num_layers != len(layer_ids) or (self.layer_ids and list(self.layer_ids) != layer_ids):
+            diff.append(f"{self.num_layers} MoE layers, the model has {len(layer_ids)}")
+        if diff:
+            raise ValueError(f"{what}: a trace of another model ({self.model}): {'; '.join(diff)}")
+
     def check_types(self) -> None:
         """TraceError naming the first field whose value has the wrong type (metadata read from a file)."""
         for name, (ok, what) in self._TYPES.items():
