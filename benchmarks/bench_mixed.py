@@ -260,6 +260,10 @@ def speed_rows(args, log, on_row=lambda row: None) -> list[dict]:
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     limit = int(size * args.fraction)
     memory = limit - args.headroom * 2**20
+    if memory <= 0 and not args.auto:  # never a row with a negative memory
+        print(f"bench_mixed.py: error: --fraction {args.fraction:g} of {size / 2**30:.2f} GiB leaves no memory after "
+              f"--headroom {args.headroom} MiB; raise --fraction or lower --headroom", file=sys.stderr)
+        raise SystemExit(2)
     log(f"{path}: {size / 2**30:.2f} GiB bf16; cgroup limit {limit / 2**30:.2f} GiB, --memory {memory / 2**30:.2f} GiB")
     names = args.configs or list(SPEED_CONFIGS)
     rows = []
@@ -330,9 +334,15 @@ def main(argv=None) -> int:
 
     check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
     for flag, value, least in (("--chunks", args.chunks, 1), ("--questions", args.questions, 1),
-                               ("--shots", args.shots, 0), ("--threads", args.threads, 1)):
+                               ("--shots", args.shots, 0), ("--threads", args.threads, 1), ("--layers", args.layers, 1),
+                               ("--tokens", args.tokens, 1), ("--repeats", args.repeats, 1), ("--headroom", args.headroom, 0)):
         if value < least:
             ap.error(f"{flag} must be ≥ {least}, got {value}")
+    if not 0 < args.fraction <= 4:  # 0 gave rows with a negative --memory
+        ap.error(f"--fraction must be in (0, 4] (the cgroup limit as a fraction of the bf16 size), got {args.fraction:g}")
+    if args.what == "speed-one" and None in (args.path, args.name, args.memory):
+        ap.error("speed-one is one configuration of `speed`, run by it inside its memory cgroup (it needs --path, "
+                 "--name and --memory); run `bench_mixed.py speed`")
     if not 0 < args.threshold <= 1 or not 0 <= args.low_cost <= 1:
         ap.error(f"--threshold must be in (0, 1] and --low-cost in [0, 1], got {args.threshold:g}, {args.low_cost:g}")
     torch.set_num_threads(args.threads)

@@ -286,6 +286,10 @@ def main(argv=None) -> int:
     from expertcache.results import check_rows_out
 
     check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
+    for flag, value in (("--layers", args.layers), ("--tokens", args.tokens), ("--repeats", args.repeats),
+                        ("--threads", args.threads), ("--chunks", args.chunks)):
+        if value < 1:  # --repeats 0: a traceback (StopIteration / median of nothing) after the set-up
+            ap.error(f"{flag} must be ≥ 1, got {value}")
     torch.set_num_threads(args.threads)
     info = machine_info()
     with open("/proc/loadavg") as f:

@@ -334,3 +334,20 @@ def test_generate_offers_only_policies_it_can_run(env, capsys):
     assert "eras-bias" in line
     assert main(["generate", "--help"]) == 0
     assert "eras-bias" not in capsys.readouterr().out.split("--policy")[1].split("--")[0]
+
+
+# -- tracebacks and silently wrong rows of the benchmark scripts -------------------------------------------------
+
+
+@pytest.mark.parametrize("script, argv, culprit", [
+    ("bench_quant.py", ["--only", "kernel", "--repeats", "0"], "--repeats"),
+    ("bench_mixed.py", ["speed", "--fraction", "0"], "--fraction"),  # rows with a negative memory
+    ("bench_mixed.py", ["speed-one"], "speed-one"),
+])
+def test_benchmark_flags_are_one_line(script, argv, culprit, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    r = subprocess.run([sys.executable, str(BENCH / script), *argv, "--out", str(out)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and culprit in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+    assert not out.exists()
