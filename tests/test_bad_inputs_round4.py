@@ -351,3 +351,39 @@ def test_benchmark_flags_are_one_line(script, argv, culprit, tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and culprit in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
     assert not out.exists()
+
+
+# -- hangs: a chat template that loops ------------------------------------------------------------------------
+
+
+def test_a_looping_chat_template_is_stopped():
+    """A model's chat template that loops never answered and burnt a core after the client left."""
+    import threading
+    import time
+
+    from jinja2.exceptions import TemplateError
+    from transformers import AutoTokenizer
+
+    from expertcache.serve.app import render_chat
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    msgs = [{"role": "user", "content": "hi"}]
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert render_chat(msgs, tok) == ("user: hi\n", False)  # an ordinary template: rendered as before
+    tok.chat_template = ("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
+                         "{{ messages[0]['content'] }}")
+    got = {}
+
+    def go():
+        t0 = time.monotonic()
+        try:
+            got["text"] = render_chat(msgs, tok)
+        except TemplateError as exc:
+            got["error"] = exc
+        got["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the looping template was not stopped"
+    assert "error" in got and "chat template ran past" in str(got["error"]) and got["s"] < 10, got

@@ -200,7 +200,9 @@ def check_message_fields(m: dict, i: int) -> None:
 def render_chat(messages: list[dict], tokenizer) -> tuple[str, bool]:
     """(prompt text, uses the shipped fallback template)."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), False
+        from expertcache.models.chat import render_chat_template  # under a time bound: a looping template stops
+
+        return render_chat_template(tokenizer, messages), False
     text = "".join(SHIPPED_CHAT_TEMPLATE.format(role=m["role"].capitalize(), content=m["content"]) for m in messages)
     return text + "Assistant:", True
 
