@@ -387,3 +387,27 @@ def test_a_looping_chat_template_is_stopped():
     t.join(30)
     assert not t.is_alive(), "the looping template was not stopped"
     assert "error" in got and "chat template ran past" in str(got["error"]) and got["s"] < 10, got
+
+
+# -- crash: every command imports torch, so every command checks the memory floor ---------------------------------
+
+
+@pytest.mark.parametrize("command", ["simulate", "analyze", "report", "trace"])
+def test_every_command_checks_the_memory_floor(env, command, tmp_path):
+    """simulate in a 100 MB cgroup was OOM-killed without a word (the check covered the model commands only)."""
+    root = tmp_path / "root"
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_text("0::/job\n")
+    (root / "sys/fs/cgroup/job").mkdir(parents=True)
+    (root / "sys/fs/cgroup/job/memory.max").write_text(str(100 * 2**20) + "\n")
+    argv = {"simulate": [command, env["trace"]], "analyze": [command, env["trace"]],
+            "report": [command, "--out-dir", str(tmp_path / "r")], "trace": [command, "info", env["trace"]]}[command]
+    code = (f"import sys; from expertcache.cli.main import main; rc = main({argv!r}); "
+            "print('RC', rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, EXPERTCACHE_CGROUP_ROOT=str(root)))
+    assert "RC 2 False" in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == [
+        f"expertcache {command}: error: the memory cgroup allows 100 MiB, less than the 384 MiB this process needs "
+        + ("before it can load a model (Python, torch, transformers)" if command == "trace" else
+           "before it can start (Python, torch)") + "; give the cgroup more memory"]

@@ -40,7 +40,8 @@ HELP = {
     "serve": "OpenAI-compatible server with continuous batching over the offloaded runtime",
 }
 COMMANDS = [f"expertcache.cli.{name}" for name in HELP]
-#: the commands that import torch and transformers to load a model (checked against the memory cgroup first)
+#: the commands that import torch and transformers to load a model; every command imports torch (the trace
+#: format, the simulator's kernels: simulate peaks at 343 MiB), so all are checked against the memory cgroup first
 MODEL_COMMANDS = frozenset(("train", "eval", "sweep", "sensitivity", "trace", "mole", "generate", "bench", "melinoe",
                             "serve"))
 
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"expertcache {__version__}")
         return 0
     command = _command_of(argv)
-    if command in MODEL_COMMANDS and not {"-h", "--help"} & set(argv):
+    if command in HELP and not {"-h", "--help"} & set(argv):
         from expertcache.container import check_import_floor
 
         refusal = check_import_floor(command)  # before torch: a cgroup below it kills the import, not a plan
