@@ -411,3 +411,35 @@ def test_every_command_checks_the_memory_floor(env, command, tmp_path):
         f"expertcache {command}: error: the memory cgroup allows 100 MiB, less than the 384 MiB this process needs "
         + ("before it can load a model (Python, torch, transformers)" if command == "trace" else
            "before it can start (Python, torch)") + "; give the cgroup more memory"]
+
+
+# -- tracebacks: --compile with a compiler that does not work -------------------------------------------------------
+
+
+def test_compile_with_a_compiler_that_does_not_work_is_one_line(env, capsys, monkeypatch):
+    """CXX=/bin/false passed the up-front check (found on PATH), then an inductor traceback minutes later."""
+    from expertcache.models import captured
+
+    monkeypatch.setattr(captured, "_COMPILER_OK", {}, raising=False)
+    monkeypatch.setenv("CXX", "/bin/false")
+    line = _check(["generate", "--model", env["tiny"], "--compile", "--max-new-tokens", "2", "1 2"], "--compile",
+                  capsys)
+    assert "/bin/false" in line and "CXX" in line
+
+
+def test_compile_with_no_room_for_its_code_is_one_line(env, capsys, monkeypatch, tmp_path):
+    """A full (here: unwritable) $TMPDIR under --compile: a traceback after the work began."""
+    from expertcache.models import captured
+
+    if os.geteuid() == 0:  # root writes anywhere: point the compile cache at a file instead of a folder
+        blocker = tmp_path / "file"
+        blocker.write_text("x")
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(blocker / "sub"))
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(ro))
+    monkeypatch.setattr(captured, "_COMPILER_OK", {})
+    line = _check(["generate", "--model", env["tiny"], "--compile", "--max-new-tokens", "2", "1 2"], "--compile",
+                  capsys)
+    assert "TORCHINDUCTOR_CACHE_DIR" in line

@@ -70,7 +70,8 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                         "graph against a static KV cache, the experts computed in it from their slots and the "
                         "routing policy and cache step as eager host calls inside it (same decisions; logits within "
                         "float rounding); other layouts and batches compile norms and attention per layer. The "
-                        "first token pays the compilation (seconds to a minute)")
+                        "first token pays the compilation: a minute to a few minutes on a first run (measured 1-4 min "
+                        "on 2 CPU cores), seconds once torch's compile cache holds this model's code")
     g.add_argument("--expert-product", choices=EXPERT_PRODUCTS, default=d.expert_product,
                    help="a one-token step's expert products: mv (two matrix-vector products per expert, the "
                         "in-memory model's values bit for bit), grouped_mm (one torch._grouped_mm per matrix over "
@@ -304,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         prefetch_runtime(rt, predictor, [args.prompt], tok)
 
     def on_compile():  # after the prefill, before the first token: otherwise a silent pause of up to a minute
-        print("expertcache generate: compiling the decode step (--compile; seconds to a minute, faster when "
+        print("expertcache generate: compiling the decode step (--compile; a first run takes minutes, seconds when "
               "torch's compile cache has this model's code)", file=sys.stderr, flush=True)
 
     r = rt.generate(ids, args.max_new_tokens, temperature=args.temperature, seed=args.seed, on_token=on_token,

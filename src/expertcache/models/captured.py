@@ -92,14 +92,48 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
+_COMPILER_OK: dict[tuple, str | None] = {}  # (compiler, temporary folder) -> missing_compiler()'s answer
+
+
 def missing_compiler() -> str | None:
     """Why ``torch.compile`` cannot build code on this machine (None: it can). Inductor writes C++ (the CPU's
-    kernels, CUDA's launchers) and builds it with ``$CXX`` or ``g++``; without one the first compiled call fails
-    with a long traceback, so ``--compile`` is refused up front instead."""
-    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
-    if any(shutil.which(n) for n in names):
-        return None
-    return f"--compile needs a C++ compiler for torch.compile, and none was found ({' / '.join(names)} on PATH)"
+    kernels, CUDA's launchers) into a folder under the temporary folder (``$TMPDIR``, or
+    ``$TORCHINDUCTOR_CACHE_DIR``) and builds it with ``$CXX`` or ``g++``. Finding a compiler on PATH is not enough
+    (``CXX=/bin/false`` was found, and the first compiled call failed minutes later with a traceback; so did a
+    full ``$TMPDIR``): a one-line C++ file is written there and built, up front (~0.2 s, once per process)."""
+    import shlex
+    import subprocess
+    import tempfile
+
+    cxx = os.environ.get("CXX", "").strip()
+    names = [cxx] if cxx else ["g++", "c++", "clang++"]
+    found = next((n for n in names if shutil.which(shlex.split(n)[0] if n.strip() else n)), None)
+    if found is None:
+        return f"--compile needs a C++ compiler for torch.compile, and none was found ({' / '.join(names)} on PATH)"
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "").strip() or tempfile.gettempdir()
+    key = (found, where)
+    if key in _COMPILER_OK:
+        return _COMPILER_OK[key]
+    why = None
+    try:
+        os.makedirs(where, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="expertcache-cxx-check.", dir=where) as d:
+            src = os.path.join(d, "check.cpp")
+            with open(src, "w") as f:
+                f.write("int expertcache_check(int x) { return x + 1; }\n")
+            r = subprocess.run([*shlex.split(found), "-shared", "-fPIC", "-o", os.path.join(d, "check.so"), src],
+                               capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                last = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1][:160]
+                why = (f"--compile needs a working C++ compiler for torch.compile: {found} failed to build a one-line "
+                       f"test file ({last}); set CXX to a working compiler")
+    except subprocess.TimeoutExpired:
+        why = f"--compile needs a working C++ compiler for torch.compile: {found} took over 120 s on a one-line file"
+    except OSError as exc:
+        why = (f"--compile needs room for torch.compile's C++ code in {where} ($TMPDIR / $TORCHINDUCTOR_CACHE_DIR): "
+               f"{exc.strerror or exc}")
+    _COMPILER_OK[key] = why
+    return why
 
 
 def compile_dense(model: nn.Module) -> None:
