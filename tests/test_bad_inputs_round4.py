@@ -443,3 +443,31 @@ def test_compile_with_no_room_for_its_code_is_one_line(env, capsys, monkeypatch,
     line = _check(["generate", "--model", env["tiny"], "--compile", "--max-new-tokens", "2", "1 2"], "--compile",
                   capsys)
     assert "TORCHINDUCTOR_CACHE_DIR" in line
+
+
+# -- tracebacks / stumbles: PYTHONWARNINGS=error, transformers' cache argument ------------------------------------
+
+
+def test_the_cache_argument_is_transformers_current_name():
+    """transformers 5.24 renamed past_key_values to cache (the old name warns twice, and raises under
+    PYTHONWARNINGS=error): every call passes the name this transformers' model forward declares."""
+    import inspect
+
+    from transformers import MixtralForCausalLM, OlmoeForCausalLM
+
+    from expertcache.models.cachearg import cache_kw
+
+    (name,) = cache_kw(None)
+    for cls in (OlmoeForCausalLM, MixtralForCausalLM):
+        assert name in inspect.signature(cls.forward).parameters
+
+
+def test_model_commands_run_under_pythonwarnings_error(env, tmp_path):
+    """bench printed 'Exception ignored ... ResourceWarning' three times (an unclosed /proc/cpuinfo); under
+    transformers 5.24 every model command died in its deprecation warning."""
+    run_env = dict(os.environ, PYTHONWARNINGS="error", EXPERTCACHE_CACHE=str(tmp_path / "cache"))
+    for argv in (["generate", "--max-new-tokens", "3", "The kernel"],
+                 ["bench", "--model", env["tiny"], "--tokens", "4", "--policies", "cache-prior"]):
+        r = _cli(*argv, timeout=600, env=run_env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "Warning" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -198,9 +198,11 @@ def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, *, stop_t
     """Greedy decoding with the KV cache: one prefill call (all prompt tokens), then one call per new token
     (the decoding steps a ``scope='generation'`` patch applies its policy to). Stops after
     ``max_new_tokens``, at ``eos_id``, or once the decoded continuation contains one of ``stop_texts``."""
+    from expertcache.models.cachearg import cache_kw, out_cache
+
     device = next(model.parameters()).device
     out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
-    past = out.past_key_values
+    past = out_cache(out)
     new: list[int] = []
     for step in range(max_new_tokens):
         check_finite(out.logits[0, -1], f"at generation step {step}")
@@ -212,8 +214,8 @@ def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, *, stop_t
             break
         if step == max_new_tokens - 1:
             break
-        out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=torch.tensor([[tok]], device=device), **cache_kw(past), use_cache=True)
+        past = out_cache(out)
     return new
 
 

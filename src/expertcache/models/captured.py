@@ -62,6 +62,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from expertcache.models.cachearg import cache_kw
+
 __all__ = ["BUCKET", "CapturedDecode", "compile_dense", "missing_compiler", "unsupported_reason"]
 
 #: the static cache's length is rounded up to a multiple of this many positions
@@ -256,7 +258,7 @@ def _step(model: nn.Module, tok_11: torch.Tensor, pos_1: torch.Tensor, cache, le
         if i == guess_at:
             h = torch.ops.expertcache.guess_first(h, i)
         a, _ = _eager(layer.self_attn)(hidden_states=_eager(layer.input_layernorm)(h), position_embeddings=rope,
-                                       attention_mask=mask_111M, past_key_values=cache, cache_position=pos_1)
+                                       attention_mask=mask_111M, **cache_kw(cache), cache_position=pos_1)
         h = h + a
         x = _eager(layer.post_attention_layernorm)(h)
         moe = layer.mlp(x) if traced else torch.ops.expertcache.moe_block(x, i)
@@ -346,7 +348,7 @@ class CapturedDecode:
             raise ValueError(f"the captured decode step takes one row, got {ids_1S.shape[0]}")
         self._check(ids_1S.shape[1])
         with _plain_forwards(self.model):
-            out = self.model(input_ids=ids_1S.to(self.device), past_key_values=self.cache, use_cache=True)
+            out = self.model(input_ids=ids_1S.to(self.device), **cache_kw(self.cache), use_cache=True)
         self.pos = ids_1S.shape[1]
         if self._key not in self._warm and self.pos < self.length:
             if on_compile is not None:

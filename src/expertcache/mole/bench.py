@@ -21,19 +21,20 @@ import numpy as np
 import torch
 
 from expertcache.jsonsafe import load_path
+from expertcache.models.cachearg import cache_kw, out_cache
 
 
 @torch.no_grad()
 def prefill(model, ids_BT: torch.Tensor):
     """Run the prompt; returns (logits of the last position ``[B, V]``, KV cache)."""
     out = model(input_ids=ids_BT, use_cache=True)
-    return out.logits[:, -1], out.past_key_values
+    return out.logits[:, -1], out_cache(out)
 
 
 @torch.no_grad()
 def decode_one_token(model, ids_B1: torch.Tensor, cache):
-    out = model(input_ids=ids_B1, past_key_values=cache, use_cache=True)
-    return out.logits[:, -1], out.past_key_values
+    out = model(input_ids=ids_B1, **cache_kw(cache), use_cache=True)
+    return out.logits[:, -1], out_cache(out)
 
 
 @torch.no_grad()

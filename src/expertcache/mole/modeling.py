@@ -37,6 +37,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from expertcache.models.cachearg import cache_kw, out_cache
 from expertcache.mole.table import LookupTable
 
 
@@ -112,7 +113,7 @@ class MoleDecoderLayer(nn.Module):
 
     def forward(self, h_BTD, y_UND, inv_BT, attention_mask=None, position_embeddings=None, past_key_values=None):
         a_BTD, _ = self.self_attn(hidden_states=self.input_layernorm(h_BTD), position_embeddings=position_embeddings,
-                                  attention_mask=attention_mask, past_key_values=past_key_values)
+                                  attention_mask=attention_mask, **cache_kw(past_key_values))
         h_BTD = h_BTD + a_BTD
         return h_BTD + self.mlp(self.post_attention_layernorm(h_BTD), y_UND, inv_BT)
 
@@ -148,6 +149,7 @@ class MoleModel(MolePreTrainedModel):
 
     def forward(self, input_ids: torch.LongTensor, attention_mask=None, position_ids=None,
                 past_key_values: Cache | None = None, use_cache: bool | None = None, **kwargs):
+        past_key_values = kwargs.pop("cache", None) if past_key_values is None else past_key_values  # 5.24's name
         if input_ids is None:
             raise ValueError("MoLE needs input_ids: its routed experts are indexed by token id")
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -158,7 +160,7 @@ class MoleModel(MolePreTrainedModel):
             past = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device) + past).unsqueeze(0)
         mask = create_causal_mask(config=self.config, inputs_embeds=e_BTD, attention_mask=attention_mask,
-                                  past_key_values=past_key_values, position_ids=position_ids)
+                                  **cache_kw(past_key_values), position_ids=position_ids)
         pos = self.rotary_emb(e_BTD, position_ids=position_ids)
 
         ids_U, inv_BT = torch.unique(input_ids, return_inverse=True)
@@ -173,7 +175,7 @@ class MoleModel(MolePreTrainedModel):
             y_UND = y_LUND[:, l] if self.is_table_form else layer.mlp.routed_outputs(e_UD)
             h_BTD = layer(h_BTD, y_UND, inv_BT, attention_mask=mask, position_embeddings=pos,
                           past_key_values=past_key_values)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(h_BTD), past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(h_BTD), **cache_kw(past_key_values))
 
 
 class MoleForCausalLM(MolePreTrainedModel, GenerationMixin):
@@ -189,6 +191,7 @@ class MoleForCausalLM(MolePreTrainedModel, GenerationMixin):
                 past_key_values: Cache | None = None, use_cache: bool | None = None, logits_to_keep: int = 0,
                 labels=None, **kwargs) -> CausalLMOutputWithPast:
         """Like ``LlamaForCausalLM.forward``; extra keyword arguments (``output_router_logits`` ...) are ignored."""
+        past_key_values = kwargs.pop("cache", None) if past_key_values is None else past_key_values  # 5.24's name
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, use_cache=use_cache)
         h = out.last_hidden_state
@@ -196,7 +199,7 @@ class MoleForCausalLM(MolePreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **cache_kw(out_cache(out)))
 
 
 def load_table_model(table_dir: str | Path, read_mode: str = "mmap", dtype: torch.dtype = torch.float32):

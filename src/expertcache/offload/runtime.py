@@ -61,6 +61,7 @@ from expertcache.device import on_host, to_device, to_host, to_host_many
 from expertcache.cache import DEFAULT_GAMMA, CacheStats, eviction_rule, make_cache
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits
 from expertcache.models.captured import compile_dense, missing_compiler, unsupported_reason
+from expertcache.models.cachearg import cache_kw, out_cache
 from expertcache.offload.binding import bound_sidecar
 from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit,
                                        kv_cache_bytes, parse_bytes, plan_memory, process_rss, release_free_heap)
@@ -614,7 +615,7 @@ class OffloadedModel(LayerSteps):
     @torch.inference_mode()
     def forward(self, input_ids_BS: torch.Tensor, past=None, attention_mask=None):
         """One model forward (prefill or decode); returns the transformers output (logits, past_key_values)."""
-        return self.model(input_ids=to_device(input_ids_BS, self.device), past_key_values=past, use_cache=True,
+        return self.model(input_ids=to_device(input_ids_BS, self.device), **cache_kw(past), use_cache=True,
                           attention_mask=attention_mask)
 
     def prefill(self, input_ids_BS: torch.Tensor):
@@ -622,11 +623,11 @@ class OffloadedModel(LayerSteps):
         from transformers import DynamicCache
 
         out = self.forward(input_ids_BS, DynamicCache(config=self.config))
-        return out.logits[:, -1], out.past_key_values
+        return out.logits[:, -1], out_cache(out)
 
     def decode_one_token(self, tok_B1: torch.Tensor, past):
         out = self.forward(tok_B1, past)
-        return out.logits[:, -1], out.past_key_values
+        return out.logits[:, -1], out_cache(out)
 
     def captured(self, rows: int, length: int):
         """A captured decode session (:class:`expertcache.models.captured.CapturedDecode`: static KV cache of

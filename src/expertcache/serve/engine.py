@@ -46,6 +46,7 @@ from typing import Callable
 import torch
 
 from expertcache.device import to_device
+from expertcache.models.cachearg import cache_kw, out_cache
 from expertcache.serve.kv import BatchKV
 
 __all__ = ["Engine", "Request", "SamplingParams", "QueueFull", "ShuttingDown", "sample_next"]
@@ -338,7 +339,7 @@ class Engine:
         dev = self.rt.device
         try:
             with torch.inference_mode():
-                out = self.rt.model(input_ids=to_device(ids_BS, dev), past_key_values=past, use_cache=True,
+                out = self.rt.model(input_ids=to_device(ids_BS, dev), **cache_kw(past), use_cache=True,
                                     attention_mask=None if mask_BL is None else to_device(mask_BL, dev),
                                     position_ids=None if pos_BS is None else to_device(pos_BS, dev))
             if dev.type == "cuda":  # pragma: no cover - GPU only: the forward's kernels, not their queueing
@@ -348,7 +349,7 @@ class Engine:
         dt = time.perf_counter() - t0
         s1 = self.rt.stats()
         delta = {k: s1[k] - s0[k] for k in ("hits", "misses", "low_computes", "bytes_read")}
-        return out.logits, out.past_key_values, dt, delta
+        return out.logits, out_cache(out), dt, delta
 
     def _prefill_some(self) -> None:
         """Prefill at most ``prefill_chunk`` prompt tokens in this iteration. A long prompt (more than the

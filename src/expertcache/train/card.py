@@ -37,9 +37,10 @@ OPENING_TOKENS = 64  # prompt length and greedy continuation length
 def cpu_name() -> str:
     """The CPU model (``/proc/cpuinfo``, else ``platform.processor()``)."""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:  # closed: PYTHONWARNINGS=error turned the unclosed file into noise
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
