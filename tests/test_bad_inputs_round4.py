@@ -471,3 +471,80 @@ def test_model_commands_run_under_pythonwarnings_error(env, tmp_path):
         r = _cli(*argv, timeout=600, env=run_env)
         assert r.returncode == 0, r.stderr[-3000:]
         assert "Warning" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+# -- unclear: a tokenizer that produces no tokens --------------------------------------------------------------
+
+
+def test_a_tokenizer_that_produces_no_tokens_is_named(capsys, tmp_path):
+    """It led to "empty prompt" (and, in serve, to 400s blaming the user's message)."""
+    model = tmp_path / "zerotok"
+    shutil.copytree(SHIPPED, model)
+    t = json.loads((model / "tokenizer.json").read_text())
+    t["normalizer"] = {"type": "Replace", "pattern": {"Regex": "[\\s\\S]"}, "content": ""}  # deletes every character
+    (model / "tokenizer.json").write_text(json.dumps(t))
+    line = _check(["generate", "--model", model, "--max-new-tokens", "2", "The kernel"], "tokenizer.json", capsys)
+    assert "produces no tokens" in line and "empty prompt" not in line
+    r = _cli("serve", "--model", model, "--port", "0", timeout=120)  # (it served, and 400'd every request)
+    assert r.returncode == 2 and "tokenizer.json" in r.stderr and "produces no tokens" in r.stderr, r.stderr
+    from expertcache.models.loader import no_tokens_message
+
+    assert no_tokens_message("  ") == "empty prompt"
+    assert "tokenizer" in no_tokens_message("text the tokenizer drops")
+
+
+# -- newcomer stumbles: README's commands demonstrate what they claim; the set-up line installs the tested set -----
+
+
+def _table_commands() -> list[str]:
+    import re
+
+    text = (REPO / "README.md").read_text()
+    return [c for line in text.splitlines() if line.startswith("|")
+            for c in re.findall(r"`(expertcache generate [^`]*)`", line)]
+
+
+@pytest.mark.parametrize("flag, shows", [("--host-memory", lambda r: r["tiers"]["host_hits"] > 0),
+                                         ("--resident-quant", lambda r: r["low_computes"] > 0)])
+def test_readme_feature_commands_demonstrate_their_feature(flag, shows, tmp_path):
+    """`--resident-quant int4 --low-threshold 0.05 --policy cache-prior` ran at C = N with λ = 0 (nothing computed
+    at 4 bits); `--host-memory 6MiB --policy cache-prior-cost` read 0 bytes from host RAM."""
+    import shlex
+
+    (cmd,) = [c for c in _table_commands() if flag in c]
+    argv = shlex.split(cmd)[1:]
+    r = _cli(*argv[:-1], "--max-new-tokens", "16", "--json", argv[-1], timeout=600,
+             env=dict(os.environ, EXPERTCACHE_CACHE=str(tmp_path / "cache")))
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(r.stderr.strip().splitlines()[-1])
+    assert shows(row), (cmd, {k: row.get(k) for k in ("tiers", "low_computes", "misses", "hit_rate")})
+
+
+def test_the_setup_line_installs_the_tested_versions():
+    """The set-up line installed transformers 5.24 while 5.23 was tested."""
+    first = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("pip install"))
+    assert "-c requirements-ci.txt" in first
+    pins = (REPO / "requirements-ci.txt").read_text()
+    assert "transformers==" in pins and "torch==" in pins
+
+
+def test_a_run_folder_is_never_a_users_folder(capsys, tmp_path):
+    """train --out / melinoe finetune --out wrote log.jsonl (truncated: open "w"), checkpoints and data caches into
+    any folder; only its model/ sub-folder was checked."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "docs.jsonl").write_text("".join(json.dumps({"source": f"d{i}", "text": "The kernel loads. " * 40})
+                                               + "\n" for i in range(8)))
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "log.jsonl").write_text('{"my": "own log"}\n')
+    _check(["train", "--out", notes, "--data-dir", corpus, "--steps", "1"], "--out", capsys)
+    _check(["melinoe", "finetune", "--model", "granular", "--out", notes, "--data-dir", corpus], "--out", capsys)
+    assert (notes / "log.jsonl").read_text() == '{"my": "own log"}\n'
+    assert sorted(p.name for p in notes.iterdir()) == ["log.jsonl"]
+    from expertcache.outputs import MARK, claim_run_folder
+
+    run = claim_run_folder(tmp_path / "run", "--out", "train")  # a new folder: created and marked, then reusable
+    assert (run / MARK).is_file() and claim_run_folder(run, "--out", "train") == run
+    with pytest.raises(OutputError):
+        claim_run_folder(run, "--out", "melinoe finetune")

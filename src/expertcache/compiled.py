@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised on installs without numba
 if os.environ.get("EXPERTCACHE_NO_NUMBA", "") not in ("", "0"):
     numba = None
 
-__all__ = ["AVAILABLE", "jit", "jit_inline", "jit_each", "dependency_files", "dependency_digest"]
+__all__ = ["AVAILABLE", "jit", "jit_inline", "jit_each", "dependency_files", "dependency_digest", "compile_notice"]
 
 AVAILABLE = numba is not None
 
@@ -148,7 +148,25 @@ def _dependency_cache(fn):
     class Cache(FunctionCache):
         _impl_class = Impl
 
+        def load_overload(self, sig, target_context):
+            got = super().load_overload(sig, target_context)
+            if got is None:  # not cached: numba compiles it now
+                compile_notice()
+            return got
+
     return Cache(fn)
+
+
+_NOTICED = []
+
+
+def compile_notice() -> None:
+    """One line on stderr, once per process, before the first kernel is compiled (not loaded from the cache): the
+    first run after installing compiles them all, 20-70 s of silence otherwise."""
+    if not _NOTICED:
+        _NOTICED.append(True)
+        print("expertcache: compiling the routing and cache kernels with numba (once after installing or upgrading: "
+              "20-70 s; later runs load them from the cache)", file=sys.stderr, flush=True)
 
 
 def _njit(fn, **options):

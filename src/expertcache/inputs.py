@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["InputWarning", "check_text", "json_text_fields", "env_path"]
+__all__ = ["InputWarning", "check_text", "json_text_fields"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -59,13 +59,3 @@ def json_text_fields(line: str, keys: tuple[str, ...], where: str) -> tuple[str,
         out.append(check_text(v, f"{where}: {key!r}"))
     return tuple(out)
 
-
-def env_path(name: str):
-    """The folder or file named by the environment variable ``name`` as a ``Path`` (``~`` expanded), or None when
-    it is unset, empty or only blanks: an empty variable is "not set", never the current folder (``Path("")``
-    is ``.``)."""
-    import os
-    from pathlib import Path
-
-    value = os.environ.get(name, "")
-    return Path(value).expanduser() if value.strip() else None

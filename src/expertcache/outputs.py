@@ -38,8 +38,8 @@ import tempfile
 from pathlib import Path
 
 __all__ = ["MARK", "FILES_MARK", "TMP_SUFFIX", "STREAMS", "OutputError", "check_args", "check_not_input",
-           "check_folder_output", "check_row_file", "mark_folder", "publish_folder", "temp_folder", "temp_file",
-           "replace_file", "is_stream", "implicit_inputs", "claim_names", "record_names", "name_max",
+           "check_folder_output", "claim_run_folder", "check_row_file", "mark_folder", "publish_folder", "temp_folder", "temp_file",
+           "replace_file", "is_stream", "implicit_inputs", "env_path", "claim_names", "record_names", "name_max",
            "OUTPUT_DESTS"]
 
 #: the file inside a folder written by an expertcache command, naming the command
@@ -125,6 +125,27 @@ def check_folder_output(path, flag: str, command: str) -> None:
         what = f"was written by `expertcache {by}`" if by else "is not one this command wrote"
         raise OutputError(f"{flag} {path}: the folder exists and {what}; refusing to replace it (give a new "
                           f"folder, or remove it yourself)")
+
+
+def claim_run_folder(path, flag: str, command: str, legacy=()) -> Path:
+    """A run folder (``train --out``, ``melinoe finetune --out``: the command writes its logs, checkpoints and data
+    caches there by name and resumes from them): refused when it exists, is not empty and is not this command's
+    -- marked (:data:`MARK`) by it, or, from before marks, holding one of ``legacy`` (its checkpoint, its marked
+    ``model/``) -- so a user's ``log.jsonl`` there is never truncated. Creates and marks it; returns it."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise OutputError(f"{flag} {path}: exists and is not a folder")
+    if p.is_dir() and any(p.iterdir()) and _marked_by(p) != command:
+        old = any((p / name).is_file() or _marked_by(p / name) == command for name in legacy)
+        if not old:
+            by = _marked_by(p)
+            what = f"was written by `expertcache {by}`" if by else f"is not a `{command}` run folder"
+            raise OutputError(f"{flag} {path}: the folder exists and {what}; refusing to write into it (give a new "
+                              "folder, or remove it yourself)")
+    p.mkdir(parents=True, exist_ok=True)
+    if _marked_by(p) != command:
+        mark_folder(p, command)
+    return p
 
 
 def mark_folder(folder, command: str) -> None:
@@ -252,14 +273,20 @@ def check_row_file(path, flag: str) -> None:
         raise OutputError(f"{bad} (its last line is not a JSON row); refusing to append to it")
 
 
+def env_path(name: str):
+    """The folder or file named by the environment variable ``name`` as a ``Path`` (``~`` expanded), or None when
+    it is unset, empty or only blanks: an empty variable is "not set", never the current folder (``Path("")``
+    is ``.``)."""
+    value = os.environ.get(name, "")
+    return Path(value).expanduser() if value.strip() else None
+
+
 def implicit_inputs(values: dict) -> dict[str, str]:
     """The inputs a command reads that its command line does not spell as paths (``{label: path}``): the
     shipped models and traces (every command may read them: ``--model granular``, ``analyze`` without a trace,
     the shipped tokenizer); the data folder of a command with ``--data-dir`` (its value, else
     ``$EXPERTCACHE_DATA``, else ``<repo>/../shared/data``); the expert cache folder (quantised sidecars, bench
     models) of every command that can read a model."""
-    from expertcache.inputs import env_path
-
     found: dict[str, str] = {}
     assets = Path(__file__).resolve().parent / "assets"
     for dest, value in values.items():
@@ -342,13 +369,16 @@ def record_names(folder, names, command: str) -> None:
     (so that its next run may replace them, and nothing else)."""
     import json
 
-    from expertcache.results import atomic_write_bytes
-
     folder = Path(folder)
     rec = _recorded(folder)
     for name in names:
         rec[name] = {"command": command, "sha256": _digest(folder / name)}
-    atomic_write_bytes(folder / FILES_MARK, (json.dumps({"files": rec}, indent=1, sort_keys=True) + "\n").encode())
+    tmp = temp_file(folder / FILES_MARK)
+    try:
+        tmp.write_text(json.dumps({"files": rec}, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, folder / FILES_MARK)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _paths_of(value) -> list[str]:
@@ -388,7 +418,7 @@ def check_args(args, command: str) -> None:
         if values.get(dest):
             replaced[dest] = Path(values[dest]) / sub if sub else Path(values[dest])
     inputs.update(implicit_inputs(values))
-    args._inputs = inputs  # for the commands that check the names they write later (claim_names)
+    args.inputs_read = inputs  # for the commands that check the names they write later (claim_names)
     rows = values.get("row_outputs") or ()
     for dest in OUTPUT_DESTS:
         for out in _paths_of(values.get(dest)):

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out_dir:  # a user's file of one of these names is refused, never replaced
         from expertcache.outputs import claim_names
 
-        claim_names(args.out_dir, OUT_DIR_FILES, "--out-dir", "analyze", getattr(args, "_inputs", None))
+        claim_names(args.out_dir, OUT_DIR_FILES, "--out-dir", "analyze", getattr(args, "inputs_read", None))
     if args.trace is None:
         from expertcache.trace.demo import demo_trace_path
 

@@ -277,7 +277,9 @@ def run(args: argparse.Namespace) -> int:
     ids, tok = load_prompt(path, args.prompt)
     predictor = predictor_from_args(args)
     if ids.shape[1] == 0:
-        raise ValueError("empty prompt")
+        from expertcache.models.loader import no_tokens_message
+
+        raise ValueError(no_tokens_message(args.prompt))
     check_context(path, ids.shape[1], args.max_new_tokens)
     print_resolved("generate", routing, f", {args.eviction}")
     offload = offload_from_args(args, context=ids.shape[1] + args.max_new_tokens, path=path)

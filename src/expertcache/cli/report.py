@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         jobs.append((f"{pre}raster.png", lambda p: plot_raster(traces, p, layer=args.layer, start=args.start,
                                                                 tokens=args.tokens, capacity=args.raster_capacity)))
     # a user's file of the same name in --out-dir (or an input: `report d/pareto.md --out-dir d`) is refused
-    claim_names(out, [name for name, _ in jobs], "--out-dir", "report", getattr(args, "_inputs", None))
+    claim_names(out, [name for name, _ in jobs], "--out-dir", "report", getattr(args, "inputs_read", None))
     out.mkdir(parents=True, exist_ok=True)
     written = []
     try:

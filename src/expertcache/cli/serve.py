@@ -140,9 +140,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{exc}; {what_fits(args, path, context)}") from None
     tok = None
     if (path / "tokenizer.json").is_file():
+        from expertcache.models.loader import check_tokenizer_encodes
         from expertcache.train.tokenizer import load_tokenizer
 
         tok = load_tokenizer(path)
+        check_tokenizer_encodes(tok, path / "tokenizer.json")  # not every request's 400 blaming the message
     name = args.served_model_name or (args.model if args.model in ("granular", "coarse") else path.name)
     engine = Engine(rt, tok, max_batch=args.max_batch, max_queue=args.max_queue,
                     prefill_chunk=args.prefill_chunk, prefill_delay=args.prefill_delay).start()

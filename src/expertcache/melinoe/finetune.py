@@ -46,7 +46,7 @@ from expertcache.jsonsafe import load_path
 from expertcache.melinoe.losses import cache_sim_loss, hard_misses, rank_match_loss
 from expertcache.results import atomic_write_bytes, pyplot, save_figure, save_npy
 from expertcache.train.configs import check_positive, check_save_dtype
-from expertcache.outputs import check_folder_output, publish_folder, temp_folder
+from expertcache.outputs import check_folder_output, claim_run_folder, publish_folder, temp_folder
 
 __all__ = ["FinetuneConfig", "PRESETS", "apply_preset", "BaseRouting", "step_losses", "finetune", "lr_factor",
            "plot_losses", "TOKENIZER_FILES"]
@@ -390,7 +390,7 @@ def finetune(cfg: FinetuneConfig, *, command: str = "", progress: bool = True, s
     out = Path(cfg.out)
     for name in ("model", "state"):  # replaced later: refused before any work
         check_folder_output(out / name, "--out", "melinoe finetune")
-    out.mkdir(parents=True, exist_ok=True)
+    claim_run_folder(out, "--out", "melinoe finetune", legacy=("model", "state"))  # never a user's folder
     state_dir = out / "state"
     from expertcache.device import resolve_device
 

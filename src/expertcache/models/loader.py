@@ -16,7 +16,7 @@ from torch import nn
 from expertcache.jsonsafe import JSONError, load_path
 from expertcache.models.adapters import family_for
 
-__all__ = ["load_model", "read_config_json", "check_config_values", "load_config_checked", "check_weights_match_config", "load_tokenizer_checked",
+__all__ = ["load_model", "read_config_json", "check_config_values", "load_config_checked", "check_weights_match_config", "load_tokenizer_checked", "check_tokenizer_encodes", "no_tokens_message",
            "check_tokenizer_fits",
            "is_hub_name", "fetch_hub_model", "resolve_model_path", "HUB_FILES"]
 
@@ -204,7 +204,33 @@ def load_tokenizer_checked(folder: str | os.PathLike):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"{path}: not a valid tokenizer file ({first})") from None
     check_tokenizer_fits(tok, config.get("vocab_size"), path)
+    check_tokenizer_encodes(tok, path)
     return tok
+
+
+#: the text a loaded tokenizer must turn into at least one token
+PROBE_TEXT = "The kernel loads the module."
+
+
+def check_tokenizer_encodes(tok, path: str | os.PathLike) -> None:
+    """A tokenizer (file ``path``) that turns plain text into no tokens is refused, naming the file: every prompt
+    would then read as "empty" and the user's text would be blamed (a normalizer that deletes everything, ...)."""
+    try:
+        ids = tok(PROBE_TEXT, verbose=False).input_ids
+    except Exception as exc:  # tokenizers raises plain Exception
+        raise ValueError(f"{path}: the tokenizer fails on plain text ({str(exc).strip()[:120]})") from None
+    if not ids:
+        raise ValueError(f"{path}: the tokenizer produces no tokens (for {PROBE_TEXT!r}); it cannot encode a "
+                         "prompt -- fix or replace the model's tokenizer")
+
+
+def no_tokens_message(text: str, what: str = "prompt") -> str:
+    """The error for a ``what`` that encoded to no tokens: "empty" only when it is blank, else the tokenizer's
+    doing (it dropped every character), never the user's."""
+    if not text.strip():
+        return f"empty {what}"
+    return (f"the model's tokenizer produced no tokens for the {what} ({len(text)} characters): it drops this text; "
+            "the tokenizer, not the text, is at fault")
 
 
 def check_tokenizer_fits(tok, vocab: int | None, path: str | os.PathLike) -> None:

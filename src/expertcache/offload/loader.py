@@ -18,7 +18,7 @@ __all__ = ["cache_dir", "load_non_expert", "recompute_rotary"]
 def cache_dir() -> Path:
     """expertcache's cache folder (``$EXPERTCACHE_CACHE``, default ``~/.cache/expertcache``; an empty variable is
     unset, not the current folder)."""
-    from expertcache.inputs import env_path
+    from expertcache.outputs import env_path
 
     return env_path("EXPERTCACHE_CACHE") or Path.home() / ".cache" / "expertcache"
 

@@ -26,7 +26,7 @@ def is_heldout(source: str) -> bool:
 
 def data_root(data_dir: str | os.PathLike | None = None) -> Path:
     """The shared data folder: ``data_dir`` if given, else ``$EXPERTCACHE_DATA``, else ``<repo>/../shared/data``."""
-    from expertcache.inputs import env_path
+    from expertcache.outputs import env_path
 
     return Path(data_dir or env_path("EXPERTCACHE_DATA") or REPO_ROOT.parent / "shared" / "data")
 

@@ -29,7 +29,7 @@ import torch
 
 from expertcache import __version__
 from expertcache.jsonsafe import loads
-from expertcache.outputs import MARK, check_folder_output, publish_folder, temp_file, temp_folder
+from expertcache.outputs import MARK, check_folder_output, claim_run_folder, publish_folder, temp_file, temp_folder
 from expertcache.results import named, pyplot, save_figure, save_npy
 from expertcache.train.configs import MODEL_SPECS, TrainConfig, build_hf_config, build_model, count_params
 from expertcache.train.data import encode_stream, load_documents, resolve_data_dir, sample_batch, split_documents
@@ -276,7 +276,7 @@ def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: i
     torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.out or f"runs/{cfg.model}")
     check_folder_output(run_dir / "model", "--out", "train")  # replaced at the end: refused before any work
-    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_folder(run_dir, "--out", "train", legacy=(CKPT_NAME, "model"))  # a user's folder: never written into
     if (run_dir / LEGACY_CKPT_NAME).exists():
         raise ValueError(f"{run_dir / LEGACY_CKPT_NAME} is a pickled checkpoint, which expertcache does not load "
                          f"(unpickling a file can run code); delete it to start over, or use another --out")
