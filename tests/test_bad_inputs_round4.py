@@ -548,3 +548,14 @@ def test_a_run_folder_is_never_a_users_folder(capsys, tmp_path):
     assert (run / MARK).is_file() and claim_run_folder(run, "--out", "train") == run
     with pytest.raises(OutputError):
         claim_run_folder(run, "--out", "melinoe finetune")
+
+
+def test_a_hub_models_local_copy_is_an_input(monkeypatch, tmp_path):
+    hub = tmp_path / "hub"
+    snap = hub / "models--owner--moe" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").write_bytes(b"weights")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutputError, match="hub cache"):
+        _rule(["trace", "record", "--model", "owner/moe", "--task", "wikitext", "--out", snap / "model.safetensors"])

@@ -32,6 +32,7 @@ Pure path logic, no torch; errors are :class:`OutputError` (a ``ValueError``) na
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -281,6 +282,14 @@ def env_path(name: str):
     return Path(value).expanduser() if value.strip() else None
 
 
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _hub_cache() -> Path:
+    """The Hugging Face hub cache folder ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    return env_path("HF_HUB_CACHE") or (env_path("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub"
+
+
 def implicit_inputs(values: dict) -> dict[str, str]:
     """The inputs a command reads that its command line does not spell as paths (``{label: path}``): the
     shipped models and traces (every command may read them: ``--model granular``, ``analyze`` without a trace,
@@ -294,6 +303,10 @@ def implicit_inputs(values: dict) -> dict[str, str]:
             continue
         if value in ("granular", "coarse") and not os.path.lexists(value):
             found[f"{value} (--{dest.replace('_', '-')}, the shipped model)"] = str(assets / "models" / value)
+        elif dest == "model" and _HUB_NAME.fullmatch(value) and not os.path.lexists(value):
+            hub = _hub_cache() / f"models--{value.replace('/', '--')}"
+            if hub.is_dir():  # a hub model's local copy (the hub cache): read by name, an input like a folder
+                found[f"{value} (--model, the hub cache's copy {hub})"] = str(hub)
     found[f"{assets} (the shipped models and traces)"] = str(assets)
     if "data_dir" in values:
         root = values.get("data_dir") or env_path("EXPERTCACHE_DATA") or \
