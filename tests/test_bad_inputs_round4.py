@@ -287,6 +287,9 @@ def test_sidecar_format_and_place_are_named_right(capsys, tmp_path, monkeypatch)
     with pytest.raises(CheckpointError, match="newer expertcache") as exc:
         store.check_sidecar_layout(side, layout)
     assert "older" not in str(exc.value)
+    newer = side.read_bytes()
+    line = _check(_gen(m), "newer expertcache", capsys)  # not rebuilt over
+    assert "older" not in line and side.read_bytes() == newer
     side.unlink()
     side.mkdir()
     _check(_gen(m), f"{side}: is a folder", capsys)

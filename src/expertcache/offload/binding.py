@@ -95,11 +95,28 @@ def check_bound(path: str | os.PathLike, checkpoint, layer_ids) -> None:
 
 def check_sidecar_place(path: str | os.PathLike) -> None:
     """CheckpointError naming ``path`` when something that is not a regular file (a folder) sits where the sidecar
-    is to be written: it is the user's to remove, never replaced (and the error is not the temporary file's)."""
+    is to be written, or a sidecar of a newer format: it is the user's to remove, never replaced (and the error is
+    not the temporary file's, nor "an older expertcache")."""
+    from expertcache.offload.quant import FORMAT_VERSION
+
     path = Path(path)
     if (path.exists() or path.is_symlink()) and not path.is_file():
         what = "a folder" if path.is_dir() else "not a regular file"
         raise CheckpointError(f"{path}: is {what}, where the quantised experts' sidecar goes; remove or rename it")
+    if path.is_file():
+        try:
+            from expertcache.jsonsafe import loads
+
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                version = (loads(f.read(n), what=str(path)).get("__metadata__") or {}).get("format_version", "1")
+            newer = str(version).isdigit() and int(version) > FORMAT_VERSION
+        except (OSError, ValueError, struct.error, AttributeError):
+            return  # unreadable: the checks that follow name it and rebuild it
+        if newer:  # a newer expertcache's file: never rebuilt over
+            raise CheckpointError(f"{path}: quantised experts in format {version}, written by a newer expertcache "
+                                  f"(this one reads format {FORMAT_VERSION}); not replaced: upgrade expertcache, or "
+                                  "delete the file and it is rebuilt in this format")
 
 
 def bound_sidecar(path: str | os.PathLike, checkpoint, layer_ids) -> bool:
