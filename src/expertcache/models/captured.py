@@ -62,7 +62,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from expertcache.models.cachearg import cache_kw
+from expertcache.models.cachearg import CACHE_ARG, cache_kw  # CACHE_ARG read once: a constant in the step's graph
 
 __all__ = ["BUCKET", "CapturedDecode", "compile_dense", "missing_compiler", "unsupported_reason"]
 
@@ -258,7 +258,7 @@ def _step(model: nn.Module, tok_11: torch.Tensor, pos_1: torch.Tensor, cache, le
         if i == guess_at:
             h = torch.ops.expertcache.guess_first(h, i)
         a, _ = _eager(layer.self_attn)(hidden_states=_eager(layer.input_layernorm)(h), position_embeddings=rope,
-                                       attention_mask=mask_111M, **cache_kw(cache), cache_position=pos_1)
+                                       attention_mask=mask_111M, **{CACHE_ARG: cache}, cache_position=pos_1)
         h = h + a
         x = _eager(layer.post_attention_layernorm)(h)
         moe = layer.mlp(x) if traced else torch.ops.expertcache.moe_block(x, i)
