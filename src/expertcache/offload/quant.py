@@ -48,7 +48,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
+__all__ = ["cpu_description", "dense_int8_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
            "kernel_for", "k_align", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
            "padding_note"]
 
@@ -59,6 +59,70 @@ KERNEL_GROUPS = (32, 64, 128, 256)
 FORMAT_VERSION = 2
 _ALIGN = 64  # bytes: every part of a blob starts on a cache line (and on its dtype's size)
 _INNER_K_TILES = 2  # tinygemm: K % 32 == 0 (every G in KERNEL_GROUPS divides a padded K)
+
+
+#: CPU ISA flags that choose kernels (reported in every benchmark row and the kernel-choice line)
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
+             "amx_int8", "amx_bf16", "asimd", "sve", "i8mm", "bf16")
+#: what caps torch's three CPU kernel libraries at an ISA (each reads its own variable once, at start-up)
+ISA_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+
+
+def cpu_description() -> dict:
+    """The CPU model, its kernel-choosing ISA flags, ATen's dispatch capability and any ISA caps set in the
+    environment: what a speed row needs to be read on another machine."""
+    from pathlib import Path
+
+    model, flags = "?", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("model name", "Model", "CPU part") and model == "?":
+                model = line.split(":", 1)[1].strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import os
+
+    return dict(cpu=model, cpu_flags=[f for f in ISA_FLAGS if f in flags],
+                aten_capability=torch.backends.cpu.get_cpu_capability(),
+                isa_env={k: os.environ[k] for k in ISA_VARS if k in os.environ})
+
+
+def dense_int8_kernel(device: torch.device | str = "cpu", *, compiled: bool = False) -> str:
+    """The int8 dense product on ``device``: ``fbgemm`` (``quantized.linear_dynamic``: the activation quantised
+    per call to 8 bits, int8 × int8 on FBGEMM's AVX2 / AVX-512-VNNI kernels) on an x86 CPU where torch has FBGEMM,
+    else ``int8pack`` (``_weight_int8pack_mm``, bf16 activations). The survey (BENCHMARKS.md "Which 4-bit kernel on
+    which CPU", benchmarks/bench_kernels.py): FBGEMM 2.3-2.7× bf16 on the OLMoE-1B-7B shapes with AVX2, where
+    ``_weight_int8pack_mm`` is 0.96-1.14× and ``_weight_int4pack_mm_for_cpu`` 0.75-0.97×. ``compiled``: the dense
+    part runs under ``torch.compile`` (``--compile``), which does not trace FBGEMM's packed-weight object:
+    ``int8pack``."""
+    if torch.device(device).type != "cpu" or compiled:
+        return "int8pack"
+    return "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines else "int8pack"
+
+
+def fbgemm_vnni() -> bool:
+    """Whether FBGEMM runs its AVX-512 VNNI kernels here (the CPU has avx512_vnni and FBGEMM_ENABLE_INSTRUCTIONS
+    does not cap it below): int8 activations may then use all 8 bits (:class:`~expertcache.offload.qlinear.QuantLinear`)."""
+    import os
+
+    cap = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper()
+    return "avx512_vnni" in cpu_description()["cpu_flags"] and cap in ("", "AVX512_E1", "AVX512_VNNI")
+
+
+def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool = False) -> str:
+    """One line for stderr and the bench rows: the CPU, its ISA, and the kernel each quantised part runs on."""
+    c = cpu_description()
+    names = {"int4": "_weight_int4pack_mm_for_cpu", "int8": "_weight_int8pack_mm"}
+    act = "8-bit" if fbgemm_vnni() else "7-bit"
+    dk = {"int4": names["int4"], "int8": f"quantized.linear_dynamic (FBGEMM, {act} activations per token)"
+          if dense_int8_kernel(compiled=compiled) == "fbgemm" else names["int8"]}
+    caps = "".join(f" {k}={v}" for k, v in c["isa_env"].items())
+    return (f"kernels on {c['cpu']} [{' '.join(c['cpu_flags']) or 'no SIMD flags read'}], ATen {c['aten_capability']}"
+            f"{caps}: experts {experts and f'{experts} {names[experts]}' or 'bf16'}; dense part "
+            f"{dense and f'{dense} {dk[dense]}' or 'bf16'}")
 
 
 def default_group(d: int, f: int) -> int:

@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -71,8 +72,8 @@ from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
 from expertcache.offload.lowtier import LOW_MODES, LowPrecisionTier, low_tier_bytes
 from expertcache.offload.prefetch import PrefetchStats
-from expertcache.offload.qlinear import DENSE_MODES, dense_bytes, dense_targets, quantize_dense_skeleton
-from expertcache.offload.quant import PACK_ROWS, padding_note, quant_mlp
+from expertcache.offload.qlinear import DENSE_MODES, dense_bytes, dense_kernel_note, dense_targets, quantize_dense_skeleton
+from expertcache.offload.quant import PACK_ROWS, cpu_description, kernel_choice_line, padding_note, quant_mlp
 from expertcache.offload.slots import SlotArena, slot_bytes_for
 from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
@@ -292,12 +293,17 @@ class OffloadedModel(LayerSteps):
             m.block.experts = OffloadedExperts(None, m.index)  # runtime bound below
         cls._compile_kernels(family, layers[0], routing or RoutingConfig(), eviction, configure_kw.get("gamma", 0.9))
         process = cls._preflight(path, model, layers, checkpoint, offload, dtype, device)  # refuses before loading
-        packed = quantize_dense_skeleton(model, offload.quant_dense, device)  # --quant-dense: packed while loading
+        packed = quantize_dense_skeleton(model, offload.quant_dense, device, compiled=offload.compile)  # packed while loading
         model.to_empty(device=device)
-        load_non_expert(model, checkpoint, config, packed)
+        dense_load: dict = {}  # --quant-dense: packed weights read from / written to $EXPERTCACHE_CACHE/dense
+        load_non_expert(model, checkpoint, config, packed, dense_cache=_cache_dir() / "dense", stats=dense_load)
         recompute_rotary(model, config, device)
         use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
         runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps, process)
+        runtime.dense_load = dense_load
+        if (offload.quant or offload.quant_dense) and device.type == "cpu":  # which kernel on this CPU, and why
+            print(f"expertcache: {kernel_choice_line(offload.quant, offload.quant_dense, compiled=offload.compile)}",
+                  file=sys.stderr)
         if offload.compile:
             compile_dense(model)
         for m in layers:
@@ -809,6 +815,8 @@ class OffloadedModel(LayerSteps):
                     precision=self.precision.to_dict() if self.low is not None else None,
                     group=self.offload.group if self.offload.quant else None, capacity=self.capacity,
                     quant_kernel=padding_note(self.source.quant) if self.source.quant is not None else None,
+                    dense_kernel=dense_kernel_note(self.model), dense_load=getattr(self, "dense_load", {}),
+                    cpu=cpu_description(),
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),
                     eviction=self.eviction, gamma=eviction_rule(self.eviction).settings(gamma=self.gamma).get("gamma"),
                     readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,
