@@ -508,3 +508,104 @@ def test_cuda_quantised_runtime_matches_the_cpu_one(tiny_olmoe, mode):  # pragma
             out[device] = rt.forward(ids).logits.float().cpu()
     rel = ((out["cuda"] - out["cpu"]).norm() / out["cpu"].norm()).item()
     assert rel < 0.02, rel
+
+
+# -- int4 scale optimisers (quant_opt) and the q4 preset -----------------------------------------------------------
+
+
+def _group_errors(w, q, s, z, group):
+    n, k = w.shape
+    wr = (q.float().view(n, k // group, group) - 8) * s.float()[..., None] + z.float()[..., None]
+    return (wr - w.float().view(n, k // group, group))
+
+
+@pytest.mark.parametrize("dist", ["normal", "student-t"])
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_optimisers_never_lose_to_min_max_where_they_optimise(dist, group):
+    """Against the plain min/max scales, per group and before the storage rounding of scale and zero (float32):
+    ``lsq`` (least squares, monotone alternation from the min/max start among its candidates) has no group with a
+    larger squared error; ``hqq`` (the l_p proximal zero, best iteration kept) none with a larger mean absolute
+    error. After bf16 rounding both still lower the whole matrix's relative error. Codes stay in [0, 15] and are
+    the rounding of W under the stored scale and zero."""
+    from expertcache.offload.quant import quantize_codes
+
+    g = torch.Generator().manual_seed(group)
+    w = torch.randn(256, 512, generator=g) * 0.02
+    if dist == "student-t":
+        w = w * (torch.rand(256, 512, generator=g) ** -0.5)  # heavy tails: a few large weights per group
+    errs = {}
+    for opt in ("minmax", "hqq", "lsq"):
+        q32, s32, z32 = quantize_codes(w, "int4", group, torch.float32, optimize=opt)
+        assert int(q32.min()) >= 0 and int(q32.max()) <= 15
+        e = _group_errors(w, q32, s32, z32, group)
+        errs[opt] = (e.pow(2).sum(-1), e.abs().mean(-1))
+        want_q = torch.round((w.view(256, -1, group) - z32[..., None]) / s32[..., None] + 8).clamp(0, 15)
+        assert torch.equal(q32.view(256, -1, group).float(), want_q)
+        q, s, z = quantize_codes(w, "int4", group, torch.bfloat16, optimize=opt)
+        errs[opt + " bf16"] = _group_errors(w, q, s, z, group).norm() / w.norm()
+    assert bool((errs["lsq"][0] <= errs["minmax"][0] * (1 + 1e-5) + 1e-12).all())
+    assert bool((errs["hqq"][1] <= errs["minmax"][1] * (1 + 1e-5) + 1e-12).all())
+    assert errs["lsq bf16"] < errs["minmax bf16"] and errs["hqq bf16"] < errs["minmax bf16"]
+
+
+def test_an_unknown_optimiser_is_named():
+    from expertcache.offload.quant import QuantLayout, quantize_codes
+
+    with pytest.raises(ValueError, match="'gptq'"):
+        quantize_codes(torch.zeros(4, 32), "int4", 32, torch.float32, optimize="gptq")
+    with pytest.raises(ValueError, match="'gptq'"):
+        QuantLayout("int4", 64, 32, 32, optimize="gptq")
+
+
+def test_q4_preset_resolves_to_its_settings_and_keeps_what_is_given():
+    from expertcache.offload import OffloadConfig
+    from expertcache.offload.quant import QUANT_PRESETS, resolve_preset
+
+    assert resolve_preset(OffloadConfig(quant="q4")) == OffloadConfig(quant="int4", quant_dense="int8", quant_opt="lsq")
+    assert resolve_preset(OffloadConfig(quant="q4", quant_dense="int4")).quant_dense == "int4"
+    assert resolve_preset(OffloadConfig(quant="q4", quant_opt="hqq")).quant_opt == "hqq"
+    assert resolve_preset(OffloadConfig(quant="int4")) == OffloadConfig(quant="int4")
+    assert set(QUANT_PRESETS) == {"q4"}
+
+
+def test_q4_runtime_sidecar_and_dense_cache_carry_the_optimiser(tiny_olmoe):
+    """``quant='q4'``: int4 experts whose blobs are packed with least-squares scales (the sidecar's name and
+    metadata say so: a min/max sidecar is another file), the dense part int8; the logits differ from plain
+    ``int4 + dense int8`` (other scales) and stay near the unquantised model's."""
+    from expertcache.offload.quant import pack_expert
+
+    rt = _rt(tiny_olmoe, quant="q4", capacity=2)
+    d = rt.describe()
+    assert (d["quant"], d["quant_dense"], d["quant_opt"]) == ("int4", "int8", "lsq")
+    assert "lsq" in rt.source.path.name and rt.source.quant.optimize == "lsq" and "lsq" in d["quant_kernel"]
+    plain = _rt(tiny_olmoe, quant="int4", quant_dense="int8", capacity=2)
+    assert plain.source.path != rt.source.path
+    parts = rt.checkpoint.expert(rt.layers[0].layer_id, 0)
+    from expertcache.offload.experts import expert_views
+    from expertcache.offload.store import DiskTier, place_expert
+
+    buf = torch.empty(parts.nbytes, dtype=torch.uint8)
+    DiskTier("cached").fetch(parts, buf)
+    blob = pack_expert(*expert_views(buf, parts, place_expert(parts, "cached"), parts.dtype), rt.source.quant)
+    t = rt.source.parts(rt.layers[0].layer_id, 0)
+    with open(t.reads[0].file, "rb") as f:
+        f.seek(t.reads[0].offset)
+        assert f.read(t.nbytes) == blob.numpy().tobytes()
+
+
+def test_the_kernel_choice_is_stated_once_on_stderr_with_the_cpu(tiny_olmoe, capfd):
+    """A quantised start says, in one stderr line, the CPU model, its ISA flags, ATen's capability and the kernel
+    of each quantised part; ``describe()`` carries the same CPU description and the dense kernels."""
+    from expertcache.offload.quant import cpu_description, dense_int8_kernel
+
+    rt = _rt(tiny_olmoe, quant="int4", quant_dense="int8", capacity=2)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if "kernels on" in ln]
+    c = cpu_description()
+    assert len(lines) == 1 and c["cpu"] in lines[0] and f"ATen {c['aten_capability']}" in lines[0]
+    assert "experts int4 _weight_int4pack_mm_for_cpu" in lines[0]
+    fb = dense_int8_kernel() == "fbgemm"
+    assert ("FBGEMM" in lines[0]) == fb and ("dense part int8 _weight_int8pack_mm" in lines[0]) == (not fb)
+    d = rt.describe()
+    assert d["cpu"] == c and d["dense_kernel"].startswith(f"int8 {'fbgemm' if fb else 'int8pack'} ×")
+    _rt(tiny_olmoe, capacity=2)
+    assert "kernels on" not in capfd.readouterr().err  # nothing quantised: no line

@@ -37,8 +37,8 @@ DENSE_MODES = ("none", "int8", "int4")
 DENSE_GROUP = 32
 
 
-def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device) -> QuantMatrix:
-    return QuantMatrix(mode, kernel_for(mode, device), n, k, DENSE_GROUP, dtype)
+def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device, optimize: str = "minmax") -> QuantMatrix:
+    return QuantMatrix(mode, kernel_for(mode, device), n, k, DENSE_GROUP, dtype, optimize)
 
 
 class QuantLinear(nn.Module):
@@ -56,9 +56,9 @@ class QuantLinear(nn.Module):
 
     def __init__(self, n: int, k: int, mode: str, dtype: torch.dtype, *, bias: bool = False,
                  device: torch.device | str = "cpu", kernel_device: torch.device | str | None = None,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, optimize: str = "minmax") -> None:
         super().__init__()
-        self.qm = _matrix(mode, n, k, dtype, kernel_device or device)
+        self.qm = _matrix(mode, n, k, dtype, kernel_device or device, optimize)
         self.kernel = dense_int8_kernel(kernel_device or device, compiled=compiled) if mode == "int8" else "int4pack"
         self._fbgemm = None  # FBGEMM's packed weight (after finish)
         self.opaque_bytes = 0
@@ -83,7 +83,8 @@ class QuantLinear(nn.Module):
     @property
     def recipe(self) -> str:
         """What the packed bytes depend on besides the weight (the dense cache's key)."""
-        return f"linear-{self.qm.mode}-g{self.qm.group}-{self.qm.kernel}-{str(self.qm.dtype).removeprefix('torch.')}"
+        return (f"linear-{self.qm.mode}-g{self.qm.group}-{self.qm.optimize}-{self.qm.kernel}-"
+                f"{str(self.qm.dtype).removeprefix('torch.')}")
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -188,7 +189,7 @@ def quantize_dense(model: nn.Module, mode: str | None) -> int:
 
 
 def quantize_dense_skeleton(model: nn.Module, mode: str | None, device: torch.device | str, *,
-                            compiled: bool = False) -> dict[str, nn.Module]:
+                            compiled: bool = False, optimize: str = "minmax") -> dict[str, nn.Module]:
     """Replace :func:`dense_targets` of a ``meta``-device skeleton with empty :class:`QuantLinear` /
     :class:`QuantEmbedding` (packed for ``device``; allocated by ``model.to_empty``), so that loading packs
     each weight a block of rows at a time straight from the checkpoint and no full-precision copy of it is
@@ -204,7 +205,7 @@ def quantize_dense_skeleton(model: nn.Module, mode: str | None, device: torch.de
             new = QuantEmbedding(w.shape[0], w.shape[1], w.dtype, padding_idx=mod.padding_idx, device="meta")
         else:
             new = QuantLinear(w.shape[0], w.shape[1], mode, w.dtype, bias=mod.bias is not None, device="meta",
-                              kernel_device=device, compiled=compiled)
+                              kernel_device=device, compiled=compiled, optimize=optimize)
         _replace(model, name, new)
         out[f"{name}.weight"] = new
     return out
