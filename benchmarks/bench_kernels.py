@@ -60,24 +60,13 @@ COLD_BYTES = 96 << 20
 #: what caps each of torch's kernel libraries at an ISA (module docstring)
 ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"},
            "avx512": {"ATEN_CPU_CAPABILITY": "avx512"}, "default": {}}
-FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
-         "amx_int8", "amx_bf16")
 
 
 def cpu_info() -> dict:
-    """The CPU model, the ISA flags that choose kernels, and what torch dispatches to."""
-    model, flags = "?", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "?":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return dict(cpu=model, cpu_flags=[f for f in FLAGS if f in flags],
-                aten_capability=torch.backends.cpu.get_cpu_capability(),
-                isa_env={k: os.environ[k] for k in ISA_ENV["avx2"] if k in os.environ}, torch=torch.__version__)
+    """The CPU model, the ISA flags that choose kernels, what torch dispatches to and the ISA caps set."""
+    from expertcache.offload.quant import cpu_description
+
+    return dict(cpu_description(), torch=torch.__version__)
 
 
 def _int4_codes(w: torch.Tensor, group: int):
