@@ -443,8 +443,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     info = machine_info()
-    from expertcache.offload.quant import cpu_description
-    info.update(cpu_description())
     with open("/proc/loadavg") as f:
         info["loadavg"] = f.read().split()[:3]
     print(f"machine: {info}", flush=True)
