@@ -67,6 +67,7 @@ OUT = Path(__file__).resolve().parent / "results" / "quant.jsonl"
 CONFIGS = {  # name -> (expert quant, dense quant)
     "bf16": (None, None), "int8": ("int8", None), "int4": ("int4", None),
     "int8+dense-int8": ("int8", "int8"), "int4+dense-int8": ("int4", "int8"), "int4+dense-int4": ("int4", "int4"),
+    "q4": ("q4", None),
 }
 
 

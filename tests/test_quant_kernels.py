@@ -609,3 +609,19 @@ def test_the_kernel_choice_is_stated_once_on_stderr_with_the_cpu(tiny_olmoe, cap
     assert d["cpu"] == c and f"int8 {'fbgemm' if fb else 'int8pack'} ×" in d["dense_kernel"]
     _rt(tiny_olmoe, capacity=2)
     assert "kernels on" not in capfd.readouterr().err  # nothing quantised: no line
+
+
+def test_generate_takes_the_q4_preset(capsys):
+    """``expertcache generate --quant q4``: the run's row says what the preset stood for (int4 least-squares
+    experts, the dense part int8) and the summary line names both parts' kernels; ``--group`` applies to it."""
+    import json
+
+    from expertcache.cli.main import main
+
+    assert main(["generate", "--model", "granular", "--quant", "q4", "--group", "32", "--io", "cached",
+                 "--max-new-tokens", "2", "--json", "The kernel"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    row = json.loads(err[-1])["config"]
+    assert (row["quant"], row["quant_dense"], row["quant_opt"], row["group"]) == ("int4", "int8", "lsq", 32)
+    assert "lsq" in row["quant_kernel"] and "int8" in row["dense_kernel"]
+    assert sum("kernels on" in ln for ln in err) == 1

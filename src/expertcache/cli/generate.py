@@ -339,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
               + (f"; loads: {s['tiers']['host_hits']} from host RAM, {s['tiers']['disk_reads']} from disk"
                  if s["tiers"] else "") + f", {args.threads} thread(s)"
               + (f"; experts {row['config']['quant_kernel']}" if row["config"].get("quant_kernel") else "")
-              + (f"; dense {offload.quant_dense}" if offload.quant_dense else "")
+              + (f"; dense {row['config']['dense_kernel']}" if row["config"].get("dense_kernel") else "")
               + (f"; {s['hits']} full-precision hits, {s['low_computes']} int4 computes, {s['misses']} loads"
                  if offload.resident_quant else ""),
               file=sys.stderr)
