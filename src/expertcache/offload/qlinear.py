@@ -96,7 +96,10 @@ class QuantLinear(nn.Module):
         s = self.scales.double()
         with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's op still takes one
             warnings.simplefilter("ignore")
-            qw = torch._make_per_channel_quantized_tensor(codes.contiguous(), s, torch.zeros_like(s, dtype=torch.long), 0)
+            # codes · s in float32 is within 2^-24 relative of the exact product: quantising it back gives the codes
+            qw = torch.quantize_per_channel(codes.float() * s.float()[:, None], s, torch.zeros_like(s, dtype=torch.long),
+                                            0, torch.qint8)
+            assert torch.equal(qw.int_repr(), codes)
             self._fbgemm = torch.ops.quantized.linear_prepack(qw, None)
         # FBGEMM holds the N·K codes and N int32 column offsets: counted as the codes buffer it replaces (N·K_pad,
         # K_pad = K rounded up to 16), so a plan made from the skeleton (dense_bytes) equals the loaded model's
