@@ -28,6 +28,20 @@ with every expert resident (C = N, host tier), OLMoE-1B-7B shapes.
    residual stream's norm here (N(0, 0.02) matrices under std-1 embeddings; attention 35-40 %), so the experts'
    error reaches the logits diluted; tests/test_quant_olmoe.py checks a checkpoint where they weigh a third.
 
+5. **kl** (``--only kl``): like ``llama-perplexity --kl-divergence``: the shipped ``--models`` (default granular) on
+   held-out WikiText-2 test text (``--kl-chunks`` chunks of 256 tokens, default 16), the same token ids for every
+   setting, each chunk one teacher-forced forward with every expert resident (C = N, original routing): the
+   perplexity, its change against the unquantised model, the mean and 99th-percentile KL divergence
+   KL(P_ref || P_q) of the next-token distributions against it, the top-1 agreement, and the bits per weight
+   counted over all weights (every stored byte -- experts with their scales and padding, the dense part, norms,
+   router; with tied embeddings both quantised copies -- over the checkpoint's parameters). Settings:
+   ``KL_CONFIGS`` (int4 experts alone, + int8 / int4 dense, each int4 optimiser, the ``q4`` preset).
+
+6. **startup** (``--only startup``): time to the first token of the ``--layers``-layer OLMoE-1B-7B-shape checkpoint
+   with ``--quant int4 --quant-dense int4``, each start a fresh process (page cache warm): a cold start (no expert
+   sidecar, no packed dense file), a start with the sidecar but not the dense file (the dense part packed again:
+   every start before the dense cache), and a second start (both read). ``--repeats`` rounds.
+
 Writes rows to benchmarks/results/quant.jsonl (``--out``) and prints markdown tables with ratios against bf16
 measured in the same rounds.
 """
@@ -53,6 +67,7 @@ OUT = Path(__file__).resolve().parent / "results" / "quant.jsonl"
 CONFIGS = {  # name -> (expert quant, dense quant)
     "bf16": (None, None), "int8": ("int8", None), "int4": ("int4", None),
     "int8+dense-int8": ("int8", "int8"), "int4+dense-int8": ("int4", "int8"), "int4+dense-int4": ("int4", "int4"),
+    "q4": ("q4", None),
 }
 
 
@@ -213,6 +228,91 @@ def quality_rows(models: list[str], chunks: int, log, on_row, seq: int = 256) ->
     return rows
 
 
+#: name -> OffloadConfig fields, for ``--only kl``
+KL_CONFIGS = {
+    "int4": dict(quant="int4"), "int4 hqq": dict(quant="int4", quant_opt="hqq"),
+    "int4 lsq": dict(quant="int4", quant_opt="lsq"),
+    "int4 + dense int8": dict(quant="int4", quant_dense="int8"),
+    "int4 + dense int4": dict(quant="int4", quant_dense="int4"),
+    "int4 lsq + dense int4 lsq": dict(quant="int4", quant_dense="int4", quant_opt="lsq"),
+    "int4 hqq + dense int8": dict(quant="int4", quant_dense="int8", quant_opt="hqq"),
+    "q4": dict(quant="q4"),
+    "q4, dense int8 weight-only": dict(quant="q4", dense_int8_kernel="int8pack"),
+    "int8 + dense int8": dict(quant="int8", quant_dense="int8"),
+}
+
+
+def kl_rows(models: list[str], chunks: int, configs: list[str], log, on_row, seq: int = 256,
+            text_source: str = "heldout") -> list[dict]:
+    """Each setting against the unquantised model on the same token ids (module docstring, 5). ``text_source``:
+    ``heldout`` (the held-out split of the training corpus, expertcache.train.data) or ``wikitext``."""
+    import math
+
+    from tokenizers import Tokenizer
+
+    from expertcache.eval.data import resolve_eval_data_dir, wikitext_text
+    from expertcache.models.loader import resolve_model_path
+    from expertcache.offload.checkpoint import read_header
+    from expertcache.offload.quant import kernel_choice_line
+
+    from expertcache.offload.bench import heldout_stream
+
+    rows = []
+    for model in models:
+        path = resolve_model_path(model)
+        if text_source == "wikitext":
+            text = wikitext_text(resolve_eval_data_dir("wikitext"))
+            ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+        else:
+            ids = heldout_stream(path).tolist()
+        if len(ids) < chunks * seq:
+            raise ValueError(f"{model}: {text_source} gives {len(ids)} tokens, fewer than {chunks} × {seq}")
+        chunks_NS = torch.tensor(ids[:chunks * seq]).view(chunks, seq)
+        params = sum(math.prod(e.shape) for f in sorted(path.glob("*.safetensors")) for e in read_header(f).values())
+
+        def run(dense_int8_kernel=None, **kw):
+            import expertcache.offload.qlinear as qlinear
+
+            t0 = time.perf_counter()
+            real = qlinear.dense_int8_kernel
+            if dense_int8_kernel is not None:  # a kernel the run-time choice would not take here (its quality)
+                qlinear.dense_int8_kernel = lambda *a, **k: dense_int8_kernel
+            try:
+                rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", context=seq, **kw))
+            finally:
+                qlinear.dense_int8_kernel = real
+            with torch.inference_mode():
+                logp = torch.stack([torch.log_softmax(rt.forward(c[None]).logits[0].float(), -1) for c in chunks_NS])
+            d = rt.describe()
+            info = dict(bpw=8 * (rt.expert_bytes * len(rt.layers) * rt.num_experts + rt.plan.non_expert_bytes) / params,
+                        quant_kernel=d.get("quant_kernel"), dense_kernel=d.get("dense_kernel"), quant_opt=d["quant_opt"],
+                        kernels=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense), group=rt.offload.group,
+                        expert_bytes=rt.expert_bytes, non_expert_bytes=rt.plan.non_expert_bytes)
+            rt.close()
+            gc.collect()
+            return logp, info, time.perf_counter() - t0
+
+        ref, ref_info, secs = run()  # [chunks, S, V]
+        tgt = chunks_NS[:, 1:]
+        ref_nll = -ref[:, :-1].gather(-1, tgt[..., None]).mean().item()
+        log(f"{model}: unquantised ppl {math.exp(ref_nll):.3f}, {ref_info['bpw']:.2f} bits/weight ({secs:.0f} s)")
+        for name in configs:
+            got, info, secs = run(**KL_CONFIGS[name])
+            nll = -got[:, :-1].gather(-1, tgt[..., None]).mean().item()
+            kl = (ref.exp() * (ref - got)).sum(-1).flatten()  # KL(P_ref || P_q) per position
+            row = dict(kind="quant-kl", model=model, config=name, settings=KL_CONFIGS[name], chunks=chunks, seq=seq,
+                       text=text_source,
+                       tokens=int(tgt.numel()), ppl=math.exp(nll), ppl_ref=math.exp(ref_nll),
+                       ppl_change=math.exp(nll - ref_nll) - 1, kl_mean=kl.mean().item(),
+                       kl_p99=kl.quantile(0.99).item(), top1_agree=(got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                       bpw_ref=ref_info["bpw"], params=params, seconds=secs, threads=torch.get_num_threads(), **info)
+            log(f"{model} {name}: ppl {row['ppl']:.3f} ({100 * row['ppl_change']:+.2f} %), KL {row['kl_mean']:.5f} "
+                f"(p99 {row['kl_p99']:.4f}), top-1 {row['top1_agree']:.3f}, {row['bpw']:.2f} bits/weight ({secs:.0f} s)")
+            rows.append(row)
+            on_row(row)
+    return rows
+
+
 LOGIT_CONFIGS = [(q, d) for q in ("int8", "int4") for d in (None, "int8", "int4")]
 
 
@@ -271,13 +371,72 @@ def logits_rows(layers: int, log, on_row, capacity: int = 16) -> list[dict]:
     return rows
 
 
+_STARTUP_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from expertcache.offload import OffloadConfig, OffloadedModel
+torch.set_num_threads(1)
+t1 = time.perf_counter()
+rt = OffloadedModel.from_pretrained(sys.argv[1], OffloadConfig(tier="disk", io="cached", readers=0, quant="int4",
+                                                               quant_dense="int4", capacity=8, context=64))
+t2 = time.perf_counter()
+with torch.inference_mode():
+    rt.generate(torch.arange(3, 19)[None], max_new_tokens=1)
+t3 = time.perf_counter()
+print(json.dumps(dict(import_s=t1 - t0, load_s=t2 - t1, first_token_s=t3 - t2, ttft_s=t3 - t0,
+                      dense_load=rt.describe()["dense_load"])))
+"""
+
+
+def startup_rows(layers: int, repeats: int, log, on_row) -> list[dict]:
+    """Time to the first token, each start a fresh process (module docstring, 6)."""
+    import os
+    import shutil
+    import subprocess
+
+    from expertcache.offload.loader import cache_dir
+
+    path = make_bench_model("olmoe-1b-7b", layers=layers)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    dense_dir = cache_dir() / "dense"
+    rows = []
+
+    def start(kind):
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", _STARTUP_CHILD, str(path)], env=env, check=True,
+                             stdout=subprocess.PIPE, text=True).stdout
+        r = dict(json.loads(out.strip().splitlines()[-1]), kind="quant-startup", start=kind, layers=layers,
+                 wall_s=time.perf_counter() - t0)
+        log(f"{kind}: time to first token {r['ttft_s']:.1f} s (imports {r['import_s']:.1f}, loading {r['load_s']:.1f}, "
+            f"first token {r['first_token_s']:.1f}; dense {r['dense_load'].get('dense_cache')} in "
+            f"{r['dense_load'].get('seconds', 0):.1f} s)")
+        on_row(r)
+        rows.append(r)
+
+    import json
+    for r in range(repeats):
+        for side in [*path.glob("expertcache-experts-*.safetensors"), *(cache_dir() / "quant").glob(f"{path.name}-*")]:
+            side.unlink()
+        shutil.rmtree(dense_dir, ignore_errors=True)
+        start("cold")
+        shutil.rmtree(dense_dir, ignore_errors=True)
+        start("sidecar, dense packed")
+        start("second")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", choices=("kernel", "decode", "quality", "logits"), default=None)
+    ap.add_argument("--only", choices=("kernel", "decode", "quality", "logits", "kl", "startup"), default=None)
+    ap.add_argument("--kl-chunks", type=int, default=16, help="kl: chunks of 256 tokens")
+    ap.add_argument("--kl-text", choices=("heldout", "wikitext"), default="heldout",
+                    help="kl: the models' held-out corpus split, or WikiText-2 test")
+    ap.add_argument("--kl-configs", nargs="+", choices=list(KL_CONFIGS), default=list(KL_CONFIGS))
     ap.add_argument("--chunks", type=int, default=2, help="quality: WikiText chunks of 256 tokens")
     ap.add_argument("--models", nargs="+", default=["granular", "coarse"], help="quality: shipped models")
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
@@ -326,6 +485,23 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"| {r['experts']} | {r['dense']} | {r['compute']} | {r['max_abs_err']:.3f} | "
                   f"{r['rel_l2_err']:.4f} | {r['top1_agree']:.3f} |")
+    if args.only in (None, "startup"):
+        rows = startup_rows(args.layers, args.repeats, lambda *a: print(*a, flush=True), out)
+        print(f"\n| {args.layers}-layer OLMoE-1B-7B shape, int4 + dense int4 | time to first token, s (median of "
+              f"{args.repeats}) | of which dense weights, s |\n|---|---:|---:|")
+        for kind in ("cold", "sidecar, dense packed", "second"):
+            mine = [r for r in rows if r["start"] == kind]
+            print(f"| {kind} | {statistics.median(r['ttft_s'] for r in mine):.1f} | "
+                  f"{statistics.median(r['dense_load'].get('seconds', 0) for r in mine):.1f} |")
+    if args.only in (None, "kl"):
+        models = args.models if "--models" in (argv or sys.argv) else ["granular"]
+        rows = kl_rows(models, args.kl_chunks, args.kl_configs, lambda *a: print(*a, flush=True), out,
+                       text_source=args.kl_text)
+        print(f"\n| model ({args.kl_text}) | setting | bits/weight | ppl | Δ ppl | mean KL | p99 KL | top-1 |\n"
+              "|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['model']} | {r['config']} | {r['bpw']:.2f} | {r['ppl']:.3f} | {100 * r['ppl_change']:+.2f} % | "
+                  f"{r['kl_mean']:.5f} | {r['kl_p99']:.4f} | {r['top1_agree']:.3f} |")
     if args.only in (None, "quality"):
         rows = quality_rows(args.models, args.chunks, lambda *a: print(*a, flush=True), out)
         print("\n| model | experts | dense | routing | ppl | vs bf16/none | miss rate |\n|---|---|---|---|---:|---:|---:|")

@@ -33,6 +33,13 @@ import torch
 
 from expertcache.offload.quant import quantize_codes
 
+
+@pytest.fixture(autouse=True)
+def _weight_only_int8_dense(monkeypatch):
+    """These tests pin the weight-only contract (``x @ dequant(W).T``): ``--quant-dense int8`` on
+    ``_weight_int8pack_mm`` here; FBGEMM's int8-activation path has its own tests (test_quant_kernels.py)."""
+    monkeypatch.setattr("expertcache.offload.qlinear.dense_int8_kernel", lambda *a, **k: "int8pack")
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 D, F, E, TOP_K, LAYERS, V = 256, 128, 16, 8, 2, 1152

@@ -35,7 +35,7 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     from expertcache.offload.config import EXPERT_PRODUCTS
     from expertcache.offload.store import IO_MODES, TIERS
     from expertcache.offload.qlinear import DENSE_MODES
-    from expertcache.offload.quant import KERNEL_GROUPS, QUANT_MODES
+    from expertcache.offload.quant import KERNEL_GROUPS, QUANT_MODES, QUANT_PRESETS
     from expertcache.offload.lowtier import LOW_MODES
 
     parser.add_argument("--model", default="granular",
@@ -77,12 +77,14 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                         "in-memory model's values bit for bit), grouped_mm (one torch._grouped_mm per matrix over "
                         "the slots), bmm (one batched product of the gathered matrices); auto: mv on a CPU, "
                         "grouped_mm on CUDA for bf16 on compute capability 9.0+, else bmm")
-    g.add_argument("--quant", choices=QUANT_MODES, default=None,
+    g.add_argument("--quant", choices=(*QUANT_MODES, *QUANT_PRESETS), default=None,
                    help="quantised experts, packed once for torch's fused weight-only kernels: int8 (per output "
                         "channel, _weight_int8pack_mm) or int4 (group-wise, _weight_int4pack_mm / _for_cpu); where D "
                         "or F is not the kernel's multiple (int4: G, int8: 16; the shipped models) K is zero-padded, "
                         "never a slower path; the log names the kernel and padding. int4 is the fast one (int8 halves the "
-                        "bytes, but its CPU kernel runs at about bf16's speed: BENCHMARKS.md)")
+                        "bytes, but its CPU kernel runs at about bf16's speed: BENCHMARKS.md). q4: the 4-bit preset "
+                        "(int4 experts with least-squares scales, the dense part int8 unless --quant-dense int4; "
+                        "BENCHMARKS.md gives its quality and bits per weight)")
     g.add_argument("--group", type=int, choices=KERNEL_GROUPS, default=None, metavar="G",
                    help="int4 group size: 32, 64, 128 or 256 (the kernels'); default 64 where it divides D and F, "
                         "else 32 with K padded")
@@ -170,7 +172,7 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     host_memory = getattr(args, "host_memory", None)
     if host_memory is not None and args.tier != "disk":
         raise ValueError(f"--host-memory needs --tier disk (with --tier {args.tier} every expert is in host RAM already)")
-    if args.group is not None and args.quant != "int4":
+    if args.group is not None and args.quant not in ("int4", "q4"):
         raise ValueError(f"--group applies to --quant int4 (int8 scales are per output channel), got --quant "
                          f"{args.quant or 'none'}")
     dense = getattr(args, "quant_dense", None)
@@ -342,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
               + (f"; loads: {s['tiers']['host_hits']} from host RAM, {s['tiers']['disk_reads']} from disk"
                  if s["tiers"] else "") + f", {args.threads} thread(s)"
               + (f"; experts {row['config']['quant_kernel']}" if row["config"].get("quant_kernel") else "")
-              + (f"; dense {offload.quant_dense}" if offload.quant_dense else "")
+              + (f"; dense {row['config']['dense_kernel']}" if row["config"].get("dense_kernel") else "")
               + (f"; {s['hits']} full-precision hits, {s['low_computes']} int4 computes, {s['misses']} loads"
                  if offload.resident_quant else ""),
               file=sys.stderr)

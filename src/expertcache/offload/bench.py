@@ -70,12 +70,15 @@ BENCH_POLICIES = DEFAULT_BENCH  # kept for importers: the default set
 
 
 def machine_info() -> dict:
+    """The machine of a benchmark row: Python, torch, the CPU (model, cores, its kernel-choosing ISA flags, ATen's
+    dispatch capability and any ISA caps in the environment: :func:`~expertcache.offload.quant.cpu_description`)."""
+    from expertcache.offload.quant import cpu_description
     from expertcache.train.card import cpu_name
 
     return dict(python=platform.python_version(), torch=torch.__version__, machine=platform.machine(),
                 processor=platform.processor(), threads=torch.get_num_threads(),
                 cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, cpu=cpu_name(),
-                cores=os.cpu_count())
+                cores=os.cpu_count(), **{k: v for k, v in cpu_description().items() if k != "cpu"})
 
 
 def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: bool = True) -> float:

@@ -8,6 +8,10 @@ packed layout (dtype, sizes, offsets) and its bytes as the checkpoint stores the
 (:data:`SOURCE_KEY`), and a sidecar is read only when that digest equals the digest of the checkpoint it is
 loaded for (:func:`check_bound`); any mismatch, or a sidecar without one, is rebuilt (one line on stderr).
 
+The packed dense weights of ``--quant-dense`` (:mod:`expertcache.offload.densecache`) are named by
+:func:`checkpoint_digest` of their source tensors -- each one's name, dtype, shape and bytes -- so a cache made
+from other weights, or from the same names with edited values, is never read as this checkpoint's.
+
 Cost: one sequential read and hash of the checkpoint's expert bytes per process that loads a sidecar (remembered
 for unchanged files): 45-80 ms for granular's 11 MiB of experts on a busy 2-core VM, so ~4-7 s per GiB.
 """
@@ -18,10 +22,12 @@ import hashlib
 import os
 import struct
 from pathlib import Path
+from typing import Iterable
 
 from expertcache.offload.checkpoint import CheckpointError
 
-__all__ = ["SOURCE_KEY", "source_digest", "sidecar_source", "check_bound", "check_sidecar_place", "bound_sidecar"]
+__all__ = ["SOURCE_KEY", "source_digest", "sidecar_source", "check_bound", "check_sidecar_place", "bound_sidecar",
+           "checkpoint_digest", "DIGEST_BYTES"]
 
 #: the sidecar metadata key holding the digest of the checkpoint experts it was packed from
 SOURCE_KEY = "source_digest"
@@ -135,3 +141,31 @@ def bound_sidecar(path: str | os.PathLike, checkpoint, layer_ids) -> bool:
               file=sys.stderr)
         return False
     return True
+
+
+#: blake2b digest size (hex: twice as many characters)
+DIGEST_BYTES = 16
+_CHUNK = 4 << 20  # under one packing block (PACK_ROWS rows of float32): the loading peak is unchanged
+
+
+def checkpoint_digest(ckpt, keys: Iterable[str]) -> str:
+    """Hex blake2b digest of the tensors ``keys`` of ``ckpt`` (a :class:`~expertcache.offload.checkpoint.Checkpoint`):
+    for each key in sorted order, its name, dtype, shape and data bytes (read in chunks of 4 MiB: memory is
+    one chunk). Raises CheckpointError for a key the checkpoint lacks or a file shorter than its header says."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    buf = bytearray(_CHUNK)
+    for key in sorted(set(keys)):
+        t = ckpt.entries.get(key)
+        if t is None:
+            raise CheckpointError(f"{ckpt.folder}: missing tensor {key!r}")
+        h.update(f"{key}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0{t.nbytes}\0".encode())
+        with open(t.file, "rb", buffering=0) as f:
+            at, end = t.start, t.start + t.nbytes
+            while at < end:
+                view = memoryview(buf)[:min(_CHUNK, end - at)]
+                got = os.preadv(f.fileno(), [view], at)
+                if got <= 0:
+                    raise CheckpointError(f"{t.file}: short read of {key!r} (truncated file)")
+                h.update(view[:got])
+                at += got
+    return h.hexdigest()

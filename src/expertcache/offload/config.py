@@ -19,7 +19,9 @@ class OffloadConfig:
     None to derive it from ``memory`` (bytes or '3GiB'); both None = every expert (C = N). quant: None,
     'int8' (per output channel) or 'int4' (group ``group`` in 32/64/128/256; None = 64 where it divides D and
     F, else 32 with K zero-padded, see :func:`~expertcache.offload.quant.default_group`), packed for torch's
-    fused kernels. context, batch: the KV cache the budget reserves.
+    fused kernels; or a preset name (:data:`~expertcache.offload.quant.QUANT_PRESETS`: 'q4') standing for a quant,
+    quant_dense and quant_opt. quant_opt: how int4 scales and zeros are chosen ('minmax', 'hqq', 'lsq':
+    :func:`~expertcache.offload.quant.quantize_codes`). context, batch: the KV cache the budget reserves.
     readers: reader threads of the I/O queue (0 = every read on the compute thread, serial; None =
     :meth:`default_readers`). prefetch: spare slots shared by all layers for next-layer speculative prefetch
     (0 = off; they are part of the memory plan). host_memory: with ``tier='disk'``, the budget (bytes or
@@ -62,6 +64,7 @@ class OffloadConfig:
     low_cost: float | None = None
     compile: bool = False
     expert_product: str = "auto"
+    quant_opt: str = "minmax"
 
     def precision_rule(self):
         """The per-miss rule of these settings (no rule without a resident low-precision tier)."""

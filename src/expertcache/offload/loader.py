@@ -23,14 +23,19 @@ def cache_dir() -> Path:
     return env_path("EXPERTCACHE_CACHE") or Path.home() / ".cache" / "expertcache"
 
 
-def load_non_expert(model: nn.Module, ckpt: Checkpoint, config, packed: dict[str, nn.Module] | None = None) -> None:
+def load_non_expert(model: nn.Module, ckpt: Checkpoint, config, packed: dict[str, nn.Module] | None = None, *,
+                    dense_cache: str | os.PathLike | None = None, stats: dict | None = None) -> None:
     """Read every non-expert parameter and persistent buffer of ``model`` from the checkpoint by key (tried as
     named, then as the family renames it on disk: ``ckpt.layout.disk_keys``; tied weights once). Missing keys,
     shape mismatches and unexpected non-expert keys raise.
 
     ``packed``: {weight name: module with ``load_rows``} of the weights quantised while loading
     (:func:`expertcache.offload.qlinear.quantize_dense_skeleton`): each is read from the checkpoint a block of
-    rows at a time and packed, never held whole (a tied ``lm_head.weight`` is read from the embedding's key)."""
+    rows at a time and packed, never held whole (a tied ``lm_head.weight`` is read from the embedding's key).
+    ``dense_cache``: a folder where the packed weights are cached, bound to the checkpoint
+    (:mod:`expertcache.offload.densecache`: a second start reads them instead of packing); None packs every time.
+    ``stats``: a dict that receives how (``dense_cache``: read / written / off / unwritable), where and in how
+    many seconds they were made."""
     used: set[str] = set()
     packed = packed or {}
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -48,6 +53,7 @@ def load_non_expert(model: nn.Module, ckpt: Checkpoint, config, packed: dict[str
             _check_shape(ckpt, key, src.shape, t.shape)
             t.copy_(src)
             used.add(key)
+        sources = {}
         for name, mod in packed.items():
             key = _disk_key(ckpt, name)
             if key is None and tied and name == "lm_head.weight":
@@ -58,8 +64,21 @@ def load_non_expert(model: nn.Module, ckpt: Checkpoint, config, packed: dict[str
             rows, cols = (mod.out_features, mod.in_features) if hasattr(mod, "out_features") else \
                 (mod.num_embeddings, mod.embedding_dim)
             _check_shape(ckpt, key, ckpt.entries[key].shape, (rows, cols))
-            mod.load_rows(lambda a, b, key=key: ckpt.tensor(key, (a, b)))
+            sources[name] = key
             used.add(key)
+        if sources and not missing:
+            from expertcache.offload.densecache import load_or_pack_dense
+
+            def pack():
+                for name, key in sources.items():
+                    packed[name].load_rows(lambda a, b, key=key: ckpt.tensor(key, (a, b)))
+            got = {n: packed[n] for n in sources}
+            info = load_or_pack_dense(got, pack, ckpt, list(sources.values()),
+                                      None if dense_cache is None else Path(dense_cache))
+            for mod in got.values():
+                getattr(mod, "finish", lambda: None)()
+            if stats is not None:
+                stats.update(info)
     if missing:
         raise CheckpointError(f"{ckpt.folder}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if tied and "lm_head.weight" not in packed:

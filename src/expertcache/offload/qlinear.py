@@ -20,23 +20,25 @@ skeleton is enough), for a plan made before loading.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 from torch import nn
 
-from expertcache.offload.quant import PACK_ROWS, QuantMatrix, kernel_for, pack_matrix_into, qmm, quantize_codes
+from expertcache.offload.quant import (PACK_ROWS, QuantMatrix, dense_int8_kernel, fbgemm_vnni, kernel_for,
+                                       pack_matrix_into, qmm, quantize_codes)
 
 __all__ = ["DENSE_MODES", "DENSE_GROUP", "QuantLinear", "QuantEmbedding", "dense_targets", "quantize_dense",
-           "quantize_dense_skeleton", "dense_bytes"]
+           "quantize_dense_skeleton", "dense_bytes", "dense_kernel_note"]
 
 DENSE_MODES = ("none", "int8", "int4")
 #: the int4 group size of the dense weights (K padded to it where needed)
 DENSE_GROUP = 32
 
 
-def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device) -> QuantMatrix:
-    return QuantMatrix(mode, kernel_for(mode, device), n, k, DENSE_GROUP, dtype)
+def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device, optimize: str = "minmax") -> QuantMatrix:
+    return QuantMatrix(mode, kernel_for(mode, device), n, k, DENSE_GROUP, dtype, optimize)
 
 
 class QuantLinear(nn.Module):
@@ -44,12 +46,23 @@ class QuantLinear(nn.Module):
 
     Made empty (:meth:`__init__`: buffers of the packed shapes on ``device``, ``meta`` for a skeleton) and
     filled by :meth:`load_rows` a block of rows at a time, or from a loaded ``nn.Linear`` (:meth:`from_linear`).
-    ``kernel_device`` names the device the packed layout is for (the skeleton's buffers live on ``meta``)."""
+    ``kernel_device`` names the device the packed layout is for (the skeleton's buffers live on ``meta``).
+
+    int8 on an x86 CPU (:func:`~expertcache.offload.quant.dense_int8_kernel`; ``compiled`` False): once filled,
+    :meth:`finish` hands the codes and scales to FBGEMM (``quantized.linear_prepack``: its own packed copy, the
+    activation quantised per call, per token) and drops the codes buffer (``opaque_bytes`` counts FBGEMM's copy
+    instead). Activations are 8-bit where FBGEMM runs VNNI (int32 sums), 7-bit elsewhere (``reduce_range``: AVX2's
+    ``vpmaddubsw`` sums pairs of u8 × s8 products in int16, which 8-bit activations can overflow)."""
 
     def __init__(self, n: int, k: int, mode: str, dtype: torch.dtype, *, bias: bool = False,
-                 device: torch.device | str = "cpu", kernel_device: torch.device | str | None = None) -> None:
+                 device: torch.device | str = "cpu", kernel_device: torch.device | str | None = None,
+                 compiled: bool = False, optimize: str = "minmax") -> None:
         super().__init__()
-        self.qm = _matrix(mode, n, k, dtype, kernel_device or device)
+        self.qm = _matrix(mode, n, k, dtype, kernel_device or device, optimize)
+        self.kernel = dense_int8_kernel(kernel_device or device, compiled=compiled) if mode == "int8" else "int4pack"
+        self._fbgemm = None  # FBGEMM's packed weight (after finish)
+        self.opaque_bytes = 0
+        self.reduce_range = not fbgemm_vnni()
         (ws, wd), (ss, sd) = self.qm.shapes()
         self.register_buffer("qweight", torch.empty(ws, dtype=wd, device=device), persistent=False)
         self.register_buffer("scales", torch.empty(ss, dtype=sd, device=device), persistent=False)
@@ -64,7 +77,34 @@ class QuantLinear(nn.Module):
         q.load_rows(lambda a, b: w[a:b])
         if linear.bias is not None:
             q.bias.data.copy_(linear.bias.detach())
+        q.finish()
         return q
+
+    @property
+    def recipe(self) -> str:
+        """What the packed bytes depend on besides the weight (the dense cache's key)."""
+        return (f"linear-{self.qm.mode}-g{self.qm.group}-{self.qm.optimize}-{self.qm.kernel}-"
+                f"{str(self.qm.dtype).removeprefix('torch.')}")
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After the buffers are filled (:meth:`load_rows` or the dense cache): hand int8 codes to FBGEMM where
+        that is the kernel (class docstring); otherwise nothing."""
+        if self.kernel != "fbgemm" or self._fbgemm is not None or self.qweight.device.type != "cpu":
+            return
+        codes = self.qweight[:, :self.in_features]  # FBGEMM takes any K: the zero padding is not needed
+        s = self.scales.double()
+        with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's op still takes one
+            warnings.simplefilter("ignore")
+            # codes · s in float32 is within 2^-24 relative of the exact product: quantising it back gives the codes
+            qw = torch.quantize_per_channel(codes.float() * s.float()[:, None], s, torch.zeros_like(s, dtype=torch.long),
+                                            0, torch.qint8)
+            assert torch.equal(qw.int_repr(), codes)
+            self._fbgemm = torch.ops.quantized.linear_prepack(qw, None)
+        # FBGEMM holds the N·K codes and N int32 column offsets: counted as the codes buffer it replaces (N·K_pad,
+        # K_pad = K rounded up to 16), so a plan made from the skeleton (dense_bytes) equals the loaded model's
+        self.opaque_bytes = self.qweight.numel()
+        self.qweight = torch.empty(0, dtype=torch.int8)
 
     @torch.no_grad()
     def load_rows(self, rows_of: Callable[[int, int], torch.Tensor]) -> None:
@@ -73,13 +113,20 @@ class QuantLinear(nn.Module):
         pack_matrix_into(lambda a, b: rows_of(a, b).to("cpu", torch.float32), self.qm, self.qweight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = qmm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.qm)
+        if self._fbgemm is not None:
+            # FBGEMM quantises its whole input with one scale: rows scaled to max |x| = 1 first make that one scale
+            # per token (exact: the product is linear), so a prompt's large rows do not coarsen the small ones
+            x_MK = x.reshape(-1, x.shape[-1]).float()
+            m_M1 = x_MK.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+            y = (torch.ops.quantized.linear_dynamic(x_MK / m_M1, self._fbgemm, self.reduce_range) * m_M1).to(x.dtype)
+        else:
+            y = qmm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.qm)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.qm.mode} ({self.qm.kernel})"
+        return f"{self.in_features} -> {self.out_features}, {self.qm.mode} ({self.kernel}, {self.qm.kernel})"
 
 
 class QuantEmbedding(nn.Module):
@@ -94,6 +141,10 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("scales", torch.empty(num_embeddings, dtype=dtype, device=device), persistent=False)
         self.padding_idx = padding_idx
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+
+    @property
+    def recipe(self) -> str:
+        return f"embedding-int8-rows-{str(self.scales.dtype).removeprefix('torch.')}"
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding) -> "QuantEmbedding":
@@ -140,8 +191,8 @@ def quantize_dense(model: nn.Module, mode: str | None) -> int:
     return len(targets)
 
 
-def quantize_dense_skeleton(model: nn.Module, mode: str | None, device: torch.device | str
-                            ) -> dict[str, nn.Module]:
+def quantize_dense_skeleton(model: nn.Module, mode: str | None, device: torch.device | str, *,
+                            compiled: bool = False, optimize: str = "minmax") -> dict[str, nn.Module]:
     """Replace :func:`dense_targets` of a ``meta``-device skeleton with empty :class:`QuantLinear` /
     :class:`QuantEmbedding` (packed for ``device``; allocated by ``model.to_empty``), so that loading packs
     each weight a block of rows at a time straight from the checkpoint and no full-precision copy of it is
@@ -157,7 +208,7 @@ def quantize_dense_skeleton(model: nn.Module, mode: str | None, device: torch.de
             new = QuantEmbedding(w.shape[0], w.shape[1], w.dtype, padding_idx=mod.padding_idx, device="meta")
         else:
             new = QuantLinear(w.shape[0], w.shape[1], mode, w.dtype, bias=mod.bias is not None, device="meta",
-                              kernel_device=device)
+                              kernel_device=device, compiled=compiled, optimize=optimize)
         _replace(model, name, new)
         out[f"{name}.weight"] = new
     return out
@@ -185,6 +236,7 @@ def dense_bytes(model: nn.Module, mode: str | None, *, skip_experts: bool = True
             continue
         seen.add(id(t))
         total += t.numel() * t.element_size()
+    total += sum(getattr(m, "opaque_bytes", 0) for m in model.modules())  # FBGEMM's packed copies
     for mod in targets.values():
         w = mod.weight
         if isinstance(mod, nn.Embedding):
@@ -192,3 +244,13 @@ def dense_bytes(model: nn.Module, mode: str | None, *, skip_experts: bool = True
         else:
             total += sum(_matrix(mode, w.shape[0], w.shape[1], w.dtype, "cpu").part_bytes())
     return total
+
+
+def dense_kernel_note(model: nn.Module) -> str | None:
+    """The dense part's kernels, for the logs and rows: e.g. ``int8 fbgemm ×65, int8 embedding ×1``; None when
+    nothing is quantised."""
+    from collections import Counter
+
+    c = Counter(f"{m.qm.mode} {m.kernel}" if isinstance(m, QuantLinear) else "int8 embedding"
+                for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))
+    return ", ".join(f"{k} ×{v}" for k, v in sorted(c.items())) or None

@@ -41,6 +41,7 @@ uint8 blob of :attr:`QuantLayout.nbytes`; :meth:`QuantLayout.views` gives the fo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -48,8 +49,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
-           "kernel_for", "k_align", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
+__all__ = ["QUANT_PRESETS", "resolve_preset", "cpu_description", "dense_int8_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
+           "kernel_for", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
            "padding_note"]
 
 QUANT_MODES = ("int8", "int4")
@@ -59,6 +60,73 @@ KERNEL_GROUPS = (32, 64, 128, 256)
 FORMAT_VERSION = 2
 _ALIGN = 64  # bytes: every part of a blob starts on a cache line (and on its dtype's size)
 _INNER_K_TILES = 2  # tinygemm: K % 32 == 0 (every G in KERNEL_GROUPS divides a padded K)
+
+
+#: CPU ISA flags that choose kernels (reported in every benchmark row and the kernel-choice line)
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
+             "amx_int8", "amx_bf16", "asimd", "sve", "i8mm", "bf16")
+#: what caps torch's three CPU kernel libraries at an ISA (each reads its own variable once, at start-up)
+ISA_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+
+
+def cpu_description() -> dict:
+    """The CPU model, its kernel-choosing ISA flags, ATen's dispatch capability and any ISA caps set in the
+    environment: what a speed row needs to be read on another machine."""
+    from pathlib import Path
+
+    model, flags = "?", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("model name", "Model", "CPU part") and model == "?":
+                model = line.split(":", 1)[1].strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    import os
+
+    return dict(cpu=model, cpu_flags=[f for f in ISA_FLAGS if f in flags],
+                aten_capability=torch.backends.cpu.get_cpu_capability(),
+                isa_env={k: os.environ[k] for k in ISA_VARS if k in os.environ})
+
+
+def dense_int8_kernel(device: torch.device | str = "cpu", *, compiled: bool = False) -> str:
+    """The int8 dense product on ``device``: ``fbgemm`` (``quantized.linear_dynamic``: the activation quantised
+    per call to 8 bits, int8 × int8 on FBGEMM's AVX2 / AVX-512-VNNI kernels) on an x86 CPU where torch has FBGEMM,
+    else ``int8pack`` (``_weight_int8pack_mm``, bf16 activations). The survey (BENCHMARKS.md "Which 4-bit kernel on
+    which CPU", benchmarks/bench_kernels.py): FBGEMM 2.3-2.7× bf16 on the OLMoE-1B-7B shapes with AVX2, where
+    ``_weight_int8pack_mm`` is 0.96-1.14× and ``_weight_int4pack_mm_for_cpu`` 0.75-0.97×. ``compiled``: the dense
+    part runs under ``torch.compile`` (``--compile``), which does not trace FBGEMM's packed-weight object:
+    ``int8pack``."""
+    if torch.device(device).type != "cpu" or compiled:
+        return "int8pack"
+    return "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines else "int8pack"
+
+
+def fbgemm_vnni() -> bool:
+    """Whether FBGEMM runs its AVX-512 VNNI kernels here (the CPU has avx512_vnni and FBGEMM_ENABLE_INSTRUCTIONS
+    does not cap it below): int8 activations may then use all 8 bits (:class:`~expertcache.offload.qlinear.QuantLinear`)."""
+    import os
+
+    cap = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper()
+    return "avx512_vnni" in cpu_description()["cpu_flags"] and cap in ("", "AVX512_E1", "AVX512_VNNI")
+
+
+def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool = False) -> str:
+    """One line for stderr and the bench rows: the CPU, its ISA, and the kernel each quantised part runs on."""
+    c = cpu_description()
+    names = {"int4": "_weight_int4pack_mm_for_cpu", "int8": "_weight_int8pack_mm"}
+    act = "8-bit" if fbgemm_vnni() else "7-bit"
+    dk = {"int4": names["int4"], "int8": f"quantized.linear_dynamic (FBGEMM, {act} activations per token)"
+          if dense_int8_kernel(compiled=compiled) == "fbgemm" else names["int8"]}
+    caps = "".join(f" {k}={v}" for k, v in c["isa_env"].items())
+    slow = experts == "int4" and c["aten_capability"] not in ("AVX512", "AVX512_BF16", "AVX512_VNNI")  # survey
+    note = (" (on AVX2 torch's int4 kernel measured 0.75-0.97x bf16 per matrix: int4 experts save memory and reads "
+            "here, not compute; BENCHMARKS.md \"Which 4-bit kernel on which CPU\")") if slow else ""
+    return (f"kernels on {c['cpu']} [{' '.join(c['cpu_flags']) or 'no SIMD flags read'}], ATen {c['aten_capability']}"
+            f"{caps}: experts {experts and f'{experts} {names[experts]}' or 'bf16'}; dense part "
+            f"{dense and f'{dense} {dk[dense]}' or 'bf16'}{note}")
 
 
 def default_group(d: int, f: int) -> int:
@@ -89,7 +157,8 @@ def _up(n: int, m: int) -> int:
 @dataclass(frozen=True)
 class QuantMatrix:
     """One weight matrix [N, K] (``x @ W.T``) in a kernel's layout: ``n_pad`` × ``k_pad`` stored, scales and
-    zeros in ``dtype``. ``group`` is the int4 group size (int8: per output row)."""
+    zeros in ``dtype``. ``group`` is the int4 group size (int8: per output row); ``optimize`` how int4 scales
+    and zeros are chosen (:data:`OPTIMIZERS`)."""
 
     mode: str
     kernel: str
@@ -97,6 +166,7 @@ class QuantMatrix:
     k: int
     group: int
     dtype: torch.dtype
+    optimize: str = "minmax"
 
     @property
     def k_pad(self) -> int:
@@ -136,11 +206,95 @@ class QuantMatrix:
         return out[0], out[1]
 
 
-def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype
+#: how int4 scales and zeros are chosen per group (:func:`quantize_codes`)
+OPTIMIZERS = ("minmax", "hqq", "lsq")
+#: named recipes ``--quant`` also takes: the settings each stands for (BENCHMARKS.md "A 4-bit preset": quality,
+#: bits per weight). q4: experts int4 with least-squares scales and zeros; the dense part (attention, lm_head,
+#: embedding: the sensitive tensors, as Q4_K_M keeps its attention v / output at 6 bits) int8.
+QUANT_PRESETS = {"q4": dict(quant="int4", quant_dense="int8", quant_opt="lsq")}
+
+
+def resolve_preset(offload):
+    """``offload`` (an OffloadConfig) with a preset name in ``quant`` replaced by the settings it stands for; a
+    dense precision or an optimiser given beside it is kept (the preset fills only what was left unset)."""
+    preset = QUANT_PRESETS.get(offload.quant)
+    if preset is None:
+        return offload
+    return dataclasses.replace(offload, quant=preset["quant"], quant_dense=offload.quant_dense or preset["quant_dense"],
+                               quant_opt=preset["quant_opt"] if offload.quant_opt == "minmax" else offload.quant_opt)
+
+
+def _hqq_zero(w_NBG: torch.Tensor, s: torch.Tensor, z: torch.Tensor, *, iters: int = 20, p: float = 0.7,
+              beta: float = 10.0, kappa: float = 1.01) -> torch.Tensor:
+    """HQQ's half-quadratic refinement of the zero point (Badri & Shaji 2023, the hqq package's
+    ``optimize_weights_proximal``), written for this kernel's form ``W ≈ (q - zq)·s``, ``zq = 8 - z/s``: alternate
+    the codes (rounding), the error ``We`` (the proximal step of an l_p norm, p < 1: a generalised soft
+    threshold that lets a few large errors be, so the rest get small) and the zero that makes ``W - We`` closest
+    to the codes (a mean per group); the scale stays the min/max one. Returns the refined z (float32); the
+    iteration whose mean |W - dequant| was smallest is kept, the min/max zero if none beat it."""
+    zq = 8 - z / s
+    q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
+    best = (w_NBG - (q - zq[..., None]) * s[..., None]).abs().mean(-1)
+    best_zq = zq.clone()
+    for _ in range(iters):
+        q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
+        r = w_NBG - (q - zq[..., None]) * s[..., None]
+        e = torch.sign(r) * torch.relu(r.abs() - (1 / beta) * r.abs().clamp(min=1e-12).pow(p - 1))
+        zq = (q - (w_NBG - e) / s[..., None]).mean(-1)
+        beta *= kappa
+        q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
+        err = (w_NBG - (q - zq[..., None]) * s[..., None]).abs().mean(-1)
+        better = err < best
+        best, best_zq = torch.where(better, err, best), torch.where(better, zq, best_zq)
+    return (8 - best_zq) * s
+
+
+def _lsq(w_NBG: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, shrinks=(1.0, 0.9, 0.8),
+         iters: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least-squares scale and offset per group (llama.cpp's ``make_qkx2_quants`` idea): from each candidate range
+    (the min/max one, shrunk about its centre by ``shrinks``), alternate the codes (rounding, optimal for a given
+    scale and offset) and the scale and offset (the linear regression of W on the codes, optimal for given codes):
+    neither step raises the squared error. The candidate with the smallest error is kept per group. Returns
+    (s, m) with ``W ≈ q·s + m``, q in [0, 15] (float32). About 8× the time of min/max (3 candidates × 3 steps; a
+    sidecar is written once); more candidates gained little (Student-t(5) weights [2048, 2048], G = 64: relative
+    error 0.1102 min/max, 0.1023 here, 0.1017 with 6 candidates × 4 steps at 4× this time)."""
+    wm = w_NBG.mean(-1)
+    wc = w_NBG - wm[..., None]  # centred once: cov(q, W) = mean(q · (W - mean W))
+    best_err = best_s = best_m = None
+    mid = (hi + lo) / 2
+    for r in shrinks:
+        s = ((hi - lo) * r / 15).clamp(min=1e-12)
+        m = mid - 7.5 * s
+        for _ in range(iters):
+            q = torch.round((w_NBG - m[..., None]) / s[..., None]).clamp_(0, 15)
+            qm = q.mean(-1)
+            var = (q * q).mean(-1) - qm * qm
+            cov = (q * wc).mean(-1)
+            ok = var > 1e-6  # codes not all equal
+            s = torch.where(ok, cov / var.clamp(min=1e-6), s).clamp(min=1e-12)
+            m = torch.where(ok, wm - s * qm, m)
+        q = torch.round((w_NBG - m[..., None]) / s[..., None]).clamp_(0, 15)
+        err = (w_NBG - (q * s[..., None] + m[..., None])).pow_(2).sum(-1)
+        if best_err is None:
+            best_err, best_s, best_m = err, s, m
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+    return best_s, best_m
+
+
+def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype, *, optimize: str = "minmax"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes int32 [N, K], scales, zeros) of ``w_NK`` (K a multiple of ``k_align``): int8 codes in
     [-127, 127] with scales [N]; int4 codes in [0, 15] with scales and zeros [N, K/G] (module docstring).
-    Scales and zeros are in ``dtype``: ``W ≈ q·s`` (int8), ``W ≈ (q - 8)·s + z`` (int4)."""
+    Scales and zeros are in ``dtype``: ``W ≈ q·s`` (int8), ``W ≈ (q - 8)·s + z`` (int4).
+
+    ``optimize`` (int4): ``minmax`` (each group's range: s = (max - min) / 15), ``hqq`` (that scale, the zero
+    refined by :func:`_hqq_zero`) or ``lsq`` (scale and offset by least squares, :func:`_lsq`). Whichever, the codes
+    are the rounding of W under the stored (``dtype``-rounded) scale and zero."""
+    if optimize not in OPTIMIZERS:
+        raise ValueError(f"int4 scale optimisation must be one of {', '.join(OPTIMIZERS)}, got {optimize!r}")
     w = w_NK.float()
     if mode == "int8":
         s_N = (w.abs().amax(dim=1) / 127).to(dtype).float()
@@ -153,7 +307,15 @@ def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype
     s = ((hi - lo) / 15).to(dtype).float()
     flat = s == 0  # a constant group: s = 1, z = its value, every q = 8
     s = torch.where(flat, torch.ones_like(s), s)
-    z = torch.where(flat, lo, lo + 8 * s).to(dtype).float()
+    z = lo + 8 * s
+    if optimize == "hqq":
+        z = _hqq_zero(w_NBG, s, z)
+    elif optimize == "lsq":
+        s_ls, m_ls = _lsq(w_NBG, lo, hi)
+        s = torch.where(flat, s, s_ls.to(dtype).float())
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        z = m_ls + 8 * s
+    z = torch.where(flat, lo, z).to(dtype).float()
     q = (torch.round((w_NBG - z[..., None]) / s[..., None]) + 8).clamp(0, 15).to(torch.int32).reshape(n, k)
     return q, s.to(dtype), z.to(dtype)
 
@@ -178,7 +340,7 @@ def pack_matrix(w_NK: torch.Tensor, qm: QuantMatrix) -> tuple[torch.Tensor, torc
     if w_NK.dim() != 2 or w_NK.shape[0] != qm.n or w_NK.shape[1] > qm.k_pad:
         raise ValueError(f"matrix {tuple(w_NK.shape)} does not match its layout [{qm.n}, {qm.k}]")
     w = _pad_cols(w_NK.float(), qm.k_pad, "replicate")
-    q, s, z = quantize_codes(w, qm.mode, qm.group, qm.sz_dtype)
+    q, s, z = quantize_codes(w, qm.mode, qm.group, qm.sz_dtype, optimize=qm.optimize if qm.mode == "int4" else "minmax")
     q, s = _pad_rows(q, qm.n_pad), (s if qm.n_pad == qm.n else F.pad(s.T, (0, qm.n_pad - qm.n)).T)
     if qm.mode == "int8":
         return q.to(torch.int8).contiguous(), s.contiguous()
@@ -207,7 +369,7 @@ def pack_matrix_into(rows_of: Callable[[int, int], torch.Tensor], qm: QuantMatri
         raise ValueError(f"rows must be a positive multiple of 64, got {rows}")
     for a in range(0, qm.n, rows):
         b = min(qm.n, a + rows)
-        sub = QuantMatrix(qm.mode, qm.kernel, b - a, qm.k, qm.group, qm.dtype)
+        sub = dataclasses.replace(qm, n=b - a)
         w, s = pack_matrix(rows_of(a, b), sub)
         end = a + sub.n_pad  # the last block carries the row padding
         if qm.mode == "int8":
@@ -241,7 +403,7 @@ def qmm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, qm: Quan
 class QuantLayout:
     """Byte layout of one quantised expert (D hidden, F intermediate, G int4 group size, compute ``dtype``,
     ``kernel`` from :func:`kernel_for`): gate_up [2·Fp, D] (gate rows, then up rows, each half padded to
-    ``Fp``) and down [D, Fp]."""
+    ``Fp``) and down [D, Fp]. ``optimize``: how int4 scales and zeros are chosen (:data:`OPTIMIZERS`)."""
 
     mode: str
     d: int
@@ -249,6 +411,7 @@ class QuantLayout:
     group: int
     dtype: torch.dtype = torch.bfloat16
     kernel: str = ""
+    optimize: str = "minmax"
 
     def __post_init__(self) -> None:
         if self.mode not in QUANT_MODES:
@@ -256,6 +419,8 @@ class QuantLayout:
         if self.mode == "int4" and self.group not in KERNEL_GROUPS:
             raise ValueError(f"group size (--group) must be one of {', '.join(map(str, KERNEL_GROUPS))} (the int4 "
                              f"kernels'), got {self.group!r}")
+        if self.optimize not in OPTIMIZERS:
+            raise ValueError(f"int4 scale optimisation must be one of {', '.join(OPTIMIZERS)}, got {self.optimize!r}")
         if not self.kernel:
             object.__setattr__(self, "kernel", kernel_for(self.mode))
 
@@ -265,11 +430,11 @@ class QuantLayout:
 
     @property
     def gate_up(self) -> QuantMatrix:
-        return QuantMatrix(self.mode, self.kernel, 2 * self.f_pad, self.d, self.group, self.dtype)
+        return QuantMatrix(self.mode, self.kernel, 2 * self.f_pad, self.d, self.group, self.dtype, self.optimize)
 
     @property
     def down(self) -> QuantMatrix:
-        return QuantMatrix(self.mode, self.kernel, self.d, self.f_pad, self.group, self.dtype)
+        return QuantMatrix(self.mode, self.kernel, self.d, self.f_pad, self.group, self.dtype, self.optimize)
 
     @property
     def nbytes(self) -> int:
@@ -308,7 +473,8 @@ def padding_note(layout: QuantLayout) -> str:
     """One line for the plan and the logs: the kernel, the group and any padding of K and N."""
     gu, dn = layout.gate_up, layout.down
     name = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm" + ("" if layout.kernel == "cuda" else "_for_cpu")}
-    grp = f" G={layout.group}" if layout.mode == "int4" else " per-channel"
+    grp = f" G={layout.group}" + (f" {layout.optimize}" if layout.optimize != "minmax" else "") \
+        if layout.mode == "int4" else " per-channel"
     pads = [f"{what} {m.k}->{m.k_pad}" for what, m in (("gate_up K", gu), ("down K", dn)) if m.k_pad != m.k]
     pads += [f"down N {dn.n}->{dn.n_pad}"] if dn.n_pad != dn.n else []
     pads += [f"F {layout.f}->{layout.f_pad} rows per half"] if layout.f_pad != layout.f else []

@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -73,8 +74,9 @@ from expertcache.offload.loader import cache_dir as _cache_dir
 from expertcache.offload.loader import load_non_expert, recompute_rotary
 from expertcache.offload.lowtier import LOW_MODES, LowPrecisionTier, low_tier_bytes
 from expertcache.offload.prefetch import PrefetchStats
-from expertcache.offload.qlinear import DENSE_MODES, dense_bytes, dense_targets, quantize_dense_skeleton
-from expertcache.offload.quant import PACK_ROWS, padding_note, quant_mlp
+from expertcache.offload.qlinear import DENSE_MODES, dense_bytes, dense_kernel_note, dense_targets, quantize_dense_skeleton
+from expertcache.offload.quant import (PACK_ROWS, cpu_description, kernel_choice_line, padding_note, quant_mlp,
+                                       resolve_preset)
 from expertcache.offload.slots import SlotArena, slot_bytes_for
 from expertcache.offload.step import LayerState, LayerSteps
 from expertcache.offload.tiers import HostCache, parse_host_memory
@@ -186,7 +188,8 @@ class OffloadedModel(LayerSteps):
             raise ValueError(f"prefetch and readers must be >= 0, got {offload.prefetch}, {offload.readers}")
         acts = [getattr(f, "act", None) for f in mlps]
         if offload.quant:  # experts packed for the fused kernels (offload/quant.py); K padded where needed
-            layout = quant_layout_for(checkpoint, layers[0].layer_id, offload.quant, offload.group, dtype, device)
+            layout = quant_layout_for(checkpoint, layers[0].layer_id, offload.quant, offload.group, dtype, device,
+                                      offload.quant_opt)
             offload = self.offload = dataclasses.replace(offload, group=layout.group if offload.quant == "int4" else None)
             mlps = [quant_mlp(layout, f.act) for f in mlps]
             self.source = _sidecar(path, checkpoint, layers, layout)
@@ -268,6 +271,7 @@ class OffloadedModel(LayerSteps):
         from transformers import AutoModelForCausalLM
 
         path = resolve_model_path(path)
+        offload = resolve_preset(offload)  # --quant q4: the settings it stands for
         config = load_config_checked(path)  # sizes, top-k, field types: named, before anything is built
         family = family_for(config)  # every registered family declares its disk layout: all offload
         if offload.tier not in TIERS:
@@ -294,12 +298,18 @@ class OffloadedModel(LayerSteps):
             m.block.experts = OffloadedExperts(None, m.index)  # runtime bound below
         cls._compile_kernels(family, layers[0], routing or RoutingConfig(), eviction, configure_kw.get("gamma", 0.9))
         process = cls._preflight(path, model, layers, checkpoint, offload, dtype, device)  # refuses before loading
-        packed = quantize_dense_skeleton(model, offload.quant_dense, device)  # --quant-dense: packed while loading
+        packed = quantize_dense_skeleton(model, offload.quant_dense, device, compiled=offload.compile,
+                                         optimize=offload.quant_opt)  # packed while loading
         model.to_empty(device=device)
-        load_non_expert(model, checkpoint, config, packed)
+        dense_load: dict = {}  # --quant-dense: packed weights read from / written to $EXPERTCACHE_CACHE/dense
+        load_non_expert(model, checkpoint, config, packed, dense_cache=_cache_dir() / "dense", stats=dense_load)
         recompute_rotary(model, config, device)
         use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
         runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps, process)
+        runtime.dense_load = dense_load
+        if (offload.quant or offload.quant_dense) and device.type == "cpu":  # which kernel on this CPU, and why
+            print(f"expertcache: {kernel_choice_line(offload.quant, offload.quant_dense, compiled=offload.compile)}",
+                  file=sys.stderr)
         if offload.compile:
             compile_dense(model)
         for m in layers:
@@ -336,7 +346,7 @@ class OffloadedModel(LayerSteps):
         num_experts, readers = layers[0].num_experts, o.default_readers(device)
         ids = [m.layer_id for m in layers]
         if o.quant:  # the sidecar may not exist yet: its layout's bytes, at the worst file offset
-            nbytes = quant_layout_for(checkpoint, ids[0], o.quant, o.group, dtype, device).nbytes
+            nbytes = quant_layout_for(checkpoint, ids[0], o.quant, o.group, dtype, device, o.quant_opt).nbytes
             expert_bytes, io_bytes = nbytes, 0
             slot_bytes = slot_bytes_for(nbytes) + (ALIGN if o.tier == "disk" and o.io == "direct" else 0)
         else:
@@ -811,6 +821,9 @@ class OffloadedModel(LayerSteps):
                     precision=self.precision.to_dict() if self.low is not None else None,
                     group=self.offload.group if self.offload.quant else None, capacity=self.capacity,
                     quant_kernel=padding_note(self.source.quant) if self.source.quant is not None else None,
+                    dense_kernel=dense_kernel_note(self.model), dense_load=getattr(self, "dense_load", {}),
+                    quant_opt=self.offload.quant_opt,
+                    cpu=cpu_description(),
                     expert_bytes=self.expert_bytes, memory=self.plan.to_dict(), routing=self.routing.to_dict(),
                     eviction=self.eviction, gamma=eviction_rule(self.eviction).settings(gamma=self.gamma).get("gamma"),
                     readers=self.readers.readers, prefetch=self.offload.prefetch, slot_bytes=self.slot_bytes,

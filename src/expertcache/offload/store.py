@@ -111,7 +111,7 @@ class NativeSource:
 
 def quant_sidecar_path(folder: str | os.PathLike, layout: QuantLayout) -> Path:
     """The sidecar's file name for ``layout``: format, mode, group (int4), kernel layout and scale dtype."""
-    group = f"-g{layout.group}" if layout.mode == "int4" else ""
+    group = f"-g{layout.group}" + ("" if layout.optimize == "minmax" else f"-{layout.optimize}") if layout.mode == "int4" else ""
     dtype = str(layout.dtype).replace("torch.", "")
     return Path(folder) / f"expertcache-experts-v{FORMAT_VERSION}-{layout.mode}{group}-{layout.kernel}-{dtype}.safetensors"
 
@@ -119,7 +119,7 @@ def quant_sidecar_path(folder: str | os.PathLike, layout: QuantLayout) -> Path:
 def _layout_meta(layout: QuantLayout) -> dict[str, str]:
     return {"format_version": str(FORMAT_VERSION), "mode": layout.mode, "group": str(layout.group),
             "kernel": layout.kernel, "dtype": str(layout.dtype).replace("torch.", ""), "d": str(layout.d),
-            "f": str(layout.f)}
+            "f": str(layout.f), **({"optimize": layout.optimize} if layout.optimize != "minmax" else {})}
 
 
 def check_sidecar_layout(path: str | os.PathLike, layout: QuantLayout) -> None:
@@ -179,14 +179,16 @@ class QuantSource:
 
 
 def quant_layout_for(checkpoint: Checkpoint, layer_id: int, mode: str, group: int | None = None,
-                     dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> QuantLayout:
+                     dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                     optimize: str = "minmax") -> QuantLayout:
     """The layout of ``checkpoint``'s experts quantised to ``mode`` for compute in ``dtype`` (None: the experts'
     storage dtype) on ``device``; ``group`` None = :func:`~expertcache.offload.quant.default_group`."""
     p0 = checkpoint.expert(layer_id, 0)
     if p0.layout != "linear":
         raise ValueError(f"--quant needs gate_up/down experts (the 'linear' layout), not {p0.layout!r}")
     group = default_group(p0.d, p0.f) if group is None else group
-    return QuantLayout(mode, p0.d, p0.f, group, dtype or p0.dtype, kernel_for(mode, device))
+    return QuantLayout(mode, p0.d, p0.f, group, dtype or p0.dtype, kernel_for(mode, device),
+                       optimize if mode == "int4" else "minmax")
 
 
 def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str | QuantLayout,
