@@ -9,7 +9,9 @@
 
 Waits are bounded only against a hang (30 s); lower bounds (a sleep past the header timeout) are sleeps.
 
-Surviving mutants of this file's own set: none.
+Surviving mutants of this file's own set: ``_evict`` without its ``oldest._waiting_for_head()`` check (a
+connection whose head arrived has already left the idle list in ``data_received``: equivalent as written);
+``_waiting_for_head`` without ``cycle.response_complete`` (h11's state is not IDLE while a request runs).
 """
 
 from __future__ import annotations
@@ -147,6 +149,29 @@ def test_when_every_held_connection_runs_a_request_a_newcomer_gets_503(engine):
         for s in socks[:CAP]:
             s.sendall(BODY)
         assert all(_response(s).startswith(b"HTTP/1.1 200") for s in socks[:CAP])
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
+
+
+def test_a_kept_alive_connection_after_its_response_is_idle_again_and_evictable(engine):
+    srv = _server(engine, max_connections=CAP, header_timeout=600.0)
+    socks = []
+    try:
+        kept = _connect(srv.port)
+        assert _health(kept).startswith(b"HTTP/1.1 200")  # its response done: it waits for a next head
+        socks = [kept]
+        for _ in range(CAP - 1):
+            s = _connect(srv.port)
+            s.sendall(_head())  # running
+            socks.append(s)
+        time.sleep(0.3)
+        new = _connect(srv.port)
+        socks.append(new)
+        assert _wait_closed(kept), "the kept-alive idle connection was not evicted"
+        assert _health(new).startswith(b"HTTP/1.1 200"), "the newcomer was refused instead"
+        assert [_closed(s) for s in socks[1:CAP]] == [False] * (CAP - 1)
     finally:
         for s in socks:
             s.close()
