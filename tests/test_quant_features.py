@@ -15,6 +15,8 @@ Surviving mutants of this file's own set: none.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -69,6 +71,22 @@ def test_padded_shapes_one_and_many_rows(mode, n, k, m):
     x3 = torch.randn(2, m, k, generator=g)
     assert q(x3).shape == (2, m, n)
     torch.testing.assert_close(q(x3).double(), _ref(lin.weight, lin.bias, x3, mode), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("n,k", [(16, 32), (8, 40), (24, 104), (3, 16), (40, 72), (17, 33), (1, 1)])
+def test_the_padding_rule_of_the_kernels(mode, n, k):
+    """The contract's padding, whatever this CPU's kernels tolerate (a K the int8 kernel cannot take gives
+    silently wrong results on some ISAs only): int8 K to a multiple of 16; int4 K to a multiple of G and of
+    32 (tinygemm), N to a multiple of 16; never more than one step of padding."""
+    q = QuantLinear(n, k, mode, torch.float32)
+    qm = q.qm
+    align = 16 if mode == "int8" else max(DENSE_GROUP, 32)
+    assert qm.k_pad % align == 0 and k <= qm.k_pad < k + align
+    if mode == "int4":
+        assert qm.n_pad % 16 == 0 and n <= qm.n_pad < n + 16
+    else:
+        assert qm.n_pad == n
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +176,13 @@ def test_the_load_budget_is_per_token_times_the_steps_tokens(tokens):
         loaded = [i for i in misses if not low[i]]
         assert loaded == misses[:min(want_loads, len(misses))], (budget, tokens)
         assert not any(low[i] for i in order if resident[i])
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_threshold_is_strict_for_every_step_size(tokens):
+    """``w_e < threshold`` (HOBBIT's criterion): a miss whose weight equals the threshold is loaded, one just
+    below it is computed at low precision, whatever the step's token count."""
+    t = 0.25
+    weight = [0.5, t, math.nextafter(t, 0.0), 0.0]
+    low = serve_low(list(range(4)), weight, [False] * 4, PrecisionRule(threshold=t), expert_bytes=10, tokens=tokens)
+    assert low == [False, False, True, True]
