@@ -188,6 +188,12 @@ def test_cgroup_no_limit_threshold(tmp_path, n, want):
     assert cgroup_memory_limit(_cgroup(tmp_path, str(n))) == want
 
 
+@pytest.mark.parametrize("n", [-1, -2])
+def test_a_negative_cgroup_limit_is_refused_naming_the_file(tmp_path, n):
+    with pytest.raises(ValueError, match=r"j/memory.max: negative memory limit"):
+        cgroup_memory_limit(_cgroup(tmp_path, str(n)))
+
+
 @pytest.mark.parametrize("delta,refused", [(-1, True), (0, False), (1, False)])
 def test_import_floor_at_its_bound(tmp_path, delta, refused):
     line = check_import_floor("generate", _cgroup(tmp_path, str(IMPORT_FLOOR + delta)))

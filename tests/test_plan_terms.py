@@ -193,3 +193,33 @@ def test_the_runtime_fills_each_term_from_the_config(tiny, kw):
         assert (p.total, p.process_peak) == (ref(got, p.slots)["total"], ref(got, p.slots)["peak"])
     finally:
         rt.close()
+
+
+# -- reading the container's limit: which lines count ---------------------------------------------
+
+
+def _tree(root, proc_cgroup: str, files: dict):
+    (root / "proc/self").mkdir(parents=True, exist_ok=True)
+    (root / "proc/self/cgroup").write_text(proc_cgroup)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text + "\n")
+    return root
+
+
+def test_only_the_unified_line_reads_memory_max(tmp_path):
+    """v2's line is ``0::/path`` (hierarchy 0, no controllers); a v1 line of another controller is not it, even
+    with hierarchy id 0 and a memory.max file at its path."""
+    from expertcache.offload.budget import cgroup_memory_limit
+
+    files = {"sys/fs/cgroup/x/memory.max": str(1 << 30)}
+    assert cgroup_memory_limit(_tree(tmp_path / "a", "0:cpu:/x\n", files)) is None
+    assert cgroup_memory_limit(_tree(tmp_path / "b", "0::/x\n", files)) == 1 << 30
+
+
+def test_the_tightest_of_the_cgroup_and_its_ancestors(tmp_path):
+    from expertcache.offload.budget import cgroup_memory_limit
+
+    files = {"sys/fs/cgroup/memory.max": "max", "sys/fs/cgroup/a/memory.max": str(3 << 20),
+             "sys/fs/cgroup/a/b/memory.max": str(5 << 20), "sys/fs/cgroup/a/b/c/memory.max": "max"}
+    assert cgroup_memory_limit(_tree(tmp_path, "0::/a/b/c\n", files)) == 3 << 20
