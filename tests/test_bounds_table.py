@@ -12,6 +12,9 @@
 - **Server request fields** (``/v1/completions``): ``max_tokens`` at the room the context leaves, ``top_p`` and
   ``temperature`` at their ends, four stop strings, a prompt of exactly ``--max-prompt-tokens`` tokens, a body of
   exactly ``--max-request-bytes`` bytes, a body nested exactly as deep as the JSON limit -- each with its neighbours.
+
+Surviving mutants of this file's own set: ``max_tokens > room`` as ``>= room`` (a request of exactly the room
+the context leaves would decode hundreds of tokens here: only room + 1 is sent).
 """
 
 from __future__ import annotations

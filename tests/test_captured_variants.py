@@ -4,6 +4,9 @@ prefetch, the disk tier with reads in flight, int8 experts and resident int4 cop
 logits, routing decisions and cache counters (tests/test_captured.py holds the full-size checks, ``slow``).
 
 Needs g++ (torch.compile's C++ backend): skipped with that reason without it.
+
+Surviving mutants of this file's own set: ``OffloadedModel.captured_key`` always ``("inline",)`` (the compiled
+graphs of an in-graph and an eager-experts runtime of one process share a key; not distinguished here).
 """
 
 from __future__ import annotations

@@ -63,17 +63,18 @@ def _connect(port: int) -> socket.socket:
 
 
 def _closed(s: socket.socket, wait: float = 0.0) -> bool:
-    """Whether the server closed ``s`` (EOF or a reset readable within ``wait`` s); a refusal's bytes are read."""
-    r, _, _ = select.select([s], [], [], wait)
-    if not r:
-        return False
-    try:
-        data = s.recv(65536)
-    except ConnectionResetError:
-        return True
-    if data.startswith(b"HTTP/1.1 503"):
-        return _closed(s, wait)
-    return data == b""
+    """Whether the server closed ``s`` (EOF or a reset within ``wait`` s); bytes still arriving (the rest of a
+    response, a refusal) are read and skipped."""
+    deadline = time.monotonic() + wait
+    while True:
+        r, _, _ = select.select([s], [], [], max(0.0, deadline - time.monotonic()))
+        if not r:
+            return False
+        try:
+            if s.recv(65536) == b"":
+                return True
+        except ConnectionResetError:
+            return True
 
 
 def _wait_closed(s: socket.socket) -> bool:
@@ -195,10 +196,9 @@ def test_header_timeout_closes_a_slow_head_and_a_running_request_outlives_it(eng
         assert not _closed(running), "a running request was closed by the header timeout"
         running.sendall(BODY)
         assert _response(running).startswith(b"HTTP/1.1 200")
-        # kept alive: the next head gets its own header timeout, counted from the end of that response
-        time.sleep(0.2 * HEADER_TIMEOUT)
-        assert not _closed(running)
-        assert _wait_closed(running), "an idle kept-alive connection outlived the header timeout"
+        # kept alive: the next head gets its own header timeout, counted from the end of that response (uvicorn's
+        # keep-alive timeout is 5 s: closed within HANG either way; the eviction test pins the re-arming)
+        assert _wait_closed(running), "an idle kept-alive connection was never closed"
     finally:
         for s in socks:
             s.close()
