@@ -9,8 +9,9 @@
 
 Waits are bounded only against a hang (30 s); lower bounds (a sleep past the header timeout) are sleeps.
 
-Surviving mutants of this file's own set: ``_evict`` without its ``oldest._waiting_for_head()`` check (a
-connection whose head arrived has already left the idle list in ``data_received``: equivalent as written);
+Surviving mutants of this file's own set: ``_evict`` without its ``oldest._waiting_for_head()`` check, and
+``data_received`` without its ``idle.pop`` (each guards the other: a running connection is skipped by one or
+the other; removing both is caught);
 ``_waiting_for_head`` without ``cycle.response_complete`` (h11's state is not IDLE while a request runs).
 """
 
