@@ -117,21 +117,35 @@ def _cases(f):
 
 
 
-def test_no_output_damages_an_input_or_a_users_file(files, capsys, monkeypatch):
+def _check_cases(files, capsys, monkeypatch, melinoe: bool) -> int:
     monkeypatch.chdir(files["root"])
     (files["root"] / "copy.trace").write_bytes(files["trace"].read_bytes())
     user_model = files["root"] / "run" / "model"
     user_model.mkdir(parents=True)
     (user_model / "weights.safetensors").write_bytes(b"mine")
-    corpus = (SHARED_DATA / "corpus-debian-docs").is_dir()
+    n = 0
     for name, argv, culprit, guarded in _cases(files):
-        if argv[0] == "melinoe" and not corpus:  # reads the training corpus before its output folder
+        if (argv[0] == "melinoe") != melinoe:
             continue
+        n += 1
         before = _snapshot(guarded)
         line = _refused(argv, culprit, capsys)
         assert "--out" in line or "--profile-out" in line, (name, line)
         assert _snapshot(guarded) == before, name
     assert not list(files["root"].rglob(f"*{TMP_SUFFIX}"))
+    return n
+
+
+def test_no_output_damages_an_input_or_a_users_file(files, capsys, monkeypatch):
+    assert _check_cases(files, capsys, monkeypatch, melinoe=False) > 10
+
+
+def test_melinoe_finetune_output_does_not_damage_a_users_folder(files, capsys, monkeypatch):
+    """Apart so that its skip shows: ``melinoe finetune`` reads the training corpus before its output folder."""
+    if not (SHARED_DATA / "corpus-debian-docs").is_dir():
+        pytest.skip(f"melinoe finetune reads the training corpus first: {SHARED_DATA / 'corpus-debian-docs'} "
+                    "is absent")
+    assert _check_cases(files, capsys, monkeypatch, melinoe=True) >= 1
 
 
 def test_a_row_file_with_a_torn_last_row_still_resumes(files, capsys):

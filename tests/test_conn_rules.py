@@ -1,0 +1,206 @@
+"""The server's connection rules (serve/server.py's guarded protocol), counted on raw sockets:
+
+- at the cap, every connection is held (none closed) and a new one evicts exactly the *oldest idle* one (no
+  request running; a connection whose request body is still arriving runs a request and is not evicted), and
+  the newcomer is served; when every held connection runs a request the newcomer gets a 503 and is closed;
+- a connection that sends no complete head within ``--header-timeout`` is closed; a request whose head arrived
+  outlives the header timeout (its body may come later, its response is sent); after a response on a kept-alive
+  connection the next head gets its own timeout.
+
+Waits are bounded only against a hang (30 s); lower bounds (a sleep past the header timeout) are sleeps.
+
+Surviving mutants of this file's own set: ``_evict`` without its ``oldest._waiting_for_head()`` check, and
+``data_received`` without its ``idle.pop`` (each guards the other: a running connection is skipped by one or
+the other; removing both is caught);
+``_waiting_for_head`` without ``cycle.response_complete`` (h11's state is not IDLE while a request runs).
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from expertcache.offload import OffloadConfig, OffloadedModel  # noqa: E402
+from expertcache.serve import Engine  # noqa: E402
+from expertcache.serve.app import create_app  # noqa: E402
+from expertcache.serve.server import ServerThread  # noqa: E402
+
+CAP = 8  # connection_cap's floor: the smallest cap a server holds
+HANG = 30.0
+BODY = b'{"model": "granular", "prompt": [5, 6, 7], "max_tokens": 1}'
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    torch.set_num_threads(1)
+    rt = OffloadedModel.from_pretrained("granular", OffloadConfig(io="cached", capacity=8))
+    yield rt
+    rt.close()
+
+
+@pytest.fixture
+def engine(runtime):
+    """An engine per server: stopping a server shuts its engine down (as SIGTERM does)."""
+    eng = Engine(runtime, None, max_batch=4, max_queue=16, rowwise_attention=False).start()
+    yield eng
+    eng.shutdown(0)
+
+
+def _server(engine, **kw) -> ServerThread:
+    return ServerThread(create_app(engine, "granular", liveview=False), **kw).start()
+
+
+def _connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=HANG)
+    time.sleep(0.05)  # accepted in this order (the protocol sees connections in accept order)
+    return s
+
+
+def _closed(s: socket.socket, wait: float = 0.0) -> bool:
+    """Whether the server closed ``s`` (EOF or a reset within ``wait`` s); bytes still arriving (the rest of a
+    response, a refusal) are read and skipped."""
+    deadline = time.monotonic() + wait
+    while True:
+        r, _, _ = select.select([s], [], [], max(0.0, deadline - time.monotonic()))
+        if not r:
+            return False
+        try:
+            if s.recv(65536) == b"":
+                return True
+        except ConnectionResetError:
+            return True
+
+
+def _wait_closed(s: socket.socket) -> bool:
+    return _closed(s, HANG)
+
+
+def _head(n: int = len(BODY)) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % n)
+
+
+def _response(s: socket.socket) -> bytes:
+    s.settimeout(HANG)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _health(s: socket.socket) -> bytes:
+    s.sendall(b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n")
+    return _response(s)
+
+
+def test_at_the_cap_a_new_connection_evicts_exactly_the_oldest_idle_one(engine):
+    srv = _server(engine, max_connections=CAP, header_timeout=600.0)
+    socks = []
+    try:
+        port = srv.port
+        running = _connect(port)  # the oldest: its request's body is still arriving -- not evictable
+        running.sendall(_head())
+        socks = [running] + [_connect(port) for _ in range(CAP - 1)]  # CAP held
+        time.sleep(0.3)
+        assert not any(_closed(s) for s in socks), "a connection below the cap was closed"
+        new = _connect(port)  # one over the cap: the oldest idle one (socks[1]) goes
+        assert _wait_closed(socks[1]), "the oldest idle connection was not evicted"
+        time.sleep(0.3)
+        assert [_closed(s) for s in socks[2:]] == [False] * (CAP - 2), "more than one connection was evicted"
+        assert not _closed(running)
+        assert _health(new).startswith(b"HTTP/1.1 200"), "the newcomer is served"
+        running.sendall(BODY)  # the running request completes
+        assert _response(running).startswith(b"HTTP/1.1 200")
+        # the next newcomer evicts the next oldest idle (socks[2]); the held count stays at the cap
+        newer = _connect(port)
+        assert _wait_closed(socks[2])
+        time.sleep(0.3)
+        assert [_closed(s) for s in socks[3:]] == [False] * (CAP - 3)
+        socks += [new, newer]
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
+
+
+def test_when_every_held_connection_runs_a_request_a_newcomer_gets_503(engine):
+    srv = _server(engine, max_connections=CAP, header_timeout=600.0)
+    socks = []
+    try:
+        for _ in range(CAP):
+            s = _connect(srv.port)
+            s.sendall(_head())  # a request runs on each: its body still arriving
+            socks.append(s)
+        time.sleep(0.3)
+        extra = _connect(srv.port)
+        socks.append(extra)
+        got = _response(extra)
+        assert got.startswith(b"HTTP/1.1 503") and b"retry-after" in got.lower(), got[:200]
+        assert _wait_closed(extra)
+        assert [_closed(s) for s in socks[:CAP]] == [False] * CAP  # none of the running ones evicted
+        for s in socks[:CAP]:
+            s.sendall(BODY)
+        assert all(_response(s).startswith(b"HTTP/1.1 200") for s in socks[:CAP])
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
+
+
+def test_a_kept_alive_connection_after_its_response_is_idle_again_and_evictable(engine):
+    srv = _server(engine, max_connections=CAP, header_timeout=600.0)
+    socks = []
+    try:
+        kept = _connect(srv.port)
+        assert _health(kept).startswith(b"HTTP/1.1 200")  # its response done: it waits for a next head
+        socks = [kept]
+        for _ in range(CAP - 1):
+            s = _connect(srv.port)
+            s.sendall(_head())  # running
+            socks.append(s)
+        time.sleep(0.3)
+        new = _connect(srv.port)
+        socks.append(new)
+        assert _wait_closed(kept), "the kept-alive idle connection was not evicted"
+        assert _health(new).startswith(b"HTTP/1.1 200"), "the newcomer was refused instead"
+        assert [_closed(s) for s in socks[1:CAP]] == [False] * (CAP - 1)
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
+
+
+HEADER_TIMEOUT = 1.0
+
+
+def test_header_timeout_closes_a_slow_head_and_a_running_request_outlives_it(engine):
+    srv = _server(engine, max_connections=64, header_timeout=HEADER_TIMEOUT)
+    socks = []
+    try:
+        slow = _connect(srv.port)
+        slow.sendall(b"GET /health HTTP/1.1\r\nhost: loc")  # half a head
+        running = _connect(srv.port)
+        running.sendall(_head())  # a whole head: a request runs
+        socks = [slow, running]
+        assert _wait_closed(slow), "a half-sent head was not closed"
+        time.sleep(3 * HEADER_TIMEOUT)  # well past the header timeout
+        assert not _closed(running), "a running request was closed by the header timeout"
+        running.sendall(BODY)
+        assert _response(running).startswith(b"HTTP/1.1 200")
+        # kept alive: the next head gets its own header timeout, counted from the end of that response (uvicorn's
+        # keep-alive timeout is 5 s: closed within HANG either way; the eviction test pins the re-arming)
+        assert _wait_closed(running), "an idle kept-alive connection was never closed"
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
