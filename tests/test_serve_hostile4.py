@@ -1,0 +1,258 @@
+"""`expertcache serve` against hostile clients, round 4 (issue 43, "Server"): half-sent bodies, header floods
+however they arrive, ambiguous framing, closed live-view pages, JSON of every wrong type, concurrent config
+changes, a hung replay child, trace-dir symlinks. Servers on 127.0.0.1 only, ephemeral ports; every count and
+loop is bounded, and every wait has a generous bound (a busy 2-core machine stays green): a bound here stands for
+"would otherwise hang or lock out", the measured figures are in docs/SERVE.md (benchmarks/bench_serve_hostile.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from expertcache.offload import OffloadConfig, OffloadedModel  # noqa: E402
+from expertcache.serve.app import create_app  # noqa: E402
+from expertcache.serve.engine import Engine  # noqa: E402
+from expertcache.serve import server as server_mod  # noqa: E402
+from expertcache.serve.server import MAX_HEAD_BYTES, ServerThread  # noqa: E402
+from expertcache.offload.runtime import resolve_model_path  # noqa: E402
+from expertcache.train.tokenizer import load_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+MAX_HEADERS = getattr(server_mod, "MAX_HEADERS", 100)  # (getattr: this file also runs against older trees)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model_path("granular"))
+
+
+@contextlib.contextmanager
+def _server(tok, server_kw=None, **kw):
+    rt = OffloadedModel.from_pretrained("granular", OffloadConfig(io="cached", capacity=8))
+    engine = Engine(rt, tok, max_batch=8, max_queue=64, prefill_chunk=128).start()
+    srv = ServerThread(create_app(engine, "granular", tokenizer=tok, **kw), **(server_kw or {})).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        engine.shutdown(0)
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    with _server(tok) as srv:
+        yield srv
+
+
+def _ok(srv):
+    r = httpx.post(srv.url + "/v1/completions", timeout=120,
+                   json={"model": "granular", "prompt": "The kernel", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    h = httpx.get(srv.url + "/health", timeout=30)
+    assert h.status_code == 200 and h.json()["status"] == "ok", h.text
+
+
+def _raw(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, float]:
+    """Send ``data`` in one write; read until the server closes (or ``timeout``): (all bytes read, seconds)."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(timeout)
+    t0 = time.monotonic()
+    out = b""
+    try:
+        s.sendall(data)
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            out += b
+    except OSError:
+        pass
+    finally:
+        s.close()
+    return out, time.monotonic() - t0
+
+
+def _running_stream(srv, tokens: int, gaps: list, started: threading.Event):
+    body = {"model": "granular", "prompt": "The history of the city", "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    times = []
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.monotonic())
+                if len(times) == 2:
+                    started.set()
+    started.set()
+    gaps.extend(b - a for a, b in zip(times[1:], times[2:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# half-sent bodies: a rate a trickle cannot hold, and the connection cap evicts them
+
+
+BODY_HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             b"Content-Length: 4000\r\n\r\n{")
+
+
+def test_a_trickling_body_is_cut_long_before_the_body_timeout(server):
+    """A byte every 0.3 s: the body timeout (30 s) would hold the connection for 30 s; the body rate cuts it
+    (408, closed) within a few seconds."""
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.settimeout(0.3)
+    s.sendall(BODY_HEAD)
+    t0 = time.monotonic()
+    got = b""
+    try:
+        while time.monotonic() - t0 < 20:
+            try:
+                s.sendall(b" ")
+            except OSError:
+                break
+            try:
+                b = s.recv(4096)
+            except socket.timeout:
+                continue
+            if not b:
+                break
+            got += b
+    finally:
+        s.close()
+    took = time.monotonic() - t0
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert took < 10, f"the trickle held its connection {took:.1f} s"
+    _ok(server)
+
+
+def _trickler(port: int, stop: threading.Event, counts: dict) -> None:
+    """Open a connection, send a head and a body a byte at a time; re-open whenever the server closes it."""
+    while not stop.is_set():
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.settimeout(0.5)
+            s.sendall(BODY_HEAD)
+            while not stop.is_set():
+                s.sendall(b" ")
+                try:
+                    if s.recv(4096) == b"":
+                        break
+                except socket.timeout:
+                    pass
+            s.close()
+            counts["opened"] += 1
+        except OSError:
+            counts["errors"] += 1
+            time.sleep(0.05)
+
+
+def test_trickling_bodies_beyond_the_cap_never_lock_out_health_or_stall_a_stream(tok):
+    """60 connections trickling their bodies (re-opened as soon as they are closed) against a cap of 24: every
+    /health probe is answered 200 (the tricklers are evicted, oldest first, not waited for), and a running
+    stream keeps going. Used to answer 503 to everyone for the 30 s body timeout."""
+    with _server(tok, server_kw=dict(max_connections=24)) as srv:
+        stop, counts = threading.Event(), dict(opened=0, errors=0)
+        gaps, started = [], threading.Event()
+        st = threading.Thread(target=_running_stream, args=(srv, 120, gaps, started))
+        st.start()
+        started.wait(60)
+        ts = [threading.Thread(target=_trickler, args=(srv.port, stop, counts), daemon=True) for _ in range(60)]
+        for t in ts:
+            t.start()
+        worst, statuses = 0.0, []
+        try:
+            t_end = time.monotonic() + 6
+            while time.monotonic() < t_end:
+                t0 = time.monotonic()
+                try:
+                    statuses.append(httpx.get(srv.url + "/health", timeout=10).status_code)
+                except httpx.HTTPError as exc:
+                    statuses.append(type(exc).__name__)
+                worst = max(worst, time.monotonic() - t0)
+                time.sleep(0.2)
+        finally:
+            stop.set()
+            for t in ts:
+                t.join(10)
+            st.join(120)
+        print(f"trickling bodies: /health {statuses.count(200)}/{len(statuses)} ok, slowest {worst:.3f} s, "
+              f"largest stream gap {max(gaps, default=0):.3f} s, connections opened {counts}")
+        assert statuses and all(x == 200 for x in statuses), [x for x in statuses if x != 200]
+        assert worst < 5, f"/health took {worst:.2f} s"
+        assert gaps and max(gaps) < 2.0, max(gaps, default=None)
+        _ok(srv)
+
+
+# ---------------------------------------------------------------------------------------------
+# the head limit on the bytes, however they arrive; no ambiguous framing
+
+
+def _head(n_headers: int, value: bytes = b"x" * 6) -> bytes:
+    return (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + b"".join(b"X-%d: %s\r\n" % (i, value) for i in range(n_headers)) + b"\r\n")
+
+
+@pytest.mark.parametrize("what, data", [
+    ("10,000 headers, 116 kB, one read", _head(10_000)),
+    (f"{MAX_HEADERS + 1} small headers (under {MAX_HEAD_BYTES} bytes)", _head(MAX_HEADERS + 1, b"1")),
+    ("one header over the byte limit", _head(1, b"y" * (MAX_HEAD_BYTES + 10))),
+    ("blank lines, then a head over the limit", b"\r\n" * 100 + _head(3000)),
+], ids=["10000-headers", "too-many-lines", "one-long-header", "blank-lines-first"])
+def test_a_head_over_the_limits_in_one_read_is_refused_431_fast(server, what, data):
+    out, took = _raw(server.port, data)
+    assert out.startswith(b"HTTP/1.1 431"), (what, out[:200])
+    assert out.count(b"HTTP/1.1") == 1 and b"connection: close" in out.lower()
+    assert took < 5, (what, took)
+    assert len(data) > MAX_HEAD_BYTES or data.count(b"\r\n") - 2 > MAX_HEADERS
+    ok, _ = _raw(server.port, _head(MAX_HEADERS - 2, b"1").replace(b"Host: 127.0.0.1\r\n",
+                                                                    b"Host: 127.0.0.1\r\nConnection: close\r\n"))
+    assert ok.startswith(b"HTTP/1.1 200"), ok[:200]  # the limits themselves are allowed
+
+
+def test_four_clients_flooding_headers_do_not_stall_a_stream(server):
+    gaps, started = [], threading.Event()
+    st = threading.Thread(target=_running_stream, args=(server, 60, gaps, started))
+    st.start()
+    started.wait(60)
+    flood = _head(10_000)
+    statuses = []
+
+    def client():
+        for _ in range(5):
+            statuses.append(_raw(server.port, flood)[0][:12])
+
+    cs = [threading.Thread(target=client) for _ in range(4)]
+    for c in cs:
+        c.start()
+    for c in cs:
+        c.join(60)
+    st.join(120)
+    assert statuses and all(s == b"HTTP/1.1 431" for s in statuses), statuses
+    assert gaps and max(gaps) < 2.0, max(gaps)
+
+
+@pytest.mark.parametrize("te", [b"chunked", b"gzip, chunked", b"identity"])
+def test_content_length_with_transfer_encoding_is_400_and_closes(server, te):
+    """RFC 9112 section 6.1: a request hidden after the body (smuggled past a proxy that frames by
+    Content-Length) is never answered."""
+    body = b'{"model": "granular", "prompt": "The", "max_tokens": 1}'
+    smuggled = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    chunk = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    data = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nTransfer-Encoding: %s\r\n\r\n" % (len(chunk), te)) + chunk + smuggled
+    out, took = _raw(server.port, data)
+    assert out.startswith(b"HTTP/1.1 400"), out[:300]
+    assert out.count(b"HTTP/1.1 ") == 1, out  # the smuggled request got no answer: the connection closed
+    if te == b"chunked":  # (h11 refuses other codings itself)
+        assert b"Content-Length and Transfer-Encoding" in out
+    assert took < 5
+    _ok(server)
