@@ -256,3 +256,63 @@ def test_content_length_with_transfer_encoding_is_400_and_closes(server, te):
         assert b"Content-Length and Transfer-Encoding" in out
     assert took < 5
     _ok(server)
+
+
+# ---------------------------------------------------------------------------------------------
+# every field of every route, given every JSON type: 400 (or a success), one line, never a 500
+
+
+_VALUES = ["null", "true", "false", "0", "-1", "1.5", "1e308", "-1e999", "NaN", "Infinity", "1" * 4301,
+           "-" + "9" * 5000, '"x"', '"\\ud800"', '"\\udfff tail"', "[]", '["x"]', "{}", '{"a": 1}', '[["x"]]']
+_ROUTES = {
+    "/v1/completions": ('"model": "granular", "prompt": "The", "max_tokens": 1',
+                        ["model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
+                         "stream_options", "user", "return_token_ids", "ignore_eos", "expertcache", "logprobs",
+                         "echo", "best_of", "logit_bias", "suffix"]),
+    "/v1/chat/completions": ('"model": "granular", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1',
+                             ["messages", "max_completion_tokens", "stop", "tools", "response_format", "user", "n"]),
+    "/v1/expertcache/config": ("", ["policy", "lam", "top_j", "h", "m", "delta", "eviction", "gamma", "capacity"]),
+    "/v1/expertcache/replay": ('"trace": "granular-wikitext2.trace.safetensors", "steps": 3',
+                               ["trace", "policy", "lam", "top_j", "capacity", "eviction", "gamma", "start", "steps"]),
+}
+
+
+def _bodies():
+    for path, (base, keys) in _ROUTES.items():
+        for k in keys:
+            for v in _VALUES:
+                yield path, k, v, "{" + (base + ", " if base else "") + f'"{k}": {v}' + "}"
+        yield path, "(key)", "", "{" + (base + ", " if base else "") + '"\\ud800": 1}'
+        if path.endswith("completions"):
+            yield path, "messages[0].content", "", ('{"model": "granular", "messages": [{"role": "user", '
+                                                    '"content": "\\ud800"}]}')
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tok):
+    with _server(tok) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("path", list(_ROUTES))
+def test_every_field_given_every_json_type_is_never_a_500(fuzz_server, path):
+    """An integer of 4,301+ digits (Python's int() limit), {"trace": ["x"]}, a lone surrogate in a key, in
+    ``stop`` or in a message: each used to be a 500 with a traceback (or a 200 for the surrogate in ``stop``)."""
+    bad = []
+    with httpx.Client(timeout=120) as c:
+        for p, k, v, raw in _bodies():
+            if p != path:
+                continue
+            r = c.post(fuzz_server.url + p, content=raw.encode(), headers={"Content-Type": "application/json"})
+            if r.status_code >= 500:
+                bad.append((k, v[:20], r.status_code, r.text[:200]))
+                continue
+            if r.status_code >= 400:
+                msg = r.json()["error"]["message"]
+                if "\n" in msg or "Traceback" in msg:
+                    bad.append((k, v[:20], r.status_code, msg[:200]))
+            elif "\\ud" in v or "\\udfff" in v:  # a lone surrogate is not text: refused like in a prompt
+                if k in ("stop", "prompt", "messages[0].content"):
+                    bad.append((k, v[:20], r.status_code, "accepted"))
+    assert not bad, bad[:10]
+    _ok(fuzz_server)

@@ -3,7 +3,7 @@ client left before its body arrived); :func:`error_response` answers one, counte
 
 from starlette.responses import JSONResponse
 
-__all__ = ["ServeError", "ClientGone", "RETRY_AFTER_503", "error_response"]
+__all__ = ["ServeError", "ClientGone", "RETRY_AFTER_503", "error_response", "one_line"]
 
 #: the Retry-After of every 503 (the server is draining: a client retries elsewhere or after a restart)
 RETRY_AFTER_503 = "5"
@@ -18,6 +18,7 @@ class ServeError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None) -> None:
+        message, param = one_line(message), None if param is None else one_line(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
@@ -36,6 +37,14 @@ class ClientGone(ServeError):
         super().__init__(499, "the client closed the connection before its request body arrived",
                          code="client_closed_request")
 
+
+
+def one_line(text: str, limit: int = 600) -> str:
+    """``text`` as one line of valid UTF-8 (a lone surrogate from a JSON escape is written ``\\udXXX``: it cannot
+    be encoded, and a response that cannot be encoded was a 500), at most ``limit`` characters."""
+    text = str(text).replace("\r", " ").replace("\n", " ")
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def error_response(e: ServeError, route: str, metrics=None) -> JSONResponse:

@@ -18,9 +18,9 @@ from urllib.parse import parse_qs, urlsplit
 
 from starlette.responses import JSONResponse
 
-from expertcache.jsonsafe import JSONError, loads
 from expertcache.serve.defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from expertcache.serve.errors import ClientGone, ServeError
+from expertcache.serve.schema import parse_json
 
 __all__ = ["Guard", "origin_allowed", "host_allowed", "json_body"]
 
@@ -164,9 +164,5 @@ class Guard:
 async def json_body(request, what: str = "the request body"):
     """The request's JSON body (bounded and timed by :class:`Guard`), parsed in a worker thread with
     :func:`expertcache.jsonsafe.loads` (nesting depth limited): 400 naming ``what`` if it is not JSON."""
-    raw = await request.body()
-    try:
-        return await asyncio.to_thread(loads, raw, what)
-    except JSONError as exc:
-        raise ServeError(400, str(exc)[:300], code="invalid_json") from None
+    return await asyncio.to_thread(parse_json, await request.body(), what)
 

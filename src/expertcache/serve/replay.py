@@ -115,7 +115,7 @@ def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
     _check_fields(body, {"trace", "capacity", "eviction", "gamma", "start", "steps"}, "a replay takes")
     traces = list_traces(trace_dirs)
     name = body.get("trace")
-    if name not in traces:
+    if not isinstance(name, str) or name not in traces:
         raise ConfigError("trace", f"unknown trace {json.dumps(name)[:80]}; available: {sorted(traces)}")
     cfg = _routing_from(body, {})
     eviction = body.get("eviction", "lru")

@@ -11,7 +11,7 @@ from expertcache.serve.engine import SamplingParams
 from expertcache.serve.errors import ServeError
 
 __all__ = ["Validator", "Parsed", "SUPPORTED_FIELDS", "SHIPPED_CHAT_TEMPLATE", "SHIPPED_CHAT_STOP", "ROLES",
-           "render_chat", "check_fields", "check_message_fields", "parse_body"]
+           "render_chat", "check_fields", "check_message_fields", "parse_body", "parse_json"]
 
 # The shipped models were trained on plain text and have no chat template: this one (documented in
 # docs/SERVE.md) writes each message as "Role: content" paragraphs and ends with "Assistant:".
@@ -245,6 +245,11 @@ class Validator:
             raise _bad("stop", "must be a string or a list of at most 4 strings")
         if any(s == "" for s in stop):
             raise _bad("stop", "stop strings must not be empty")
+        for s in stop:
+            try:
+                check_text(s, "a stop string")  # a lone surrogate: refused as in a prompt
+            except ValueError as exc:
+                raise _bad("stop", str(exc)) from None
         if body.get("user") is not None and not isinstance(body["user"], str):
             raise _bad("user", "must be a string")
         stream = body.get("stream", False)
@@ -337,11 +342,19 @@ class Validator:
 
 
 
+def parse_json(raw: bytes, what: str = "the request body"):
+    """A request body's JSON (:func:`expertcache.jsonsafe.loads`: depth-limited) or a 400 naming ``what``: not
+    JSON, nested too deep, or a number Python will not read (an integer of more than 4,300 digits)."""
+    try:
+        return loads(raw, what)
+    except JSONError as exc:
+        raise ServeError(400, str(exc)[:300], code="invalid_json") from None
+    except ValueError as exc:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ServeError(400, f"{what}: a number in it cannot be read ({str(exc).split(';')[0][:120]})",
+                         code="invalid_json") from None
+
+
 def parse_body(validator: Validator, raw: bytes, chat: bool) -> Parsed:
     """JSON (depth-limited), validation and tokenisation of a completion request: run it in a worker thread (a
     large body never blocks the loop)."""
-    try:
-        body = loads(raw, "the request body")
-    except JSONError as exc:
-        raise ServeError(400, str(exc)[:300], code="invalid_json") from None
-    return validator.parse(body, chat)
+    return validator.parse(parse_json(raw), chat)
