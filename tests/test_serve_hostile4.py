@@ -316,3 +316,52 @@ def test_every_field_given_every_json_type_is_never_a_500(fuzz_server, path):
                     bad.append((k, v[:20], r.status_code, "accepted"))
     assert not bad, bad[:10]
     _ok(fuzz_server)
+
+
+# ---------------------------------------------------------------------------------------------
+# concurrent config changes: serialised, none lost, each reply the state its own change produced
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "while-decoding"])
+def test_64_concurrent_config_changes_are_all_applied_in_one_order(fuzz_server, busy):
+    srv = fuzz_server
+    r = httpx.post(srv.url + "/v1/expertcache/config", json={"policy": "cache-prior", "lam": 0.5, "capacity": 8},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    start = r.json()
+    bodies = [{"capacity": 2 + i % 6} if i % 2 else {"lam": round(0.01 * (i + 1), 3)} for i in range(64)]
+    replies: list = [None] * 64
+    barrier = threading.Barrier(64)
+
+    def post(i):
+        with httpx.Client(timeout=60) as c:
+            barrier.wait(30)
+            replies[i] = c.post(srv.url + "/v1/expertcache/config", json=bodies[i])
+
+    gen = None
+    if busy:
+        gen = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "model": "granular", "prompt": "The history", "max_tokens": 150, "ignore_eos": True}))
+        gen.start()
+        time.sleep(0.5)
+    ts = [threading.Thread(target=post, args=(i,)) for i in range(64)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    if gen is not None:
+        gen.join(120)
+    assert all(r is not None and r.status_code == 200 for r in replies), [r and r.text[:100] for r in replies]
+    got = [r.json() for r in replies]
+    versions = [g["version"] for g in got]
+    assert len(set(versions)) == 64 and min(versions) == start["version"] + 1, sorted(versions)
+    # in version order, each reply is the previous state with its own change applied: nothing was lost
+    state = dict(lam=start["routing"]["lam"], capacity=start["capacity"])
+    for i in sorted(range(64), key=lambda i: versions[i]):
+        state.update(bodies[i])
+        assert (got[i]["routing"]["lam"], got[i]["capacity"]) == (state["lam"], state["capacity"]), (i, got[i])
+        assert got[i]["routing"]["policy"] == "cache-prior" and got[i]["pending"] is False
+    final = httpx.get(srv.url + "/v1/expertcache/config", timeout=30).json()
+    assert final["version"] == max(versions)
+    assert (final["routing"]["lam"], final["capacity"]) == (state["lam"], state["capacity"])
+    _ok(srv)

@@ -50,46 +50,70 @@ class LiveControl:
     applies the change (:meth:`apply_pending`) between two forwards, or the caller does at once when the
     engine is idle (holding the engine's lock, so no forward can start meanwhile).
 
+    Changes are serialised: each is validated against the state the changes before it produce (the one waiting
+    to be applied, else the runtime's), given the next version number, and replaces the waiting one, which it
+    includes; so concurrent changes are never lost (a λ-only change does not undo a cache-size change sent a
+    moment before), and each reply is the state its own change produced, with its version.
+
     A routing change swaps the router and keeps the caches (their contents and statistics); an eviction, γ
     or cache-size change restarts the caches empty (``OffloadedModel.configure``)."""
 
     def __init__(self, engine, broker: Broker) -> None:
         self.engine, self.rt, self.broker = engine, engine.rt, broker
         self._pending: dict | None = None
-        self._lock = threading.Lock()
-        self.version = 0
+        self._lock = threading.RLock()  # held to validate against, queue and apply a change
+        self.version = 0  # the version the runtime runs
+        self._issued = 0  # the last version given to a change
         self.tap = None  # the Tap whose shadow caches restart with a change (set by the installer)
 
-    def resolved(self) -> dict:
+    def _describe(self, routing: RoutingConfig, eviction: str, gamma: float, capacity: int, version: int,
+                  pending: bool) -> dict:
         rt = self.rt
-        return dict(routing=rt.routing.to_dict(), label=rt.routing.label(), cache_aware=rt.routing.cache_aware,
-                    strength=STRENGTH[rt.routing.policy],
-                    eviction=rt.eviction, gamma=rt.gamma, capacity=rt.capacity,
+        return dict(routing=routing.to_dict(), label=routing.label(), cache_aware=routing.cache_aware,
+                    strength=STRENGTH[routing.policy],
+                    eviction=eviction, gamma=gamma, capacity=capacity,
                     num_experts=rt.num_experts, top_k=rt.top_k, moe_layers=len(rt.layers),
-                    expert_bytes=rt.expert_bytes, version=self.version, pending=self._pending is not None,
+                    expert_bytes=rt.expert_bytes, version=version, pending=pending,
                     choices=dict(policy=list(POLICIES), eviction=list(LIVE_EVICTIONS),
                                  replay_eviction=list(EVICTIONS), strength=dict(STRENGTH)))
 
-    def validate(self, body) -> dict:
-        """The change as a plan ``{routing, router, eviction, gamma, capacity}`` or :class:`ConfigError`."""
+    def resolved(self) -> dict:
+        """What the runtime runs now (``pending``: a change waits to be applied)."""
+        with self._lock:
+            rt = self.rt
+            return self._describe(rt.routing, rt.eviction, rt.gamma, rt.capacity, self.version,
+                                  self._pending is not None)
+
+    def _base(self) -> dict:
+        """The state a new change starts from: the waiting change's, else the runtime's."""
+        if self._pending is not None:
+            return self._pending
         rt = self.rt
+        return dict(routing=rt.routing, eviction=rt.eviction, gamma=rt.gamma, capacity=rt.capacity)
+
+    def validate(self, body, base: dict | None = None) -> dict:
+        """The change ``body`` over ``base`` (default: :meth:`_base`) as a plan ``{routing, router, eviction,
+        gamma, capacity}``, or :class:`ConfigError`."""
+        rt = self.rt
+        with self._lock:
+            base = self._base() if base is None else base
         _check_fields(body, {"eviction", "gamma", "capacity"}, "the live configuration has")
-        routing = rt.routing.to_dict()
+        routing = base["routing"].to_dict()
         if "policy" in body and body["policy"] != routing["policy"]:
             # a new policy starts from its defaults (and the current top-J) unless fields are given
             routing = dict(RoutingConfig().to_dict(), top_j=routing["top_j"])
         cfg = _routing_from(body, routing)
         if cfg.h is not None and not 1 <= cfg.h <= rt.top_k:
             raise ConfigError("h", f"must be in [1, K={rt.top_k}], got {cfg.h}")
-        eviction = body.get("eviction", rt.eviction)
+        eviction = body.get("eviction", base["eviction"])
         if not isinstance(eviction, str) or eviction not in LIVE_EVICTIONS:
             raise ConfigError("eviction", f"must be one of {list(LIVE_EVICTIONS)} live (belady needs the future: "
                                           f"use the replay), got {json.dumps(eviction)[:40]}")
-        gamma = body.get("gamma", rt.gamma)
+        gamma = body.get("gamma", base["gamma"])
         _check_number("gamma", gamma, False)
         if not 0 < gamma <= 1:
             raise ConfigError("gamma", f"must be in (0, 1], got {gamma}")
-        capacity = body.get("capacity", rt.capacity)
+        capacity = body.get("capacity", base["capacity"])
         _check_number("capacity", capacity, True)
         if not 1 <= capacity <= rt.num_experts:
             raise ConfigError("capacity", f"must be between 1 and N={rt.num_experts}, got {capacity}")
@@ -104,40 +128,52 @@ class LiveControl:
     def _apply_if_idle(self) -> None:
         self.engine.run_if_idle(self.apply_pending)  # idle: no forward can start meanwhile
 
-    def request(self, body) -> dict:
-        """Validate and queue ``body``; applied at once when the engine is idle. Returns the resolved config."""
-        plan = self.validate(body)
+    def _queue(self, body) -> dict:
         with self._lock:
+            plan = self.validate(body, self._base())
+            self._issued += 1
+            plan["version"] = self._issued
             self._pending = plan
+        return plan
+
+    def _reply(self, plan: dict) -> dict:
+        return self._describe(plan["routing"], plan["eviction"], plan["gamma"], plan["capacity"], plan["version"],
+                              self.version < plan["version"])
+
+    def request(self, body) -> dict:
+        """Validate and queue ``body``; applied at once when the engine is idle. Returns the state this change
+        produces, with its version (``pending``: not applied yet)."""
+        plan = self._queue(body)
         self._apply_if_idle()
-        return self.resolved()
+        return self._reply(plan)
 
     async def request_async(self, body, timeout: float = 10.0) -> dict:
         """:meth:`request`, then wait (without blocking the event loop) until the engine thread has applied it
         after its next forward, or the engine went idle first (then apply it here)."""
-        self.request(body)
+        plan = self._queue(body)
+        self._apply_if_idle()
         deadline = time.monotonic() + timeout
-        while self._pending is not None and time.monotonic() < deadline:
+        while self.version < plan["version"] and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
             self._apply_if_idle()
-        return self.resolved()
+        return self._reply(plan)
 
     def apply_pending(self) -> None:
         with self._lock:
             plan, self._pending = self._pending, None
-        if plan is None:
-            return
-        rt = self.rt
-        if (plan["eviction"], plan["capacity"], plan["gamma"]) != (rt.eviction, rt.capacity, rt.gamma):
-            freq = getattr(rt.router, "freq_LE", None)
-            rt.configure(routing=plan["routing"], eviction=plan["eviction"], gamma=plan["gamma"],
-                         capacity=plan["capacity"], freq_LE=None if freq is None else freq.numpy())
-        else:
-            rt.routing, rt.router = plan["routing"], plan["router"]
-        self.version += 1
-        if self.tap is not None:  # the shadow caches restart from the live caches' contents
-            self.tap.shadow = None
-        self.broker.publish(dict(type="config", config=self.resolved(), time=time.time()))
+            if plan is None:
+                return
+            rt = self.rt
+            if (plan["eviction"], plan["capacity"], plan["gamma"]) != (rt.eviction, rt.capacity, rt.gamma):
+                freq = getattr(rt.router, "freq_LE", None)
+                rt.configure(routing=plan["routing"], eviction=plan["eviction"], gamma=plan["gamma"],
+                             capacity=plan["capacity"], freq_LE=None if freq is None else freq.numpy())
+            else:
+                rt.routing, rt.router = plan["routing"], plan["router"]
+            self.version = plan.get("version", self.version + 1)
+            if self.tap is not None:  # the shadow caches restart from the live caches' contents
+                self.tap.shadow = None
+            self.broker.publish(dict(type="config", config=self.resolved(), time=time.time()))
 
 
 def _routing_from(body: dict, base: dict) -> RoutingConfig:
