@@ -365,3 +365,48 @@ def test_64_concurrent_config_changes_are_all_applied_in_one_order(fuzz_server, 
     assert final["version"] == max(versions)
     assert (final["routing"]["lam"], final["capacity"]) == (state["lam"], state["capacity"])
     _ok(srv)
+
+
+# ---------------------------------------------------------------------------------------------
+# live-view slots: freed when the socket closes, frames flowing or not
+
+
+def test_closed_live_view_pages_free_their_slot_while_the_model_generates(server):
+    """Connect, read the head, close; 3x the subscriber limit times, one page open at a time, while generations
+    publish a frame per forward. Used to get 429 once 16 closed pages kept their slots."""
+    from expertcache.serve.liveview import MAX_SUBSCRIBERS
+
+    stop = threading.Event()
+
+    def generate():
+        with httpx.Client(timeout=180) as c:
+            while not stop.is_set():
+                c.post(server.url + "/v1/completions", json={"model": "granular", "prompt": "The history",
+                                                             "max_tokens": 64, "ignore_eos": True})
+
+    gens = [threading.Thread(target=generate) for _ in range(2)]
+    for g in gens:
+        g.start()
+    try:
+        time.sleep(0.5)
+        heads, published = [], []
+        for _ in range(3 * MAX_SUBSCRIBERS):
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.settimeout(10)
+            s.sendall(b"GET /v1/expertcache/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            heads.append(s.recv(64)[:12])
+            s.close()
+            published.append(httpx.get(server.url + "/v1/expertcache/stats", timeout=30).json()["totals"]["forwards"])
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            subs = httpx.get(server.url + "/v1/expertcache/stats", timeout=30).json()["subscribers"]
+            if not subs:
+                break
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for g in gens:
+            g.join(180)
+    assert all(h == b"HTTP/1.1 200" for h in heads), heads
+    assert published[-1] > published[0] + len(published)  # (the case: the model kept running the whole time)
+    assert subs == [], subs

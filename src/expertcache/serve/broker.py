@@ -36,6 +36,7 @@ class Subscriber:
         self.stall_s = stall_s
         self.full_since: float | None = None  # when the queue first overflowed since the last take
         self.stalled = False
+        self.closed = False  # its client's socket closed (set by the stream): no more frames
 
     def put(self, frame: dict) -> None:
         """Engine thread: never blocks (beyond a short lock), never grows past ``maxlen``."""
@@ -101,6 +102,8 @@ class Broker:
             s.put(frame)
             if s.stalled:
                 stalled.append(s)
+            elif s.closed:
+                self.unsubscribe(s)
         for s in stalled:  # fell behind a full queue for stall_s: no more frames; its stream ends
             self.unsubscribe(s)
             self.stalled += 1

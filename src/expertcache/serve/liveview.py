@@ -123,7 +123,7 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
             try:
                 yield f"data: {json.dumps(hello)}\n\n"
                 last = time.monotonic()
-                while not app.state.shutting_down and not sub.stalled:
+                while not app.state.shutting_down and not sub.stalled and not sub.closed:
                     try:
                         await asyncio.wait_for(sub.ready.wait(), timeout=0.25)
                     except asyncio.TimeoutError:
