@@ -410,3 +410,153 @@ def test_closed_live_view_pages_free_their_slot_while_the_model_generates(server
     assert all(h == b"HTTP/1.1 200" for h in heads), heads
     assert published[-1] > published[0] + len(published)  # (the case: the model kept running the whole time)
     assert subs == [], subs
+
+
+# ---------------------------------------------------------------------------------------------
+# a hung replay child: under a time limit and replaced; waiting clients that leave free their place;
+# shutdown does not wait on it
+
+
+REPLAY = {"trace": "granular-wikitext2.trace.safetensors", "steps": 3}
+
+
+def _replay_children(parent: int) -> list[int]:
+    """Pids of ``parent``'s replay child processes (from /proc)."""
+    import os
+
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"replay_worker_main" in cmd:
+            out.append(int(d))
+    return out
+
+
+@contextlib.contextmanager
+def _hung_replay_child(parent: int):
+    """Stop (SIGSTOP) ``parent``'s replay child: it hangs as a looping or deadlocked one would; killed after."""
+    import os
+    import signal
+
+    pids = _replay_children(parent)
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        yield pids[0]
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pids[0], signal.SIGKILL)
+
+
+def test_a_hung_replay_child_is_replaced_after_its_time_limit(fuzz_server):
+    import os
+
+    srv = fuzz_server
+    assert httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY, timeout=120).status_code == 200
+    worker = srv.app.state.liveview["replays"]["worker"]
+    worker.timeout_s = 2.0
+    try:
+        with _hung_replay_child(os.getpid()) as pid:
+            t0 = time.monotonic()
+            r = httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY, timeout=60)
+            took = time.monotonic() - t0
+            assert r.status_code == 503 and "replaced" in r.json()["error"]["message"], r.text
+            assert took < 10, took
+            assert pid not in _replay_children(os.getpid())  # killed, not left behind
+        worker.timeout_s = 60.0  # (the limit counts the new child's start-up)
+        r = httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY, timeout=120)
+        assert r.status_code == 200, r.text  # a new child
+    finally:
+        worker.timeout_s = 60.0
+
+
+def test_replay_clients_that_leave_while_waiting_free_their_place(fuzz_server):
+    """A replay hangs (its child stopped); 4 clients queue behind it and leave: a fifth is queued, not refused
+    429 (used to be 429 for as long as the child hung)."""
+    import os
+
+    srv = fuzz_server
+    assert httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY, timeout=120).status_code == 200
+    with _hung_replay_child(os.getpid()):
+        first = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY,
+                                                           timeout=60))
+        first.start()
+        time.sleep(0.5)
+
+        def leaver():
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY, timeout=1.0)
+
+        ts = [threading.Thread(target=leaver) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        time.sleep(0.5)
+        try:
+            r = httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY, timeout=2.0)
+            fifth = r.status_code
+        except httpx.TimeoutException:
+            fifth = "queued"
+        assert fifth == "queued", fifth
+    first.join(60)
+    r = httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_sigterm_with_a_hung_replay_child_exits_within_seconds(tmp_path):
+    """Used to outlive SIGTERM by minutes (the worker thread waited on the hung child, and the interpreter
+    waits for its threads)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("EXPERTCACHE_API_KEY", None)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "expertcache.cli.main", "serve", "--host", "127.0.0.1",
+                                 "--port", "0", "--io", "cached", "--cache-experts", "8", "--threads", "1"],
+                                stderr=f, stdout=subprocess.DEVNULL, env=env)
+    try:
+        t0 = time.monotonic()
+        url = None
+        while url is None:
+            assert proc.poll() is None and time.monotonic() - t0 < 120, log.read_text()
+            text = log.read_text()
+            if " on http://127.0.0.1:" in text:
+                url = text.split(" on ", 1)[1].split("/v1")[0]
+            else:
+                time.sleep(0.1)
+        assert httpx.post(url + "/v1/expertcache/replay", json=REPLAY, timeout=120).status_code == 200
+        with _hung_replay_child(proc.pid):
+            def replay():
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.post(url + "/v1/expertcache/replay", json=REPLAY, timeout=60)
+
+            hung = threading.Thread(target=replay, daemon=True)
+            hung.start()
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+            took = time.monotonic() - t0
+            assert proc.poll() is not None, f"still running {took:.1f} s after SIGTERM"
+            print(f"SIGTERM with a hung replay child: exited in {took:.2f} s")
+            assert took < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -97,4 +97,6 @@ def create_app(engine: Engine, model_id: str, *, tokenizer=None, aliases: tuple[
 def begin_shutdown(app, grace_s: float) -> int:
     """New requests get 503; waiting ones are cancelled; running ones get ``grace_s`` to finish."""
     app.state.shutting_down = True
+    for stop in getattr(app.state, "on_shutdown", ()):  # e.g. the replay child: nothing waits on it
+        stop()
     return app.state.engine.begin_shutdown(grace_s)

@@ -30,11 +30,11 @@ from starlette.responses import Response
 
 from expertcache.serve.broker import MAX_SUBSCRIBERS, Broker, sorted_ids
 from expertcache.serve.control import ConfigError, LiveControl, _routing_from  # noqa: F401 (re-exported)
-from expertcache.serve.errors import ServeError
+from expertcache.serve.errors import ClientGone, ServeError
 from expertcache.serve.guard import json_body as read_json
 from expertcache.serve.replay import (list_traces, load_regular_trace, parse_replay, replay_frames,  # noqa: F401
                                       replay_json, shipped_traces)
-from expertcache.serve.replay_child import replay_worker
+from expertcache.serve.replay_child import ReplayWorker
 from expertcache.serve.stream import TimedStream
 from expertcache.serve.tap import Tap
 from expertcache.trace.format import RoutingTrace, TraceError
@@ -147,7 +147,30 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
     async def traces():
         return dict(traces=[dict(name=n, shipped=n in shipped_traces()) for n in list_traces(trace_dirs)])
 
-    replays = dict(lock=asyncio.Lock(), waiting=0)
+    worker = ReplayWorker()
+    replays = dict(lock=asyncio.Lock(), waiting=0, worker=worker)
+    app.state.liveview["replays"] = replays
+    app.state.on_shutdown = [*getattr(app.state, "on_shutdown", ()), worker.shutdown]  # no wait on a hung child
+
+    async def client_left(request: HTTPRequest) -> None:
+        """Returns when the client of ``request`` (whose body was read) closes its connection."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def acquire_unless_gone(request: HTTPRequest) -> bool:
+        """Take the replay lock, or give up when the client leaves first (False)."""
+        acquire = asyncio.ensure_future(replays["lock"].acquire())
+        gone = asyncio.ensure_future(client_left(request))
+        try:
+            await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not acquire.done():
+                acquire.cancel()
+            await asyncio.gather(acquire, gone, return_exceptions=True)
+        if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
+            return True
+        return False
 
     @app.post("/v1/expertcache/replay")
     async def replay(request: HTTPRequest):
@@ -159,15 +182,18 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
             raise ServeError(429, f"{MAX_REPLAYS_WAITING} replays are waiting already; retry later",
                              code="too_many_replays", headers={"Retry-After": "2"})
         replays["waiting"] += 1
-        entered = False
         try:
-            async with replays["lock"]:  # one at a time: a 2,048-step replay is ~1.5 MB of JSON
-                replays["waiting"] -= 1
-                entered = True
-                return await run_replay(path, opts)
+            entered = await acquire_unless_gone(request)  # one at a time: a 2,048-step replay is ~1.5 MB of JSON
         finally:
-            if not entered:  # the client left while waiting
-                replays["waiting"] -= 1
+            replays["waiting"] -= 1
+        if not entered:  # the client left while waiting: its place in the queue is free
+            raise ClientGone()
+        try:
+            if app.state.shutting_down:
+                raise ServeError(503, "the server is shutting down", code="shutting_down")
+            return await run_replay(path, opts)
+        finally:
+            replays["lock"].release()
 
     async def run_replay(path: Path, opts: dict):
         try:
@@ -188,7 +214,7 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
             if not 0 <= opts["start"] < trace.num_tokens:
                 raise ConfigError("start", f"must be in [0, {trace.num_tokens}), got {opts['start']}")
             try:
-                body = await asyncio.to_thread(replay_worker.run, path, opts)
+                body = await asyncio.to_thread(worker.run, path, opts)
             except OSError as exc:
                 raise ServeError(503, f"replay: {exc}; retry", code="replay_failed") from None
             if body is None:  # a policy or eviction registered in this process only
