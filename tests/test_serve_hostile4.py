@@ -560,3 +560,42 @@ def test_sigterm_with_a_hung_replay_child_exits_within_seconds(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# --trace-dir: links that leave the folder are not listed nor followed; errors name no server path
+
+
+def test_trace_dir_links_out_of_the_folder_are_not_listed_and_errors_name_no_path(tok, tmp_path):
+    import shutil
+
+    from expertcache.serve.liveview import shipped_traces
+
+    shipped = shipped_traces()["granular-wikitext2.trace.safetensors"]
+    shared, outside = tmp_path / "shared", tmp_path / "outside"
+    shared.mkdir()
+    outside.mkdir()
+    shutil.copy(shipped, outside / "secret.trace.safetensors")
+    shutil.copy(shipped, shared / "mine.trace.safetensors")
+    (shared / "out.trace.safetensors").symlink_to(outside / "secret.trace.safetensors")
+    (shared / "up.trace.safetensors").symlink_to("../outside/secret.trace.safetensors")
+    (shared / "alias.trace.safetensors").symlink_to("mine.trace.safetensors")  # inside: fine
+    (shared / "broken.trace.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with _server(tok, trace_dirs=(str(shared),)) as srv:
+        names = {t["name"] for t in httpx.get(srv.url + "/v1/expertcache/traces", timeout=30).json()["traces"]}
+        assert {"mine.trace.safetensors", "alias.trace.safetensors"} <= names, names
+        assert not names & {"out.trace.safetensors", "up.trace.safetensors"}, names
+        for name in ("out.trace.safetensors", "up.trace.safetensors"):
+            r = httpx.post(srv.url + "/v1/expertcache/replay", json=dict(REPLAY, trace=name), timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "trace", r.text
+        r = httpx.post(srv.url + "/v1/expertcache/replay", json=dict(REPLAY, trace="alias.trace.safetensors"),
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        r = httpx.post(srv.url + "/v1/expertcache/replay", json=dict(REPLAY, trace="broken.trace.safetensors"),
+                       timeout=120)
+        assert r.status_code == 400, r.text
+        msg = r.json()["error"]["message"]
+        assert "broken.trace.safetensors" in msg and str(tmp_path) not in msg and "/" not in msg, msg
+        for body in (dict(REPLAY, trace="nothing"), dict(REPLAY, trace="mine.trace.safetensors", capacity=10**6)):
+            msg = httpx.post(srv.url + "/v1/expertcache/replay", json=body, timeout=60).json()["error"]["message"]
+            assert str(tmp_path) not in msg and "site-packages" not in msg and "/src/" not in msg, msg

@@ -32,8 +32,8 @@ from expertcache.serve.broker import MAX_SUBSCRIBERS, Broker, sorted_ids
 from expertcache.serve.control import ConfigError, LiveControl, _routing_from  # noqa: F401 (re-exported)
 from expertcache.serve.errors import ClientGone, ServeError
 from expertcache.serve.guard import json_body as read_json
-from expertcache.serve.replay import (list_traces, load_regular_trace, parse_replay, replay_frames,  # noqa: F401
-                                      replay_json, shipped_traces)
+from expertcache.serve.replay import (list_traces, load_regular_trace, parse_replay, public_message,  # noqa: F401
+                                      replay_frames, replay_json, shipped_traces)
 from expertcache.serve.replay_child import ReplayWorker
 from expertcache.serve.stream import TimedStream
 from expertcache.serve.tap import Tap
@@ -61,8 +61,12 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
     types = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
              ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 
-    def bad(e: ConfigError) -> JSONResponse:
-        return JSONResponse(ServeError(400, str(e), param=e.param, code="invalid_value").body(), status_code=400)
+    # the server's folders a message could name (a trace's, the package's): written as names only
+    private = [*trace_dirs, STATIC.parent.parent, *shipped_traces().values()]
+
+    def bad(e: ConfigError, path: Path | None = None) -> JSONResponse:
+        msg = public_message(str(e), private + ([path] if path is not None else []))
+        return JSONResponse(ServeError(400, msg, param=e.param, code="invalid_value").body(), status_code=400)
 
     async def json_body(request: HTTPRequest):
         try:
@@ -216,11 +220,12 @@ def install_liveview(app, engine, *, trace_dirs=(), queue_frames: int = 64) -> N
             try:
                 body = await asyncio.to_thread(worker.run, path, opts)
             except OSError as exc:
-                raise ServeError(503, f"replay: {exc}; retry", code="replay_failed") from None
+                raise ServeError(503, public_message(f"replay: {exc}; retry", private + [path]),
+                                 code="replay_failed") from None
             if body is None:  # a policy or eviction registered in this process only
                 body = await asyncio.to_thread(replay_json, trace, opts)
             return Response(body, media_type="application/json")
         except ConfigError as e:
-            return bad(e)
+            return bad(e, path)
         except ValueError as e:  # the simulator refused the combination
-            return bad(ConfigError("policy", str(e)))
+            return bad(ConfigError("policy", str(e)), path)

@@ -19,7 +19,7 @@ from expertcache.serve.broker import sorted_ids
 from expertcache.serve.control import ConfigError, _check_fields, _check_number, _routing_from
 
 __all__ = ["replay_frames", "parse_replay", "replay_json", "list_traces", "shipped_traces", "load_regular_trace",
-           "MAX_REPLAY_STEPS"]
+           "public_message", "MAX_REPLAY_STEPS"]
 
 MAX_REPLAY_STEPS = 2048
 
@@ -31,19 +31,41 @@ def shipped_traces() -> dict[str, Path]:
 
 def list_traces(trace_dirs) -> dict[str, Path]:
     """The shipped traces and ``trace_dirs``' ``*.trace.safetensors`` regular files (not a FIFO, device or
-    folder of that name: reading one would block)."""
+    folder of that name: reading one would block), each by its resolved path; a symbolic link that leads out of
+    its folder is not listed (the folder is what the operator shared, not what a link in it points to)."""
     out = shipped_traces()
     for d in trace_dirs:
+        try:
+            root = Path(d).resolve()
+        except (OSError, RuntimeError):
+            continue
         for p in sorted(Path(d).glob("*.trace.safetensors")):
-            if p.is_file():
-                out.setdefault(p.name, p)
+            try:
+                real = p.resolve(strict=True)
+            except (OSError, RuntimeError):  # dangling, or a loop of links
+                continue
+            if real.is_relative_to(root) and real.is_file():
+                out.setdefault(p.name, real)
     return out
 
 
+def public_message(text: str, paths) -> str:
+    """``text`` (an error message for a client) with each of ``paths`` (the server's files and folders) written
+    as its name only: a client learns nothing of the server's file system."""
+    names = {}
+    for p in paths:
+        for x in (Path(p), Path(p).resolve()):
+            names[str(x)] = x.name
+    for full in sorted(names, key=len, reverse=True):
+        if len(full) > 1:
+            text = text.replace(full, names[full])
+    return text
+
+
 def load_regular_trace(path: Path):
-    """:meth:`RoutingTrace.load`, after checking (opened non-blocking, so a FIFO cannot block the check) that
-    ``path`` is a regular file: OSError naming it otherwise."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    """:meth:`RoutingTrace.load`, after checking (opened non-blocking, so a FIFO cannot block the check, and
+    without following a final symbolic link) that ``path`` is a regular file: OSError naming it otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(f"{path.name} is not a regular file")
