@@ -142,7 +142,7 @@ class Guard:
             if deadline == float("inf"):
                 return await receive()
             try:
-                msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                msg = await _within(receive(), deadline - time.monotonic())
             except asyncio.TimeoutError:
                 raise ServeError(408, f"the request body did not arrive within {self.body_timeout:g} s "
                                       "(--body-timeout)", code="request_timeout") from None
@@ -159,6 +159,15 @@ class Guard:
 
         return bounded
 
+
+
+async def _within(awaitable, seconds: float):
+    """``await awaitable`` within ``seconds`` (asyncio.TimeoutError): on Python 3.11+ without the task per call
+    that ``wait_for`` makes (a trickled body is many messages)."""
+    if not hasattr(asyncio, "timeout"):  # Python 3.10
+        return await asyncio.wait_for(awaitable, max(0.0, seconds))
+    async with asyncio.timeout(max(0.0, seconds)):
+        return await awaitable
 
 
 async def json_body(request, what: str = "the request body"):

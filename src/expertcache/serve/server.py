@@ -392,7 +392,7 @@ def _server(app, *, log_level: str, grace_s: float, max_connections: int = DEFAU
     quiet_floods()
     return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 5, lifespan="off",
                                  access_log=False, timeout_keep_alive=5, http=guarded_protocol(cap, header_timeout),
-                                 limit_concurrency=cap + 64, h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                                 limit_concurrency=2 * cap + 64,  # a backstop: the cap rules h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                                  backlog=ACCEPT_BATCH))
 
 
