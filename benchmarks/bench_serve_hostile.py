@@ -13,7 +13,10 @@ Attacks: ``half_open`` (1,100 connections each sending half a request head, held
 (a chunked 50 MB body to /v1/expertcache/replay), ``replay_x4`` (4 parallel 2,048-step replays),
 ``events_200`` (200 connections to /v1/expertcache/events that never read), ``fifo`` (a replay of the FIFO),
 ``deep_json`` (10 bodies nested 200,000 deep), ``gone_mid_body`` (200 clients that send half a body and close),
-``top_p_tiny`` (a request with temperature 0.7 and top_p 1e-300, then one more request).
+``top_p_tiny`` (a request with temperature 0.7 and top_p 1e-300, then one more request), ``trickle_bodies``
+(issue 43: 1,100 connections that send a head, then their body a byte every 0.5 s, each re-opened as soon as the
+server closes it, for 8 s), ``header_flood`` (issue 43: 4 clients each sending heads of 10,000 headers, 116 kB
+in one write, for 6 s).
 
   python benchmarks/bench_serve_hostile.py --repeats 3 --out benchmarks/results/serve-hostile.jsonl
 
@@ -23,6 +26,7 @@ Loopback only; every count is bounded; the server is stopped with SIGTERM (kille
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -197,8 +201,85 @@ def top_p_tiny(url: str) -> dict:
     return dict(statuses=[r1.status_code, r2.status_code])
 
 
+BODY_HEAD = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             b"Content-Length: 4000\r\n\r\n{")
+
+
+def _open_trickler(port: int):
+    try:
+        s = socket.create_connection((HOST, port), timeout=2)
+        s.setblocking(False)
+        s.send(BODY_HEAD)
+        return s
+    except OSError:
+        return None
+
+
+def trickle_bodies(url: str, n: int = 1100, hold: float = 8.0, every: float = 0.5) -> dict:
+    """``n`` connections trickling their bodies (a byte per ``every`` s per connection), each re-opened when
+    the server closes it; what the server answered them (by status line) and how often they were re-opened."""
+    port = int(url.rsplit(":", 1)[1])
+    socks = [_open_trickler(port) for _ in range(n)]
+    answers: dict = {}
+    reopened = 0
+    t_end = time.monotonic() + hold
+    while time.monotonic() < t_end:
+        t0 = time.monotonic()
+        for i, s in enumerate(socks):
+            try:
+                if s is None:
+                    raise OSError
+                try:
+                    got = s.recv(4096)
+                    key = got[:12].decode("latin-1") or "closed"
+                    answers[key] = answers.get(key, 0) + 1
+                    raise OSError  # answered or closed: the server is done with it
+                except BlockingIOError:
+                    pass
+                s.send(b" ")
+            except OSError:
+                if s is not None:
+                    s.close()
+                socks[i] = _open_trickler(port)
+                reopened += 1
+        time.sleep(max(0.0, every - (time.monotonic() - t0)))
+    for s in socks:
+        if s is not None:
+            s.close()
+    return dict(connections=n, reopened=reopened, answers=answers)
+
+
+def header_flood(url: str, clients: int = 4, hold: float = 6.0) -> dict:
+    port = int(url.rsplit(":", 1)[1])
+    head = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + b"".join(b"X-%d: xxxxxx\r\n" % i for i in range(10_000)) + b"\r\n")
+    out: list = []
+
+    def client():
+        t_end = time.monotonic() + hold
+        while time.monotonic() < t_end:
+            t0 = time.perf_counter()
+            try:
+                s = socket.create_connection((HOST, port), timeout=10)
+                s.sendall(head)
+                got = s.recv(12)
+                s.close()
+            except OSError as exc:
+                got = type(exc).__name__.encode()
+            out.append((got.decode("latin-1"), time.perf_counter() - t0))
+
+    ts = [threading.Thread(target=client) for _ in range(clients)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(hold + 60)
+    statuses = sorted({s for s, _ in out})
+    return dict(requests=len(out), statuses=statuses, slowest_s=round(max((t for _, t in out), default=0), 4))
+
+
 ATTACKS = dict(half_open=half_open, chunked_replay=chunked_replay, replay_x4=replay_x4, events_200=events_200,
-               fifo=fifo, deep_json=deep_json, gone_mid_body=gone_mid_body, top_p_tiny=top_p_tiny)
+               fifo=fifo, deep_json=deep_json, gone_mid_body=gone_mid_body, top_p_tiny=top_p_tiny,
+               trickle_bodies=trickle_bodies, header_flood=header_flood)
 
 
 def run_one(url: str, tokens: int, attack) -> dict:
@@ -244,6 +325,9 @@ def main(argv=None) -> int:
     ap.add_argument("--nofile", type=int, default=1024, help="the server's RLIMIT_NOFILE (default 1024)")
     ap.add_argument("--out", default=None, help="append JSONL rows here")
     a = ap.parse_args(argv)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # this client holds 1,100+ sockets
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     with tempfile.TemporaryDirectory() as d:
         os.mkfifo(Path(d) / "stuck.trace.safetensors")
         log = str(Path(d) / "server.log")
@@ -272,6 +356,7 @@ def main(argv=None) -> int:
                                      max_gap_s_worst=max(r["max_gap_s"] for r in rs),
                                      baseline_max_gap_s_median=float(np.median([r["baseline_max_gap_s"] for r in rs])),
                                      health_max_s=max(r["health_max_s"] or 0 for r in rs),
+                                     health_failed_max=max(r["health_failed"] for r in rs),
                                      log_bytes_max=max(r["log_bytes"] for r in rs))
             print(json.dumps(dict(summary=summary, machine=machine), indent=1))
             if a.out:

@@ -1098,7 +1098,7 @@ def test_default_values_of_unsupported_fields_are_honoured(client):
                                        logprobs=False, response_format={"type": "text"}, store=False,
                                        tool_choice="none", user="u-1", service_tier="auto")
     assert r.choices[0].finish_reason in ("stop", "length")
-    from expertcache.serve.app import SUPPORTED_FIELDS, _DEFAULT_ONLY
+    from expertcache.serve.schema import SUPPORTED_FIELDS, _DEFAULT_ONLY
 
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "SERVE.md")).read()
     for f in set(SUPPORTED_FIELDS["completions"]) | set(SUPPORTED_FIELDS["chat"]) | set(_DEFAULT_ONLY):

@@ -509,7 +509,8 @@ def test_the_replay_child_returns_the_in_process_replay_and_leaves_registered_po
     from test_registry_extension import TOY  # the toy policy of issue 25
 
     from expertcache.routing.registry import registered_policy
-    from expertcache.serve.liveview import _replay_worker, parse_replay, replay_json, shipped_traces
+    from expertcache.serve.liveview import parse_replay, replay_json, shipped_traces
+    from expertcache.serve.replay_child import replay_worker as _replay_worker
     from expertcache.trace.format import RoutingTrace
 
     name = next(iter(shipped_traces()))

@@ -4,8 +4,10 @@ ephemeral loopback port (:class:`ServerThread`, for tests and benchmarks)."""
 from __future__ import annotations
 
 import collections
+import http
 import json
 import logging
+import re
 import socket
 import sys
 import threading
@@ -14,7 +16,8 @@ import time
 from expertcache.serve.defaults import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 
 __all__ = ["serve_forever", "ServerThread", "bind", "tune_malloc", "guarded_protocol", "connection_cap", "fd_limit",
-           "DEFAULT_HEADER_TIMEOUT", "DEFAULT_MAX_CONNECTIONS"]
+           "DEFAULT_HEADER_TIMEOUT", "DEFAULT_MAX_CONNECTIONS", "MAX_HEAD_BYTES", "MAX_HEADERS", "MIN_BODY_RATE",
+           "head_limited_connection", "refusal"]
 
 #: the listening socket's accept queue (connections the kernel holds before the server accepts them)
 BACKLOG = 2048
@@ -47,12 +50,33 @@ def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
+#: the interpreter's thread switch interval in a server process (Python's default: 5 ms). The engine thread
+#: releases the GIL in every torch op and waits up to this long to get it back from a busy event loop: under
+#: 1,100 trickling bodies a stream's largest gap was 1.28 s at 5 ms, 0.66 s at 0.5 ms (median of 2, load 10)
+SWITCH_INTERVAL_S = 0.0005
 #: file descriptors kept for everything but client connections (model files, logs, threads' pipes, the listener)
 FD_RESERVE = 64
-#: the largest request head (request line and headers) h11 buffers: larger gets 400
+#: the largest request head (request line and headers) taken, however its bytes arrive: larger gets 431
 MAX_HEAD_BYTES = 16 * 1024
-_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-            b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+#: the most header lines a request head may have: more gets 431 (a browser sends about 20)
+MAX_HEADERS = 100
+#: a request body must arrive at this many bytes per second on average, counted after BODY_GRACE_S seconds
+#: (a 1 MiB body: 8 minutes; a trickle of a byte a second is cut after about 2 s; then 408 and close)
+MIN_BODY_RATE = 2048
+BODY_GRACE_S = 2.0
+#: how often a body's rate is checked
+BODY_CHECK_S = 0.5
+_REFUSAL = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n%sconnection: close\r\ncontent-length: %d\r\n\r\n%s")
+_BLANK_LINE = re.compile(rb"\n\r?\n")
+_NOT_CRLF = re.compile(rb"[^\r\n]")
+
+
+def refusal(status: int, message: str, code: str, extra_headers: bytes = b"") -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, with OpenAI's error body."""
+    body = json.dumps({"error": {"message": message, "type": "server_error" if status >= 500 else
+                                 "invalid_request_error", "param": None, "code": code}}).encode()
+    reason = http.HTTPStatus(status).phrase.encode()
+    return _REFUSAL % (status, reason, extra_headers, len(body), body)
 
 
 def fd_limit(raise_soft: bool = True) -> int:
@@ -91,70 +115,192 @@ def connection_cap(max_connections: int = DEFAULT_MAX_CONNECTIONS, fds: int | No
     return max(8, min(max_connections, fds - open_fds() - FD_RESERVE - 4 * ACCEPT_BATCH))
 
 
-def guarded_protocol(max_connections: int, header_timeout: float = DEFAULT_HEADER_TIMEOUT):
-    """uvicorn's h11 protocol with what it lacks against slow and numerous clients:
+def head_limited_connection():
+    """An ``h11.Connection`` whose request heads are bounded on the bytes, however they arrive: h11's own limit
+    (``max_incomplete_event_size``) applies only while a head is incomplete, so a head of 10,000 headers sent
+    in one read was parsed (0.8 s of server time each). Before h11 parses a head, its bytes are scanned (each
+    byte once, in C): over :data:`MAX_HEAD_BYTES` or :data:`MAX_HEADERS` lines is refused (431); a request with
+    both Content-Length and Transfer-Encoding is refused (400; RFC 9112 section 6.1: a proxy that frames by
+    Content-Length would see another request in its body). ``refusal`` holds (status, message, code)."""
+    import h11
+
+    class HeadLimitedConnection(h11.Connection):
+        refusal: tuple | None = None
+        _scanned = 0  # buffer bytes already searched for the head's end (each byte is searched once)
+
+        def _refuse(self, status: int, message: str, code: str):
+            self.refusal = (status, message, code)
+            return h11.RemoteProtocolError(message, error_status_hint=status)
+
+        def _check_head(self) -> None:
+            rb = self._receive_buffer
+            buf = getattr(rb, "_data", None)
+            if buf is None:  # pragma: no cover - another h11 layout: look at the head's first bytes
+                buf = bytes(rb)[:MAX_HEAD_BYTES + 8]
+            n = len(buf)
+            if n < self._scanned:
+                self._scanned = 0
+            first = _NOT_CRLF.search(buf, 0, MAX_HEAD_BYTES + 1)  # h11 skips blank lines before a request line
+            start = first.start() if first is not None else n
+            end = _BLANK_LINE.search(buf, max(start, self._scanned - 2), start + MAX_HEAD_BYTES + 2)
+            if end is None:
+                self._scanned = n
+                if n - start > MAX_HEAD_BYTES or start > MAX_HEAD_BYTES:
+                    raise self._refuse(431, f"the request head exceeds {MAX_HEAD_BYTES} bytes",
+                                       "request_header_fields_too_large")
+                return
+            if end.end() - start > MAX_HEAD_BYTES:
+                raise self._refuse(431, f"the request head exceeds {MAX_HEAD_BYTES} bytes",
+                                   "request_header_fields_too_large")
+            lines = buf.count(b"\n", start, end.end()) - 2  # less the request line and the blank line
+            if lines > MAX_HEADERS:
+                raise self._refuse(431, f"the request has {lines} header lines; this server takes at most "
+                                        f"{MAX_HEADERS}", "request_header_fields_too_large")
+
+        def next_event(self):
+            if self.their_state is h11.IDLE:
+                self._check_head()
+            event = super().next_event()
+            if type(event) is h11.Request:
+                self._scanned = 0
+                names = {k.lower() for k, _ in event.headers}
+                if b"transfer-encoding" in names and b"content-length" in names:
+                    raise self._refuse(400, "a request may not carry both Content-Length and Transfer-Encoding",
+                                       "ambiguous_framing")
+            return event
+
+    return HeadLimitedConnection
+
+
+def guarded_protocol(max_connections: int, header_timeout: float = DEFAULT_HEADER_TIMEOUT, *,
+                     min_body_rate: float = MIN_BODY_RATE, body_grace_s: float = BODY_GRACE_S):
+    """uvicorn's h11 protocol with what it lacks against slow, numerous and malformed clients:
 
     - a **header timeout**: a connection that has not sent a whole request head within ``header_timeout``
       seconds of its start (or of its previous response) is closed, so half-sent requests cannot pile up;
+    - a **body rate**: a request body must arrive at ``min_body_rate`` bytes/s on average after
+      ``body_grace_s`` seconds (a trickle is cut: 408 and close), so half-sent bodies cannot pile up either;
     - a **connection cap**: at ``max_connections`` open connections a new one first evicts the oldest that is
-      idle or still sending its head (no request running: nothing is lost but a slow client's place); if every
-      connection runs a request, the new one gets a 503 with Retry-After and is closed at once.
+      idle, still sending its head or still sending its body (no request computing: nothing is lost but a slow
+      client's place); if every connection runs a request, the new one gets a 503 with Retry-After and is
+      closed at once;
+    - **head limits on the bytes** and no ambiguous framing (:func:`head_limited_connection`): 431 / 400, then
+      close.
 
-    Bodies are timed and bounded by the app (:class:`expertcache.serve.app.Guard`)."""
+    Body size and the body's total time are bounded by the app (:class:`expertcache.serve.guard.Guard`)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    body = json.dumps({"error": {"message": "too many connections; retry later", "type": "server_error",
-                                 "param": None, "code": "too_many_connections"}}).encode()
-    refusal = _REFUSAL % (len(body), body)
+    too_many = refusal(503, "too many connections; retry later", "too_many_connections", b"retry-after: 1\r\n")
+    too_slow = refusal(408, f"the request body arrived slower than {min_body_rate:g} bytes/s", "request_timeout")
+    Connection = head_limited_connection()
 
-    idle: collections.OrderedDict = collections.OrderedDict()  # connections waiting for a head, oldest first
+    # connections computing no request, oldest first: those sending a body (evicted first: a client that
+    # connected a moment ago has not had its head read yet, and must not lose its place to a trickle), and
+    # those idle or sending a head
+    bodies: collections.OrderedDict = collections.OrderedDict()
+    heads: collections.OrderedDict = collections.OrderedDict()
 
     class GuardedH11Protocol(H11Protocol):
         _refused = False
         _head_timer = None
+        _body_timer = None
+        _body_t0 = 0.0
+        _body_bytes = 0
+
+        def __init__(self, *args, **kw) -> None:
+            super().__init__(*args, **kw)
+            self.conn = Connection(h11.SERVER, MAX_HEAD_BYTES)
 
         def _waiting_for_head(self) -> bool:
             return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
 
+        def _sending_body(self) -> bool:
+            return self.conn.their_state is h11.SEND_BODY
+
         def connection_made(self, transport) -> None:
-            if len(self.connections) >= max_connections and not self._evict():
+            # up to max_connections + ACCEPT_BATCH are taken (connection_cap leaves the file descriptors): a
+            # connection over max_connections makes room when its head has arrived (data_received), so a client
+            # that sends its request at once is never the one evicted by a flood of newer connections
+            if len(self.connections) >= max_connections + ACCEPT_BATCH and not self._evict():
                 self._refused = True
                 self.transport = transport
-                transport.write(refusal)
+                transport.write(too_many)
                 transport.close()
                 return
             super().connection_made(transport)
             self._arm()
 
         @staticmethod
-        def _evict() -> bool:
-            """Close the oldest connection that runs no request; False if there is none."""
-            while idle:
-                oldest, _ = idle.popitem(last=False)
-                if oldest._waiting_for_head() and not oldest.transport.is_closing():
-                    oldest.connections.discard(oldest)
-                    oldest.transport.close()
-                    return True
+        def _evict(keep=None) -> bool:
+            """Close the oldest connection sending a body, else the oldest idle or sending its head (never
+            ``keep``); False if every connection computes a request."""
+            for queue in (bodies, heads):
+                kept = False
+                while queue:
+                    oldest, _ = queue.popitem(last=False)
+                    if oldest is keep:
+                        kept = True
+                    elif (oldest._waiting_for_head() or oldest._sending_body()) and not oldest.transport.is_closing():
+                        oldest.connections.discard(oldest)
+                        oldest.transport.close()
+                        if kept:
+                            queue[keep] = None
+                        return True
+                if kept:
+                    queue[keep] = None
             return False
 
         def _arm(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
             self._head_timer = self.loop.call_later(header_timeout, self._head_timeout)
-            idle[self] = None
-            idle.move_to_end(self)
+            bodies.pop(self, None)
+            heads[self] = None
+            heads.move_to_end(self)
 
         def _head_timeout(self) -> None:
             self._head_timer = None
             if self._waiting_for_head() and not self.transport.is_closing():
                 self.transport.close()
 
+        def _check_body(self) -> None:
+            """Every BODY_CHECK_S while a body arrives: cut it (408, close) below ``min_body_rate``."""
+            self._body_timer = None
+            if not self._sending_body() or self.transport.is_closing():
+                return
+            late = time.monotonic() - self._body_t0 - body_grace_s
+            if late > 0 and self._body_bytes < min_body_rate * late and not self.flow.read_paused:
+                if self.cycle is not None and not self.cycle.response_started:
+                    self.transport.write(too_slow)
+                self.transport.close()
+                return
+            self._body_timer = self.loop.call_later(BODY_CHECK_S, self._check_body)
+
         def data_received(self, data: bytes) -> None:
-            if not self._refused:
-                super().data_received(data)
-                if not self._waiting_for_head():  # a request runs: not evictable until its response is done
-                    idle.pop(self, None)
+            if self._refused:
+                return
+            in_body, in_head = self._sending_body(), self._waiting_for_head()
+            super().data_received(data)
+            if in_head and not self._waiting_for_head() and len(self.connections) > max_connections:
+                self._evict(keep=self)  # a request has come: room for it at a slow client's expense
+            if self._sending_body():
+                if in_body:
+                    self._body_bytes += len(data)
+                else:  # a head just arrived, its body follows: time it
+                    heads.pop(self, None)
+                    bodies[self] = None
+                    self._body_t0, self._body_bytes = time.monotonic(), 0
+                    if self._body_timer is None:
+                        self._body_timer = self.loop.call_later(BODY_CHECK_S, self._check_body)
+            elif not self._waiting_for_head():  # a request computes: not evictable until its response is done
+                heads.pop(self, None)
+                bodies.pop(self, None)
+
+        def send_400_response(self, msg: str) -> None:
+            status, message, code = self.conn.refusal or (400, "invalid HTTP request", "invalid_request")
+            self.transport.write(refusal(status, message, code))
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -162,10 +308,12 @@ def guarded_protocol(max_connections: int, header_timeout: float = DEFAULT_HEADE
                 self._arm()  # the next request's head gets its own header_timeout
 
         def connection_lost(self, exc) -> None:
-            idle.pop(self, None)
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            heads.pop(self, None)
+            bodies.pop(self, None)
+            for t in (self._head_timer, self._body_timer):
+                if t is not None:
+                    t.cancel()
+            self._head_timer = self._body_timer = None
             if self._refused:
                 return
             super().connection_lost(exc)
@@ -248,13 +396,14 @@ def _server(app, *, log_level: str, grace_s: float, max_connections: int = DEFAU
     quiet_floods()
     return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 5, lifespan="off",
                                  access_log=False, timeout_keep_alive=5, http=guarded_protocol(cap, header_timeout),
-                                 limit_concurrency=cap + 64, h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                                 limit_concurrency=2 * cap + 64,  # a backstop: the cap rules h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                                  backlog=ACCEPT_BATCH))
 
 
 def serve_forever(app, sock: socket.socket, *, grace_s: float = 30.0, log_level: str = "warning",
                   max_connections: int = DEFAULT_MAX_CONNECTIONS,
                   header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> None:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     _server(app, log_level=log_level, grace_s=grace_s, max_connections=max_connections,
             header_timeout=header_timeout).run(sockets=[sock])
 
