@@ -28,16 +28,14 @@ most the rows added (< 2×, and nothing where the call's fixed cost dominates, a
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from expertcache.offload.checkpoint import ExpertParts
-from expertcache.offload.quant import QuantLayout
-from expertcache.offload.store import Placement
+# the byte layout's views and in-graph product (expert_views re-exported: where the family's MLP reads its weights)
+from expertcache.offload.layout import expert_views, inline_product
 
 __all__ = ["expert_views", "expert_mlp", "OffloadedExperts", "matvec_linear", "use_matvec", "row_bucket",
            "rows_bucketed", "bucket_rows"]
@@ -67,23 +65,6 @@ def bucket_rows(x_MD: torch.Tensor) -> tuple[torch.Tensor, int]:
         if b != m:
             return torch.cat([x_MD, x_MD.new_zeros(b - m, x_MD.shape[1])]), m
     return x_MD, m
-
-
-def expert_views(blob_u8: torch.Tensor, parts: ExpertParts, placement: Placement, dtype: torch.dtype,
-                 quant: QuantLayout | None = None) -> tuple[torch.Tensor, ...]:
-    """The expert's tensors (``ExpertParts.tensors()`` order) as views of its slot ``blob_u8``, in ``dtype``
-    (a view when the storage dtype is ``dtype``). Quantised experts: the fused kernels' four tensors
-    (:meth:`QuantLayout.views`), views too, for :func:`~expertcache.offload.quant.quant_mlp`."""
-    if quant is not None:
-        at = placement.slot_offset(parts, 0)
-        return quant.views(blob_u8[at:at + parts.nbytes])
-    esize = parts.dtype.itemsize
-    out = []
-    for off, shape in parts.tensors().values():
-        at = placement.slot_offset(parts, off * esize)
-        t = blob_u8[at:at + math.prod(shape) * esize].view(parts.dtype).view(shape)
-        out.append(t if t.dtype == dtype else t.to(dtype))
-    return tuple(out)
 
 
 def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]:
@@ -183,8 +164,6 @@ class OffloadedExperts(nn.Module):
             graph = rt.graph_products(self.index)
             if graph is None:
                 return torch.ops.expertcache.experts(hidden_TD, ids_TK, weights_TK, self.index)
-            from expertcache.offload.step import inline_product
-
             slot_K, rest_TD = torch.ops.expertcache.cache_step(hidden_TD, ids_TK, weights_TK, self.index)
             return inline_product(graph[0], hidden_TD, slot_K, weights_TK, graph[1]) + rest_TD
         return rt._serve(self.index, hidden_TD, ids_TK, weights_TK)

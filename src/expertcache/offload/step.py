@@ -30,19 +30,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-import numpy as np
 import torch
 from torch import nn
 
 from expertcache.cache import ExpertCache, make_cache
 from expertcache.device import to_device
 from expertcache.models.adapters import MoELayer
-from expertcache.offload.experts import expert_views
 from expertcache.offload.ioqueue import Ticket
 from expertcache.offload.observe import RuntimeObservers
 from expertcache.offload.prefetch import first_layer_input, guess_next_layer
 from expertcache.offload.slots import SlotPool
-from expertcache.offload.store import HostTier, Placement
+from expertcache.offload.layout import (Placement, arena_matrix_views, expert_views, grouped_product,
+                                       inline_product)  # inline_product: re-exported
+from expertcache.offload.store import HostTier
 from expertcache.routing.precision import serve_low
 
 __all__ = ["LayerState", "LayerSteps", "inline_product", "union_order"]
@@ -58,26 +58,6 @@ def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: in
     total_E = torch.zeros(num_experts, dtype=torch.float32, device="cpu").index_add_(
         0, ids_TK[valid_TK], w_TK.to("cpu").float()[valid_TK])
     return sorted(set(ids_TK[valid_TK].tolist()), key=lambda e: (-float(total_E[e]), e))
-
-
-def inline_product(views: tuple[torch.Tensor, torch.Tensor], x_TD: torch.Tensor, slot_K: torch.Tensor,
-                   w_TK: torch.Tensor, act: Callable) -> torch.Tensor:
-    """[1, D]: one token's routed experts computed from the arena's slots (``views``:
-    :meth:`LayerSteps._make_inline_views`) as traced code of the captured decode step: each position k of
-    ``slot_K`` >= 0 contributes ``w_TK[0, k] * down[slot] @ (act(gate) * up)`` with ``gate, up = gate_up[slot] @ x``
-    (the family's ``linear`` MLP); positions < 0 contribute nothing. Written as broadcast products summed
-    over the inner dimension, which the compiler fuses into one reduction per matrix that reads the slots in
-    place (no gathered copy of the weights); the products' sums may round differently from ``mv``'s."""
-    gate_up, down = views
-    keep_K = slot_K >= 0
-    s_K = slot_K.clamp(min=0)
-    x_D = x_TD[0]
-    gu_KF2 = (gate_up[s_K] * x_D).sum(-1)
-    gate_KF, up_KF = gu_KF2.chunk(2, dim=-1)
-    a_KF = act(gate_KF) * up_KF
-    h_KD = (down[s_K] * a_KF[:, None, :]).sum(-1)
-    hw_KD = torch.where(keep_K[:, None], h_KD * w_TK[0, :, None].to(h_KD.dtype), 0)  # a skipped slot may hold NaN
-    return hw_KD.sum(0, keepdim=True).to(x_TD.dtype)
 
 
 @dataclass
@@ -355,8 +335,8 @@ class LayerSteps(RuntimeObservers):
             h[e] = self.low.compute(st.moe.index, e, x_TD)[0]
         grouped = self._grouped_views(ws) if ws and not h and self.grouped is not None else None
         if grouped is not None:  # one grouped product per matrix over the step's slots (issue 35)
-            return self._grouped_product(grouped, x_D, slots, self.host_copy(ids_TK)[0].tolist(), w_TK[0],
-                                         act)[None]
+            return grouped_product(grouped, x_D, slots, self.host_copy(ids_TK)[0].tolist(), w_TK[0], act,
+                                   self.grouped)[None]
         if ws:  # the same matrix-vector products; act(gate) * up row-wise (elementwise: the same values)
             es = sorted(ws)
             gate_UF, up_UF = torch.stack([torch.mv(ws[e][0], x_D) for e in es]).chunk(2, dim=-1)
@@ -426,56 +406,13 @@ class LayerSteps(RuntimeObservers):
         return to_device(slot_K, x_TD.device), rest_TD
 
     def _grouped_views(self, ws: dict[int, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(gate_up [n, 2F, D], down [n, D, F]): every slot of the arena seen as one strided tensor per matrix, where
-        the step's experts sit at one offset of their slots (the host tier's single layout; disk placements vary
-        with file alignment: None, and the step takes the per-expert products)."""
-        first = next(iter(ws.values()))
-        buffer = self.arena.buffer
-        el = first[0].element_size()
-        base = buffer.data_ptr()
-        where = {tuple((t.data_ptr() - base) % self.slot_bytes for t in w[:2]) for w in ws.values()}
-        if len(where) != 1 or self.slot_bytes % el or not all(t.is_contiguous() for t in first[:2]):
-            return None
-        offs = where.pop()
-        key = (offs, first[0].shape, first[1].shape, first[0].dtype)
-        got = self._grouped_cache.get(key)
+        """(gate_up [n, 2F, D], down [n, D, F]): the arena per matrix (:func:`~expertcache.offload.layout.
+        arena_matrix_views`), kept by layout; None where the step's experts sit at more than one offset."""
+        got = arena_matrix_views(self.arena.buffer, list(ws.values()), self.slot_bytes)
         if got is None:
-            flat = buffer.view(first[0].dtype)  # [n, slot_bytes / el]
-            n, stride = flat.shape[0], flat.shape[1]
-            got = self._grouped_cache[key] = tuple(
-                flat.as_strided((n, *t.shape), (stride, t.shape[1], 1), off // el) for t, off in zip(first[:2], offs))
-        return got
-
-    def _grouped_product(self, views: tuple[torch.Tensor, torch.Tensor], x_D: torch.Tensor, slot_of: dict[int, int],
-                         ids_K: list[int], w_K: torch.Tensor, act) -> torch.Tensor:
-        """[D]: the MoE output of one token whose experts ``slot_of`` (expert -> slot; ``ids_K`` its routed ids
-        on the host, ``w_K`` their weights on the device) are computed with one product per matrix:
-        ``torch._grouped_mm`` over every slot of the arena (a group of one row per slot used, empty groups
-        elsewhere: only the step's weights are read) or ``bmm`` of the gathered matrices (:attr:`grouped`
-        ``'bmm'``), then combined by one product with the routing weights. The group ends, the slots and the
-        weights' positions, in slot order, are built on the host and reach the device in one ``non_blocking``
-        copy. Values: the per-expert path's within the dtype's rounding (the sums' order differs)."""
-        gate_up, down = views
-        n = gate_up.shape[0]
-        rows = sorted(slot_of.items(), key=lambda es: es[1])  # (expert, slot) by slot: the products' rows
-        u = len(rows)
-        slots_U = [slot for _, slot in rows]
-        host = np.zeros(n + 2 * u, dtype=np.int64)
-        host[slots_U] = 1
-        np.cumsum(host[:n], out=host[:n])  # group ends (offsets): one row per used slot, in slot order
-        host[n:n + u] = slots_U  # bmm's gather
-        host[n + u:] = [ids_K.index(e) for e, _ in rows]  # each row's routing weight
-        idx = to_device(torch.from_numpy(host), x_D.device)
-        x_UD = x_D.expand(u, x_D.shape[0])
-        if self.grouped == "grouped_mm":
-            offs_n = idx[:n].to(torch.int32)
-            gate_UF, up_UF = torch._grouped_mm(x_UD.contiguous(), gate_up.transpose(-2, -1), offs=offs_n).chunk(2, -1)
-            h_UD = torch._grouped_mm((act(gate_UF) * up_UF).contiguous(), down.transpose(-2, -1), offs=offs_n)
-        else:  # one batched product of the gathered matrices (a copy of the step's weights)
-            slot_rows = idx[n:n + u]
-            gate_UF, up_UF = torch.bmm(gate_up[slot_rows], x_UD[:, :, None])[..., 0].chunk(2, -1)
-            h_UD = torch.bmm(down[slot_rows], (act(gate_UF) * up_UF)[:, :, None])[..., 0]
-        return torch.mv(h_UD.T, w_K[idx[n + u:]].to(h_UD.dtype)).to(x_D.dtype)
+            return None
+        key, views = got
+        return self._grouped_cache.setdefault(key, views)
 
     def _serve_many(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
                     order: list[int], ids_cpu_TK: torch.Tensor, low: set[int] | tuple = ()) -> torch.Tensor:
