@@ -86,7 +86,7 @@ PRIVATE_ALLOWED = {
                                        "setter), raised to one graph per decoder layer by --compile",
     ("models/captured.py", "_eager_forward"): "the plain forward compile_dense keeps on each module it wraps, read "
                                               "back in the same file (the captured step and its prefill run it)",
-    ("offload/step.py", "_dynamo"): "torch: mark_static_address (no public name; transformers' StaticCache marks "
+    ("offload/views.py", "_dynamo"): "torch: mark_static_address (no public name; transformers' StaticCache marks "
                                     "its tensors the same way), so CUDA graphs read the slot arena in place",
     **{("models/captured.py", h): "torch: a module's forward hooks (no public accessor); a hooked MoE block stays "
                                    "opaque in the captured step" for h in ("_forward_hooks", "_forward_pre_hooks")},

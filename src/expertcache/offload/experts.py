@@ -95,7 +95,7 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
         gate, up = F.linear(x_TD, gate_up).chunk(2, dim=-1)
         out = F.linear(act(gate) * up, down)
         return out if out.shape[0] == m else out[:m]
-    linear.act = act  # the one-token step batches the activation over its experts (step.py _serve_one)
+    linear.act = act  # the one-token step batches the activation over its experts (step.py CacheSteps._serve_one)
     return linear
 
 
