@@ -165,3 +165,48 @@ def test_the_private_access_check_sees_what_it_must():
     seen = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
             and ast.unparse(n.value) not in ("self", "cls") and n.attr not in own]
     assert sorted(seen) == ["eng._lock", "eng._waiting"]
+
+
+# -- the offloaded runtime's parts import only downward ------------------------------------------------------
+
+#: offload/'s modules bottom to top (docs/ARCHITECTURE.md, "The offloaded runtime's parts"): each may import only
+#: the modules before it; the runtime assembles the parts and nothing below imports it
+OFFLOAD_ORDER = ["checkpoint", "quant", "writer", "config", "budget", "ioqueue", "observe", "prefetch", "generate",
+                 "layout", "qlinear", "experts", "store", "loader", "tiers", "lowtier", "slots", "views", "reads",
+                 "step", "routes", "stats", "capture", "preflight", "make_model", "runtime", "bench", "__init__"]
+
+#: the parts that know nothing of transformers (the runtime, the loader and make_model are the ones that do)
+NO_TRANSFORMERS = {"layout", "store", "slots", "views", "reads", "step", "routes", "observe", "generate", "stats",
+                   "capture", "ioqueue", "checkpoint"}
+
+
+def _offload_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(the offload modules ``path`` imports, the top-level packages it imports), anywhere in the file."""
+    mods, tops = set(), set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            tops.add(parts[0])
+            if parts[:2] == ["expertcache", "offload"] and len(parts) > 2 and parts[2] in OFFLOAD_ORDER:
+                mods.add(parts[2])
+    return mods, tops
+
+
+def test_every_offload_module_has_a_place():
+    have = {p.stem for p in (ROOT / "offload").glob("*.py")}
+    assert have == set(OFFLOAD_ORDER), (sorted(have - set(OFFLOAD_ORDER)), sorted(set(OFFLOAD_ORDER) - have))
+
+
+@pytest.mark.parametrize("name", OFFLOAD_ORDER)
+def test_offload_parts_import_only_downward(name):
+    mods, tops = _offload_imports(ROOT / "offload" / f"{name}.py")
+    above = sorted(m for m in mods if OFFLOAD_ORDER.index(m) >= OFFLOAD_ORDER.index(name) and m != name)
+    assert not above, f"offload/{name}.py imports {above}, at or above it in OFFLOAD_ORDER"
+    if name in NO_TRANSFORMERS:
+        assert "transformers" not in tops, f"offload/{name}.py imports transformers"
