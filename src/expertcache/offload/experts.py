@@ -160,7 +160,7 @@ class OffloadedExperts(nn.Module):
 
     def forward(self, hidden_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         rt = self._runtime[0]
-        if rt.capturing and torch.compiler.is_compiling():  # traced by the captured decode step (models/captured.py)
+        if rt.capture.capturing and torch.compiler.is_compiling():  # traced by the captured decode step (models/captured.py)
             graph = rt.graph_products(self.index)
             if graph is None:
                 return torch.ops.expertcache.experts(hidden_TD, ids_TK, weights_TK, self.index)

@@ -46,16 +46,16 @@ class SlotViews:
         held = self.arena.placement.get(slot)
         if held is not None and held[0] == key and held[2] is not None:
             return held[2]
-        parts, quant, buf = self.parts[key], self.quant, self.arena.buffer[slot]
+        parts, quant = self.parts[key], self.quant
         if parts.dtype != self.dtype and quant is None:  # converted copies, not views: made for this expert only
-            w = expert_views(buf, parts, self.placement[key], self.dtype)
+            w = expert_views(self.arena.buffer[slot], parts, self.placement[key], self.dtype)
             self.arena.placement[slot] = (key, self.placement[key], w)
             return w
         sig = self.layout_of[key]
         kept = self._per_slot.setdefault(slot, {})
         w = kept.get(sig)
         if w is None:
-            w = expert_views(buf, parts, self.placement[key], self.dtype, quant)
+            w = expert_views(self.arena.buffer[slot], parts, self.placement[key], self.dtype, quant)
             if len(kept) >= 4:  # disk O_DIRECT placements vary with file alignment: keep a few per slot
                 kept.pop(next(iter(kept)))
             kept[sig] = w
