@@ -315,12 +315,22 @@ class OffloadedModel:
 
     @property
     def routing(self) -> RoutingConfig:
+        """The routing policy's configuration (:attr:`Routes.routing`); set with :attr:`router` to swap the policy
+        without emptying the caches (the live view's control), else through :meth:`configure`."""
         return self.routes.routing
+
+    @routing.setter
+    def routing(self, value: RoutingConfig) -> None:
+        self.routes.routing = value
 
     @property
     def router(self):
         """The routing policy's :class:`~expertcache.routing.Router` (fresh at each :meth:`configure`)."""
         return self.routes.router
+
+    @router.setter
+    def router(self, value) -> None:
+        self.routes.router = value
 
     # -- routing (offload/routes.py) -------------------------------------------------------------
 
