@@ -208,8 +208,8 @@ def test_cuda_copy_path_runs_with_stand_in_streams(tiny_dir, monkeypatch, tier, 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     rt = OffloadedModel.from_pretrained(path, cfg, dtype=torch.float32)
-    rt._cuda, rt._copy_stream = True, _FakeStream()
-    monkeypatch.setattr(rt, "_pinned_buffer", lambda n: torch.empty(n, dtype=torch.uint8))
+    rt.reads.cuda, rt.reads.copy_stream = True, _FakeStream()
+    monkeypatch.setattr(rt.reads, "pinned_buffer", lambda n: torch.empty(n, dtype=torch.uint8))
     _FakeEvent.log.clear()
     assert torch.equal(logits(rt), want)
     log = _FakeEvent.log
@@ -219,7 +219,7 @@ def test_cuda_copy_path_runs_with_stand_in_streams(tiny_dir, monkeypatch, tier, 
     # issue 35: close() drained the copy stream before the slots could be freed
     assert ("stream_sync", None) in log
     s = rt.stats()
-    assert s["misses"] > 0 and not rt._slot_free
+    assert s["misses"] > 0 and not rt.reads.slot_free
     # issue 35: the compute stream's waits on copies, timed by event pairs, are booked as io_wait (seconds)
     timed = sum(1 for k, _ in log if k == "elapsed")
     assert timed > 0 and s["io_wait_seconds"] >= 1e-3 * timed

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "expertcache"
 #: bottom to top; a package may import only from packages in lower layers (and from itself)
 LAYERS = [
     {"jsonsafe", "container"},  # the one JSON reader; the memory cgroup's limit: import nothing of expertcache
-    {"outputs"},  # the output rule (paths, marks, temporary names): reads marks with jsonsafe
+    {"outputs", "tensorfile"},  # the output rule (paths, marks, temporary names); safetensors headers: read with jsonsafe
     {"__init__", "compiled", "results", "assets", "inputs", "device", "registries"},  # the package root and shared utilities
     {"routing"},  # policies: logits + residency -> ids (kernels)
     {"cache"},  # per-layer caches: ids -> hits, misses, evictions (kernels)
@@ -24,10 +24,6 @@ LAYERS = [
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
-#: the one upward import, function-level and named exactly: the config-vs-weights check of the model loader
-#: reads safetensors headers with the offload checkpoint's parser (a leaf module, pinned below)
-EXCEPTIONS = {"models/loader.py": {"expertcache.offload.checkpoint"}}
-
 
 def _package(path: Path) -> str:
     rel = path.relative_to(ROOT).parts
@@ -35,7 +31,6 @@ def _package(path: Path) -> str:
 
 
 def _imported_packages(path: Path) -> set[str]:
-    allowed = EXCEPTIONS.get(str(path.relative_to(ROOT)), set())
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -45,8 +40,6 @@ def _imported_packages(path: Path) -> set[str]:
         else:
             continue
         for name in names:
-            if name in allowed:
-                continue
             parts = name.split(".")
             if parts[0] == "expertcache" and len(parts) > 1:
                 out.add(parts[1] if parts[1] in LAYER_OF else "__init__")
@@ -63,16 +56,6 @@ def test_no_import_from_a_layer_above_or_beside(path):
     pkg = _package(path)
     bad = sorted(t for t in _imported_packages(path) - {pkg} if LAYER_OF[t] >= LAYER_OF[pkg] and t != "__init__")
     assert not bad, f"{path.relative_to(ROOT)} (layer {LAYER_OF[pkg]}: {pkg}) imports from {bad}"
-
-
-def test_the_exceptions_are_leaves():
-    """An allowed upward import must not pull its layer in: the module imports nothing of expertcache but the
-    bottom layer (the JSON reader, itself a leaf)."""
-    for targets in EXCEPTIONS.values():
-        for name in targets:
-            path = ROOT.joinpath(*name.split(".")[1:]).with_suffix(".py")
-            assert path.exists(), name
-            assert _imported_packages(path) <= LAYERS[0], f"{name} imports from expertcache: no longer a leaf"
 
 
 def test_the_layers_are_used():
@@ -103,11 +86,11 @@ PRIVATE_ALLOWED = {
                                        "setter), raised to one graph per decoder layer by --compile",
     ("models/captured.py", "_eager_forward"): "the plain forward compile_dense keeps on each module it wraps, read "
                                               "back in the same file (the captured step and its prefill run it)",
-    ("offload/step.py", "_dynamo"): "torch: mark_static_address (no public name; transformers' StaticCache marks "
+    ("offload/views.py", "_dynamo"): "torch: mark_static_address (no public name; transformers' StaticCache marks "
                                     "its tensors the same way), so CUDA graphs read the slot arena in place",
     **{("models/captured.py", h): "torch: a module's forward hooks (no public accessor); a hooked MoE block stays "
                                    "opaque in the captured step" for h in ("_forward_hooks", "_forward_pre_hooks")},
-    ("offload/step.py", "_grouped_mm"): "torch's grouped GEMM (no public name; transformers' grouped_mm experts "
+    ("offload/layout.py", "_grouped_mm"): "torch's grouped GEMM (no public name; transformers' grouped_mm experts "
                                         "call it the same way)",
     ("offload/experts.py", "_serve"): "OffloadedExperts is the runtime's own forward seam inside the model: the "
                                       "model's experts call the runtime's layer step (offload/step.py), nothing else",
@@ -182,3 +165,49 @@ def test_the_private_access_check_sees_what_it_must():
     seen = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
             and ast.unparse(n.value) not in ("self", "cls") and n.attr not in own]
     assert sorted(seen) == ["eng._lock", "eng._waiting"]
+
+
+# -- the offloaded runtime's parts import only downward ------------------------------------------------------
+
+#: offload/'s modules bottom to top (docs/ARCHITECTURE.md, "The offloaded runtime's parts"): each may import only
+#: the modules before it; the runtime assembles the parts and nothing below imports it
+OFFLOAD_ORDER = ["checkpoint", "quant", "binding", "writer", "densecache", "config", "budget", "ioqueue", "observe",
+                 "prefetch", "generate",
+                 "layout", "qlinear", "experts", "store", "loader", "tiers", "lowtier", "slots", "views", "reads",
+                 "step", "routes", "stats", "capture", "preflight", "make_model", "runtime", "bench", "__init__"]
+
+#: the parts that know nothing of transformers (the runtime, the loader and make_model are the ones that do)
+NO_TRANSFORMERS = {"layout", "store", "slots", "views", "reads", "step", "routes", "observe", "generate", "stats",
+                   "capture", "ioqueue", "checkpoint", "binding", "densecache"}
+
+
+def _offload_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(the offload modules ``path`` imports, the top-level packages it imports), anywhere in the file."""
+    mods, tops = set(), set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            tops.add(parts[0])
+            if parts[:2] == ["expertcache", "offload"] and len(parts) > 2 and parts[2] in OFFLOAD_ORDER:
+                mods.add(parts[2])
+    return mods, tops
+
+
+def test_every_offload_module_has_a_place():
+    have = {p.stem for p in (ROOT / "offload").glob("*.py")}
+    assert have == set(OFFLOAD_ORDER), (sorted(have - set(OFFLOAD_ORDER)), sorted(set(OFFLOAD_ORDER) - have))
+
+
+@pytest.mark.parametrize("name", OFFLOAD_ORDER)
+def test_offload_parts_import_only_downward(name):
+    mods, tops = _offload_imports(ROOT / "offload" / f"{name}.py")
+    above = sorted(m for m in mods if OFFLOAD_ORDER.index(m) >= OFFLOAD_ORDER.index(name) and m != name)
+    assert not above, f"offload/{name}.py imports {above}, at or above it in OFFLOAD_ORDER"
+    if name in NO_TRANSFORMERS:
+        assert "transformers" not in tops, f"offload/{name}.py imports transformers"

@@ -102,7 +102,7 @@ def test_hits_are_computed_while_the_misses_are_read(tmp_path):
     saved = [st.mlp.act for st in rt.states]
     for st, act in zip(rt.states, saved):
         st.mlp.act = lambda x, act=act: (computed.set(), act(x))[1]
-    job = rt._job
+    job = rt.reads.job
 
     def slow_job(st, e, slot, placement):
         read, at = job(st, e, slot, placement), step[0]
@@ -113,7 +113,7 @@ def test_hits_are_computed_while_the_misses_are_read(tmp_path):
             return read()
         return run
 
-    rt._job = slow_job
+    rt.reads.job = slow_job
     mixed = []  # steps (token, layer) with a hit and a miss
     try:
         with torch.inference_mode():

@@ -15,6 +15,7 @@ from torch import nn
 
 from expertcache.jsonsafe import JSONError, load_path
 from expertcache.models.adapters import family_for
+from expertcache.tensorfile import index_shards, read_header
 
 __all__ = ["load_model", "read_config_json", "check_config_values", "load_config_checked", "check_weights_match_config", "load_tokenizer_checked", "check_tokenizer_encodes", "no_tokens_message",
            "check_tokenizer_fits",
@@ -98,8 +99,6 @@ def _check_config_size(data: dict, path: Path) -> None:
     files = _weight_files(path.parent)
     if not (H and L and files):
         return
-    from expertcache.offload.checkpoint import read_header
-
     try:
         have = sum(math.prod(t.shape) for f in files for t in read_header(f).values())
     except (ValueError, OSError):
@@ -128,8 +127,6 @@ def check_weights_match_config(folder: str | os.PathLike, config, model: nn.Modu
     (``.experts.`` keys, stored per expert or fused) must hold as many values as the config says. ValueError
     naming the file and the config fields otherwise. ``model``: the model already built from ``config`` (on
     the meta device), else one is built. Folders without safetensors files are left to transformers."""
-    from expertcache.offload.checkpoint import index_shards, read_header
-
     folder = Path(folder)
     index = index_shards(folder)  # a shard outside the folder is refused before anything reads it
     files = _weight_files(folder)

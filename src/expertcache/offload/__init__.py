@@ -1,20 +1,24 @@
 """Offloaded MoE inference: experts on a slow tier (flash/SSD or host RAM), a fixed number of fast-tier
-slots per layer, cache-aware routing against the live residency.
+slots per layer, cache-aware routing against the live residency. Parts, bottom to top (docs/ARCHITECTURE.md):
 
-- :mod:`~expertcache.offload.checkpoint` -- safetensors headers and expert byte ranges, read by key;
-- :mod:`~expertcache.offload.store` -- the disk tier (O_DIRECT / fadvise / cached) and the host-RAM tier;
-- :mod:`~expertcache.offload.quant` -- group-wise int8 / 4-bit experts;
-- :mod:`~expertcache.offload.budget` -- memory budget → slots per layer (everything the runtime allocates);
-- :mod:`~expertcache.offload.config` -- :class:`OffloadConfig` (defaults);
-- :mod:`~expertcache.offload.ioqueue` -- reader threads moving bytes (no policy);
-- :mod:`~expertcache.offload.slots` -- page-aligned slots of one layer and what each holds;
-- :mod:`~expertcache.offload.experts` -- views of a slot and the family's expert MLP;
-- :mod:`~expertcache.offload.loader` -- the non-expert weights, by key;
-- :mod:`~expertcache.offload.prefetch` -- next-layer guesses and their precision / recall;
-- :mod:`~expertcache.offload.runtime` -- :class:`OffloadedModel` (construction, routing, generation);
-  :mod:`~expertcache.offload.step` -- its per-layer cache step (bookkeeping, reads in flight, the guess);
-- :mod:`~expertcache.offload.bench` -- decode-throughput benchmark against the physical floor;
-- :mod:`~expertcache.offload.make_model` -- random-weight checkpoints at published shapes.
+- :mod:`~expertcache.offload.checkpoint` -- expert byte ranges in a safetensors checkpoint, read by key;
+- :mod:`~expertcache.offload.layout` -- where an expert's bytes go in a slot, views of a slot, the products;
+- :mod:`~expertcache.offload.store` / :mod:`~expertcache.offload.tiers` / :mod:`~expertcache.offload.lowtier` --
+  expert sources and sidecars, the disk and host-RAM tiers, the host cache level, the resident int4 copies;
+- :mod:`~expertcache.offload.quant` / :mod:`~expertcache.offload.qlinear` -- int8 / 4-bit experts and dense layers;
+- :mod:`~expertcache.offload.slots` -- the page-aligned slot arena and what each slot holds;
+- :mod:`~expertcache.offload.ioqueue` / :mod:`~expertcache.offload.reads` -- reader threads; the reads into slots;
+- :mod:`~expertcache.offload.views` -- an expert's tensors in its slot, kept;
+- :mod:`~expertcache.offload.observe` -- observers and their events;
+- :mod:`~expertcache.offload.step` -- one layer's cache step (bookkeeping, reads in flight, compute, the guess);
+- :mod:`~expertcache.offload.routes` -- the routing policy against the live residency, the host's copies;
+- :mod:`~expertcache.offload.capture` -- the captured decode step's seams;
+- :mod:`~expertcache.offload.preflight` / :mod:`~expertcache.offload.budget` -- memory plan → slots per layer;
+- :mod:`~expertcache.offload.generate` / :mod:`~expertcache.offload.stats` -- the decode loop; the counters;
+- :mod:`~expertcache.offload.runtime` -- :class:`OffloadedModel`, assembling the parts into the HF model;
+- :mod:`~expertcache.offload.config` (defaults), :mod:`~expertcache.offload.loader` (non-expert weights),
+  :mod:`~expertcache.offload.prefetch` (next-layer guesses), :mod:`~expertcache.offload.bench`,
+  :mod:`~expertcache.offload.make_model` (random-weight checkpoints at published shapes).
 """
 
 from expertcache.offload.budget import BudgetError, MemoryPlan, parse_bytes, plan_memory

@@ -105,7 +105,7 @@ def measure_bandwidth(rt: OffloadedModel, n: int = 16, seed: int = 0, parallel: 
         tickets.append(rt.readers.submit(rt.read_job(st.moe.index, e, slot)))
     for t in tickets:
         t.wait()
-    if rt.device.type == "cuda":  # pragma: no cover - GPU only: the copies are asynchronous (step.py _cuda_job)
+    if rt.device.type == "cuda":  # pragma: no cover - GPU only: the copies are asynchronous (reads.py SlotReads.cuda_job)
         torch.cuda.synchronize(rt.device)
     wall = time.perf_counter() - t0
     b = rt.tier.stats.bytes_read - stats0[0]

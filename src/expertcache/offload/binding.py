@@ -21,10 +21,13 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Iterable
 
+from expertcache.jsonsafe import loads
 from expertcache.offload.checkpoint import CheckpointError
+from expertcache.offload.quant import FORMAT_VERSION
 
 __all__ = ["SOURCE_KEY", "source_digest", "sidecar_source", "check_bound", "check_sidecar_place", "bound_sidecar",
            "checkpoint_digest", "DIGEST_BYTES"]
@@ -78,8 +81,6 @@ def source_digest(checkpoint, layer_ids) -> str:
 
 def sidecar_source(path: str | os.PathLike) -> str | None:
     """The :data:`SOURCE_KEY` recorded in a sidecar's metadata (None: written before sidecars were bound)."""
-    from expertcache.jsonsafe import loads
-
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         meta = loads(f.read(n), what=str(path)).get("__metadata__") or {}
@@ -103,17 +104,13 @@ def check_sidecar_place(path: str | os.PathLike) -> None:
     """CheckpointError naming ``path`` when something that is not a regular file (a folder) sits where the sidecar
     is to be written, or a sidecar of a newer format: it is the user's to remove, never replaced (and the error is
     not the temporary file's, nor "an older expertcache")."""
-    from expertcache.offload.quant import FORMAT_VERSION
-
     path = Path(path)
     if (path.exists() or path.is_symlink()) and not path.is_file():
         what = "a folder" if path.is_dir() else "not a regular file"
         raise CheckpointError(f"{path}: is {what}, where the quantised experts' sidecar goes; remove or rename it")
     if path.is_file():
         try:
-            from expertcache.jsonsafe import loads
-
-            with open(path, "rb") as f:
+                    with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 version = (loads(f.read(n), what=str(path)).get("__metadata__") or {}).get("format_version", "1")
             newer = str(version).isdigit() and int(version) > FORMAT_VERSION
@@ -129,8 +126,6 @@ def bound_sidecar(path: str | os.PathLike, checkpoint, layer_ids) -> bool:
     """Whether the sidecar at ``path`` (beside a model) may be read for ``checkpoint``: False when there is none,
     and -- with one line on stderr -- when it was made from another checkpoint (the experts are then quantised
     from this one into the cache folder instead; the model folder is an input, never written)."""
-    import sys
-
     path = Path(path)
     if not path.is_file():
         return False

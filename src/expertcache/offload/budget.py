@@ -49,7 +49,7 @@ AUTO = -2
 
 RUNTIME_OVERHEAD = 64 * 2**20
 """Bytes a running process holds beyond its plan and its RSS at plan time (measured after the run's cache
-and routing kernels are compiled: ``OffloadedModel._compile_kernels``): per-op temporaries, torch's kernel
+and routing kernels are compiled: ``offload/preflight.py: compile_kernels``): per-op temporaries, torch's kernel
 state touched on first use, reader-thread stacks, and a margin for the kernel's own charges to the cgroup.
 Measured 18 MiB for a small OLMoE-shaped run decoding 16 tokens (tests/test_memory_plan.py pins the plan
 against ``ru_maxrss``)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,11 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from expertcache.jsonsafe import loads
+from expertcache.offload.binding import checkpoint_digest
+from expertcache.offload.checkpoint import CheckpointError, read_header
+from expertcache.offload.writer import write_safetensors
 
 __all__ = ["DENSE_CACHE_VERSION", "dense_cache_path", "load_or_pack_dense"]
 
@@ -56,11 +62,6 @@ def dense_cache_path(folder: Path, digest: str, packed: dict[str, nn.Module]) ->
 def _read(path: Path, packed: dict[str, nn.Module], digest: str) -> None:
     """Fill ``packed``'s buffers from ``path``; CheckpointError (the buffers then half-filled) unless the file
     holds exactly these tensors, for this recipe and digest, and its checksum verifies."""
-    import struct
-
-    from expertcache.jsonsafe import loads
-    from expertcache.offload.checkpoint import CheckpointError, read_header
-
     entries = read_header(path)
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -94,8 +95,6 @@ def _read(path: Path, packed: dict[str, nn.Module], digest: str) -> None:
 
 
 def _write(path: Path, packed: dict[str, nn.Module], digest: str) -> Path:
-    from expertcache.offload.writer import write_safetensors
-
     h = hashlib.blake2b(digest_size=16)
 
     def make(t):
@@ -118,9 +117,6 @@ def load_or_pack_dense(packed: dict[str, nn.Module], pack: Callable[[], None], c
     ``ckpt``'s ``source_keys``, or, when there is none (or it is unusable), by calling ``pack()`` and then
     writing the file. ``folder`` None: no cache (``pack()`` only). Returns {"dense_cache": "read" | "written" |
     "off" | "unwritable", "path", "seconds"} for the log and the bench rows."""
-    from expertcache.offload.binding import checkpoint_digest
-    from expertcache.offload.checkpoint import CheckpointError
-
     log = log or (lambda msg: print(f"expertcache: {msg}", file=sys.stderr))
     t0 = time.perf_counter()
     if folder is None or not packed:

@@ -28,16 +28,14 @@ most the rows added (< 2×, and nothing where the call's fixed cost dominates, a
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from expertcache.offload.checkpoint import ExpertParts
-from expertcache.offload.quant import QuantLayout
-from expertcache.offload.store import Placement
+# the byte layout's views and in-graph product (expert_views re-exported: where the family's MLP reads its weights)
+from expertcache.offload.layout import expert_views, inline_product
 
 __all__ = ["expert_views", "expert_mlp", "OffloadedExperts", "matvec_linear", "use_matvec", "row_bucket",
            "rows_bucketed", "bucket_rows"]
@@ -69,23 +67,6 @@ def bucket_rows(x_MD: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x_MD, m
 
 
-def expert_views(blob_u8: torch.Tensor, parts: ExpertParts, placement: Placement, dtype: torch.dtype,
-                 quant: QuantLayout | None = None) -> tuple[torch.Tensor, ...]:
-    """The expert's tensors (``ExpertParts.tensors()`` order) as views of its slot ``blob_u8``, in ``dtype``
-    (a view when the storage dtype is ``dtype``). Quantised experts: the fused kernels' four tensors
-    (:meth:`QuantLayout.views`), views too, for :func:`~expertcache.offload.quant.quant_mlp`."""
-    if quant is not None:
-        at = placement.slot_offset(parts, 0)
-        return quant.views(blob_u8[at:at + parts.nbytes])
-    esize = parts.dtype.itemsize
-    out = []
-    for off, shape in parts.tensors().values():
-        at = placement.slot_offset(parts, off * esize)
-        t = blob_u8[at:at + math.prod(shape) * esize].view(parts.dtype).view(shape)
-        out.append(t if t.dtype == dtype else t.to(dtype))
-    return tuple(out)
-
-
 def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor, tuple[torch.Tensor, ...]], torch.Tensor]:
     """``f(x_TD, weights) -> h_TD``: the family's expert MLP, taking its constants (activation, GPT-OSS α and
     limit) from the model's own (replaced) experts module."""
@@ -114,7 +95,7 @@ def expert_mlp(layout: str, experts_module: nn.Module) -> Callable[[torch.Tensor
         gate, up = F.linear(x_TD, gate_up).chunk(2, dim=-1)
         out = F.linear(act(gate) * up, down)
         return out if out.shape[0] == m else out[:m]
-    linear.act = act  # the one-token step batches the activation over its experts (step.py _serve_one)
+    linear.act = act  # the one-token step batches the activation over its experts (step.py CacheSteps._serve_one)
     return linear
 
 
@@ -179,12 +160,10 @@ class OffloadedExperts(nn.Module):
 
     def forward(self, hidden_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         rt = self._runtime[0]
-        if rt.capturing and torch.compiler.is_compiling():  # traced by the captured decode step (models/captured.py)
+        if rt.capture.capturing and torch.compiler.is_compiling():  # traced by the captured decode step (models/captured.py)
             graph = rt.graph_products(self.index)
             if graph is None:
                 return torch.ops.expertcache.experts(hidden_TD, ids_TK, weights_TK, self.index)
-            from expertcache.offload.step import inline_product
-
             slot_K, rest_TD = torch.ops.expertcache.cache_step(hidden_TD, ids_TK, weights_TK, self.index)
             return inline_product(graph[0], hidden_TD, slot_K, weights_TK, graph[1]) + rest_TD
         return rt._serve(self.index, hidden_TD, ids_TK, weights_TK)

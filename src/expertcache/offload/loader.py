@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from expertcache.offload.checkpoint import Checkpoint, CheckpointError
+from expertcache.offload.densecache import load_or_pack_dense
+from expertcache.outputs import env_path
 
 __all__ = ["cache_dir", "load_non_expert", "recompute_rotary"]
 
@@ -18,8 +20,6 @@ __all__ = ["cache_dir", "load_non_expert", "recompute_rotary"]
 def cache_dir() -> Path:
     """expertcache's cache folder (``$EXPERTCACHE_CACHE``, default ``~/.cache/expertcache``; an empty variable is
     unset, not the current folder)."""
-    from expertcache.outputs import env_path
-
     return env_path("EXPERTCACHE_CACHE") or Path.home() / ".cache" / "expertcache"
 
 
@@ -67,8 +67,6 @@ def load_non_expert(model: nn.Module, ckpt: Checkpoint, config, packed: dict[str
             sources[name] = key
             used.add(key)
         if sources and not missing:
-            from expertcache.offload.densecache import load_or_pack_dense
-
             def pack():
                 for name, key in sources.items():
                     packed[name].load_rows(lambda a, b, key=key: ckpt.tensor(key, (a, b)))

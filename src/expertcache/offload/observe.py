@@ -1,8 +1,9 @@
 """Observing the offloaded runtime: named hooks instead of replacing its methods.
 
-:class:`~expertcache.offload.runtime.OffloadedModel` calls three kinds of observers (added with
-:meth:`RuntimeObservers.add_step_observer`, :meth:`~RuntimeObservers.add_prefetch_observer`,
-:meth:`~RuntimeObservers.add_router_observer`), each with one frozen event:
+:class:`~expertcache.offload.runtime.OffloadedModel` owns one :class:`Observers` registry and hands it to the
+parts that report (the cache steps, the router hook); it calls three kinds of observers (added with
+``OffloadedModel.add_step_observer``, ``add_prefetch_observer``, ``add_router_observer``, or
+:meth:`Observers.add`), each with one frozen event:
 
 - :class:`StepEvent` after every cache step of one MoE layer: a forward's demand step (``kind="demand"``) or
   the loads of :meth:`OffloadedModel.prefetch` (``kind="prefetch"``, not counted as hits or misses);
@@ -32,7 +33,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["StepEvent", "PrefetchEvent", "RouterEvent", "RuntimeObservers", "ObserverHandle"]
+__all__ = ["StepEvent", "PrefetchEvent", "RouterEvent", "Observers", "ObserverHandle"]
 
 
 @dataclass(frozen=True)
@@ -87,51 +88,47 @@ class RouterEvent:
 class ObserverHandle:
     """Returned by ``add_*_observer``; :meth:`remove` detaches the observer (idempotent)."""
 
-    def __init__(self, owner: "RuntimeObservers", attr: str, entry: tuple) -> None:
-        self._owner, self._attr, self._entry = owner, attr, entry
+    def __init__(self, owner: "Observers", kind: str, entry: tuple) -> None:
+        self._owner, self._kind, self._entry = owner, kind, entry
 
     def remove(self) -> None:
-        cur = getattr(self._owner, self._attr)
-        setattr(self._owner, self._attr, tuple(x for x in cur if x is not self._entry))
+        self._owner.discard(self._kind, self._entry)
 
 
-class RuntimeObservers:
-    """The observer registry of the offloaded runtime (a mixin of :class:`OffloadedModel`); see the module
-    docstring for the contract. Each list is a tuple replaced on change (copy-on-write): adding or removing
-    from another thread never disturbs a step that is iterating it."""
+class Observers:
+    """The observer registry of the offloaded runtime (one object the runtime owns and hands to its parts);
+    see the module docstring for the contract. ``step``, ``prefetch`` and ``router`` are tuples of
+    ``(fn, when)`` replaced on change (copy-on-write): adding or removing from another thread never disturbs a
+    step that is iterating one; an empty tuple is the hot path's one truth test."""
 
-    _step_observers: tuple = ()
-    _prefetch_observers: tuple = ()
-    _router_observers: tuple = ()
+    KINDS = ("step", "prefetch", "router")
 
-    def _add(self, attr: str, fn: Callable, when: Callable[[], bool] | None) -> ObserverHandle:
+    def __init__(self) -> None:
+        self.step: tuple = ()
+        self.prefetch: tuple = ()
+        self.router: tuple = ()
+
+    def add(self, kind: str, fn: Callable, when: Callable[[], bool] | None = None) -> ObserverHandle:
+        """Add observer ``fn`` of ``kind`` (one of :attr:`KINDS`), called only while ``when()`` is true."""
+        if kind not in self.KINDS:
+            raise ValueError(f"observer kind must be one of {', '.join(self.KINDS)}, got {kind!r}")
         if not callable(fn) or (when is not None and not callable(when)):
             raise TypeError(f"an observer and its 'when' must be callable, got {fn!r}, {when!r}")
         entry = (fn, when)
-        setattr(self, attr, getattr(self, attr) + (entry,))
-        return ObserverHandle(self, attr, entry)
+        setattr(self, kind, getattr(self, kind) + (entry,))
+        return ObserverHandle(self, kind, entry)
 
-    def add_step_observer(self, fn: Callable[[StepEvent], None], *, when: Callable[[], bool] | None = None
-                          ) -> ObserverHandle:
-        """Call ``fn(StepEvent)`` after every cache step (every MoE layer of every forward; prefetch loads)."""
-        return self._add("_step_observers", fn, when)
-
-    def add_prefetch_observer(self, fn: Callable[[PrefetchEvent], None], *, when: Callable[[], bool] | None = None
-                              ) -> ObserverHandle:
-        """Call ``fn(PrefetchEvent)`` after each explicit prefetch and each next-layer guess's reads."""
-        return self._add("_prefetch_observers", fn, when)
-
-    def add_router_observer(self, fn: Callable[[RouterEvent], None], *, when: Callable[[], bool] | None = None
-                            ) -> ObserverHandle:
-        """Call ``fn(RouterEvent)`` after each forward's routing at each MoE layer."""
-        return self._add("_router_observers", fn, when)
+    def discard(self, kind: str, entry: tuple) -> None:
+        """Remove ``entry`` (an ``(fn, when)`` that :meth:`add` made) from ``kind``, if it is there."""
+        setattr(self, kind, tuple(x for x in getattr(self, kind) if x is not entry))
 
     @staticmethod
     def _live(observers: tuple) -> list:
         return [fn for fn, when in observers if when is None or when()]
 
-    def _notify_step(self, index: int, kind: str, order, hits, before, after, low=()) -> None:
-        fns = self._live(self._step_observers)
+    def notify_step(self, index: int, kind: str, order, hits, before, after, low=()) -> None:
+        """A :class:`StepEvent` to every live step observer."""
+        fns = self._live(self.step)
         if not fns:
             return
         before, after = set(before), set(after)
@@ -141,16 +138,18 @@ class RuntimeObservers:
         for fn in fns:
             fn(ev)
 
-    def _notify_prefetch(self, index: int, kind: str, requested, loaded) -> None:
-        fns = self._live(self._prefetch_observers)
+    def notify_prefetch(self, index: int, kind: str, requested, loaded) -> None:
+        """A :class:`PrefetchEvent` to every live prefetch observer."""
+        fns = self._live(self.prefetch)
         if not fns:
             return
         ev = PrefetchEvent(index, kind, tuple(int(e) for e in requested), tuple(int(e) for e in loaded))
         for fn in fns:
             fn(ev)
 
-    def _notify_router(self, index: int, z_TE: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> None:
-        fns = self._live(self._router_observers)
+    def notify_router(self, index: int, z_TE: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> None:
+        """A :class:`RouterEvent` (cloned tensors) to every live router observer."""
+        fns = self._live(self.router)
         if not fns:
             return
         ev = RouterEvent(index, z_TE.detach().clone(), ids_TK.detach().clone(), w_TK.detach().clone())

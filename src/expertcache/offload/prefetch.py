@@ -4,7 +4,7 @@ While layer ℓ computes, layer ℓ+1's experts are guessed by applying layer �
 state entering layer ℓ's experts (the pre-gating idea of MoE-Infinity / Pre-gated MoE: the residual stream
 changes little from one layer to the next); with a cache-aware routing policy the policy is applied to the
 guess too, against layer ℓ+1's live residency, with its running state (Cache-Prior's Δavg) left untouched.
-The runtime reads the non-resident guesses into spare slots (:meth:`OffloadedModel._guess_next`); a
+The runtime reads the non-resident guesses into spare slots (:meth:`~expertcache.offload.step.CacheSteps.guess_next`); a
 spare is used only when its expert turns out to be a miss, so a wrong guess costs bandwidth, never
 correctness.
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 
 __all__ = ["QUANT_PRESETS", "resolve_preset", "cpu_description", "dense_int8_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
            "kernel_for", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
-           "padding_note"]
+           "padding_note", "say_kernels"]
 
 QUANT_MODES = ("int8", "int4")
 #: the group sizes the int4 kernels take
@@ -127,6 +128,11 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
     return (f"kernels on {c['cpu']} [{' '.join(c['cpu_flags']) or 'no SIMD flags read'}], ATen {c['aten_capability']}"
             f"{caps}: experts {experts and f'{experts} {names[experts]}' or 'bf16'}; dense part "
             f"{dense and f'{dense} {dk[dense]}' or 'bf16'}{note}")
+
+
+def say_kernels(experts: str | None, dense: str | None, *, compiled: bool = False) -> None:
+    """:func:`kernel_choice_line` on stderr, once per quantised start on the CPU."""
+    print(f"expertcache: {kernel_choice_line(experts, dense, compiled=compiled)}", file=sys.stderr)
 
 
 def default_group(d: int, f: int) -> int:

@@ -23,14 +23,9 @@ import mmap
 import torch
 
 from expertcache.offload.ioqueue import Ticket
-from expertcache.offload.store import ALIGN
+from expertcache.offload.layout import slot_bytes_for  # re-exported: the slot size is the layout's
 
 __all__ = ["SlotArena", "SlotPool", "slot_bytes_for"]
-
-
-def slot_bytes_for(nbytes: int) -> int:
-    """Slot size for placements of up to ``nbytes``: rounded up to whole pages."""
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux ≥ 5.14; Python 3.11 lacks the name

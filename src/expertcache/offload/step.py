@@ -1,26 +1,27 @@
-"""One cache step of one MoE layer of the offloaded runtime (:class:`~expertcache.offload.runtime.OffloadedModel`
-inherits :class:`LayerSteps`): the cache's bookkeeping, the reads, the computation and the next layer's guess.
+"""The cache steps of the MoE layers: for one layer and one forward call, the cache's bookkeeping, the reads, the
+computation and the next layer's guess (:class:`CacheSteps`; it knows nothing of transformers: the runtime,
+:mod:`~expertcache.offload.runtime`, calls :meth:`CacheSteps.serve` from the model's experts seam).
 
 One forward call at one MoE layer is one **step** of that layer's cache:
 
-1. the router (the model's own, wrapped) computes logits; the routing policy ranks them against the
-   *live* residency mask of this layer (all T tokens see the residency at the start of the step) and the
-   family's weight rule weights the selection (``original`` returns the stock router's output untouched);
+1. the routing (:mod:`~expertcache.offload.routes`) gives each token's ids and weights, against the *live*
+   residency mask of this layer (all T tokens see the residency at the start of the step);
 2. the step requests the union U of the selected experts, ordered by total router weight (descending; for
    one token: the token's own order), and ``cache.access_step(U)`` decides hits, misses and evictions;
-3. **all misses are issued at once** to the reader threads, each into the slot freed by an evicted expert
-   (a scratch slot if the cache does not keep it, only possible when U > C; a miss whose slot still holds a
-   hit of this step is issued after the hits are computed); with ``prefetch`` on, layer ℓ+1's guess is
-   issued next (:meth:`_guess_next`);
-4. hits are computed from their slots while the misses are in flight; each miss is computed as it lands
-   (with a resident low-precision tier, ``--resident-quant``, the misses the precision rule picks are left out
-   of the cache step and computed from their low-precision copies instead: :meth:`LayerSteps._low_precision`);
+3. **all misses are issued at once** to the reader threads (:mod:`~expertcache.offload.reads`), each into the
+   slot freed by an evicted expert (a scratch slot if the cache does not keep it, only possible when U > C; a
+   miss whose slot still holds a hit of this step is issued after the hits are computed); with ``prefetch`` on,
+   layer ℓ+1's guess is issued next (:meth:`CacheSteps.guess_next`);
+4. hits are computed from their slots (:mod:`~expertcache.offload.views`) while the misses are in flight; each
+   miss is computed as it lands (with a resident low-precision tier, ``--resident-quant``, the misses the
+   precision rule picks are left out of the cache step and computed from their low-precision copies instead:
+   :meth:`CacheSteps._low_precision`);
 5. per-expert outputs are combined in ascending expert id, as transformers' eager experts loop does --
    so the arrival order never changes the result.
 
-The loading seam (:meth:`LayerSteps._submit`, :meth:`~LayerSteps._job`) hands reads to the
-:class:`~expertcache.offload.ioqueue.IOQueue` readers and knows nothing of policies; :meth:`LayerSteps._step`
-knows nothing of bytes beyond slot numbers.
+The parts it is given (composition): the slot arena and its views, the reads, the observers, the host cache
+level and the low-precision tier, and two functions of the routing: ``host_copy`` (a device tensor's kept host
+copy) and ``guess`` (the next layer's guessed ids).
 """
 
 from __future__ import annotations
@@ -32,20 +33,19 @@ from typing import Callable, Iterable
 
 import numpy as np
 import torch
-from torch import nn
 
-from expertcache.cache import ExpertCache, make_cache
+from expertcache.cache import ExpertCache
 from expertcache.device import to_device
 from expertcache.models.adapters import MoELayer
-from expertcache.offload.experts import expert_views
-from expertcache.offload.ioqueue import Ticket
-from expertcache.offload.observe import RuntimeObservers
-from expertcache.offload.prefetch import first_layer_input, guess_next_layer
-from expertcache.offload.slots import SlotPool
-from expertcache.offload.store import HostTier, Placement
-from expertcache.routing.precision import serve_low
+from expertcache.offload.layout import grouped_product, inline_product  # inline_product: re-exported
+from expertcache.offload.observe import Observers
+from expertcache.offload.prefetch import PrefetchStats
+from expertcache.offload.reads import SlotReads
+from expertcache.offload.slots import SlotArena, SlotPool
+from expertcache.offload.views import SlotViews
+from expertcache.routing.precision import PrecisionRule, serve_low, tier_costs
 
-__all__ = ["LayerState", "LayerSteps", "inline_product", "union_order"]
+__all__ = ["LayerState", "CacheSteps", "inline_product", "union_order"]
 
 
 def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: int) -> list[int]:
@@ -58,26 +58,6 @@ def union_order(ids_TK: torch.Tensor, w_TK: torch.Tensor | None, num_experts: in
     total_E = torch.zeros(num_experts, dtype=torch.float32, device="cpu").index_add_(
         0, ids_TK[valid_TK], w_TK.to("cpu").float()[valid_TK])
     return sorted(set(ids_TK[valid_TK].tolist()), key=lambda e: (-float(total_E[e]), e))
-
-
-def inline_product(views: tuple[torch.Tensor, torch.Tensor], x_TD: torch.Tensor, slot_K: torch.Tensor,
-                   w_TK: torch.Tensor, act: Callable) -> torch.Tensor:
-    """[1, D]: one token's routed experts computed from the arena's slots (``views``:
-    :meth:`LayerSteps._make_inline_views`) as traced code of the captured decode step: each position k of
-    ``slot_K`` >= 0 contributes ``w_TK[0, k] * down[slot] @ (act(gate) * up)`` with ``gate, up = gate_up[slot] @ x``
-    (the family's ``linear`` MLP); positions < 0 contribute nothing. Written as broadcast products summed
-    over the inner dimension, which the compiler fuses into one reduction per matrix that reads the slots in
-    place (no gathered copy of the weights); the products' sums may round differently from ``mv``'s."""
-    gate_up, down = views
-    keep_K = slot_K >= 0
-    s_K = slot_K.clamp(min=0)
-    x_D = x_TD[0]
-    gu_KF2 = (gate_up[s_K] * x_D).sum(-1)
-    gate_KF, up_KF = gu_KF2.chunk(2, dim=-1)
-    a_KF = act(gate_KF) * up_KF
-    h_KD = (down[s_K] * a_KF[:, None, :]).sum(-1)
-    hw_KD = torch.where(keep_K[:, None], h_KD * w_TK[0, :, None].to(h_KD.dtype), 0)  # a skipped slot may hold NaN
-    return hw_KD.sum(0, keepdim=True).to(x_TD.dtype)
 
 
 @dataclass
@@ -101,142 +81,72 @@ class LayerState:
         return getattr(self.mlp, "act", None)
 
 
-class LayerSteps(RuntimeObservers):
-    """The per-layer step of :class:`~expertcache.offload.runtime.OffloadedModel` (a mixin: it reads the
-    runtime's states, arena, tier, readers and statistics, which :class:`OffloadedModel` builds; it reports
-    to the observers of :class:`~expertcache.offload.observe.RuntimeObservers`)."""
+class CacheSteps:
+    """The cache steps of every MoE layer (see the module docstring). ``states``: one :class:`LayerState` per
+    MoE layer (:meth:`reset`); ``new_cache()``: an empty cache of the configured eviction rule (after a failed
+    read every layer restarts with one); ``host_copy(t)``: ``t`` in host memory (the routing's kept copy);
+    ``guess(index, x_TD)``: the ids MoE layer ``index`` would select for ``x_TD`` (no state changes);
+    ``prefetch_ahead``: spare slots for next-layer guesses (0: no guesses); ``grouped``: the one-token expert
+    product (None: per-expert ``mv``; ``'grouped_mm'``, ``'bmm'``).
 
-    def _submit(self, st: LayerState, e: int, slot: int, done: "queue.SimpleQueue | None" = None) -> Ticket:
-        """Queue the read of expert ``e`` of layer ``st`` into ``slot`` (any read still in flight into that
-        slot is waited for first: two reads never race for one slot)."""
-        pool = st.pool
-        old = pool.pending.pop(slot, None)
-        if old is not None:
-            self._wait(old, swallow=True)
-        key = (st.moe.index, e)
-        placement = self._placement[key]
-        pool.placement[slot] = (key, placement, None)
-        if self._cuda:  # pragma: no cover - GPU only: the copy into the slot waits for the work queued on it so far
-            self._slot_free[slot] = free = torch.cuda.Event()
-            free.record(torch.cuda.current_stream(self.device))
-        t0 = time.perf_counter()
-        ticket = self.readers.submit(self._job(st, e, slot, placement), tag=(e, slot), done=done)
-        if not self.readers.readers:  # serial: the read ran right here, on the compute thread
-            self.io_wait_seconds += time.perf_counter() - t0
-        pool.pending[slot] = ticket
-        return ticket
+    Counters: ``compute_seconds`` (compute thread, reads' waits excluded), ``prefetch_stats``; the reads'
+    waits are ``reads.io_wait_seconds``. ``slots_stable`` / ``slots_kept``: set by each step before its first
+    expert is computed (no slot of the step is read into twice; and no read in flight either)."""
 
-    def _job(self, st: LayerState, e: int, slot: int, placement: Placement) -> Callable[[], int]:
-        dest = st.pool.buffer[slot]
-        tier, layer_id, parts = self.tier, st.moe.layer_id, self._parts[(st.moe.index, e)]
-        if self.host is not None:  # two levels: decided here, in issue order (compute thread); moved by a reader
-            planned = self.host.plan(st.moe.index, e)
-            read = lambda buf: self.host.job(planned, parts, placement, buf)()
-        elif isinstance(tier, HostTier):
-            read = lambda buf: tier.read(layer_id, e, buf)
-        else:
-            read = lambda buf: tier.read(parts, placement, buf)
-        if not self._cuda:
-            return lambda: read(dest)
-        return self._cuda_job(slot, dest, read, None if self.host is not None or not isinstance(tier, HostTier)
-                              else tier.rows[layer_id][e])
+    def __init__(self, *, arena: SlotArena, views: SlotViews, reads: SlotReads, observers: Observers, host,
+                 low, precision: PrecisionRule, num_experts: int, expert_bytes: int, prefetch_ahead: int,
+                 grouped: str | None, new_cache: Callable[[], ExpertCache], host_copy: Callable,
+                 guess: Callable[[int, torch.Tensor], list[int]]) -> None:
+        self.arena, self.views, self.reads, self.observers = arena, views, reads, observers
+        self.host, self.low, self.precision = host, low, precision
+        self.num_experts, self.expert_bytes, self.prefetch_ahead = num_experts, expert_bytes, prefetch_ahead
+        self.grouped, self.new_cache, self.host_copy, self.guess = grouped, new_cache, host_copy, guess
+        self.states: list[LayerState] = []
+        self.record = False  # record the union ids of single-token steps (LayerState.steps)
+        self.slots_stable = False
+        self.slots_kept = False
+        self._guess_events: list[tuple] = []  # next-layer guesses made in the running step, for the observers
+        self.reset([])
 
-    def _cuda_job(self, slot: int, dest: torch.Tensor, read: Callable, row: torch.Tensor | None
-                  ) -> Callable[[], int]:  # pragma: no cover - GPU only (tests/test_gpu.py)
-        """The read of one expert into CUDA slot ``slot``, overlapped (issue 23): on the runtime's copy stream,
-        after the compute stream's work queued before the read was issued (the slot's previous occupant may
-        still be in use there), one ``non_blocking`` copy from pinned memory into the slot -- the host tier's
-        pinned row itself, or (disk, host cache) this reader's pinned staging buffer after the read into it;
-        the slot's ready event is recorded after it, and the compute stream waits on that event before its
-        first use of the slot (:meth:`_ready`): no staging memcpy for the host tier, no host-side sync."""
-        stream, free = self._copy_stream, self._slot_free.pop(slot, None)  # None: not issued by _submit
+    def use_arena(self, arena: SlotArena, views: SlotViews) -> None:
+        """Serve from a new arena (a new capacity) and its views; the caller resets the states after."""
+        self.arena, self.views = arena, views
 
-        def job() -> int:
-            t0 = time.perf_counter()
-            if row is not None:
-                src, n = row, row.numel()
-            else:
-                local = self._staging
-                if getattr(local, "buf", None) is None:
-                    local.buf = self._pinned_buffer(self.slot_bytes)
-                    local.done = None
-                if local.done is not None:  # the previous copy out of this staging buffer has finished
-                    local.done.synchronize()
-                n = read(local.buf)
-                src = local.buf[:n]
-            ready = torch.cuda.Event()
-            with torch.cuda.stream(stream):
-                if free is not None:
-                    stream.wait_event(free)
-                dest[:n].copy_(src, non_blocking=True)
-                ready.record(stream)
-            if row is None:
-                self._staging.done = ready
-            else:  # the host tier's own counters (its read() is not called: the copy is issued here)
-                self.tier.stats.add(n, time.perf_counter() - t0)
-            self._slot_ready[slot] = ready
-            return n
-        return job
+    def reset(self, states: list[LayerState]) -> None:
+        """Start again with these layers' states (fresh caches); counters zeroed."""
+        self.states = states
+        self.compute_seconds = 0.0
+        self.prefetch_stats = PrefetchStats()
 
-    @staticmethod
-    def _pinned_buffer(nbytes: int) -> torch.Tensor:  # pragma: no cover - GPU only
-        """A reader's staging buffer: page-locked host memory (async copies to the device; O_DIRECT reads)."""
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def _wait(self, ticket: Ticket, swallow: bool = False) -> None:
-        t0 = time.perf_counter()
-        try:
-            ticket.wait()
-        except BaseException:
-            if not swallow:
-                raise
-        finally:
-            self.io_wait_seconds += time.perf_counter() - t0
-
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Wait for every read in flight (errors ignored: the slots are about to be reset)."""
-        arena = getattr(self, "arena", None)
-        if arena is not None:
-            for t in arena.tickets():
-                self._wait(t, swallow=True)
-            arena.pending.clear()
-        if getattr(self, "_cuda", False):  # pragma: no cover - GPU only
-            # copies the readers queued may still be writing into slots about to be freed or reused (an unused
-            # prefetch, most likely): the copy stream is drained before any slot changes hands
-            self._copy_stream.synchronize()
-            self._slot_ready.clear()
-            self._slot_free.clear()
+        self.reads.drain(self.arena)
 
-    def _weights(self, st: LayerState, e: int, slot: int) -> tuple[torch.Tensor, ...]:
-        """The expert's tensors as views of its slot (cached per slot while it holds ``e``)."""
-        pool = st.pool
-        key = (st.moe.index, e)
-        held = pool.placement.get(slot)
-        if held is not None and held[0] == key and held[2] is not None:
-            return held[2]
-        parts, quant = self._parts[key], self.source.quant  # quantised: the fused kernels' views of the blob
-        if parts.dtype != self.dtype and quant is None:  # converted copies, not views: made for this expert only
-            w = expert_views(pool.buffer[slot], parts, self._placement[key], self.dtype)
-            pool.placement[slot] = (key, self._placement[key], w)
-            return w
-        # views depend only on the slot and the expert's layout in it (offsets, shapes, dtype): experts of one
-        # layout (every expert of the host tier) reuse the slot's views, no view ops per miss
-        sig = self._layout_of[key]
-        kept = self._slot_views.setdefault(slot, {})
-        w = kept.get(sig)
-        if w is None:
-            w = expert_views(pool.buffer[slot], parts, self._placement[key], self.dtype, quant)
-            if len(kept) >= 4:  # disk O_DIRECT placements vary with file alignment: keep a few per slot
-                kept.pop(next(iter(kept)))
-            kept[sig] = w
-        pool.placement[slot] = (key, self._placement[key], w)
-        return w
+    def miss_costs(self, index: int):
+        """float32 [N]: the cost of loading each expert of layer ``index`` now, relative to the most expensive
+        level (``cache-prior-cost``): 0 for a fast-slot resident, host seconds ÷ disk seconds for an expert
+        the host cache holds (:meth:`HostCache.miss_costs`: measured bandwidths, priors before), 1 for a
+        disk read. Without a host cache every miss costs 1 (= plain Cache-Prior). With a resident low-precision
+        tier and a priced rule (``--low-cost``) no miss costs more than that price
+        (:func:`~expertcache.routing.precision.tier_costs`)."""
+        cost_E = np.ones(self.num_experts, np.float32)
+        if self.host is not None:
+            host_s, disk_s = self.host.miss_costs(self.expert_bytes)
+            cost_E[self.host.resident_mask(index)] = min(1.0, host_s / disk_s)
+        cost_E[self.states[index].cache.resident_array()] = 0.0
+        return tier_costs(cost_E, self.precision)  # --resident-quant: a low-precision compute's price, if set
+
+    def report_guesses(self) -> None:
+        """The prefetch observers see the guesses made since the last report (the first layer's, made by the
+        runtime's hook before its attention)."""
+        for index, ids, issued in (self.take_guesses() if self._guess_events else ()):
+            self.observers.notify_prefetch(index, "guess", ids, issued)
 
     # -- the MoE step ----------------------------------------------------------------------------
 
-    def _serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    def serve(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         st = self.states[index]
-        t0, wait0 = time.perf_counter(), self.io_wait_seconds
+        t0, wait0 = time.perf_counter(), self.reads.io_wait_seconds
         ids_cpu_TK, order, low = self._requests(st, ids_TK, w_TK)
         if ids_cpu_TK.shape[0] == 1:
             final_TD = self._serve_one(st, x_TD, ids_TK, w_TK, order, low)
@@ -264,8 +174,8 @@ class LayerSteps(RuntimeObservers):
 
     def _book(self, st: LayerState, t0: float, wait0: float) -> None:
         """Book a step begun at ``t0`` (io_wait_seconds then ``wait0``): its read waits and its compute time."""
-        st.io_wait += self.io_wait_seconds - wait0
-        self.compute_seconds += time.perf_counter() - t0 - (self.io_wait_seconds - wait0)
+        st.io_wait += self.reads.io_wait_seconds - wait0
+        self.compute_seconds += time.perf_counter() - t0 - (self.reads.io_wait_seconds - wait0)
 
     def _low_precision(self, st: LayerState, order: list[int], ids_cpu_TK: torch.Tensor, w_TK: torch.Tensor
                        ) -> set[int]:
@@ -301,25 +211,25 @@ class LayerSteps(RuntimeObservers):
             seen = self._step(st, order, compute, x_TD) if order else self._no_step(st, x_TD, low)
         except BaseException:
             self._guess_events.clear()
-            self._fail()
+            self.fail()
             raise
         # the observers after the step, outside its failure handling: an observer's error changes no state
-        guesses = self._take_guesses() if self._guess_events else ()
+        guesses = self.take_guesses() if self._guess_events else ()
         if seen is not None:
-            self._notify_step(st.moe.index, "demand", order, *seen, low=low)
+            self.observers.notify_step(st.moe.index, "demand", order, *seen, low=low)
         for index, ids, issued in guesses:
-            self._notify_prefetch(index, "guess", ids, issued)
+            self.observers.notify_prefetch(index, "guess", ids, issued)
 
     def _no_step(self, st: LayerState, x_TD: torch.Tensor | None, low) -> tuple | None:
         """Every expert of the step computed at low precision: no cache step, the next layer's guess all the same;
         (no hits, resident, resident) for the step observers, which see the low-precision ids."""
         self._guess_after(st, x_TD)
-        if low and self._step_observers:
+        if low and self.observers.step:
             resident = st.cache.resident()
             return [], resident, resident
         return None
 
-    def _take_guesses(self) -> list[tuple]:
+    def take_guesses(self) -> list[tuple]:
         guesses, self._guess_events = self._guess_events, []
         return guesses
 
@@ -340,7 +250,7 @@ class LayerSteps(RuntimeObservers):
         slots: dict[int, int] = {}
 
         def compute(e: int, slot: int) -> None:
-            w = self._weights(st, e, slot)
+            w = self.views.weights(st.moe.index, e, slot)
             if act is not None and self.slots_stable:  # (set by _step before its first on_ready)
                 ws[e] = w  # computed when the step ends, batched over its experts
                 slots[e] = slot
@@ -353,10 +263,10 @@ class LayerSteps(RuntimeObservers):
         self._run_step(st, order, compute, x_TD, low)
         for e in low:
             h[e] = self.low.compute(st.moe.index, e, x_TD)[0]
-        grouped = self._grouped_views(ws) if ws and not h and self.grouped is not None else None
+        grouped = self.views.per_matrix(list(ws.values())) if ws and not h and self.grouped is not None else None
         if grouped is not None:  # one grouped product per matrix over the step's slots (issue 35)
-            return self._grouped_product(grouped, x_D, slots, self.host_copy(ids_TK)[0].tolist(), w_TK[0],
-                                         act)[None]
+            return grouped_product(grouped, x_D, slots, self.host_copy(ids_TK)[0].tolist(), w_TK[0], act,
+                                   self.grouped)[None]
         if ws:  # the same matrix-vector products; act(gate) * up row-wise (elementwise: the same values)
             es = sorted(ws)
             gate_UF, up_UF = torch.stack([torch.mv(ws[e][0], x_D) for e in es]).chunk(2, dim=-1)
@@ -377,21 +287,7 @@ class LayerSteps(RuntimeObservers):
             final_D.add_(hw_D)
         return final_D[None]
 
-    def _make_inline_views(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(gate_up [n, 2F, D], down [n, D, F]): the arena's per-matrix views (:meth:`_grouped_views`) for the
-        captured decode step's in-graph expert products (:func:`inline_product`), or None where those products
-        are not made in the graph: where the runtime decided so at construction (:attr:`graph_experts`:
-        ``runtime._graph_products``) or where the experts sit at more than one layout in their slots."""
-        if not self.graph_experts or len(set(self._layout_of.values())) != 1:
-            return None
-        key = next(iter(self._parts))
-        views = self._grouped_views({key[1]: expert_views(self.arena.buffer[0], self._parts[key],
-                                                          self._placement[key], self.dtype)})
-        for v in views or ():  # graph inputs at a fixed address: CUDA graphs read the arena in place, not a copy
-            torch._dynamo.mark_static_address(v)
-        return views
-
-    def _serve_slots(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor
+    def serve_slots(self, index: int, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache step of one token ([1, D]) whose experts the captured decode step computes in its graph:
         (slot [K] int64 on ``x_TD``'s device: the arena slot of each routed position's expert, -1 where the
@@ -403,7 +299,7 @@ class LayerSteps(RuntimeObservers):
         st = self.states[index]
         if ids_TK.shape[0] != 1:
             raise ValueError(f"the captured step serves one token, got {ids_TK.shape[0]}")
-        t0, wait0 = time.perf_counter(), self.io_wait_seconds
+        t0, wait0 = time.perf_counter(), self.reads.io_wait_seconds
         ids_cpu_TK, order, low = self._requests(st, ids_TK, w_TK)
         slot_of: dict[int, int] = {}
         h: dict[int, torch.Tensor] = {}
@@ -412,7 +308,7 @@ class LayerSteps(RuntimeObservers):
             if self.slots_kept:  # (set by _step before its first on_ready): in the graph, once every read landed
                 slot_of[e] = slot
             else:
-                h[e] = st.mlp(x_TD, self._weights(st, e, slot))[0]
+                h[e] = st.mlp(x_TD, self.views.weights(st.moe.index, e, slot))[0]
 
         self._run_step(st, order, compute, x_TD, low)
         for e in low:
@@ -424,58 +320,6 @@ class LayerSteps(RuntimeObservers):
             rest_TD[0].add_((h[e] * w_TK[0, ids_K.index(e)]).to(x_TD.dtype))
         self._book(st, t0, wait0)
         return to_device(slot_K, x_TD.device), rest_TD
-
-    def _grouped_views(self, ws: dict[int, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(gate_up [n, 2F, D], down [n, D, F]): every slot of the arena seen as one strided tensor per matrix, where
-        the step's experts sit at one offset of their slots (the host tier's single layout; disk placements vary
-        with file alignment: None, and the step takes the per-expert products)."""
-        first = next(iter(ws.values()))
-        buffer = self.arena.buffer
-        el = first[0].element_size()
-        base = buffer.data_ptr()
-        where = {tuple((t.data_ptr() - base) % self.slot_bytes for t in w[:2]) for w in ws.values()}
-        if len(where) != 1 or self.slot_bytes % el or not all(t.is_contiguous() for t in first[:2]):
-            return None
-        offs = where.pop()
-        key = (offs, first[0].shape, first[1].shape, first[0].dtype)
-        got = self._grouped_cache.get(key)
-        if got is None:
-            flat = buffer.view(first[0].dtype)  # [n, slot_bytes / el]
-            n, stride = flat.shape[0], flat.shape[1]
-            got = self._grouped_cache[key] = tuple(
-                flat.as_strided((n, *t.shape), (stride, t.shape[1], 1), off // el) for t, off in zip(first[:2], offs))
-        return got
-
-    def _grouped_product(self, views: tuple[torch.Tensor, torch.Tensor], x_D: torch.Tensor, slot_of: dict[int, int],
-                         ids_K: list[int], w_K: torch.Tensor, act) -> torch.Tensor:
-        """[D]: the MoE output of one token whose experts ``slot_of`` (expert -> slot; ``ids_K`` its routed ids
-        on the host, ``w_K`` their weights on the device) are computed with one product per matrix:
-        ``torch._grouped_mm`` over every slot of the arena (a group of one row per slot used, empty groups
-        elsewhere: only the step's weights are read) or ``bmm`` of the gathered matrices (:attr:`grouped`
-        ``'bmm'``), then combined by one product with the routing weights. The group ends, the slots and the
-        weights' positions, in slot order, are built on the host and reach the device in one ``non_blocking``
-        copy. Values: the per-expert path's within the dtype's rounding (the sums' order differs)."""
-        gate_up, down = views
-        n = gate_up.shape[0]
-        rows = sorted(slot_of.items(), key=lambda es: es[1])  # (expert, slot) by slot: the products' rows
-        u = len(rows)
-        slots_U = [slot for _, slot in rows]
-        host = np.zeros(n + 2 * u, dtype=np.int64)
-        host[slots_U] = 1
-        np.cumsum(host[:n], out=host[:n])  # group ends (offsets): one row per used slot, in slot order
-        host[n:n + u] = slots_U  # bmm's gather
-        host[n + u:] = [ids_K.index(e) for e, _ in rows]  # each row's routing weight
-        idx = to_device(torch.from_numpy(host), x_D.device)
-        x_UD = x_D.expand(u, x_D.shape[0])
-        if self.grouped == "grouped_mm":
-            offs_n = idx[:n].to(torch.int32)
-            gate_UF, up_UF = torch._grouped_mm(x_UD.contiguous(), gate_up.transpose(-2, -1), offs=offs_n).chunk(2, -1)
-            h_UD = torch._grouped_mm((act(gate_UF) * up_UF).contiguous(), down.transpose(-2, -1), offs=offs_n)
-        else:  # one batched product of the gathered matrices (a copy of the step's weights)
-            slot_rows = idx[n:n + u]
-            gate_UF, up_UF = torch.bmm(gate_up[slot_rows], x_UD[:, :, None])[..., 0].chunk(2, -1)
-            h_UD = torch.bmm(down[slot_rows], (act(gate_UF) * up_UF)[:, :, None])[..., 0]
-        return torch.mv(h_UD.T, w_K[idx[n + u:]].to(h_UD.dtype)).to(x_D.dtype)
 
     def _serve_many(self, st: LayerState, x_TD: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor,
                     order: list[int], ids_cpu_TK: torch.Tensor, low: set[int] | tuple = ()) -> torch.Tensor:
@@ -495,7 +339,7 @@ class LayerSteps(RuntimeObservers):
         def compute(e: int, slot: int) -> None:
             a, b = ends[e], ends[e + 1]
             tok = tok_all[a:b]
-            h = st.mlp(x_TD[tok], self._weights(st, e, slot))
+            h = st.mlp(x_TD[tok], self.views.weights(st.moe.index, e, slot))
             out[e] = (tok, h * w_all[a:b, None])
 
         self._run_step(st, order, compute, x_TD, low)
@@ -509,20 +353,19 @@ class LayerSteps(RuntimeObservers):
             final_TD.index_add_(0, tok, h.to(final_TD.dtype))
         return final_TD
 
-    def _fail(self) -> None:
+    def fail(self) -> None:
         """After a failed read: drain every read in flight and restart with empty caches (same policy)."""
-        self._drain()
+        self.drain()
         if self.host is not None:
             self.host.reset()
         self.arena.reset()
         for st in self.states:
-            st.cache = make_cache(self.eviction, self.num_experts, self.capacity, gamma=self.gamma,
-                                  expert_bytes=self.expert_bytes)
+            st.cache = self.new_cache()
 
     def _guess_after(self, st: LayerState, x_TD: torch.Tensor | None) -> None:
         """The next MoE layer's guess from this step's input, once this step's reads are issued (prefetch on)."""
-        if x_TD is not None and self.offload.prefetch and st.moe.index + 1 < len(self.states):
-            self._guess_next(st.moe.index + 1, x_TD)
+        if x_TD is not None and self.prefetch_ahead and st.moe.index + 1 < len(self.states):
+            self.guess_next(st.moe.index + 1, x_TD)
 
     def _step(self, st: LayerState, order: list[int], on_ready: Callable[[int, int], None] | None,
               x_TD: torch.Tensor | None = None) -> tuple | None:
@@ -544,7 +387,7 @@ class LayerSteps(RuntimeObservers):
             if on_ready is not None:
                 for e in order:
                     self._ready(st, slot_of[e], on_ready, e)
-            if self._step_observers:
+            if self.observers.step:
                 resident = st.cache.resident()
                 return [True] * len(order), resident, resident
             return None
@@ -589,7 +432,7 @@ class LayerSteps(RuntimeObservers):
             else:
                 waiting_scratch.append(e)
                 continue
-            self._submit(st, e, slot, done)
+            self.reads.submit(st, e, slot, done)
             inflight[e] = slot
         self._guess_after(st, x_TD)
         # no slot of this step is read into twice (no scratch rotation, no miss into a hit's slot): every
@@ -598,20 +441,20 @@ class LayerSteps(RuntimeObservers):
         # misses are read
         self.slots_kept = not (deferred or on_scratch or waiting_scratch)
         self.slots_stable = self.slots_kept and \
-            (not inflight or not self.readers.readers)
+            (not inflight or not self.reads.readers.readers)
         if on_ready is not None:
             for e, hit in zip(order, hits):
                 if hit:
                     self._ready(st, before[e], on_ready, e)
         for e, slot in deferred:
-            self._submit(st, e, slot, done)
+            self.reads.submit(st, e, slot, done)
             inflight[e] = slot
         for e, slot in landed:
             self._ready(st, slot, on_ready, e)
         while inflight:  # each miss as it lands
             t0 = time.perf_counter()
             ticket = done.get()
-            self.io_wait_seconds += time.perf_counter() - t0
+            self.reads.io_wait_seconds += time.perf_counter() - t0
             e, slot = ticket.tag
             del inflight[e]
             self._ready(st, slot, on_ready, e)
@@ -620,32 +463,19 @@ class LayerSteps(RuntimeObservers):
                 if waiting_scratch:
                     nxt = waiting_scratch.pop(0)
                     on_scratch.add(nxt)
-                    self._submit(st, nxt, slot, done)
+                    self.reads.submit(st, nxt, slot, done)
                     inflight[nxt] = slot
                 else:
                     pool.scratch.append(slot)
         assert not waiting_scratch
         self.arena.busy.clear()
         assert set(pool.slot_of) == set(after), (sorted(pool.slot_of), sorted(after))
-        if self._step_observers:
+        if self.observers.step:
             return hits, before, after
         return None
 
     def _ready(self, st: LayerState, slot: int, on_ready, e: int) -> None:
-        t = st.pool.pending.pop(slot, None)
-        if t is not None:
-            self._wait(t)
-        if self._cuda:  # pragma: no cover - GPU only: compute after the slot's copy (a device-side wait)
-            ready = self._slot_ready.pop(slot, None)
-            if ready is not None:
-                # timed on the device: the compute stream's stall on the copy is the copy wait of a GPU run
-                # (the host never blocks here); resolved into io_wait_seconds by stats()
-                stream = torch.cuda.current_stream(self.device)
-                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                before.record(stream)
-                stream.wait_event(ready)
-                after.record(stream)
-                self._stalls.append((before, after))
+        self.reads.ready(st.pool, slot)
         if on_ready is not None:
             on_ready(e, slot)
 
@@ -656,44 +486,30 @@ class LayerSteps(RuntimeObservers):
 
     # -- next-layer speculative prefetch ---------------------------------------------------------
 
-    def _guess_next(self, index: int, x_TD: torch.Tensor) -> None:
+    def guess_next(self, index: int, x_TD: torch.Tensor) -> None:
         """Guess layer ``index``'s experts (:func:`~expertcache.offload.prefetch.guess_next_layer`) and read the
         non-resident guesses into the shared spare slots (:meth:`SlotArena.claim_spares`: empty ones first, then
         the oldest guess; never one whose read is in flight or that this step computes from). Never
         changes what is computed: a spare holds an expert's true bytes, used only if that expert is a miss.
         The prefetch observers see each guess (:class:`~expertcache.offload.observe.PrefetchEvent`, ``"guess"``)."""
         st = self.states[index]
-        st.guess = ids = guess_next_layer(self, index, x_TD)
+        st.guess = ids = self.guess(index, x_TD)
         pool = st.pool
         want = [e for e in ids if e not in st.cache and e not in pool.prefetched]
         if not want:
-            if self._prefetch_observers:  # reported after the step that made it (_run_step, _guess_first)
+            if self.observers.prefetch:  # reported after the step that made it (_run_step, _guess_first)
                 self._guess_events.append((index, ids, []))
             return
         ps = self.prefetch_stats
         issued = []
         for e, slot in zip(want, self.arena.claim_spares(len(want))):
             self.arena.hold(slot, index, e)
-            self._submit(st, e, slot)
+            self.reads.submit(st, e, slot)
             ps.issued += 1
             ps.bytes += self.expert_bytes
             issued.append(e)
-        if self._prefetch_observers:
+        if self.observers.prefetch:
             self._guess_events.append((index, ids, issued))
-
-    def _guess_first(self, decoder_layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of the first MoE layer's decoder layer: with prefetch on, guess that layer's experts
-        from the hidden state entering it (:func:`~expertcache.offload.prefetch.first_layer_input`) and start
-        their reads before its attention runs."""
-        if not self.offload.prefetch:
-            return
-        h = args[0] if args else kwargs.get("hidden_states")
-        if h is None:
-            return
-        with torch.inference_mode():
-            self._guess_next(0, first_layer_input(decoder_layer, h))
-        for index, ids, issued in (self._take_guesses() if self._guess_events else ()):
-            self._notify_prefetch(index, "guess", ids, issued)
 
     def prefetch(self, index: int, experts: Iterable[int]) -> int:
         """Load ``experts`` of MoE layer ``index`` ahead of use (e.g. from a predictor). Each load is a cache
@@ -711,7 +527,7 @@ class LayerSteps(RuntimeObservers):
             try:
                 seen = self._step(st, ids, lambda e, slot: None)
             except BaseException:
-                self._fail()
+                self.fail()
                 raise
             if seen is not None:
                 steps.append((list(ids), seen))
@@ -719,8 +535,8 @@ class LayerSteps(RuntimeObservers):
         st.guess = guess
         st.prefetched += n
         for ids, seen in steps:  # the observers once the runtime's state is final
-            self._notify_step(index, "prefetch", ids, *seen)
-        if self._prefetch_observers:
-            self._notify_prefetch(index, "explicit", experts, loaded)
+            self.observers.notify_step(index, "prefetch", ids, *seen)
+        if self.observers.prefetch:
+            self.observers.notify_prefetch(index, "explicit", experts, loaded)
         return n
 

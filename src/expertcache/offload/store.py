@@ -35,14 +35,18 @@ import struct
 import sys
 import threading
 import time
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from expertcache.jsonsafe import loads
+from expertcache.offload.binding import SOURCE_KEY, check_bound, check_sidecar_place, source_digest
 from expertcache.offload.checkpoint import ByteRange, Checkpoint, CheckpointError, ExpertParts, read_header
+# the byte layout of a slot (re-exported: ALIGN, Placement, place_expert)
+from expertcache.offload.layout import ALIGN, Placement, expert_views, place_expert
 from expertcache.offload.quant import FORMAT_VERSION, QuantLayout, default_group, kernel_for, pack_expert
+from expertcache.offload.writer import write_safetensors
 
 __all__ = ["IO_MODES", "TIERS", "NativeSource", "QuantSource", "DiskTier", "HostTier", "TierStats", "Placement",
            "place_expert", "pinned_blocks", "quantize_checkpoint", "quant_sidecar_path", "direct_io_supported",
@@ -94,7 +98,6 @@ def verify_quant_sidecar(path: str | os.PathLike, entries: dict | None = None) -
 
 IO_MODES = ("direct", "fadvise", "cached")
 TIERS = ("disk", "host")
-_ALIGN = ALIGN = 4096
 
 
 class NativeSource:
@@ -125,8 +128,6 @@ def _layout_meta(layout: QuantLayout) -> dict[str, str]:
 def check_sidecar_layout(path: str | os.PathLike, layout: QuantLayout) -> None:
     """CheckpointError naming the file unless its metadata says it holds ``layout``'s packed experts (an
     older format, or another kernel layout, group or dtype: it is not read, it is rebuilt or refused)."""
-    from expertcache.jsonsafe import loads
-
     path = Path(path)
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -199,10 +200,6 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str 
     digest per expert (tensor ``CHECKSUM_KEY``) and the layout in the metadata. Returns its path (default:
     next to the checkpoint). Skips the work if a sidecar of this layout exists whose checksums verify;
     rebuilds a damaged one or one of an older format (a note on stderr)."""
-    from expertcache.offload.binding import SOURCE_KEY, check_bound, check_sidecar_place, source_digest
-    from expertcache.offload.experts import expert_views
-    from expertcache.offload.writer import write_safetensors
-
     layout = mode if isinstance(mode, QuantLayout) else quant_layout_for(checkpoint, layer_ids[0], mode, group)
     path = Path(out) if out is not None else quant_sidecar_path(checkpoint.folder, layout)
     check_sidecar_place(path)  # a folder in its place: named, never replaced
@@ -272,57 +269,6 @@ def direct_io_supported(path: str | os.PathLike) -> bool:
         return False
     os.close(fd)
     return True
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one expert's bytes go in its slot.
-
-    spans: ``(file, file offset, length, slot offset, needed)`` per read -- ``needed`` is the least byte
-    count that read must return (the aligned tail may run past the end of the file). at: slot byte offset
-    of the first byte of each ``ExpertParts.reads[i]``. bounce: the spans go to a bounce buffer first and each
-    range is then copied to ``at`` (O_DIRECT when a matrix spans two ranges). nbytes: slot bytes used.
-    """
-
-    spans: tuple[tuple[Path, int, int, int, int], ...]
-    at: tuple[int, ...]
-    bounce: bool
-    nbytes: int
-
-    def slot_offset(self, parts: ExpertParts, packed_byte: int) -> int:
-        """Slot byte offset of byte ``packed_byte`` of the packed expert (see ExpertParts)."""
-        for r, a in zip(parts.reads, self.at):
-            if r.dest <= packed_byte < r.dest + r.nbytes:
-                return a + packed_byte - r.dest
-        raise ValueError(f"byte {packed_byte} is outside the expert ({parts.nbytes} bytes)")
-
-
-def _in_one_range(parts: ExpertParts, start: int, nbytes: int) -> bool:
-    return any(r.dest <= start and start + nbytes <= r.dest + r.nbytes for r in parts.reads)
-
-
-def place_expert(parts: ExpertParts, io: str, *, packed: bool = False) -> Placement:
-    """The :class:`Placement` of ``parts`` for disk reads in mode ``io`` (see the module docstring). Buffered
-    modes read each range to its packed position; ``direct`` reads aligned spans in place when every tensor
-    lies in one range and stays element-aligned (and not ``packed``), through a bounce buffer otherwise."""
-    if io != "direct":
-        spans = tuple((r.file, r.offset, r.nbytes, r.dest, r.nbytes) for r in parts.reads)
-        return Placement(spans, tuple(r.dest for r in parts.reads), False, parts.nbytes)
-    esize = torch.empty((), dtype=parts.dtype).element_size()
-    spans, at, pos = [], [], 0
-    for r in parts.reads:
-        start = r.offset - r.offset % _ALIGN
-        end = -(-(r.offset + r.nbytes) // _ALIGN) * _ALIGN
-        spans.append((r.file, start, end - start, pos, r.offset + r.nbytes - start))
-        at.append(pos + r.offset - start)
-        pos += end - start
-    inplace = Placement(tuple(spans), tuple(at), False, pos)
-    ok = all(_in_one_range(parts, off * esize, math.prod(shape) * esize)
-             and inplace.slot_offset(parts, off * esize) % esize == 0 for off, shape in parts.tensors().values())
-    if ok and not packed:
-        return inplace
-    bounce = tuple((f, o, n, -1, need) for f, o, n, _, need in spans)
-    return Placement(bounce, tuple(r.dest for r in parts.reads), True, parts.nbytes)
 
 
 @dataclass
@@ -414,7 +360,7 @@ class DiskTier:
     def _thread_bounce(self, nbytes: int) -> mmap.mmap:
         buf = getattr(self._local, "bounce", None)
         if buf is None or len(buf) < nbytes:
-            buf = self._local.bounce = mmap.mmap(-1, -(-nbytes // _ALIGN) * _ALIGN)
+            buf = self._local.bounce = mmap.mmap(-1, -(-nbytes // ALIGN) * ALIGN)
         return buf
 
 

@@ -36,6 +36,8 @@ import numpy as np
 from expertcache import compiled
 from expertcache.compiled import jit as _jit
 from expertcache.compiled import jit_inline as _jit_inline
+# the key rules of token_keys by code: a table shared with the registry (a new rule: its branch below, its entry there)
+from expertcache.routing.codes import KERNEL_CODES
 # policy -> kernel code; policies whose keys read the router probabilities (``prob_E``): declared in the registry
 # (live views: a policy registered later is seen)
 from expertcache.routing.registry import CODES, NEEDS_PROBS, spec
@@ -44,20 +46,6 @@ __all__ = ["AVAILABLE", "CODES", "KERNEL_CODES", "NEEDS_PROBS", "OK", "NOT_FINIT
            "pack", "restrict_to_groups", "EMPTY_F", "EMPTY_B"]
 
 AVAILABLE = compiled.AVAILABLE
-
-#: the key rules of :func:`token_keys`, by code: (the ``RoutingConfig`` field that is the rule's strength, the
-#: inputs the caller must supply, as ``PolicySpec`` flags). A policy is registered only with one of these codes and
-#: exactly these flags (``routing/registry.py: register_policy``), and :func:`pack` refuses any other code, so a
-#: code without a branch below is never ranked by another rule's branch. A new rule: its branch, its entry here.
-KERNEL_CODES = {
-    0: ("lam", ("running_delta",)),  # Cache-Prior (001 Eq. 9-10)
-    1: ("m", ()),  # Max-Rank (001 Alg. 1)
-    2: ("beta", ("needs_profile",)),  # ERAS biasing (003 III-B-2): the penalty β·(1 - freq)
-    3: ("p", ("needs_probs",)),  # cumulative threshold (001 Alg. 2)
-    4: ("alpha", ("needs_probs",)),  # ERAS thresholding (003 III-B-1)
-    5: ("lam", ("running_delta", "miss_costs")),  # cost-aware Cache-Prior: the penalty is the load cost
-}
-
 
 OK, NOT_FINITE = 0, 1
 

@@ -6,7 +6,7 @@ policy added with :func:`register_policy` (a plugin, a test) is accepted by all 
 Plain data: the kernels (layer 1's lowest module) read it too; the derived names (``POLICIES``, ``STRENGTH``,
 ``CACHE_PRIOR``, ...) are live views of ``SPECS`` (:mod:`expertcache.registries`), never copies. Adding a
 policy: a ``PolicySpec`` here (or :func:`register_policy` from outside), its key rule in ``kernels.py:
-token_keys`` and ``KERNEL_CODES`` under a new ``code`` unless it reuses one, an oracle in ``tests/oracles.py``
+token_keys`` and ``codes.KERNEL_CODES`` under a new ``code`` unless it reuses one, an oracle in ``tests/oracles.py``
 (docs/ARCHITECTURE.md, "Add a routing policy").
 """
 
@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from expertcache.registries import Field, Names, check_name, registered, unregister
+from expertcache.routing.codes import KERNEL_CODES
 
 __all__ = ["PolicySpec", "SPECS", "POLICIES", "STRENGTH", "STRENGTH_RANGES", "DEFAULT_TOP_J", "CACHE_PRIOR", "CODES", "NEEDS_PROBS",
            "STEERABLE", "NEEDS_PROFILE", "spec", "policies", "policy_colour", "register_policy", "unregister_policy",
@@ -84,7 +85,7 @@ STEERABLE = Field(SPECS, lambda s: s.steer, lambda s: s.steer is not None)
 #: policies that need an activation-frequency profile
 NEEDS_PROFILE = Names(SPECS, lambda s: s.needs_profile)
 
-#: the flags a kernel code's key rule reads (``kernels.KERNEL_CODES``); a spec must set exactly those
+#: the flags a kernel code's key rule reads (``codes.KERNEL_CODES``); a spec must set exactly those
 _FLAGS = ("running_delta", "needs_probs", "needs_profile", "miss_costs")
 
 
@@ -118,8 +119,6 @@ def spec(name: str) -> PolicySpec:
 
 def _check(s: PolicySpec) -> None:
     """ValueError naming the first field of ``s`` that cannot be registered."""
-    from expertcache.routing.kernels import KERNEL_CODES  # the kernel imports this module
-
     if not isinstance(s, PolicySpec):
         raise ValueError(f"register_policy takes a PolicySpec, got {type(s).__name__}")
     check_name(s.name, "policy")
@@ -163,7 +162,7 @@ def register_policy(s: PolicySpec) -> PolicySpec:
     """Add the routing policy ``s``: from now on every entry point accepts ``s.name`` (``RoutingConfig``, the
     kernel's dispatch, ``--policy`` and sweep's ``--policies``, sweep grids, bench, lm-eval's ``policy=``, the live
     view, the controller when ``s.steer`` is set, report colours). ValueError, before anything changes, for a
-    name already registered, a code without a key rule in ``kernels.KERNEL_CODES``, or flags / a strength that
+    name already registered, a code without a key rule in ``codes.KERNEL_CODES``, or flags / a strength that
     contradict what that rule reads. Returns ``s``."""
     _check(s)
     SPECS[s.name] = s
