@@ -110,7 +110,7 @@ def check_sidecar_place(path: str | os.PathLike) -> None:
         raise CheckpointError(f"{path}: is {what}, where the quantised experts' sidecar goes; remove or rename it")
     if path.is_file():
         try:
-                    with open(path, "rb") as f:
+            with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 version = (loads(f.read(n), what=str(path)).get("__metadata__") or {}).get("format_version", "1")
             newer = str(version).isdigit() and int(version) > FORMAT_VERSION

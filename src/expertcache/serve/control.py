@@ -28,7 +28,7 @@ _ROUTING_FIELDS = {f.name: f for f in fields(RoutingConfig)}
 _INT_FIELDS = {"top_j", "h", "m", "capacity"}
 
 
-def _check_fields(body, extra: set, what: str) -> None:
+def check_fields(body, extra: set, what: str) -> None:
     """``body`` is a JSON object whose fields are routing fields or ``extra`` ones (ConfigError naming it)."""
     if not isinstance(body, dict):
         raise ConfigError("body", "must be a JSON object")
@@ -37,7 +37,7 @@ def _check_fields(body, extra: set, what: str) -> None:
         raise ConfigError(unknown[0], f"unknown field; {what} {sorted(set(_ROUTING_FIELDS) | extra)}")
 
 
-def _check_number(key: str, v, integer: bool) -> None:
+def check_number(key: str, v, integer: bool) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise ConfigError(key, f"must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}")
     if isinstance(v, float) and v != v:
@@ -97,12 +97,12 @@ class LiveControl:
         rt = self.rt
         with self._lock:
             base = self._base() if base is None else base
-        _check_fields(body, {"eviction", "gamma", "capacity"}, "the live configuration has")
+        check_fields(body, {"eviction", "gamma", "capacity"}, "the live configuration has")
         routing = base["routing"].to_dict()
         if "policy" in body and body["policy"] != routing["policy"]:
             # a new policy starts from its defaults (and the current top-J) unless fields are given
             routing = dict(RoutingConfig().to_dict(), top_j=routing["top_j"])
-        cfg = _routing_from(body, routing)
+        cfg = routing_from(body, routing)
         if cfg.h is not None and not 1 <= cfg.h <= rt.top_k:
             raise ConfigError("h", f"must be in [1, K={rt.top_k}], got {cfg.h}")
         eviction = body.get("eviction", base["eviction"])
@@ -110,11 +110,11 @@ class LiveControl:
             raise ConfigError("eviction", f"must be one of {list(LIVE_EVICTIONS)} live (belady needs the future: "
                                           f"use the replay), got {json.dumps(eviction)[:40]}")
         gamma = body.get("gamma", base["gamma"])
-        _check_number("gamma", gamma, False)
+        check_number("gamma", gamma, False)
         if not 0 < gamma <= 1:
             raise ConfigError("gamma", f"must be in (0, 1], got {gamma}")
         capacity = body.get("capacity", base["capacity"])
-        _check_number("capacity", capacity, True)
+        check_number("capacity", capacity, True)
         if not 1 <= capacity <= rt.num_experts:
             raise ConfigError("capacity", f"must be between 1 and N={rt.num_experts}, got {capacity}")
         freq = getattr(rt.router, "freq_LE", None)
@@ -176,7 +176,7 @@ class LiveControl:
             self.broker.publish(dict(type="config", config=self.resolved(), time=time.time()))
 
 
-def _routing_from(body: dict, base: dict) -> RoutingConfig:
+def routing_from(body: dict, base: dict) -> RoutingConfig:
     """``base`` (RoutingConfig fields) updated with ``body``'s routing fields, type-checked and validated."""
     routing = dict(base)
     for k in _ROUTING_FIELDS:
@@ -187,7 +187,7 @@ def _routing_from(body: dict, base: dict) -> RoutingConfig:
             if v not in POLICIES:
                 raise ConfigError("policy", f"unknown policy {json.dumps(v)[:40]}; choose one of {list(POLICIES)}")
         elif not (k in ("h", "delta") and v is None):
-            _check_number(k, v, k in _INT_FIELDS)
+            check_number(k, v, k in _INT_FIELDS)
         routing[k] = v
     try:
         return RoutingConfig(**routing)

@@ -16,7 +16,7 @@ from expertcache.routing.registry import NEEDS_PROFILE
 from expertcache.sim import activation_frequency, simulate
 from expertcache.trace.format import RoutingTrace
 from expertcache.serve.broker import sorted_ids
-from expertcache.serve.control import ConfigError, _check_fields, _check_number, _routing_from
+from expertcache.serve.control import ConfigError, check_fields, check_number, routing_from
 
 __all__ = ["replay_frames", "parse_replay", "replay_json", "list_traces", "shipped_traces", "load_regular_trace",
            "public_message", "MAX_REPLAY_STEPS"]
@@ -134,12 +134,12 @@ def replay_frames(trace, routing: RoutingConfig, capacity: int, *, eviction: str
 
 
 def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
-    _check_fields(body, {"trace", "capacity", "eviction", "gamma", "start", "steps"}, "a replay takes")
+    check_fields(body, {"trace", "capacity", "eviction", "gamma", "start", "steps"}, "a replay takes")
     traces = list_traces(trace_dirs)
     name = body.get("trace")
     if not isinstance(name, str) or name not in traces:
         raise ConfigError("trace", f"unknown trace {json.dumps(name)[:80]}; available: {sorted(traces)}")
-    cfg = _routing_from(body, {})
+    cfg = routing_from(body, {})
     eviction = body.get("eviction", "lru")
     if not isinstance(eviction, str) or eviction not in EVICTIONS:
         raise ConfigError("eviction", f"must be one of {', '.join(EVICTIONS)}, got {json.dumps(eviction)[:40]}")
@@ -148,7 +148,7 @@ def parse_replay(body, trace_dirs) -> tuple[Path, dict]:
     out = dict(routing=cfg, eviction=eviction)
     for k, default, integer in (("capacity", 8, True), ("gamma", DEFAULT_GAMMA, False), ("start", 0, True), ("steps", 256, True)):
         v = body.get(k, default)
-        _check_number(k, v, integer)
+        check_number(k, v, integer)
         out[k] = v
     if not 0 < out["gamma"] <= 1:
         raise ConfigError("gamma", f"must be in (0, 1], got {out['gamma']}")
