@@ -29,6 +29,14 @@ from expertcache.routing.precision import PrecisionRule, serve_low
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+@pytest.fixture(autouse=True)
+def _weight_only_int8_dense(monkeypatch):
+    """These tests pin the weight-only contract (``x @ dequant(W).T``) on every family: ``--quant-dense int8`` on
+    ``_weight_int8pack_mm`` here; FBGEMM's int8-activation path (chosen on x86) has its own tests
+    (test_quant_kernels.py, test_dense_cache.py)."""
+    monkeypatch.setattr("expertcache.offload.qlinear.dense_int8_kernel", lambda *a, **k: "int8pack")
+
+
 def dequant(w_NK: torch.Tensor, mode: str, group: int) -> torch.Tensor:
     """The contract's dequantised matrix, any K (a last group shorter than G is its own group); codes from float32
     weights (the compute dtype of these models), as the contract's rounding sees them."""

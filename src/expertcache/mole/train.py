@@ -18,7 +18,7 @@ from pathlib import Path
 
 from expertcache.mole.configs import MoleTrainConfig, build_model
 from expertcache.results import save_npy
-from expertcache.outputs import temp_file
+from expertcache.outputs import claim_run_folder, temp_file
 
 
 def _data_key(tokenizer_json: Path, corpus: Path, max_docs: int) -> str:
@@ -36,6 +36,7 @@ def prepare_run(cfg: MoleTrainConfig, tokenizer_dir: str | Path | None = None) -
     from expertcache.train.tokenizer import load_tokenizer
 
     run_dir = Path(cfg.out or f"runs/mole/{cfg.model}")
+    claim_run_folder(run_dir, "--out", "train", legacy=("ckpt.safetensors", "model"))  # the train loop's, claimed first
     tok_src = Path(tokenizer_dir) if tokenizer_dir else MODELS_DIR / "granular"  # the shipped models' tokenizer
     if not (tok_src / "tokenizer.json").exists():
         raise FileNotFoundError(f"no tokenizer.json in {tok_src}")

@@ -276,10 +276,10 @@ def train(cfg: TrainConfig, command: str = "", progress: bool = True, stop_at: i
     torch.set_num_threads(cfg.threads)
     run_dir = Path(cfg.out or f"runs/{cfg.model}")
     check_folder_output(run_dir / "model", "--out", "train")  # replaced at the end: refused before any work
-    claim_run_folder(run_dir, "--out", "train", legacy=(CKPT_NAME, "model"))  # a user's folder: never written into
-    if (run_dir / LEGACY_CKPT_NAME).exists():
+    if (run_dir / LEGACY_CKPT_NAME).exists():  # named before the folder rule: its own, clearer reason
         raise ValueError(f"{run_dir / LEGACY_CKPT_NAME} is a pickled checkpoint, which expertcache does not load "
                          f"(unpickling a file can run code); delete it to start over, or use another --out")
+    claim_run_folder(run_dir, "--out", "train", legacy=(CKPT_NAME, "model"))  # a user's folder: never written into
     tok, train_N, heldout_N = prepare_data(cfg, run_dir)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
