@@ -1,8 +1,8 @@
 """The server's connection rules (serve/server.py's guarded protocol), counted on raw sockets:
 
-- at the cap, every connection is held (none closed) and a new one evicts exactly the *oldest idle* one (no
-  request running; a connection whose request body is still arriving runs a request and is not evicted), and
-  the newcomer is served; when every held connection runs a request the newcomer gets a 503 and is closed;
+- at the cap, every connection is held (none closed); a newcomer evicts nobody until its head arrives, then
+  exactly one: the oldest connection still sending a body, else the oldest idle one; the newcomer is served;
+- a body slower than the minimum rate after its grace gets 408 and is closed;
 - a connection that sends no complete head within ``--header-timeout`` is closed; a request whose head arrived
   outlives the header timeout (its body may come later, its response is sent); after a response on a kept-alive
   connection the next head gets its own timeout.
@@ -53,7 +53,7 @@ def engine(runtime):
     eng.shutdown(0)
 
 
-def _server(engine, **kw) -> ServerThread:
+def _server(engine, **kw) -> ServerThread:  # kw: max_connections, header_timeout, body_grace_s, ...
     return ServerThread(create_app(engine, "granular", liveview=False), **kw).start()
 
 
@@ -103,54 +103,60 @@ def _health(s: socket.socket) -> bytes:
     return _response(s)
 
 
-def test_at_the_cap_a_new_connection_evicts_exactly_the_oldest_idle_one(engine):
-    srv = _server(engine, max_connections=CAP, header_timeout=600.0)
+def test_at_the_cap_a_newcomer_whose_head_arrives_evicts_exactly_one_slow_client(engine):
+    """Body senders go first, then the oldest idle connection; a newcomer that has sent nothing evicts nobody."""
+    srv = _server(engine, max_connections=CAP, header_timeout=600.0, body_grace_s=600.0)
     socks = []
     try:
         port = srv.port
-        running = _connect(port)  # the oldest: its request's body is still arriving -- not evictable
-        running.sendall(_head())
-        socks = [running] + [_connect(port) for _ in range(CAP - 1)]  # CAP held
+        sender = _connect(port)  # the oldest: its request's body is still arriving -- evicted first
+        sender.sendall(_head())
+        idle = [_connect(port) for _ in range(CAP - 1)]  # CAP held
+        socks = [sender] + idle
         time.sleep(0.3)
         assert not any(_closed(s) for s in socks), "a connection below the cap was closed"
-        new = _connect(port)  # one over the cap: the oldest idle one (socks[1]) goes
-        assert _wait_closed(socks[1]), "the oldest idle connection was not evicted"
+        new = _connect(port)  # one over the cap, no head yet: nobody is evicted for it
+        socks.append(new)
         time.sleep(0.3)
-        assert [_closed(s) for s in socks[2:]] == [False] * (CAP - 2), "more than one connection was evicted"
-        assert not _closed(running)
+        assert not any(_closed(s) for s in socks[:CAP]), "a newcomer without a head evicted a connection"
         assert _health(new).startswith(b"HTTP/1.1 200"), "the newcomer is served"
-        running.sendall(BODY)  # the running request completes
-        assert _response(running).startswith(b"HTTP/1.1 200")
-        # the next newcomer evicts the next oldest idle (socks[2]); the held count stays at the cap
-        newer = _connect(port)
-        assert _wait_closed(socks[2])
+        assert _wait_closed(sender), "the body sender was not evicted first"
         time.sleep(0.3)
-        assert [_closed(s) for s in socks[3:]] == [False] * (CAP - 3)
-        socks += [new, newer]
+        assert [_closed(s) for s in idle] == [False] * (CAP - 1), "more than one connection was evicted"
+        # the next newcomer evicts the oldest idle one (idle[0]); the held count stays at the cap
+        newer = _connect(port)
+        socks.append(newer)
+        assert _health(newer).startswith(b"HTTP/1.1 200")
+        assert _wait_closed(idle[0]), "the oldest idle connection was not evicted"
+        time.sleep(0.3)
+        assert [_closed(s) for s in idle[1:]] == [False] * (CAP - 2), "more than one connection was evicted"
+        assert not _closed(new)
     finally:
         for s in socks:
             s.close()
         srv.stop()
 
 
-def test_when_every_held_connection_runs_a_request_a_newcomer_gets_503(engine):
-    srv = _server(engine, max_connections=CAP, header_timeout=600.0)
+def test_when_every_held_connection_sends_a_body_a_newcomer_evicts_the_oldest_sender(engine):
+    """Trickling bodies hold no place against a request that has come (issue 43: half-sent bodies locked
+    everyone out): the oldest body sender goes, the others keep theirs and complete."""
+    srv = _server(engine, max_connections=CAP, header_timeout=600.0, body_grace_s=600.0)
     socks = []
     try:
         for _ in range(CAP):
             s = _connect(srv.port)
-            s.sendall(_head())  # a request runs on each: its body still arriving
+            s.sendall(_head())  # its body still arriving
             socks.append(s)
         time.sleep(0.3)
         extra = _connect(srv.port)
         socks.append(extra)
-        got = _response(extra)
-        assert got.startswith(b"HTTP/1.1 503") and b"retry-after" in got.lower(), got[:200]
-        assert _wait_closed(extra)
-        assert [_closed(s) for s in socks[:CAP]] == [False] * CAP  # none of the running ones evicted
-        for s in socks[:CAP]:
+        assert _health(extra).startswith(b"HTTP/1.1 200"), "the newcomer was refused"
+        assert _wait_closed(socks[0]), "the oldest body sender was not evicted"
+        time.sleep(0.3)
+        assert [_closed(s) for s in socks[1:CAP]] == [False] * (CAP - 1), "more than one sender was evicted"
+        for s in socks[1:CAP]:
             s.sendall(BODY)
-        assert all(_response(s).startswith(b"HTTP/1.1 200") for s in socks[:CAP])
+        assert all(_response(s).startswith(b"HTTP/1.1 200") for s in socks[1:CAP])
     finally:
         for s in socks:
             s.close()
@@ -163,16 +169,13 @@ def test_a_kept_alive_connection_after_its_response_is_idle_again_and_evictable(
     try:
         kept = _connect(srv.port)
         assert _health(kept).startswith(b"HTTP/1.1 200")  # its response done: it waits for a next head
-        socks = [kept]
-        for _ in range(CAP - 1):
-            s = _connect(srv.port)
-            s.sendall(_head())  # running
-            socks.append(s)
+        socks = [kept] + [_connect(srv.port) for _ in range(CAP - 1)]  # younger idle connections
         time.sleep(0.3)
         new = _connect(srv.port)
         socks.append(new)
-        assert _wait_closed(kept), "the kept-alive idle connection was not evicted"
         assert _health(new).startswith(b"HTTP/1.1 200"), "the newcomer was refused instead"
+        assert _wait_closed(kept), "the kept-alive idle connection was not evicted"
+        time.sleep(0.3)
         assert [_closed(s) for s in socks[1:CAP]] == [False] * (CAP - 1)
     finally:
         for s in socks:
@@ -180,11 +183,25 @@ def test_a_kept_alive_connection_after_its_response_is_idle_again_and_evictable(
         srv.stop()
 
 
+def test_a_trickling_body_is_cut_with_408_after_its_grace(engine):
+    srv = _server(engine, max_connections=64, header_timeout=600.0, body_grace_s=0.5, min_body_rate=2048)
+    s = _connect(srv.port)
+    try:
+        s.sendall(_head(100_000))
+        s.sendall(b"{")  # one byte: far below 2 KiB/s
+        got = _response(s)
+        assert got.startswith(b"HTTP/1.1 408"), got[:200]
+        assert _wait_closed(s)
+    finally:
+        s.close()
+        srv.stop()
+
+
 HEADER_TIMEOUT = 1.0
 
 
 def test_header_timeout_closes_a_slow_head_and_a_running_request_outlives_it(engine):
-    srv = _server(engine, max_connections=64, header_timeout=HEADER_TIMEOUT)
+    srv = _server(engine, max_connections=64, header_timeout=HEADER_TIMEOUT, body_grace_s=600.0)
     socks = []
     try:
         slow = _connect(srv.port)

@@ -354,7 +354,8 @@ def quiet_floods() -> None:
 
 
 def _server(app, *, log_level: str, grace_s: float, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-            header_timeout: float = DEFAULT_HEADER_TIMEOUT):
+            header_timeout: float = DEFAULT_HEADER_TIMEOUT, min_body_rate: float = MIN_BODY_RATE,
+            body_grace_s: float = BODY_GRACE_S):
     """A uvicorn server for ``app`` that shuts down gracefully: on the first SIGTERM/SIGINT new requests get
     503 (the server keeps accepting connections to say so), waiting ones are cancelled, running ones get
     ``grace_s`` to finish (then are cancelled); once none is left uvicorn stops listening, waits for their
@@ -395,8 +396,11 @@ def _server(app, *, log_level: str, grace_s: float, max_connections: int = DEFAU
     cap = connection_cap(max_connections)
     quiet_floods()
     return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 5, lifespan="off",
-                                 access_log=False, timeout_keep_alive=5, http=guarded_protocol(cap, header_timeout),
-                                 limit_concurrency=2 * cap + 64,  # a backstop: the cap rules h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                                 access_log=False, timeout_keep_alive=5,
+                                 http=guarded_protocol(cap, header_timeout, min_body_rate=min_body_rate,
+                                                       body_grace_s=body_grace_s),
+                                 limit_concurrency=2 * cap + 64,  # a backstop: the cap rules
+                                 h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                                  backlog=ACCEPT_BATCH))
 
 
