@@ -441,12 +441,16 @@ def _replay_children(parent: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _hung_replay_child(parent: int):
-    """Stop (SIGSTOP) ``parent``'s replay child: it hangs as a looping or deadlocked one would; killed after."""
+def _hung_replay_child(parent: int, worker=None):
+    """Stop (SIGSTOP) ``parent``'s replay child -- ``worker``'s own where given (other apps in this process may
+    keep theirs) -- so it hangs as a looping or deadlocked one would; killed after."""
     import os
     import signal
 
     pids = _replay_children(parent)
+    if worker is not None:
+        assert worker.proc is not None and worker.proc.pid in pids, (pids, worker.proc)
+        pids = [worker.proc.pid]
     assert len(pids) == 1, pids
     os.kill(pids[0], signal.SIGSTOP)
     try:
@@ -464,7 +468,7 @@ def test_a_hung_replay_child_is_replaced_after_its_time_limit(fuzz_server):
     worker = srv.app.state.liveview["replays"]["worker"]
     worker.timeout_s = 2.0
     try:
-        with _hung_replay_child(os.getpid()) as pid:
+        with _hung_replay_child(os.getpid(), worker) as pid:
             t0 = time.monotonic()
             r = httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY, timeout=60)
             took = time.monotonic() - t0
@@ -485,7 +489,7 @@ def test_replay_clients_that_leave_while_waiting_free_their_place(fuzz_server):
 
     srv = fuzz_server
     assert httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY, timeout=120).status_code == 200
-    with _hung_replay_child(os.getpid()):
+    with _hung_replay_child(os.getpid(), srv.app.state.liveview["replays"]["worker"]):
         first = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/expertcache/replay", json=REPLAY,
                                                            timeout=60))
         first.start()
