@@ -80,13 +80,15 @@ from torch import nn
 
 from expertcache import __version__
 from expertcache.device import on_host, to_device, to_host, to_host_many
-from expertcache.cache import DEFAULT_GAMMA, CacheStats, ExpertCache, eviction_rule, resolve_capacity
+from expertcache.cache import DEFAULT_GAMMA, ExpertCache, eviction_rule, make_cache, resolve_capacity
 from expertcache.models import fused
 from expertcache.models.recording import Recording
 from expertcache.models.streams import CacheStreams
 from expertcache.models.adapters import Family, MoELayer, family_for, find_moe_layers, order_by_logits, ranks_logits
 from expertcache.routing import Router, RoutingConfig
 from expertcache.routing.config import CACHE_PRIOR
+from expertcache.sim import SimResult
+from expertcache.trace import RoutingTrace, TraceMeta
 
 __all__ = ["patch_model", "MoEPatch", "SCOPES", "BETWEEN_SEQUENCES"]
 
@@ -146,7 +148,7 @@ def _same_sets(a_PK: torch.Tensor, b_PK: torch.Tensor) -> bool:
     return bool((a == b).all())
 
 
-class MoEPatch(CacheStreams, Recording):
+class MoEPatch:
     """A patched model's routing state: policy, per-row per-layer caches, recording. See the module
     docstring for the semantics; build it with :func:`patch_model`."""
 
@@ -195,21 +197,16 @@ class MoEPatch(CacheStreams, Recording):
         self.seed = seed
         self.gamma = gamma
         self.record = record
+        # parts: the live caches (per row and layer, deferred serving, statistics) and the recording
+        self.streams = CacheStreams(None if self.capacity is None else self._new_caches, num_layers=len(self.layers),
+                                    num_experts=self.num_experts, between_sequences=between_sequences)
+        self.recording = Recording(num_layers=len(self.layers), num_experts=self.num_experts, top_k=self.top_k)
         # state
-        self._streams: list[list[ExpertCache]] = []  # [row][layer]
-        self._retired: list[CacheStats | None] = [None] * len(self.layers)
-        self._rec: list[list[list]] = []  # [row][layer][call]
-        self._done: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # finished sequences (TLE, TLK, TLK)
         self._batch: int | None = None  # B of the model forward being run (from its input ids / embeddings)
         self._attention_mask: torch.Tensor | None = None
         self._mask_host: torch.Tensor | None = None
         self._hooks: list[Any] = []
         self._patched = False
-        # selections of residency-independent calls (original routing, nothing recorded) not yet served:
-        # (row, layer) -> [(ids int [P, K], logits float32 [P, E]), ...]; served in bulk before anything reads
-        # or serves a cache (see _flush)
-        self._pending: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
-        self._pending_tokens: dict[tuple[int, int], int] = {}
         self._ensure_rows(1)  # row 0's caches now, not in the first forward
         # the lean per-call path (_route_lean) applies to this configuration
         self._lean_original = routing.policy == "original" and replace_rank is None
@@ -294,6 +291,63 @@ class MoEPatch(CacheStreams, Recording):
                     initial=self.initial if self.initial is None or isinstance(self.initial, str)
                     else sorted(int(e) for e in self.initial), seed=self.seed, replace_rank=self.replace_rank)
 
+    # -- the parts: caches and recording ------------------------------------------------------------
+
+    def _new_caches(self) -> list[ExpertCache]:
+        """Fresh caches for one batch row, one per MoE layer (the factory of :attr:`streams`)."""
+        return [make_cache(self.eviction, self.num_experts, self.capacity, initial=self.initial,
+                           seed=self.seed + m.index, gamma=self.gamma) for m in self.layers]
+
+    def _ensure_rows(self, rows: int) -> None:
+        self.streams.ensure_rows(rows)
+        self.recording.ensure_rows(rows)
+
+    @property
+    def caches(self) -> list[ExpertCache]:
+        """The live caches of batch row 0, one per MoE layer (empty list without a cache)."""
+        return self.streams.caches
+
+    @property
+    def row_caches(self) -> list[list[ExpertCache]]:
+        """All live caches, ``[row][layer]``."""
+        return self.streams.row_caches
+
+    def reset_caches(self) -> None:
+        """Replace every cache by a fresh one (initial state); statistics so far are kept in ``stats()``."""
+        self.streams.reset_caches()
+
+    def new_sequence(self) -> None:
+        """End the current sequence(s): close their recording; with ``between_sequences='reset'`` also
+        start fresh caches; then call the hooks of :meth:`on_new_sequence` in the order they were added."""
+        self.recording.finish_sequence()
+        self.streams.new_sequence()
+
+    def on_new_sequence(self, hook) -> None:
+        """Call ``hook()`` at the end of every :meth:`new_sequence` (e.g. a prefetcher loading the next item's
+        experts into the fresh caches): the named seam for observers, instead of replacing the method."""
+        self.streams.on_new_sequence(hook)
+
+    def stats(self):
+        """Cache statistics so far as an :class:`expertcache.sim.SimResult` (``per_layer`` CacheStats,
+        ``overall``, ``miss_rate`` = misses / (tokens · L · K), ``to_row()``), over all rows and sequences."""
+        if self.capacity is None:
+            raise ValueError("this patch has no cache (capacity=None): there are no cache statistics")
+        return SimResult(self.streams.per_layer(), top_k=self.top_k, config=self.describe())
+
+    def trace(self) -> RoutingTrace:
+        """A :class:`expertcache.trace.RoutingTrace` of everything recorded so far (finished sequences, then
+        the rows of the current one; one sequence per row per ``new_sequence``), with the router logits,
+        the selected ids (descending weight, -1 = dropped) and their combine weights."""
+        if not self.record:
+            raise ValueError("nothing recorded: patch the model with record=True")
+        logits, ids, weights, starts = self.recording.arrays()
+        d = self.describe()
+        meta = TraceMeta(model=d["model"] or self.family.model_type, num_experts=self.num_experts, top_k=self.top_k,
+                         renormalize=self.renormalize, num_layers=len(self.layers), scoring=self.family.scoring,
+                         source="live:" + self.family.model_type, layer_ids=[m.layer_id for m in self.layers],
+                         sequence_starts=starts, extra={"patch": d})
+        return RoutingTrace(logits_TLE=logits, ids_TLK=ids, meta=meta, weights_TLK=weights)
+
     # -- routing ----------------------------------------------------------------------------------
 
     def _real_tokens(self, b: int, s: int) -> torch.Tensor:
@@ -338,9 +392,9 @@ class MoEPatch(CacheStreams, Recording):
         zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
         selected = []  # (row, pos, ids_PK) in descending-logit order
         for row, pos in rows:
-            cache = self._streams[row][m.index] if self.capacity is not None else None
-            if cache is not None and self._pending:
-                self._flush((row, m.index))
+            cache = self.streams.rows[row][m.index] if self.capacity is not None else None
+            if cache is not None and self.streams.pending:
+                self.streams.flush((row, m.index))
             z_PE = z_cpu_TE[pos]
             if self.replace_rank is not None:
                 ids_PK = self._replaced(order_by_logits(ids_cpu_TK[pos], z_PE), z_PE)
@@ -364,7 +418,7 @@ class MoEPatch(CacheStreams, Recording):
             if self.routing.policy == "prune":  # dropped slot: slot 0's expert again, weight 0
                 filled_PK = torch.where(ids_PK >= 0, ids_PK, ids_PK[:, :1])
             if self.record:
-                self._record(row, m.index, z_PE, ids_PK, w_PK)
+                self.recording.record(row, m.index, z_PE, ids_PK, w_PK)
             if one_slice:
                 ids_out_TK, w_out_TK = filled_PK.to(ids0_TK.dtype), w_PK.to(w0_TK.dtype)
             else:
@@ -382,12 +436,13 @@ class MoEPatch(CacheStreams, Recording):
             return None
         if z_TE.requires_grad:
             z_TE = z_TE.detach()
-        if self._lean_original:  # served later, in bulk (see _flush)
-            self._queue(0, m.index, ids0_TK.detach(), z_TE)
+        streams = self.streams
+        if self._lean_original:  # served later, in bulk (see CacheStreams.flush)
+            streams.queue(0, m.index, ids0_TK.detach(), z_TE)
             return w0_TK, ids0_TK
-        cache = self._streams[0][m.index]
-        if self._pending:
-            self._flush((0, m.index))
+        cache = streams.rows[0][m.index]
+        if streams.pending:
+            streams.flush((0, m.index))
         zr_TE, allowed_TE = self.family.ranking(m.router, z_TE)
         ids_TK = self._select(m.index, zr_TE, z_TE, allowed_TE, cache)
         if t == 1:
@@ -406,16 +461,16 @@ class MoEPatch(CacheStreams, Recording):
             self.router.delta_for(m.index).update(zr_TE if real_BS is None else zr_TE[real_BS.reshape(-1)])
         for row, pos in rows:
             if self.capacity is not None and not self.record:
-                self._queue(row, m.index, ids_cpu_TK[pos], z_cpu_TE[pos])
+                self.streams.queue(row, m.index, ids_cpu_TK[pos], z_cpu_TE[pos])
                 continue
             z_PE = z_cpu_TE[pos]
             ids_PK = order_by_logits(ids_cpu_TK[pos], z_PE)
             if self.capacity is not None:
-                if self._pending:
-                    self._flush((row, m.index))
-                self._streams[row][m.index].serve_array(ids_PK.numpy())
+                if self.streams.pending:
+                    self.streams.flush((row, m.index))
+                self.streams.rows[row][m.index].serve_array(ids_PK.numpy())
             if self.record:
-                self._record(row, m.index, z_PE, ids_PK, self.family.weights(m.router, z_PE, ids_PK))
+                self.recording.record(row, m.index, z_PE, ids_PK, self.family.weights(m.router, z_PE, ids_PK))
 
     def _replaced(self, ids_PK: torch.Tensor, z_PE: torch.Tensor) -> torch.Tensor:
         """``ids_PK`` (the original top-K, descending logit) with the expert at rank ``replace_rank`` replaced by

@@ -1,6 +1,7 @@
-"""Recording of a patched model's routing (:class:`Recording`, a part of :class:`~expertcache.models.patch.MoEPatch`):
-per row, layer and forward call, the router logits, the selected ids and their weights, assembled into a
-:class:`expertcache.trace.RoutingTrace`."""
+"""Recording of a patched model's routing (:class:`Recording`, a part held by
+:class:`~expertcache.models.patch.MoEPatch` as ``patch.recording``): per row, layer and forward call, the router
+logits, the selected ids and their weights, assembled into arrays per sequence (the patch wraps them into a
+:class:`expertcache.trace.RoutingTrace`)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,26 @@ class _Recorded:
 
 
 class Recording:
-    """``_rec[row][layer][call]`` of the current sequence(s) and ``_done`` finished sequences."""
+    """``rows[row][layer][call]`` of the current sequence(s) and the finished sequences, for ``num_layers``
+    MoE layers of ``num_experts`` experts, K = ``top_k`` per token."""
 
-    def _record(self, row: int, li: int, z_PE, ids_PK, w_PK) -> None:
-        self._rec[row][li].append(_Recorded(z_PE.float().numpy().copy(), ids_PK.numpy().astype(np.int32),
+    def __init__(self, *, num_layers: int, num_experts: int, top_k: int) -> None:
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        self.rows: list[list[list[_Recorded]]] = []  # [row][layer][call]
+        self._done: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # finished sequences (TLE, TLK, TLK)
+
+    def ensure_rows(self, rows: int) -> None:
+        while len(self.rows) < rows:
+            self.rows.append([[] for _ in range(self.num_layers)])
+
+    def record(self, row: int, li: int, z_PE, ids_PK, w_PK) -> None:
+        """Keep row ``row``'s logits [P, E], ids [P, K] and weights [P, K] at layer ``li`` (torch, host)."""
+        self.rows[row][li].append(_Recorded(z_PE.float().numpy().copy(), ids_PK.numpy().astype(np.int32),
                                             w_PK.float().numpy().copy()))
 
     def _assemble_rows(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         seqs = []
-        for row in self._rec:
+        for row in self.rows:
             if not row[0]:
                 continue
             per_layer = [(np.concatenate([r.logits_SE for r in calls]), np.concatenate([r.ids_SK for r in calls]),
@@ -40,20 +52,17 @@ class Recording:
             seqs.append(tuple(np.stack([p[i] for p in per_layer], axis=1) for i in range(3)))
         return seqs
 
-    def _finish_recording(self) -> None:
+    def finish_sequence(self) -> None:
+        """Close the current sequence(s): each row recorded so far becomes one finished sequence."""
         self._done.extend(self._assemble_rows())
-        self._rec = []
+        self.rows = []
 
-    def trace(self):
-        """A :class:`expertcache.trace.RoutingTrace` of everything recorded so far (finished sequences, then
-        the rows of the current one; one sequence per row per ``new_sequence``), with the router logits,
-        the selected ids (descending weight, -1 = dropped) and their combine weights."""
-        from expertcache.trace import RoutingTrace, TraceMeta
-
-        if not self.record:
-            raise ValueError("nothing recorded: patch the model with record=True")
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """Everything recorded so far (finished sequences, then the rows of the current one): logits [T, L, E]
+        float32, ids [T, L, K] (descending weight, -1 = dropped), weights [T, L, K] float32 and the first
+        token of each sequence."""
         seqs = self._done + self._assemble_rows()
-        n_l, e, k = len(self.layers), self.num_experts, self.top_k
+        n_l, e, k = self.num_layers, self.num_experts, self.top_k
         if seqs:
             logits = np.concatenate([sq[0] for sq in seqs]).astype(np.float32)
             ids = np.concatenate([sq[1] for sq in seqs])
@@ -62,9 +71,4 @@ class Recording:
             logits, ids, weights = (np.zeros((0, n_l, e), np.float32), np.zeros((0, n_l, k), np.int32),
                                     np.zeros((0, n_l, k), np.float32))
         starts = list(np.cumsum([0] + [sq[0].shape[0] for sq in seqs[:-1]]).astype(int)) if seqs else [0]
-        d = self.describe()
-        meta = TraceMeta(model=d["model"] or self.family.model_type, num_experts=e, top_k=k,
-                         renormalize=self.renormalize, num_layers=n_l, scoring=self.family.scoring,
-                         source="live:" + self.family.model_type, layer_ids=[m.layer_id for m in self.layers],
-                         sequence_starts=[int(x) for x in starts], extra={"patch": d})
-        return RoutingTrace(logits_TLE=logits, ids_TLK=ids, meta=meta, weights_TLK=weights)
+        return logits, ids, weights, [int(x) for x in starts]
