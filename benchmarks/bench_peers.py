@@ -53,6 +53,8 @@ import sys
 import time
 from pathlib import Path
 
+from expertcache.results import append_jsonl  # rows whole or absent, to row files only
+
 GiB = 2**30
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 SYSTEMS = ("ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate", "ec-bench", "llama-q4", "ec-q4-lru", "ec-q4-cp",
@@ -613,8 +615,7 @@ def orchestrate(a) -> None:
                         continue
                     row = run_one(a, system, budget, limit, rnd, ra, label)
                     if a.out:
-                        with open(a.out, "a") as f:
-                            f.write(json.dumps(row) + "\n")
+                        append_jsonl(a.out, row)
                     msg = (f"{row['tok_s']:.3f} tok/s, {row['bytes_per_token'] / 2**20:.0f} MiB/token" if row.get("ok")
                            else row.get("error"))
                     print(f"[{label} r{rnd}] {system:<10} ra={row['readahead_kb']:<5} {msg}  "
@@ -649,8 +650,7 @@ def compute(a) -> None:
             else:
                 row.update(ok=False, error=(p.stderr.strip().splitlines() or [""])[-1][:300])
             if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_jsonl(a.out, row)
             print(f"[r{rnd}] {row['system']:<12} " + (f"{row['tok_s']:.2f} tok/s, median {row['ms_per_token']:.1f} ms/token, "
                   f"{row['bytes_per_token'] / 2**20:.1f} MiB read/token" if row.get("ok") else row["error"])
                   + f" (load {row['loadavg']:.1f})", flush=True)
@@ -781,6 +781,9 @@ def main(argv=None) -> None:
     s = sub.add_parser("summary")
     s.add_argument("rows", nargs="+")
     a = p.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(p, getattr(a, "out", None))  # rows go to a row file only: never appended to notes.md
     {"run": orchestrate, "child": child, "compute": compute, "convert": convert, "quantize": quantize,
      "prepare-accelerate": prepare_accelerate,
      "summary": print_summary}[a.cmd](a)

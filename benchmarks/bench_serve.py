@@ -40,6 +40,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from expertcache.results import append_jsonl  # rows whole or absent, to row files only
+
 POLICIES = {"original": ["--policy", "original"], "cache-prior": ["--policy", "cache-prior", "--lam", "0.5"]}
 TEXT_PROMPTS = ["The kernel", "To configure the network, open the settings and", "apt-get install",
                 "In 1990 the city of", "Once upon a time there was", "The history of the Roman Empire",
@@ -219,6 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", type=float, default=5, help="soak: RSS sampling period in seconds (default 5)")
     ap.add_argument("--out", default=None, help="append JSONL rows here")
     a = ap.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, a.out)  # rows go to a row file only: never appended to notes.md
     if a.soak and a.soak <= a.warmup:
         ap.error("--soak must be longer than --warmup")
 
@@ -309,9 +314,8 @@ def main(argv=None) -> int:
                       f"{m['ttft_p95']:.3f} | {m['itl_p50']:.3f} / {m['itl_p95']:.3f} | {m['hit_rate']:.3f} | "
                       f"{m['mean_batch']:.1f} |")
     if a.out:
-        with open(a.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        for r in rows:
+            append_jsonl(a.out, r)
     return 0
 
 

@@ -43,6 +43,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from expertcache.results import append_jsonl  # rows whole or absent, to row files only
+
 HOST = "127.0.0.1"
 
 
@@ -325,6 +327,9 @@ def main(argv=None) -> int:
     ap.add_argument("--nofile", type=int, default=1024, help="the server's RLIMIT_NOFILE (default 1024)")
     ap.add_argument("--out", default=None, help="append JSONL rows here")
     a = ap.parse_args(argv)
+    from expertcache.results import check_rows_out
+
+    check_rows_out(ap, a.out)  # rows go to a row file only: never appended to notes.md
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # this client holds 1,100+ sockets
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -360,9 +365,8 @@ def main(argv=None) -> int:
                                      log_bytes_max=max(r["log_bytes"] for r in rs))
             print(json.dumps(dict(summary=summary, machine=machine), indent=1))
             if a.out:
-                with open(a.out, "a") as f:
-                    for r in rows:
-                        f.write(json.dumps(dict(r, machine=machine, bench="serve-hostile")) + "\n")
+                for r in rows:
+                    append_jsonl(a.out, dict(r, machine=machine, bench="serve-hostile"))
         finally:
             proc.terminate()
             try:

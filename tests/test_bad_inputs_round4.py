@@ -138,12 +138,24 @@ def test_rows_are_never_appended_to_a_note(tmp_path):
     with pytest.raises(ValueError, match="notes.md"):
         append_jsonl(notes, {"a": 1})
     for script, extra in (("bench_quant.py", ["--only", "kernel", "--repeats", "1"]),
-                          ("bench_mixed.py", ["speed", "--fraction", "0.5"])):
+                          ("bench_mixed.py", ["speed", "--fraction", "0.5"]), ("bench_serve.py", []),
+                          ("bench_serve_hostile.py", []), ("bench_peers.py", ["run"])):
         r = subprocess.run([sys.executable, str(BENCH / script), *extra, "--out", str(notes)], capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 2, (script, r.stderr[-2000:])
         assert "notes.md" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert notes.read_text() == "# results\n\nmy notes\n"
+
+
+def test_no_benchmark_script_appends_rows_by_hand():
+    """The class: every script's rows go through append_jsonl (the row-file check, whole rows), never a file
+    opened for appending (bench_peers/bench_serve/bench_serve_hostile did)."""
+    import re
+
+    found = [f"{p.name}:{i}" for p in sorted(BENCH.glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"""open\([^)]*,\s*["']a[b+]?["']""", line)]
+    assert not found, found
 
 
 # -- hangs: an output that is a FIFO blocked forever after the work ----------------------------------------------
