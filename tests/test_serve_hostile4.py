@@ -603,3 +603,26 @@ def test_trace_dir_links_out_of_the_folder_are_not_listed_and_errors_name_no_pat
         for body in (dict(REPLAY, trace="nothing"), dict(REPLAY, trace="mine.trace.safetensors", capacity=10**6)):
             msg = httpx.post(srv.url + "/v1/expertcache/replay", json=body, timeout=60).json()["error"]["message"]
             assert str(tmp_path) not in msg and "site-packages" not in msg and "/src/" not in msg, msg
+
+
+def test_a_prompt_the_servers_tokenizer_drops_is_not_blamed_on_the_request():
+    """Issue 43: a tokenizer that encodes the user's text to no tokens made a 400 "the prompt is empty" that
+    blamed the request; it is the server's tokenizer: a 500 saying so (no traceback). An empty prompt stays a 400."""
+    from types import SimpleNamespace
+
+    from expertcache.serve.errors import ServeError
+    from expertcache.serve.schema import Validator
+
+    class DropsAll:
+        chat_template = None
+
+        def __call__(self, text, verbose=False):
+            return SimpleNamespace(input_ids=[])
+
+    v = Validator(["m"], DropsAll(), context=64, vocab=100)
+    with pytest.raises(ServeError) as e:
+        v.parse({"model": "m", "prompt": "some text"}, chat=False)
+    assert e.value.status == 500 and "tokenizer" in str(e.value) and "empty" not in str(e.value)
+    with pytest.raises(ServeError) as e:
+        v.parse({"model": "m", "prompt": ""}, chat=False)
+    assert e.value.status == 400 and "empty" in str(e.value)

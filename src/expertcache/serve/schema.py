@@ -220,6 +220,10 @@ class Validator:
         else:
             prompt_ids = self._prompt(body.get("prompt"))
         if not prompt_ids:
+            given = body.get("messages" if chat else "prompt")
+            if (isinstance(given, str) and given) or (chat and any(m.get("content") for m in given)):  # text given
+                raise ServeError(500, "the server's tokenizer encodes this prompt to no tokens (a tokenizer "
+                                 "problem, not the request's)", code="tokenizer_error")
             raise _bad("messages" if chat else "prompt", "the prompt is empty")
         P = len(prompt_ids)
         if self.max_prompt_tokens is not None and P > self.max_prompt_tokens:
