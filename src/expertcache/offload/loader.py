@@ -5,6 +5,7 @@ recomputed). Loud: a missing tensor, a shape mismatch or an unexpected non-exper
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch

@@ -95,17 +95,6 @@ def check_resident_quant(offload: OffloadConfig, acts: list) -> None:
         raise ValueError("--resident-quant needs gate_up/down experts (the 'linear' layout)")
 
 
-def check_resident_quant(offload: OffloadConfig, acts: list) -> None:
-    """ValueError naming ``--resident-quant`` for a mode it does not take or an expert layout without one."""
-    if offload.resident_quant not in LOW_MODES:
-        raise ValueError(f"--resident-quant must be one of {', '.join(LOW_MODES)}, got {offload.resident_quant!r}")
-    if offload.quant == offload.resident_quant:
-        raise ValueError(f"--resident-quant {offload.resident_quant} beside --quant {offload.quant}: the slots "
-                         "already hold that precision (use --quant none or int8 for the full-precision slots)")
-    if any(a is None for a in acts):
-        raise ValueError("--resident-quant needs gate_up/down experts (the 'linear' layout)")
-
-
 def compile_kernels(family: Family, m: MoELayer, routing: RoutingConfig, eviction: str, gamma: float) -> None:
     """Compile (or load from numba's cache) the cache and routing kernels this run uses, before the
     interpreter's RSS is measured for the plan: compiling holds tens of MiB for the process's life
