@@ -23,7 +23,7 @@ import torch
 
 from expertcache.jsonsafe import JSONError, load_path, loads
 
-__all__ = ["CheckpointError", "TensorEntry", "read_header", "index_shards", "DTYPES"]
+__all__ = ["CheckpointError", "TensorEntry", "read_header", "read_metadata", "index_shards", "DTYPES"]
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -94,6 +94,27 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
         if begin < end:  # two tensors on one byte range: one file's bytes would be both weights
             raise CheckpointError(f"{path}: tensors {a!r} and {b!r} share bytes {begin}..{end} (corrupt header)")
     return out
+
+
+def read_metadata(path: str | os.PathLike) -> dict:
+    """The ``__metadata__`` object of one safetensors file's header ({} where it has none). Raises
+    CheckpointError for a header that does not fit the file or is not a JSON object, OSError if unreadable."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (size,)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise CheckpointError(f"{path}: header length {n} does not fit in the file of {size} bytes "
+                                  "(truncated, or not a safetensors file)")
+        try:
+            header = loads(f.read(n), what=str(path))
+        except JSONError as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({exc})") from None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(header, dict) or not isinstance(meta, (dict, type(None))):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    return meta or {}
 
 
 def index_shards(folder: str | os.PathLike) -> list[Path] | None:

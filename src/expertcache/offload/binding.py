@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from expertcache.jsonsafe import loads
 from expertcache.offload.checkpoint import CheckpointError
 from expertcache.offload.quant import FORMAT_VERSION
+from expertcache.tensorfile import read_metadata
 
-__all__ = ["SOURCE_KEY", "source_digest", "sidecar_source", "check_bound", "check_sidecar_place", "bound_sidecar",
+__all__ = ["SOURCE_KEY", "source_digest", "sidecar_source", "check_bound", "check_sidecar_place", "check_not_newer", "bound_sidecar",
            "checkpoint_digest", "DIGEST_BYTES"]
 
 #: the sidecar metadata key holding the digest of the checkpoint experts it was packed from
@@ -81,10 +81,7 @@ def source_digest(checkpoint, layer_ids) -> str:
 
 def sidecar_source(path: str | os.PathLike) -> str | None:
     """The :data:`SOURCE_KEY` recorded in a sidecar's metadata (None: written before sidecars were bound)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        meta = loads(f.read(n), what=str(path)).get("__metadata__") or {}
-    value = meta.get(SOURCE_KEY)
+    value = read_metadata(path).get(SOURCE_KEY)
     return value if isinstance(value, str) else None
 
 
@@ -110,16 +107,20 @@ def check_sidecar_place(path: str | os.PathLike) -> None:
         raise CheckpointError(f"{path}: is {what}, where the quantised experts' sidecar goes; remove or rename it")
     if path.is_file():
         try:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                version = (loads(f.read(n), what=str(path)).get("__metadata__") or {}).get("format_version", "1")
-            newer = str(version).isdigit() and int(version) > FORMAT_VERSION
-        except (OSError, ValueError, struct.error, AttributeError):
+            meta = read_metadata(path)
+        except (OSError, ValueError):
             return  # unreadable: the checks that follow name it and rebuild it
-        if newer:  # a newer expertcache's file: never rebuilt over
-            raise CheckpointError(f"{path}: quantised experts in format {version}, written by a newer expertcache "
-                                  f"(this one reads format {FORMAT_VERSION}); not replaced: upgrade expertcache, or "
-                                  "delete the file and it is rebuilt in this format")
+        check_not_newer(path, meta)  # a newer expertcache's file: never rebuilt over
+
+
+def check_not_newer(path: str | os.PathLike, meta: dict) -> None:
+    """CheckpointError naming ``path`` when its metadata ``meta`` says a newer expertcache wrote it (a format
+    above this one's: not read, and never replaced)."""
+    version = meta.get("format_version", "1")
+    if str(version).isdigit() and int(version) > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: quantised experts in format {version}, written by a newer expertcache "
+                              f"(this one reads format {FORMAT_VERSION}); not replaced: upgrade expertcache, or "
+                              "delete the file and it is rebuilt in this format")
 
 
 def bound_sidecar(path: str | os.PathLike, checkpoint, layer_ids) -> bool:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import struct
 import sys
 import time
 from pathlib import Path
@@ -30,10 +29,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from expertcache.jsonsafe import loads
 from expertcache.offload.binding import checkpoint_digest
 from expertcache.offload.checkpoint import CheckpointError, read_header
 from expertcache.offload.writer import write_safetensors
+from expertcache.tensorfile import read_metadata
 
 __all__ = ["DENSE_CACHE_VERSION", "dense_cache_path", "load_or_pack_dense"]
 
@@ -63,9 +62,7 @@ def _read(path: Path, packed: dict[str, nn.Module], digest: str) -> None:
     """Fill ``packed``'s buffers from ``path``; CheckpointError (the buffers then half-filled) unless the file
     holds exactly these tensors, for this recipe and digest, and its checksum verifies."""
     entries = read_header(path)
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        meta = loads(f.read(n), what=str(path)).get("__metadata__") or {}
+    meta = read_metadata(path)
     want = dict(_recipe(packed), checkpoint_digest=digest)
     diff = [k for k, v in want.items() if meta.get(k) != v]
     if diff:

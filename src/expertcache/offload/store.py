@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import struct
 import sys
 import threading
 import time
@@ -40,13 +39,13 @@ from pathlib import Path
 
 import torch
 
-from expertcache.jsonsafe import loads
-from expertcache.offload.binding import SOURCE_KEY, check_bound, check_sidecar_place, source_digest
+from expertcache.offload.binding import SOURCE_KEY, check_bound, check_not_newer, check_sidecar_place, source_digest
 from expertcache.offload.checkpoint import ByteRange, Checkpoint, CheckpointError, ExpertParts, read_header
 # the byte layout of a slot (re-exported: ALIGN, Placement, place_expert)
 from expertcache.offload.layout import ALIGN, Placement, expert_views, place_expert
 from expertcache.offload.quant import FORMAT_VERSION, QuantLayout, default_group, kernel_for, pack_expert
 from expertcache.offload.writer import write_safetensors
+from expertcache.tensorfile import read_metadata
 
 __all__ = ["IO_MODES", "TIERS", "NativeSource", "QuantSource", "DiskTier", "HostTier", "TierStats", "Placement",
            "place_expert", "pinned_blocks", "quantize_checkpoint", "quant_sidecar_path", "direct_io_supported",
@@ -129,15 +128,9 @@ def check_sidecar_layout(path: str | os.PathLike, layout: QuantLayout) -> None:
     """CheckpointError naming the file unless its metadata says it holds ``layout``'s packed experts (an
     older format, or another kernel layout, group or dtype: it is not read, it is rebuilt or refused)."""
     path = Path(path)
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        meta = loads(f.read(n), what=str(path)).get("__metadata__") or {}  # read_header has checked n
+    meta = read_metadata(path)
     want = _layout_meta(layout)
-    if meta.get("format_version") != want["format_version"] and str(meta.get("format_version", 1)).isdigit() and \
-            int(meta.get("format_version", 1)) > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: quantised experts in format {meta['format_version']}, written by a newer "
-                              f"expertcache (this one reads format {FORMAT_VERSION}); upgrade expertcache, or delete "
-                              "the file and it is rebuilt in this format")
+    check_not_newer(path, meta)
     if meta.get("format_version") != want["format_version"]:
         raise CheckpointError(f"{path}: quantised experts in format {meta.get('format_version', 1)} (an older "
                               f"expertcache, dequantised per use), this one reads format {FORMAT_VERSION} (the fused "
