@@ -34,6 +34,9 @@ __all__ = ["SOURCE_KEY", "source_digest", "sidecar_source", "check_bound", "chec
 
 #: the sidecar metadata key holding the digest of the checkpoint experts it was packed from
 SOURCE_KEY = "source_digest"
+#: blake2b digest size (hex: twice as many characters)
+DIGEST_BYTES = 16
+_CHUNK = 4 << 20  # under one packing block (PACK_ROWS rows of float32): the loading peak is unchanged
 _MEMO: dict[tuple, str] = {}  # (checkpoint files' stamps, layers) -> digest, for this process
 
 
@@ -54,8 +57,9 @@ def source_digest(checkpoint, layer_ids) -> str:
     got = _MEMO.get(key)
     if got is not None:
         return got
-    h = hashlib.blake2b(digest_size=16)
-    handles: dict[Path, object] = {}
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    buf = bytearray(_CHUNK)
+    handles: dict[Path, int] = {}
     try:
         for layer in layer_ids:
             for e in range(checkpoint.num_experts):
@@ -63,18 +67,14 @@ def source_digest(checkpoint, layer_ids) -> str:
                 h.update(f"{layer}:{e}:{p.dtype}:{p.d}:{p.f}:{p.layout}:{p.gate_up_at}:{p.down_at}:"
                          f"{p.gate_up_bias_at}:{p.down_bias_at}:{p.nbytes};".encode())
                 for r in p.reads:
-                    f = handles.get(r.file)
-                    if f is None:
-                        f = handles[r.file] = open(r.file, "rb")
-                    f.seek(r.offset)
-                    data = f.read(r.nbytes)
-                    if len(data) != r.nbytes:
-                        raise CheckpointError(f"{r.file}: truncated at byte {r.offset + len(data)}")
+                    fd = handles.get(r.file)
+                    if fd is None:
+                        fd = handles[r.file] = os.open(r.file, os.O_RDONLY)
                     h.update(struct.pack("<Q", r.nbytes))
-                    h.update(data)
+                    _hash_range(h, fd, r.offset, r.nbytes, buf, r.file)
     finally:
-        for f in handles.values():
-            f.close()
+        for fd in handles.values():
+            os.close(fd)
     _MEMO[key] = h.hexdigest()
     return _MEMO[key]
 
@@ -139,9 +139,6 @@ def bound_sidecar(path: str | os.PathLike, checkpoint, layer_ids) -> bool:
     return True
 
 
-#: blake2b digest size (hex: twice as many characters)
-DIGEST_BYTES = 16
-_CHUNK = 4 << 20  # under one packing block (PACK_ROWS rows of float32): the loading peak is unchanged
 
 
 def checkpoint_digest(ckpt, keys: Iterable[str]) -> str:
@@ -156,12 +153,18 @@ def checkpoint_digest(ckpt, keys: Iterable[str]) -> str:
             raise CheckpointError(f"{ckpt.folder}: missing tensor {key!r}")
         h.update(f"{key}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0{t.nbytes}\0".encode())
         with open(t.file, "rb", buffering=0) as f:
-            at, end = t.start, t.start + t.nbytes
-            while at < end:
-                view = memoryview(buf)[:min(_CHUNK, end - at)]
-                got = os.preadv(f.fileno(), [view], at)
-                if got <= 0:
-                    raise CheckpointError(f"{t.file}: short read of {key!r} (truncated file)")
-                h.update(view[:got])
-                at += got
+            _hash_range(h, f.fileno(), t.start, t.nbytes, buf, t.file)
     return h.hexdigest()
+
+
+def _hash_range(h, fd: int, start: int, nbytes: int, buf: bytearray, name) -> None:
+    """Feed bytes ``start`` .. ``start + nbytes`` of the open file ``fd`` to ``h``, a chunk of ``buf`` at a time
+    (memory: one chunk); CheckpointError naming the file ``name`` where it ends before them (truncated)."""
+    at, end = start, start + nbytes
+    while at < end:
+        view = memoryview(buf)[:min(len(buf), end - at)]
+        got = os.preadv(fd, [view], at)
+        if got <= 0:
+            raise CheckpointError(f"{name}: truncated at byte {at} (the header says {end})")
+        h.update(view[:got])
+        at += got
