@@ -227,10 +227,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    from expertcache.results import append_jsonl
+    from expertcache.results import append_jsonl, check_rows_out
+
+    check_rows_out(ap, args.out)  # rows go to a row file only: refused before the work, never appended to notes.md
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     rows = []
     for isa in args.isa:

@@ -446,9 +446,16 @@ def main(argv=None) -> int:
 
     check_rows_out(ap, args.out)  # rows go to a row file only: never appended to notes.md
     for flag, value in (("--layers", args.layers), ("--tokens", args.tokens), ("--repeats", args.repeats),
-                        ("--threads", args.threads), ("--chunks", args.chunks)):
+                        ("--threads", args.threads), ("--chunks", args.chunks), ("--kl-chunks", args.kl_chunks)):
         if value < 1:  # --repeats 0: a traceback (StopIteration / median of nothing) after the set-up
             ap.error(f"{flag} must be ≥ 1, got {value}")
+    from expertcache.offload.runtime import resolve_model_path
+
+    for name in args.models:  # named before any work: a model that is not there
+        try:
+            resolve_model_path(name)
+        except (FileNotFoundError, ValueError) as exc:
+            ap.error(str(exc))
     torch.set_num_threads(args.threads)
     info = machine_info()
     with open("/proc/loadavg") as f:

@@ -139,7 +139,7 @@ def test_rows_are_never_appended_to_a_note(tmp_path):
         append_jsonl(notes, {"a": 1})
     for script, extra in (("bench_quant.py", ["--only", "kernel", "--repeats", "1"]),
                           ("bench_mixed.py", ["speed", "--fraction", "0.5"]), ("bench_serve.py", []),
-                          ("bench_serve_hostile.py", []), ("bench_peers.py", ["run"])):
+                          ("bench_serve_hostile.py", []), ("bench_peers.py", ["run"]), ("bench_kernels.py", [])):
         r = subprocess.run([sys.executable, str(BENCH / script), *extra, "--out", str(notes)], capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 2, (script, r.stderr[-2000:])
@@ -574,3 +574,15 @@ def test_a_hub_models_local_copy_is_an_input(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(OutputError, match="hub cache"):
         _rule(["trace", "record", "--model", "owner/moe", "--task", "wikitext", "--out", snap / "model.safetensors"])
+
+
+@pytest.mark.parametrize("script, args, culprit", [
+    ("bench_kernels.py", ["--rounds", "0"], "--rounds"),
+    ("bench_quant.py", ["--only", "kl", "--kl-chunks", "0"], "--kl-chunks"),
+    ("bench_quant.py", ["--only", "kl", "--models", "nosuch"], "nosuch"),
+])
+def test_new_benchmark_flags_are_checked_before_the_work(script, args, culprit):
+    """bench_kernels --rounds 0, bench_quant --kl-chunks 0 and a missing --models gave tracebacks (after the set-up)."""
+    r = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert culprit in r.stderr and "Traceback" not in r.stderr, r.stderr
