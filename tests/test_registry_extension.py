@@ -349,7 +349,8 @@ def test_the_lm_eval_adapter_takes_the_toys(toys, tiny_eval):
 
 
 def test_the_live_view_lists_and_replays_the_toys(toys, trace_file):
-    from expertcache.serve.liveview import _routing_from, replay_frames
+    from expertcache.serve.control import routing_from as _routing_from
+    from expertcache.serve.liveview import replay_frames
     from expertcache.trace import RoutingTrace
 
     assert _routing_from({"policy": "toy-max-rank", "m": 4}, {}) == RoutingConfig("toy-max-rank", m=4)

@@ -29,7 +29,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.responses import Response
 
 from expertcache.serve.broker import MAX_SUBSCRIBERS, Broker, sorted_ids
-from expertcache.serve.control import ConfigError, LiveControl, routing_from  # noqa: F401 (re-exported)
+from expertcache.serve.control import ConfigError, LiveControl
 from expertcache.serve.errors import ClientGone, ServeError
 from expertcache.serve.guard import json_body as read_json
 from expertcache.serve.replay import (list_traces, load_regular_trace, parse_replay, public_message,  # noqa: F401
@@ -38,8 +38,6 @@ from expertcache.serve.replay_child import ReplayWorker
 from expertcache.serve.stream import TimedStream
 from expertcache.serve.tap import Tap
 from expertcache.trace.format import RoutingTrace, TraceError
-
-_routing_from = routing_from  # the name tests/test_registry_extension.py imports
 
 __all__ = ["install_liveview", "Broker", "Tap", "LiveControl", "TimedStream", "replay_frames", "SCHEMA_VERSION",
            "shipped_traces", "list_traces", "parse_replay", "STATIC", "MAX_SUBSCRIBERS"]
