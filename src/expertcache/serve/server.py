@@ -316,7 +316,8 @@ def guarded_protocol(max_connections: int, header_timeout: float = DEFAULT_HEADE
             client waiting for 100 Continue pass through as they come)."""
             self._body_left, self._held = 0, None
             length = next((v for k, v in self.headers if k == b"content-length"), None)
-            if length is None or not length.isdigit() or self.conn.they_are_waiting_for_100_continue:
+            if (length is None or not length.isdigit() or self.conn.they_are_waiting_for_100_continue
+                    or self.cycle is None):  # (no cycle: a websocket upgrade took the connection)
                 return
             self._body_left = int(length) - len(self.cycle.body)  # the part that came with the head is in there
             if self._body_left > 0:
