@@ -277,22 +277,24 @@ def bare():
     sock.close()
 
 
-def _answer(s: socket.socket) -> dict:
+def _answer(f) -> dict:
+    """The next response on ``f`` (the socket's ``makefile("rb")``: bytes of a later response stay buffered):
+    200, its JSON body."""
     import json
 
-    data = b""
-    s.settimeout(HANG)
-    while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        assert chunk, data
-        data += chunk
-    head, body = data.split(b"\r\n\r\n", 1)
-    assert head.startswith(b"HTTP/1.1 200"), head
-    length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
-    while len(body) < length:
-        chunk = s.recv(length - len(body))
-        assert chunk, body
-        body += chunk
+    status = f.readline()
+    assert status.startswith(b"HTTP/1.1 200"), status
+    length = None
+    while True:
+        line = f.readline()
+        assert line, "closed mid-head"
+        if line in (b"\r\n", b"\n"):
+            break
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    body = f.read(length)
+    assert len(body) == length, body
     return json.loads(body)
 
 
@@ -309,7 +311,7 @@ def test_a_body_trickled_a_byte_at_a_time_reaches_the_app_whole_in_one_message(b
         for i in range(len(body)):
             time.sleep(0.01)
             s.sendall(body[i:i + 1])
-        got = _answer(s)
+        got = _answer(s.makefile("rb"))
     finally:
         s.close()
     assert got == {"bytes": len(body), "sha": hashlib.sha256(body).hexdigest(), "messages": 1}
@@ -325,13 +327,14 @@ def test_held_bodies_keep_their_bytes_across_pipelining_large_bodies_and_chunked
     HOLD_BYTES = getattr(server_mod, "HOLD_BYTES", 64 * 1024)  # (getattr: a guard that holds on older trees too)
     app, port = bare
     s = socket.create_connection(("127.0.0.1", port), timeout=HANG)
+    f = s.makefile("rb")
     try:
         a, b = b"first body", b"second"
         s.sendall(b"POST /x HTTP/1.1\r\nhost: localhost\r\ncontent-length: %d\r\n\r\n" % len(a) + a[:3])
         time.sleep(0.1)
         s.sendall(a[3:] + b"POST /y HTTP/1.1\r\nhost: localhost\r\ncontent-length: %d\r\n\r\n" % len(b) + b)
         def whole(data: bytes) -> dict:
-            got = _answer(s)
+            got = _answer(f)
             assert (got["bytes"], got["sha"]) == (len(data), hashlib.sha256(data).hexdigest())
             return got
 
@@ -347,4 +350,5 @@ def test_held_bodies_keep_their_bytes_across_pipelining_large_bodies_and_chunked
         s.sendall(b"2\r\nde\r\n0\r\n\r\n")
         assert whole(b"abcde")["messages"] >= 2  # "abc" reached the app before the rest was sent
     finally:
+        f.close()
         s.close()

@@ -16,9 +16,9 @@ import time
 
 from expertcache.serve.defaults import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS
 
-__all__ = ["serve_forever", "ServerThread", "bind", "tune_malloc", "freeze_heap", "guarded_protocol", "connection_cap", "fd_limit",
-           "DEFAULT_HEADER_TIMEOUT", "DEFAULT_MAX_CONNECTIONS", "MAX_HEAD_BYTES", "MAX_HEADERS", "MIN_BODY_RATE",
-           "head_limited_connection", "refusal"]
+__all__ = ["serve_forever", "ServerThread", "bind", "tune_malloc", "freeze_heap", "guarded_protocol", "connection_cap",
+           "fd_limit", "DEFAULT_HEADER_TIMEOUT", "DEFAULT_MAX_CONNECTIONS", "MAX_HEAD_BYTES", "MAX_HEADERS",
+           "MIN_BODY_RATE", "HOLD_BYTES", "head_limited_connection", "refusal"]
 
 #: the listening socket's accept queue (connections the kernel holds before the server accepts them)
 BACKLOG = 2048
@@ -41,13 +41,13 @@ def tune_malloc(threshold: int = 1 << 16) -> bool:
 
 
 def freeze_heap() -> int:
-    """Move every object alive now (the loaded model, tokenizer, libraries: about 500,000 on the granular model)
+    """Move every object alive now (the loaded model, tokenizer, libraries: about 515,000 on the granular model)
     out of the garbage collector's reach (``gc.freeze``), after one last collection. Called once the app is built:
     Python's full (generation-2) collection walks every tracked object while holding the GIL, and a flood of
-    connections (each leaves a few dozen objects behind) triggered one every second or so, each 0.25-0.7 s long
+    connections (each holds ~170 tracked objects while it lives) triggered one every 1-2 s, each 0.25-0.7 s long
     with the whole startup heap in it: the event loop and the engine thread both stood still, the running stream's
-    largest gaps under 1,100 trickling bodies were exactly those collections. Objects made later are collected as
-    usual. Returns the number of objects frozen."""
+    largest gaps under 1,100 trickling bodies were exactly those collections (now 14-86 ms of CPU each: the
+    connections' objects only). Objects made later are collected as usual. Returns the number of objects frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
@@ -83,7 +83,7 @@ BODY_CHECK_S = 0.5
 #: a Content-Length body's bytes are held by the connection until the body is complete or this many are held,
 #: then handed to the app at once (uvicorn's own buffer pauses reading at 64 KiB): a body trickled a byte at a
 #: time no longer wakes the app's task (and parses with h11) once per byte. Under 1,100 trickling bodies those
-#: wake-ups were a loop iteration of 50-330 ms every 0.5 s, and the running stream waited behind it
+#: wake-ups were a loop iteration of 30-330 ms every 0.5 s, and the running stream waited behind it
 HOLD_BYTES = 64 * 1024
 _REFUSAL = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n%sconnection: close\r\ncontent-length: %d\r\n\r\n%s")
 _BLANK_LINE = re.compile(rb"\n\r?\n")
