@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -60,7 +61,7 @@ import torch
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.offload.bench import closed_loop_nll, machine_info
 from expertcache.offload.make_model import make_bench_model
-from expertcache.offload.quant import QuantLayout, pack_expert, quant_mlp
+from expertcache.offload.quant import EXPERT_KERNEL_VAR, QuantLayout, pack_expert, quant_mlp
 from expertcache.results import append_jsonl
 
 OUT = Path(__file__).resolve().parent / "results" / "quant.jsonl"
@@ -68,6 +69,8 @@ CONFIGS = {  # name -> (expert quant, dense quant)
     "bf16": (None, None), "int8": ("int8", None), "int4": ("int4", None),
     "int8+dense-int8": ("int8", "int8"), "int4+dense-int8": ("int4", "int8"), "int4+dense-int4": ("int4", "int4"),
     "q4": ("q4", None),
+    # the int4 experts' product forced ($EXPERTCACHE_EXPERT_KERNEL; the plain names take the CPU's own choice)
+    **{f"{q}@{k}": (q, None) for q in ("int4", "q4") for k in ("int4pack", "fbgemm")},
 }
 
 
@@ -137,9 +140,23 @@ def _runtime(path, name: str, tokens: int) -> OffloadedModel:
     is the disk with page-cached reads: with every expert in a slot the decode step is the host tier's, and no
     second host copy of the experts takes memory."""
     quant, dense = CONFIGS[name]
-    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="disk", io="cached", readers=0, quant=quant,
-                                                            quant_dense=dense, context=16 + tokens))
+    kernel = name.partition("@")[2]
+    saved = os.environ.get(EXPERT_KERNEL_VAR)
+    if kernel:  # only while it is built: its slots' views and MLPs choose the product then
+        os.environ[EXPERT_KERNEL_VAR] = kernel
+    try:
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="disk", io="cached", readers=0, quant=quant,
+                                                                quant_dense=dense, context=16 + tokens))
+    finally:
+        if kernel:
+            os.environ.pop(EXPERT_KERNEL_VAR) if saved is None else os.environ.__setitem__(EXPERT_KERNEL_VAR, saved)
     rt.warm(range(rt.num_experts))
+    t0 = time.perf_counter()
+    rt.steps.drain()
+    for st in rt.states:  # FBGEMM's per-slot copies made now (the runtime makes each at the expert's first use)
+        for e, slot in st.pool.slot_of.items():
+            rt.views.weights(st.moe.index, e, slot)
+    rt.prepack_seconds = time.perf_counter() - t0
     return rt
 
 
@@ -175,6 +192,9 @@ def decode_rows(layers: int, tokens: int, repeats: int, configs: list[str], log)
                            moe_compute_s=(s["compute_seconds"] - m0[k]["compute_seconds"]) / tokens,
                            misses=s["misses"] - m0[k]["misses"], expert_bytes=m.expert_bytes,
                            non_expert_bytes=m.plan.non_expert_bytes, quant_kernel=m.describe()["quant_kernel"],
+                           expert_kernel=None if m.views.quant is None else
+                           "fbgemm" if m.views.prepack is not None else "int4pack",
+                           views_seconds=getattr(m, "prepack_seconds", None), slot_bytes=m.plan.slot_bytes,
                            threads=torch.get_num_threads())
                 rows.append(row)
             a, b = rows[-2], rows[-1]

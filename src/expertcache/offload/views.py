@@ -6,14 +6,20 @@ compute dtype; the fused kernels' views for quantised experts) and keeps them: v
 the expert's layout there, so experts of one layout (every expert of the host tier) reuse a slot's views, no view
 ops per miss. It also keeps the arena seen as one strided tensor per matrix (the grouped product, the captured
 step's in-graph product). One :class:`SlotViews` per arena: a new arena (a new capacity) gets new views.
+
+Where int4 experts run on FBGEMM (:func:`~expertcache.offload.quant.expert_kernel`) and every expert is resident
+(C = N), what an expert's MLP reads is not a view but a packed copy of the expert (:mod:`~expertcache.offload.fbexperts`), made from the views the first
+time the expert is computed from its slot and kept in the slot's placement: a read into the slot resets the
+placement (``SlotReads.job``), so the copy never outlives the bytes it was made from.
 """
 
 from __future__ import annotations
 
 import torch
 
+from expertcache.offload.fbexperts import slot_prepack
 from expertcache.offload.layout import arena_matrix_views, expert_views
-from expertcache.offload.quant import QuantLayout
+from expertcache.offload.quant import QuantLayout, expert_kernel
 from expertcache.offload.slots import SlotArena
 
 __all__ = ["SlotViews", "layout_ids"]
@@ -39,9 +45,13 @@ class SlotViews:
         self.dtype, self.quant = dtype, quant
         self._per_slot: dict[int, dict[int, tuple]] = {}  # slot -> layout id -> the expert tensors' views
         self._per_matrix: dict[tuple, tuple] = {}  # layout key -> the arena per matrix
+        fbgemm = quant is not None and expert_kernel(quant.mode, arena.buffer.device) == "fbgemm"
+        every = arena.capacity > max((e for _, e in parts), default=-1)  # every expert resident: C = N
+        self.prepack = slot_prepack(quant) if fbgemm and every else None  # views -> FBGEMM copy (module docstring)
 
     def weights(self, index: int, e: int, slot: int) -> tuple[torch.Tensor, ...]:
-        """Expert ``e`` of MoE layer ``index``'s tensors as views of ``slot`` (cached per slot while it holds it)."""
+        """Expert ``e`` of MoE layer ``index``'s tensors as views of ``slot`` (cached per slot while it holds it);
+        its FBGEMM copy where the experts run on FBGEMM (module docstring)."""
         key = (index, e)
         held = self.arena.placement.get(slot)
         if held is not None and held[0] == key and held[2] is not None:
@@ -59,6 +69,8 @@ class SlotViews:
             if len(kept) >= 4:  # disk O_DIRECT placements vary with file alignment: keep a few per slot
                 kept.pop(next(iter(kept)))
             kept[sig] = w
+        if self.prepack is not None:  # this expert's own copy, for as long as the slot holds it
+            w = self.prepack(w)
         self.arena.placement[slot] = (key, self.placement[key], w)
         return w
 

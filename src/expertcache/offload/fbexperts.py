@@ -1,0 +1,127 @@
+"""int4 experts on FBGEMM (``expert_kernel`` ``fbgemm``: AVX2 CPUs, or forced by ``$EXPERTCACHE_EXPERT_KERNEL``).
+
+On AVX2 torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) is no faster than bf16, while FBGEMM's int8 × int8
+product (``quantized.linear_dynamic``, the dense part's kernel: :mod:`~expertcache.offload.qlinear`) is 2.3-2.7×
+(BENCHMARKS.md "Which 4-bit kernel on which CPU"). So an int4 expert read into a slot keeps its bytes there (the
+sidecar's, the reads', the plan's slot: unchanged) and, the first time it is computed from that slot, gets a
+**packed copy per slot**: its int4 groups dequantised (:func:`~expertcache.offload.quant.int4pack_codes`,
+``W = (q - 8)·s + z``), re-quantised per output channel to int8 (``s = max|W_row| / 127``) and handed to
+``quantized.linear_prepack``. :class:`~expertcache.offload.views.SlotViews` keeps the copy in the slot's placement,
+which every read into the slot resets (``SlotReads.job``), so a refilled slot is packed again and never computes
+with the expert it held before. The copy's bytes (:func:`packed_bytes`: the int8 codes and FBGEMM's per-column
+terms of both matrices) are counted per slot by the memory plan (``preflight.plan_from``): each slot costs its
+int4 bytes plus them (about 3× the int4 expert alone).
+
+**Only where every expert is resident** (C = N): making a copy costs 0.1-0.3 s an expert (the unpacking, two
+roundings and FBGEMM's own packing of 6 M weights; measured on the OLMoE-1B-7B shape, one thread), some 300 times
+the product it speeds up, so it pays for an expert that stays in its slot and not for a miss. With C < N (a plan
+that cannot hold every expert and its copy) the slots keep torch's int4 kernel and the plan counts no copy;
+with C = N the copies are made as each expert is first computed (the first tokens pay them).
+
+Values: the product is ``x @ W8.T`` with W8 the int8 re-quantisation of the int4 expert (an extra rounding of at
+most half an int8 step per weight, ``max|W_row| / 254``) and x quantised per token to 8 bits where FBGEMM runs
+VNNI, 7 elsewhere (``reduce_range``: AVX2's ``vpmaddubsw`` sums pairs of u8 × s8 products in int16), each row
+scaled to max |x| = 1 first as :class:`~expertcache.offload.qlinear.QuantLinear` does, so one scale per token.
+The gate/up products, the activation and the down product run in float32; the result is cast to x's dtype.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, NamedTuple
+
+import torch
+
+from expertcache.offload.quant import QuantLayout, QuantMatrix, expert_kernel, fbgemm_vnni, int4pack_codes, quant_mlp
+
+__all__ = ["FbgemmExpert", "dequantize", "prepack_expert", "fbgemm_mlp", "packed_bytes", "slot_prepack", "slot_mlps",
+           "slot_copy_bytes"]
+
+
+class FbgemmExpert(NamedTuple):
+    """One expert's FBGEMM packed weights: gate_up [2·Fp, D] and down [D, Fp] (``linear_prepack`` objects)."""
+
+    gate_up: object
+    down: object
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
+    """float32 [qm.n_pad, qm.k]: the matrix the int4 kernel multiplies by, ``(q - 8)·s + z`` per group, from its
+    kernel tensors (``QuantMatrix.views``); the K padding columns dropped."""
+    q = int4pack_codes(weight, qm)
+    n, g = qm.n_pad, qm.group
+    s_NB, z_NB = scales[..., 0].T.float(), scales[..., 1].T.float()  # sz [K/G, N, 2]
+    w = (q.view(n, -1, g).float().sub_(8)).mul_(s_NB[..., None]).add_(z_NB[..., None])
+    return w.view(n, qm.k_pad)[:, :qm.k]
+
+
+def _prepack(w_NK: torch.Tensor) -> object:
+    """FBGEMM's packed int8 weight of ``w_NK`` (float32), per output channel ``s = max|row| / 127`` (1 for a row of
+    zeros)."""
+    s = (w_NK.abs().amax(dim=1).double() / 127)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's op still takes one
+        warnings.simplefilter("ignore")
+        qw = torch.quantize_per_channel(w_NK, s, torch.zeros_like(s, dtype=torch.long), 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(qw, None)
+
+
+@torch.no_grad()
+def prepack_expert(views: tuple[torch.Tensor, ...], layout: QuantLayout) -> FbgemmExpert:
+    """One int4 expert's FBGEMM copy from its kernel tensors (``QuantLayout.views``: gate_up weight and scales,
+    down weight and scales). gate_up keeps its padded rows (zeros: each half stays ``Fp`` rows, so
+    ``act(gate) * up`` is down's K); down's rows past D are dropped."""
+    gu_w, gu_s, dn_w, dn_s = views
+    return FbgemmExpert(_prepack(dequantize(gu_w, gu_s, layout.gate_up)),
+                        _prepack(dequantize(dn_w, dn_s, layout.down)[:layout.d]))
+
+
+def packed_bytes(layout: QuantLayout) -> int:
+    """Bytes of one expert's FBGEMM copy: the int8 codes of gate_up [2·Fp, D] and down [D, Fp] and, per output
+    column, FBGEMM's int32 column offset and the per-channel scale (float64) and zero point (int64)."""
+    gu, dn = layout.gate_up, layout.down
+    return gu.n_pad * gu.k + layout.d * dn.k + 20 * (gu.n_pad + layout.d)
+
+
+def _linear(x_MK: torch.Tensor, packed: object, reduce_range: bool) -> torch.Tensor:
+    """``x_MK @ W.T`` (float32) with one activation scale per row (rows scaled to max |x| = 1 first)."""
+    m_M1 = x_MK.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.ops.quantized.linear_dynamic(x_MK / m_M1, packed, reduce_range) * m_M1
+
+
+def fbgemm_mlp(act: Callable, *, reduce_range: bool | None = None) -> Callable:
+    """``f(x_TD, expert) -> h_TD``: the ``linear`` expert MLP (``down(act(gate) * up)``) on an
+    :class:`FbgemmExpert`; ``reduce_range`` (7-bit activations) defaults to FBGEMM's need here (module docstring)."""
+    rr = (not fbgemm_vnni()) if reduce_range is None else reduce_range
+
+    def mlp(x_TD: torch.Tensor, w: FbgemmExpert) -> torch.Tensor:
+        gate, up = _linear(x_TD.float(), w.gate_up, rr).chunk(2, dim=-1)
+        return _linear(act(gate) * up, w.down, rr).to(x_TD.dtype)
+    return mlp
+
+
+def slot_prepack(layout: QuantLayout) -> Callable[[tuple[torch.Tensor, ...]], FbgemmExpert]:
+    """``f(views) -> FbgemmExpert`` for :class:`~expertcache.offload.views.SlotViews` (one expert's copy)."""
+    return lambda views: prepack_expert(views, layout)
+
+
+def slot_mlps(layout: QuantLayout, acts: list[Callable], device: torch.device | str = "cpu") -> list[Callable]:
+    """Each MoE layer's expert MLP on ``layout``'s slots: :func:`~expertcache.offload.quant.quant_mlp` (the fused
+    kernel on the slot's views), and where :func:`expert_kernel` chooses FBGEMM here, :func:`fbgemm_mlp` for an
+    expert given as its :class:`FbgemmExpert` (the slots have copies only when every expert is resident:
+    :class:`~expertcache.offload.views.SlotViews`)."""
+    if expert_kernel(layout.mode, device) != "fbgemm":
+        return [quant_mlp(layout, act) for act in acts]
+    out = []
+    for act in acts:
+        fb, fused = fbgemm_mlp(act), quant_mlp(layout, act)
+        out.append(lambda x_TD, w, fb=fb, fused=fused: fb(x_TD, w) if isinstance(w, FbgemmExpert) else fused(x_TD, w))
+    return out
+
+
+def slot_copy_bytes(layout: QuantLayout | None, device: torch.device | str = "cpu") -> int:
+    """Bytes each slot holds beside its expert's bytes where the experts run on FBGEMM (:func:`packed_bytes`), else
+    0: the memory plan's per-slot term, counted where the plan keeps every expert resident (``plan_from``)."""
+    if layout is None or expert_kernel(layout.mode, device) != "fbgemm":
+        return 0
+    return packed_bytes(layout)
