@@ -259,6 +259,8 @@ KL_CONFIGS = {
     "q4": dict(quant="q4"),
     "q4, dense int8 weight-only": dict(quant="q4", dense_int8_kernel="int8pack"),
     "int8 + dense int8": dict(quant="int8", quant_dense="int8"),
+    # the int4 experts' product forced (the plain names take the CPU's own choice: BENCHMARKS.md "Which 4-bit kernel")
+    **{f"{q}@{k}": dict(quant=q, expert_kernel=k) for q in ("int4", "q4") for k in ("int4pack", "fbgemm")},
 }
 
 
@@ -290,22 +292,28 @@ def kl_rows(models: list[str], chunks: int, configs: list[str], log, on_row, seq
         chunks_NS = torch.tensor(ids[:chunks * seq]).view(chunks, seq)
         params = sum(math.prod(e.shape) for f in sorted(path.glob("*.safetensors")) for e in read_header(f).values())
 
-        def run(dense_int8_kernel=None, **kw):
+        def run(dense_int8_kernel=None, expert_kernel=None, **kw):
             import expertcache.offload.qlinear as qlinear
 
             t0 = time.perf_counter()
-            real = qlinear.dense_int8_kernel
+            real, saved = qlinear.dense_int8_kernel, os.environ.get(EXPERT_KERNEL_VAR)
             if dense_int8_kernel is not None:  # a kernel the run-time choice would not take here (its quality)
                 qlinear.dense_int8_kernel = lambda *a, **k: dense_int8_kernel
+            if expert_kernel is not None:  # read while the runtime is built
+                os.environ[EXPERT_KERNEL_VAR] = expert_kernel
             try:
                 rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", context=seq, **kw))
             finally:
                 qlinear.dense_int8_kernel = real
+                if expert_kernel is not None:
+                    os.environ.pop(EXPERT_KERNEL_VAR) if saved is None else os.environ.__setitem__(EXPERT_KERNEL_VAR, saved)
             with torch.inference_mode():
                 logp = torch.stack([torch.log_softmax(rt.forward(c[None]).logits[0].float(), -1) for c in chunks_NS])
             d = rt.describe()
             info = dict(bpw=8 * (rt.expert_bytes * len(rt.layers) * rt.num_experts + rt.plan.non_expert_bytes) / params,
                         quant_kernel=d.get("quant_kernel"), dense_kernel=d.get("dense_kernel"), quant_opt=d["quant_opt"],
+                        expert_kernel=None if rt.views.quant is None else
+                        "fbgemm" if rt.views.prepack is not None else "int4pack",
                         kernels=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense), group=rt.offload.group,
                         expert_bytes=rt.expert_bytes, non_expert_bytes=rt.plan.non_expert_bytes)
             rt.close()
