@@ -37,9 +37,21 @@ def test_the_choice_follows_the_cpu():
         choose_expert_kernel("DEFAULT", ["none", "qnnpack"], "fbgemm")
 
 
+@pytest.fixture
+def unprobed():
+    """No timing recorded (quant.PROBED is per process): restored afterwards."""
+    from expertcache.offload.quant import PROBED
+
+    saved = dict(PROBED)
+    PROBED.clear()
+    yield PROBED
+    PROBED.clear()
+    PROBED.update(saved)
+
+
 @fbgemm
 @pytest.mark.parametrize("cap, want", [("AVX2", "fbgemm"), ("AVX512", "int4pack"), ("AVX512_VNNI", "int4pack")])
-def test_expert_kernel_reads_the_capability_and_the_variable(monkeypatch, cap, want):
+def test_expert_kernel_reads_the_capability_and_the_variable(monkeypatch, unprobed, cap, want):
     monkeypatch.delenv(EXPERT_KERNEL_VAR, raising=False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cap)
     assert expert_kernel("int4") == want
@@ -49,6 +61,39 @@ def test_expert_kernel_reads_the_capability_and_the_variable(monkeypatch, cap, w
     monkeypatch.setenv(EXPERT_KERNEL_VAR, "fast")
     with pytest.raises(ValueError, match=EXPERT_KERNEL_VAR):
         expert_kernel("int4")
+
+
+@fbgemm
+@pytest.mark.parametrize("int4pack_s, want", [(3e-3, "fbgemm"), (1.2e-3, "int4pack"), (1e-3, "int4pack")])
+def test_where_fbgemm_is_offered_a_timing_decides(monkeypatch, unprobed, int4pack_s, want):
+    """An AVX2 CPU (mocked): the first int4 layout times both products once (fbexperts.probe, mocked here: FBGEMM
+    1 ms) and FBGEMM is taken only at 1.25x faster; the choice is kept for the process, reported by expert_kernel
+    and the kernel line with the times, and never overrides a forced kernel or an AVX-512 CPU."""
+    import expertcache.offload.fbexperts as fbx
+    from expertcache.offload.quant import kernel_choice_line
+
+    calls = []
+    monkeypatch.setattr(fbx, "probe", lambda layout: calls.append(layout) or {"int4pack": int4pack_s, "fbgemm": 1e-3})
+    monkeypatch.delenv(EXPERT_KERNEL_VAR, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    lay = QuantLayout("int4", 64, 48, 32, torch.bfloat16, kernel="cpu-avx2")
+    assert fbx.slot_kernel(lay) == want and fbx.slot_kernel(lay) == want and len(calls) == 1
+    assert expert_kernel("int4") == want
+    assert (fbx.slot_copy_bytes(lay) > 0) == (want == "fbgemm")
+    assert f"int4pack {int4pack_s * 1e6:.0f} us, FBGEMM 1000 us" in kernel_choice_line("int4", None)
+    monkeypatch.setenv(EXPERT_KERNEL_VAR, "fbgemm")
+    assert fbx.slot_kernel(lay) == "fbgemm"
+    monkeypatch.delenv(EXPERT_KERNEL_VAR)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert fbx.slot_kernel(lay) == "int4pack" and len(calls) == 1
+
+
+@fbgemm
+def test_the_probe_times_both_products():
+    from expertcache.offload.fbexperts import probe
+
+    t = probe(QuantLayout("int4", 64, 48, 32, torch.bfloat16), rounds=1, seconds=1e-4)
+    assert set(t) == {"int4pack", "fbgemm"} and all(v > 0 for v in t.values())
 
 
 # -- the product ------------------------------------------------------------------------------------------------

@@ -32,10 +32,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from expertcache.offload.quant import QuantLayout, QuantMatrix, expert_kernel, fbgemm_vnni, int4pack_codes, quant_mlp
+from expertcache.offload.quant import (EXPERT_KERNEL_VAR, PROBED, QuantLayout, QuantMatrix, expert_kernel, fbgemm_vnni,
+                                       int4pack_codes, qmm, quant_mlp)
 
 __all__ = ["FbgemmExpert", "dequantize", "prepack_expert", "fbgemm_mlp", "packed_bytes", "slot_prepack", "slot_mlps",
-           "slot_copy_bytes"]
+           "slot_copy_bytes", "slot_kernel", "probe", "PROBE_MARGIN"]
 
 
 class FbgemmExpert(NamedTuple):
@@ -105,12 +106,75 @@ def slot_prepack(layout: QuantLayout) -> Callable[[tuple[torch.Tensor, ...]], Fb
     return lambda views: prepack_expert(views, layout)
 
 
+#: FBGEMM must beat torch's int4 kernel by this factor in :func:`probe` to be chosen: its copies cost twice the int4
+#: bytes per slot and 0.1-0.3 s an expert to make
+PROBE_MARGIN = 1.25
+
+
+def probe(layout: QuantLayout, *, rounds: int = 5, seconds: float = 0.004) -> dict[str, float]:
+    """Seconds per one-token product of ``layout``'s gate_up matrix [2·Fp, D] (random codes and scales) with
+    torch's int4 kernel and with FBGEMM's int8 copy, timed interleaved (``rounds``, each about ``seconds`` a kernel,
+    medians of the thread's CPU time): {'int4pack': s, 'fbgemm': s}."""
+    import statistics
+    import time
+
+    qm = layout.gate_up
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (qm.n_pad, qm.k_pad), dtype=torch.int32, generator=g)
+    w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    sz_shape, sz_dtype = qm.shapes()[1]
+    sz = (torch.rand(sz_shape, generator=g) * 0.01).to(sz_dtype)
+    fb = _prepack(torch.randn(qm.n_pad, qm.k, generator=g) * 0.02)
+    x = torch.randn(1, qm.k, generator=g).to(layout.dtype)
+    rr = not fbgemm_vnni()
+    calls = {"int4pack": lambda: qmm(x, w4, sz, qm), "fbgemm": lambda: _linear(x.float(), fb, rr)}
+    for f in calls.values():
+        f()
+    reps = {k: max(1, int(seconds / max(1e-6, _time(f, 1)))) for k, f in calls.items()}
+    times = {k: [] for k in calls}
+    for _ in range(rounds):
+        for k, f in calls.items():
+            times[k].append(_time(f, reps[k]))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _time(f: Callable, n: int) -> float:
+    import time
+
+    t0 = time.thread_time()
+    for _ in range(n):
+        f()
+    return (time.thread_time() - t0) / n
+
+
+def slot_kernel(layout: QuantLayout | None, device: torch.device | str = "cpu") -> str | None:
+    """:func:`expert_kernel` of ``layout``, where it offers FBGEMM (not forced) decided by :func:`probe` once per
+    process and capability: FBGEMM if it is at least :data:`PROBE_MARGIN` times faster than torch's int4 kernel
+    on this CPU, else ``int4pack``; recorded with the times in ``quant.PROBED`` (the kernel line and ``describe()``
+    report it)."""
+    if layout is None:
+        return None
+    got = expert_kernel(layout.mode, device)
+    if got == "fbgemm" and expert_kernel(layout.mode, device, probed=False) == "fbgemm" and \
+            torch.backends.cpu.get_cpu_capability() not in PROBED and not _forced():
+        t = probe(layout)
+        got = "fbgemm" if t["int4pack"] >= PROBE_MARGIN * t["fbgemm"] else "int4pack"
+        got = PROBED.setdefault(torch.backends.cpu.get_cpu_capability(), (got, t))[0]
+    return got
+
+
+def _forced() -> bool:
+    import os
+
+    return bool(os.environ.get(EXPERT_KERNEL_VAR, "").strip())
+
+
 def slot_mlps(layout: QuantLayout, acts: list[Callable], device: torch.device | str = "cpu") -> list[Callable]:
     """Each MoE layer's expert MLP on ``layout``'s slots: :func:`~expertcache.offload.quant.quant_mlp` (the fused
     kernel on the slot's views), and where :func:`expert_kernel` chooses FBGEMM here, :func:`fbgemm_mlp` for an
     expert given as its :class:`FbgemmExpert` (the slots have copies only when every expert is resident:
     :class:`~expertcache.offload.views.SlotViews`)."""
-    if expert_kernel(layout.mode, device) != "fbgemm":
+    if slot_kernel(layout, device) != "fbgemm":
         return [quant_mlp(layout, act) for act in acts]
     out = []
     for act in acts:
@@ -122,6 +186,6 @@ def slot_mlps(layout: QuantLayout, acts: list[Callable], device: torch.device | 
 def slot_copy_bytes(layout: QuantLayout | None, device: torch.device | str = "cpu") -> int:
     """Bytes each slot holds beside its expert's bytes where the experts run on FBGEMM (:func:`packed_bytes`), else
     0: the memory plan's per-slot term, counted where the plan keeps every expert resident (``plan_from``)."""
-    if layout is None or expert_kernel(layout.mode, device) != "fbgemm":
+    if slot_kernel(layout, device) != "fbgemm":
         return 0
     return packed_bytes(layout)

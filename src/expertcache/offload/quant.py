@@ -52,7 +52,8 @@ import torch.nn.functional as F
 
 __all__ = ["QUANT_PRESETS", "resolve_preset", "cpu_description", "dense_int8_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
            "kernel_for", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
-           "padding_note", "say_kernels", "EXPERT_KERNELS", "choose_expert_kernel", "expert_kernel", "int4pack_codes"]
+           "padding_note", "say_kernels", "EXPERT_KERNELS", "choose_expert_kernel", "expert_kernel", "int4pack_codes",
+           "PROBED"]
 
 QUANT_MODES = ("int8", "int4")
 #: the group sizes the int4 kernels take
@@ -138,19 +139,27 @@ def choose_expert_kernel(aten_capability: str, engines, forced: str | None = Non
     return "fbgemm"
 
 
-def expert_kernel(mode: str | None, device: torch.device | str = "cpu") -> str | None:
+#: ATen capability -> (the expert kernel a timing on this CPU chose where :func:`choose_expert_kernel` offers FBGEMM,
+#: {kernel: seconds per one-token gate_up product}) (``fbexperts.slot_kernel`` records it; :func:`expert_kernel`
+#: and the kernel line report it)
+PROBED: dict[str, tuple[str, dict]] = {}
+
+
+def expert_kernel(mode: str | None, device: torch.device | str = "cpu", *, probed: bool = True) -> str | None:
     """The product quantised experts of ``mode`` run on, on ``device``: None for unquantised experts, ``int8pack``
     for int8, ``int4pack`` (the fused kernel of :func:`qmm`) for int4 on a GPU and where
     :func:`choose_expert_kernel` says so for this CPU (``$EXPERTCACHE_EXPERT_KERNEL`` forcing either), else
-    ``fbgemm``."""
+    ``fbgemm`` -- unless a timing of both on this CPU (:data:`PROBED`, ``probed``) found FBGEMM no faster."""
     import os
 
     if mode is None:
         return None
     if mode != "int4" or torch.device(device).type != "cpu":
         return "int4pack" if mode == "int4" else "int8pack"
-    return choose_expert_kernel(torch.backends.cpu.get_cpu_capability(), torch.backends.quantized.supported_engines,
-                                os.environ.get(EXPERT_KERNEL_VAR, "").strip() or None)
+    forced = os.environ.get(EXPERT_KERNEL_VAR, "").strip() or None
+    cap = torch.backends.cpu.get_cpu_capability()
+    got = choose_expert_kernel(cap, torch.backends.quantized.supported_engines, forced)
+    return PROBED.get(cap, (got,))[0] if probed and got == "fbgemm" and not forced else got
 
 
 def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool = False) -> str:
@@ -164,10 +173,15 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
     if expert_kernel(experts) == "fbgemm":
         ek["int4"] = (f"where every expert is resident (C = N) re-quantised per slot to int8 per channel on "
                       f"quantized.linear_dynamic (FBGEMM, {act} activations per token), else {names['int4']}")
+    timed = PROBED.get(c["aten_capability"]) if expert_kernel(experts, probed=False) == "fbgemm" else None
+    if timed:  # FBGEMM offered here and timed against torch's int4 kernel (fbexperts.slot_kernel)
+        ek["int4"] += (f" (timed here, one token x gate_up: int4pack {timed[1]['int4pack'] * 1e6:.0f} us, FBGEMM "
+                       f"{timed[1]['fbgemm'] * 1e6:.0f} us; FBGEMM taken where 1.25x faster)")
     caps = "".join(f" {k}={v}" for k, v in c["isa_env"].items())
-    slow = expert_kernel(experts) == "int4pack" and c["aten_capability"] not in ("AVX512", "AVX512_BF16", "AVX512_VNNI")
-    note = (" (on AVX2 torch's int4 kernel measured 0.75-0.97x bf16 per matrix: int4 experts save memory and reads "
-            "here, not compute; BENCHMARKS.md \"Which 4-bit kernel on which CPU\")") if slow else ""
+    slow = not timed and expert_kernel(experts) == "int4pack" and \
+        c["aten_capability"] not in ("AVX512", "AVX512_BF16", "AVX512_VNNI")
+    note = (" (on an AVX2 AMD EPYC torch's int4 kernel measured 0.74-0.97x bf16 per matrix: int4 experts may save "
+            "memory and reads there, not compute; BENCHMARKS.md \"Which 4-bit kernel on which CPU\")") if slow else ""
     return (f"kernels on {c['cpu']} [{' '.join(c['cpu_flags']) or 'no SIMD flags read'}], ATen {c['aten_capability']}"
             f"{caps}: experts {experts and f'{experts} {ek[experts]}' or 'bf16'}; dense part "
             f"{dense and f'{dense} {dk[dense]}' or 'bf16'}{note}")

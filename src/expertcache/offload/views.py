@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from expertcache.offload.fbexperts import slot_prepack
+from expertcache.offload.fbexperts import slot_kernel, slot_prepack
 from expertcache.offload.layout import arena_matrix_views, expert_views
-from expertcache.offload.quant import QuantLayout, expert_kernel
+from expertcache.offload.quant import QuantLayout
 from expertcache.offload.slots import SlotArena
 
 __all__ = ["SlotViews", "layout_ids"]
@@ -45,7 +45,7 @@ class SlotViews:
         self.dtype, self.quant = dtype, quant
         self._per_slot: dict[int, dict[int, tuple]] = {}  # slot -> layout id -> the expert tensors' views
         self._per_matrix: dict[tuple, tuple] = {}  # layout key -> the arena per matrix
-        fbgemm = quant is not None and expert_kernel(quant.mode, arena.buffer.device) == "fbgemm"
+        fbgemm = quant is not None and slot_kernel(quant, arena.buffer.device) == "fbgemm"
         every = arena.capacity > max((e for _, e in parts), default=-1)  # every expert resident: C = N
         self.prepack = slot_prepack(quant) if fbgemm and every else None  # views -> FBGEMM copy (module docstring)
 
