@@ -1,8 +1,10 @@
-"""int4 experts on FBGEMM (``expert_kernel`` ``fbgemm``: AVX2 CPUs, or forced by ``$EXPERTCACHE_EXPERT_KERNEL``).
+"""int4 experts on FBGEMM: offered on x86 CPUs without AVX-512 (``quant.expert_kernel``), used where a timing on
+this CPU finds it clearly faster (:func:`slot_kernel`), or forced by ``$EXPERTCACHE_EXPERT_KERNEL``.
 
-On AVX2 torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) is no faster than bf16, while FBGEMM's int8 × int8
-product (``quantized.linear_dynamic``, the dense part's kernel: :mod:`~expertcache.offload.qlinear`) is 2.3-2.7×
-(BENCHMARKS.md "Which 4-bit kernel on which CPU"). So an int4 expert read into a slot keeps its bytes there (the
+On an AMD EPYC capped at AVX2 torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) is no faster than bf16, while
+FBGEMM's int8 × int8 product (``quantized.linear_dynamic``, the dense part's kernel:
+:mod:`~expertcache.offload.qlinear`) is 2.3-2.7×; on an Intel Xeon capped alike the two tie (BENCHMARKS.md "Which
+4-bit kernel on which CPU"), hence the timing. So an int4 expert read into a slot keeps its bytes there (the
 sidecar's, the reads', the plan's slot: unchanged) and, the first time it is computed from that slot, gets a
 **packed copy per slot**: its int4 groups dequantised (:func:`~expertcache.offload.quant.int4pack_codes`,
 ``W = (q - 8)·s + z``), re-quantised per output channel to int8 (``s = max|W_row| / 127``) and handed to
