@@ -116,31 +116,38 @@ def slot_prepack(layout: QuantLayout) -> Callable[[tuple[torch.Tensor, ...]], Fb
 PROBE_MARGIN = 1.5
 
 
+#: the probe cycles through distinct copies of its matrix totalling at least this many int4 bytes (at most
+#: :data:`PROBE_COPIES`), so that neither kernel times a matrix sitting in the core's own cache
+PROBE_BYTES = 8 << 20
+PROBE_COPIES = 8
+
+
 def probe(layout: QuantLayout, *, rounds: int = 5, seconds: float = 0.004) -> dict[str, float]:
     """Seconds per one-token product of ``layout``'s gate_up matrix [2·Fp, D] (random codes and scales) with
     torch's int4 kernel and with FBGEMM's int8 copy, timed interleaved (``rounds``, each about ``seconds`` a kernel,
-    medians of the thread's CPU time): {'int4pack': s, 'fbgemm': s}."""
-    import statistics
-    import time
-
+    cycling through copies of the matrix (:data:`PROBE_BYTES`); the fastest round of each, the thread's CPU time:
+    the least disturbed by other work): {'int4pack': s, 'fbgemm': s}."""
     qm = layout.gate_up
     g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (qm.n_pad, qm.k_pad), dtype=torch.int32, generator=g)
-    w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    copies = max(1, min(PROBE_COPIES, -(-PROBE_BYTES // (qm.n_pad * qm.k_pad // 2))))
     sz_shape, sz_dtype = qm.shapes()[1]
     sz = (torch.rand(sz_shape, generator=g) * 0.01).to(sz_dtype)
-    fb = _prepack(torch.randn(qm.n_pad, qm.k, generator=g) * 0.02)
+    w4 = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (qm.n_pad, qm.k_pad), dtype=torch.int32, generator=g), 1) for _ in range(copies)]
+    fb = [_prepack(torch.randn(qm.n_pad, qm.k, generator=g) * 0.02) for _ in range(copies)]
     x = torch.randn(1, qm.k, generator=g).to(layout.dtype)
     rr = not fbgemm_vnni()
-    calls = {"int4pack": lambda: qmm(x, w4, sz, qm), "fbgemm": lambda: _linear(x.float(), fb, rr)}
+    turn = iter(range(1 << 62))
+    calls = {"int4pack": lambda: qmm(x, w4[next(turn) % copies], sz, qm),
+             "fbgemm": lambda: _linear(x.float(), fb[next(turn) % copies], rr)}
     for f in calls.values():
-        f()
-    reps = {k: max(1, int(seconds / max(1e-6, _time(f, 1)))) for k, f in calls.items()}
+        _time(f, copies)
+    reps = {k: max(copies, int(seconds / max(1e-6, _time(f, copies) / copies))) for k, f in calls.items()}
     times = {k: [] for k in calls}
     for _ in range(rounds):
         for k, f in calls.items():
             times[k].append(_time(f, reps[k]))
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: min(v) for k, v in times.items()}
 
 
 def _time(f: Callable, n: int) -> float:
