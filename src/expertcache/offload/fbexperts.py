@@ -87,7 +87,10 @@ def packed_bytes(layout: QuantLayout) -> int:
 
 
 def _linear(x_MK: torch.Tensor, packed: object, reduce_range: bool) -> torch.Tensor:
-    """``x_MK @ W.T`` (float32) with one activation scale per row (rows scaled to max |x| = 1 first)."""
+    """``x_MK @ W.T`` (float32) with one activation scale per row (rows scaled to max |x| = 1 first; one row is
+    FBGEMM's own per-call scale already)."""
+    if x_MK.shape[0] == 1:
+        return torch.ops.quantized.linear_dynamic(x_MK, packed, reduce_range)
     m_M1 = x_MK.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.ops.quantized.linear_dynamic(x_MK / m_M1, packed, reduce_range) * m_M1
 
