@@ -111,12 +111,13 @@ def slot_prepack(layout: QuantLayout) -> Callable[[tuple[torch.Tensor, ...]], Fb
     return lambda views: prepack_expert(views, layout)
 
 
-#: FBGEMM must beat torch's int4 kernel by this factor in :func:`probe` to be chosen: the probe's one matrix stays in
-#: cache, while a decode step streams every expert, and FBGEMM's copies are twice the int4 bytes (Intel Xeon with AMX,
-#: the three AVX2 caps: the probe had FBGEMM 1.23-1.33× faster, yet the 2-layer OLMoE-1B-7B decode at C = N ran
-#: 1.25× bf16 on FBGEMM's copies against 1.36× on torch's int4 kernel); the copies also take 0.1-0.3 s an expert
-#: to make. An AMD EPYC's AVX2 (BENCHMARKS.md: int4pack 0.77×, FBGEMM 2.65× bf16 per matrix) clears it.
-PROBE_MARGIN = 1.5
+#: FBGEMM must beat torch's int4 kernel by this factor in :func:`probe` to be chosen. Its copies cost twice the int4
+#: bytes per slot and 0.2-0.5 s an expert to make, and the probe's matrix stays in the last-level cache while a decode
+#: streams every expert: on an Intel Xeon (AMX, 480 MiB L3) under the three AVX2 caps the probe timed FBGEMM 1.5-1.8×
+#: faster, yet the 2-layer OLMoE-1B-7B decode at C = N ran between 8 % slower and 8 % faster on FBGEMM's copies
+#: (1.25× against 1.36× bf16 at load 8-12, 1.40× against 1.30× at load 3.6). An AMD EPYC's AVX2 clears it (per
+#: matrix, cold: torch's int4 kernel 0.77× bf16, FBGEMM 2.65×; BENCHMARKS.md "Which 4-bit kernel on which CPU").
+PROBE_MARGIN = 2.0
 
 
 #: the probe cycles through distinct copies of its matrix totalling at least this many int4 bytes (at most

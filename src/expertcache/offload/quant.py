@@ -176,7 +176,7 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
     timed = PROBED.get(c["aten_capability"]) if expert_kernel(experts, probed=False) == "fbgemm" else None
     if timed:  # FBGEMM offered here and timed against torch's int4 kernel (fbexperts.slot_kernel)
         ek["int4"] += (f" (timed here, one token x gate_up: int4pack {timed[1]['int4pack'] * 1e6:.0f} us, FBGEMM "
-                       f"{timed[1]['fbgemm'] * 1e6:.0f} us; FBGEMM taken where 1.5x faster)")
+                       f"{timed[1]['fbgemm'] * 1e6:.0f} us; FBGEMM taken where 2x faster)")
     caps = "".join(f" {k}={v}" for k, v in c["isa_env"].items())
     slow = not timed and expert_kernel(experts) == "int4pack" and \
         c["aten_capability"] not in ("AVX512", "AVX512_BF16", "AVX512_VNNI")
