@@ -14,16 +14,16 @@ with the expert it held before. The copy's bytes (:func:`packed_bytes`: the int8
 terms of both matrices) are counted per slot by the memory plan (``preflight.plan_from``): each slot costs its
 int4 bytes plus them (about 3× the int4 expert alone).
 
-**Only where every expert is resident** (C = N): making a copy costs 0.1-0.3 s an expert (the unpacking, two
-roundings and FBGEMM's own packing of 6 M weights; measured on the OLMoE-1B-7B shape, one thread), some 300 times
+**Only where every expert is resident** (C = N): making a copy costs 0.2-0.5 s an expert (the unpacking, two
+roundings and FBGEMM's own packing of 6 M weights; the OLMoE-1B-7B shape, one thread, a loaded machine), hundreds of times
 the product it speeds up, so it pays for an expert that stays in its slot and not for a miss. With C < N (a plan
 that cannot hold every expert and its copy) the slots keep torch's int4 kernel and the plan counts no copy;
 with C = N the copies are made as each expert is first computed (the first tokens pay them).
 
 Values: the product is ``x @ W8.T`` with W8 the int8 re-quantisation of the int4 expert (an extra rounding of at
 most half an int8 step per weight, ``max|W_row| / 254``) and x quantised per token to 8 bits where FBGEMM runs
-VNNI, 7 elsewhere (``reduce_range``: AVX2's ``vpmaddubsw`` sums pairs of u8 × s8 products in int16), each row
-scaled to max |x| = 1 first as :class:`~expertcache.offload.qlinear.QuantLinear` does, so one scale per token.
+VNNI, 7 elsewhere (``reduce_range``: AVX2's ``vpmaddubsw`` sums pairs of u8 × s8 products in int16), several rows
+each scaled to max |x| = 1 first as :class:`~expertcache.offload.qlinear.QuantLinear` does, so one scale per token.
 The gate/up products, the activation and the down product run in float32; the result is cast to x's dtype.
 """
 
