@@ -208,5 +208,8 @@ def test_the_plan_counts_each_slot_s_fbgemm_copy(olmoe, tmp_path, monkeypatch):
     assert fb.views.prepack is not None and plain.views.prepack is None
     half = _runtime(olmoe, tmp_path, monkeypatch, "fbgemm", capacity=fb.num_experts // 2)
     assert half.plan.slot_bytes == plain.plan.slot_bytes and half.views.prepack is None
-    for rt in (plain, fb, half):
+    tight = _runtime(olmoe, tmp_path, monkeypatch, "fbgemm", memory=str(plain.plan.total))  # no room for copies
+    assert tight.plan.slots == fb.num_experts and tight.plan.slot_bytes == plain.plan.slot_bytes
+    assert tight.views.prepack is None
+    for rt in (plain, fb, half, tight):
         rt.close()

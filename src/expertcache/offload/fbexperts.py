@@ -9,7 +9,7 @@ sidecar's, the reads', the plan's slot: unchanged) and, the first time it is com
 **packed copy per slot**: its int4 groups dequantised (:func:`~expertcache.offload.quant.int4pack_codes`,
 ``W = (q - 8)·s + z``), re-quantised per output channel to int8 (``s = max|W_row| / 127``) and handed to
 ``quantized.linear_prepack``. :class:`~expertcache.offload.views.SlotViews` keeps the copy in the slot's placement,
-which every read into the slot resets (``SlotReads.job``), so a refilled slot is packed again and never computes
+which every read into the slot resets (``SlotReads.submit``), so a refilled slot is packed again and never computes
 with the expert it held before. The copy's bytes (:func:`packed_bytes`: the int8 codes and FBGEMM's per-column
 terms of both matrices) are counted per slot by the memory plan (``preflight.plan_from``): each slot costs its
 int4 bytes plus them (about 3× the int4 expert alone).
@@ -18,7 +18,8 @@ int4 bytes plus them (about 3× the int4 expert alone).
 roundings and FBGEMM's own packing of 6 M weights; the OLMoE-1B-7B shape, one thread, a loaded machine), hundreds of times
 the product it speeds up, so it pays for an expert that stays in its slot and not for a miss. With C < N (a plan
 that cannot hold every expert and its copy) the slots keep torch's int4 kernel and the plan counts no copy;
-with C = N the copies are made as each expert is first computed (the first tokens pay them).
+with C = N the copies are made as each expert is first computed (the first tokens pay them). A budget that holds
+every int4 expert but not their copies gets C = N without copies.
 
 Values: the product is ``x @ W8.T`` with W8 the int8 re-quantisation of the int4 expert (an extra rounding of at
 most half an int8 step per weight, ``max|W_row| / 254``) and x quantised per token to 8 bits where FBGEMM runs

@@ -173,8 +173,7 @@ class OffloadedModel:
         self._process = process or {}  # the preflight's process terms (interpreter RSS, limit): see preflight
         self.model = model
         self.config = model.config
-        self.family = family
-        self.layers = layers
+        self.family, self.layers = family, layers
         self.checkpoint = checkpoint
         self.offload = offload
         self.dtype, self.device = dtype, device
@@ -278,7 +277,8 @@ class OffloadedModel:
         """One arena of C cache slots per layer plus one scratch slot and P spares shared by all layers."""
         arena = SlotArena(len(self.layers), capacity, self.slot_bytes, self.device, scratch=1,
                           spare=self.offload.prefetch)
-        self.views = SlotViews(arena, self._parts, self._placement, self._layout_of, self.dtype, self.source.quant)
+        self.views = SlotViews(arena, self._parts, self._placement, self._layout_of, self.dtype, self.source.quant,
+                               copies=self.plan.slot_bytes > self.slot_bytes)  # the plan counts FBGEMM's copies
         self.steps.use_arena(arena, self.views)
         # the captured step's in-graph expert products (or None): where the runtime decided so at construction
         # (graph_experts) and every expert sits at one layout in its slot

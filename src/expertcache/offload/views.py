@@ -7,10 +7,11 @@ the expert's layout there, so experts of one layout (every expert of the host ti
 ops per miss. It also keeps the arena seen as one strided tensor per matrix (the grouped product, the captured
 step's in-graph product). One :class:`SlotViews` per arena: a new arena (a new capacity) gets new views.
 
-Where int4 experts run on FBGEMM (:func:`~expertcache.offload.quant.expert_kernel`) and every expert is resident
-(C = N), what an expert's MLP reads is not a view but a packed copy of the expert (:mod:`~expertcache.offload.fbexperts`), made from the views the first
-time the expert is computed from its slot and kept in the slot's placement: a read into the slot resets the
-placement (``SlotReads.job``), so the copy never outlives the bytes it was made from.
+Where int4 experts run on FBGEMM (:func:`~expertcache.offload.fbexperts.slot_kernel`), every expert is resident
+(C = N) and the memory plan counts the copies (``copies``), what an expert's MLP reads is not a view but a packed
+copy of the expert (:mod:`~expertcache.offload.fbexperts`), made from the views the first time the expert is
+computed from its slot and kept in the slot's placement: a read into the slot resets the placement
+(``SlotReads.submit``), so the copy never outlives the bytes it was made from.
 """
 
 from __future__ import annotations
@@ -37,17 +38,18 @@ def layout_ids(parts: dict, placement: dict) -> dict:
 class SlotViews:
     """Views of the experts in ``arena``'s slots (see the module docstring). ``parts`` / ``placement`` /
     ``layout_of``: (MoE layer index, expert) -> its ExpertParts, Placement, layout id (:func:`layout_ids`);
-    ``dtype``: the compute dtype; ``quant``: the slots' quantised layout, or None."""
+    ``dtype``: the compute dtype; ``quant``: the slots' quantised layout, or None; ``copies``: whether the memory plan
+    counts FBGEMM's per-slot copies (module docstring)."""
 
     def __init__(self, arena: SlotArena, parts: dict, placement: dict, layout_of: dict, dtype: torch.dtype,
-                 quant: QuantLayout | None) -> None:
+                 quant: QuantLayout | None, *, copies: bool = True) -> None:
         self.arena, self.parts, self.placement, self.layout_of = arena, parts, placement, layout_of
         self.dtype, self.quant = dtype, quant
         self._per_slot: dict[int, dict[int, tuple]] = {}  # slot -> layout id -> the expert tensors' views
         self._per_matrix: dict[tuple, tuple] = {}  # layout key -> the arena per matrix
         fbgemm = quant is not None and slot_kernel(quant, arena.buffer.device) == "fbgemm"
         every = arena.capacity > max((e for _, e in parts), default=-1)  # every expert resident: C = N
-        self.prepack = slot_prepack(quant) if fbgemm and every else None  # views -> FBGEMM copy (module docstring)
+        self.prepack = slot_prepack(quant) if fbgemm and every and copies else None  # views -> FBGEMM copy
 
     def weights(self, index: int, e: int, slot: int) -> tuple[torch.Tensor, ...]:
         """Expert ``e`` of MoE layer ``index``'s tensors as views of ``slot`` (cached per slot while it holds it);
