@@ -188,3 +188,24 @@ def test_model_card_renders_from_its_card_json(name, installed, monkeypatch):
     r = json.loads((d / "card.json").read_text())
     assert r["transformers"] == json.loads((d / "config.json").read_text())["transformers_version"]
     assert render_card(r, r["command"]) == (d / "MODEL_CARD.md").read_text()
+
+
+def test_a_card_of_a_model_built_by_command_says_so():
+    """granular-256 (not shipped: ~36 MB): its card names its preset, its untied lm_head and its folder, never
+    "shipped" or ``shipped_model_dir``; ``--ship`` of it is refused before training."""
+    import subprocess
+    import sys
+
+    from expertcache.assets import shipped_model_dir
+    from expertcache.train.card import render_card
+
+    r = json.loads((shipped_model_dir("granular") / "card.json").read_text())
+    r["tied"], r["model_dir"] = False, "/data/q256/model"
+    r["train"]["config"]["model"] = "granular-256"
+    text = render_card(r, "expertcache train --card-only /data/q256/model")
+    assert "`granular-256` preset, not shipped" in text and "untied embedding and lm_head" in text
+    assert "shipped_model_dir" not in text and "path = '/data/q256/model'" in text
+    assert "shipped model" not in text and "for shipping" not in text
+    p = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "train", "--model", "granular-256", "--ship",
+                        "--steps", "1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--ship" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
