@@ -51,10 +51,22 @@ EC_SYSTEMS = {
     "ec-int4+dense-int4": dict(quant="int4", quant_dense="int4"),
     "ec-q4": dict(quant="q4"),
 }
+#: simulated recipes (``sim-*``): each weight replaced by its dequantised codes (expertcache.offload.quant.quantize_codes)
+#: in the bf16 transformers model -- weight error only, no activation quantisation -- to try per-tensor precisions
+#: before the runtime has them. Parts: gate_up / down (experts), attn (q, k, o), attn_v, emb, head; values
+#: ``bf16``, ``int8`` (per row) or ``int4/G/optimiser``; ``@L,L`` limits a part to those layers (later entries win).
+SIM_RECIPES = {
+    "sim-q4": "gate_up=int4/64/lsq down=int4/64/lsq attn=int8 attn_v=int8 emb=int8 head=int8",
+    "sim-q4-dense4-head8": "gate_up=int4/64/lsq down=int4/64/lsq attn=int4/32/lsq attn_v=int4/32/lsq "
+                           "emb=int4/32/lsq head=int8",
+    "sim-q4-g128-emb4": "gate_up=int4/128/lsq down=int4/128/lsq attn=int8 attn_v=int8 emb=int4/64/lsq head=int8",
+    "sim-q4km-like": "gate_up=int4/64/lsq down=int4/64/lsq attn=int4/64/lsq attn_v=int4/64/lsq emb=int4/64/lsq "
+                     "head=int8 down@2,3=int8 attn_v@2,3=int8",
+}
 #: llama.cpp GGUFs: name -> (convert --outtype, or quantize --ftype of the BF16 file)
 LLAMA_SYSTEMS = {"llama-BF16": ("bf16", None), "llama-F16": ("f16", None), "llama-Q8_0": (None, "Q8_0"),
                  "llama-Q4_K_M": (None, "Q4_K_M"), "llama-Q4_0": (None, "Q4_0")}
-SYSTEMS = ("torch-bf16", *EC_SYSTEMS, *LLAMA_SYSTEMS)
+SYSTEMS = ("torch-bf16", *EC_SYSTEMS, *LLAMA_SYSTEMS, *SIM_RECIPES)
 
 #: ggml tensor types: (weights per block, bytes per block) -- ggml's type traits (ggml.c ``type_traits``)
 GGML_BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
@@ -102,6 +114,64 @@ def compare(ref_CSV, got_CSV, ids_CS) -> dict:
                 top1_agree=(got.argmax(-1) == ref.argmax(-1)).double().mean().item(), positions=int(kl.numel()))
 
 
+def parse_recipe(text: str) -> list[tuple[str, tuple[int, ...] | None, str]]:
+    """``"part=prec part@L,L=prec ..."`` → [(part, layers or None, precision)] (ValueError naming a bad entry)."""
+    out = []
+    for entry in text.split():
+        key, _, prec = entry.partition("=")
+        part, _, layers = key.partition("@")
+        if part not in RECIPE_PARTS or not _precision_ok(prec):
+            raise ValueError(f"bad recipe entry {entry!r}")
+        out.append((part, tuple(int(x) for x in layers.split(",")) if layers else None, prec))
+    return out
+
+
+RECIPE_PARTS = ("gate_up", "down", "attn", "attn_v", "emb", "head")
+
+
+def _precision_ok(prec: str) -> bool:
+    if prec in ("bf16", "int8"):
+        return True
+    bits, *rest = prec.split("/")
+    return bits == "int4" and len(rest) == 2 and rest[0].isdigit() and rest[1] in ("minmax", "hqq", "lsq")
+
+
+def param_part(name: str) -> tuple[str | None, int | None]:
+    """(recipe part, layer) of a transformers OLMoE parameter name; (None, layer) for what stays bf16 (norms,
+    router)."""
+    layer = int(name.split(".layers.")[1].split(".")[0]) if ".layers." in name else None
+    if name.endswith("embed_tokens.weight"):
+        return "emb", None
+    if name.startswith("lm_head."):
+        return "head", None
+    if ".experts.gate_up_proj" in name:
+        return "gate_up", layer
+    if ".experts.down_proj" in name:
+        return "down", layer
+    if ".self_attn." in name and name.endswith("_proj.weight"):
+        return ("attn_v" if ".v_proj." in name else "attn"), layer
+    return None, layer
+
+
+def precision_of(recipe, part: str | None, layer: int | None) -> str:
+    got = "bf16"
+    for p, layers, prec in recipe:
+        if p == part and (layers is None or layer in layers):
+            got = prec
+    return got
+
+
+def stored_bits(prec: str, rows: int, k: int) -> int:
+    """Bits of a [rows, k] matrix stored at ``prec`` as expertcache stores it: bf16; int8 codes + a bf16 scale per
+    row; int4 codes + a bf16 scale and zero per group of G along k."""
+    if prec == "bf16":
+        return 16 * rows * k
+    if prec == "int8":
+        return rows * (8 * k + 16)
+    g = int(prec.split("/")[1])
+    return rows * (4 * k + 32 * (k // g))
+
+
 # -- the systems ----------------------------------------------------------------------------------------------
 
 
@@ -143,6 +213,38 @@ def ec_logp(path: Path, chunks_CS, params: int, **kw):
     del rt
     gc.collect()
     return out, info
+
+
+def sim_logp(path: Path, chunks_CS, params: int, recipe_text: str):
+    """The bf16 transformers model with each weight replaced by its dequantised ``recipe`` codes (SIM_RECIPES)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from expertcache.offload.quant import quantize_codes
+
+    recipe = parse_recipe(recipe_text)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True).eval()
+    bits = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            prec = precision_of(recipe, *param_part(name)) if p.dim() >= 2 else "bf16"
+            w = p.reshape(-1, p.shape[-1])
+            bits += stored_bits(prec, *w.shape)
+            if prec == "bf16":
+                continue
+            mode, *rest = prec.split("/")
+            group, opt = (int(rest[0]), rest[1]) if rest else (0, "minmax")
+            q, sc, z = quantize_codes(w.float(), mode, group, torch.bfloat16, optimize=opt)
+            if mode == "int8":
+                deq = q.float() * sc.float()[:, None]
+            else:
+                deq = ((q.float().view(w.shape[0], -1, group) - 8) * sc.float()[..., None] + z.float()[..., None])
+            p.copy_(deq.reshape(p.shape).to(p.dtype))
+    with torch.inference_mode():
+        out = torch.stack([_logp(model(input_ids=c[None]).logits[0]) for c in chunks_CS])
+    del model
+    gc.collect()
+    return out, dict(bpw=bits / params, stored_bytes=bits // 8, recipe=recipe_text, simulated=True)
 
 
 def gguf_tensors(gguf: Path, vendor: Path | None) -> list[tuple[str, str, int, int]]:
@@ -304,6 +406,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if system == "torch-bf16":
             got, extra = ref_bf16, dict(bpw=8 * ckpt_bytes / params, stored_bytes=ckpt_bytes)  # the bf16 checkpoint
+        elif system in SIM_RECIPES:
+            got, extra = sim_logp(model, chunks_CS, params, SIM_RECIPES[system])
         elif system in EC_SYSTEMS:
             got, extra = ec_logp(model, chunks_CS, params, **EC_SYSTEMS[system])
         else:
