@@ -100,3 +100,20 @@ def test_a_llama_system_without_the_converter_is_refused(tmp_path):
                         "llama-Q4_K_M", "--vendor", str(tmp_path), "--out", str(tmp_path / "rows.jsonl")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--vendor" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+
+
+def test_simulated_recipes_count_bits_as_stored_and_pick_the_last_matching_entry():
+    # int4 G=64: 4 bits a weight + a bf16 scale and a bf16 zero per 64; int8: 8 bits + a bf16 scale per row
+    assert blq.stored_bits("int4/64/lsq", 2, 128) == 2 * (128 * 4 + 2 * (16 + 16))
+    assert blq.stored_bits("int8", 3, 256) == 3 * (256 * 8 + 16) and blq.stored_bits("bf16", 3, 5) == 240
+    recipe = blq.parse_recipe("down=int4/64/lsq attn=int8 down@2,3=int8")
+    assert blq.precision_of(recipe, *blq.param_part("model.layers.3.mlp.experts.down_proj")) == "int8"
+    assert blq.precision_of(recipe, *blq.param_part("model.layers.1.mlp.experts.down_proj")) == "int4/64/lsq"
+    assert blq.precision_of(recipe, *blq.param_part("model.layers.0.self_attn.q_proj.weight")) == "int8"
+    assert blq.param_part("model.layers.0.self_attn.v_proj.weight") == ("attn_v", 0)
+    assert blq.precision_of(recipe, *blq.param_part("model.layers.0.mlp.gate.weight")) == "bf16"  # router
+    assert blq.param_part("lm_head.weight") == ("head", None)
+    with pytest.raises(ValueError, match="int4/64"):
+        blq.parse_recipe("down=int4/64")
+    for text in blq.SIM_RECIPES.values():
+        blq.parse_recipe(text)
