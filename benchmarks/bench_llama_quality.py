@@ -50,6 +50,9 @@ EC_SYSTEMS = {
     "ec-int4+dense-int8": dict(quant="int4", quant_dense="int8"),
     "ec-int4+dense-int4": dict(quant="int4", quant_dense="int4"),
     "ec-q4": dict(quant="q4"),
+    # variants of the preset with the knobs the runtime has today (group size, dense precision)
+    "ec-q4-g128": dict(quant="q4", group=128), "ec-q4+dense-int4": dict(quant="q4", quant_dense="int4"),
+    "ec-q4-g128+dense-int4": dict(quant="q4", group=128, quant_dense="int4"),
 }
 #: simulated recipes (``sim-*``): each weight replaced by its dequantised codes (expertcache.offload.quant.quantize_codes)
 #: in the bf16 transformers model -- weight error only, no activation quantisation -- to try per-tensor precisions
