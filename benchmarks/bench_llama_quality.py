@@ -49,7 +49,7 @@ EC_SYSTEMS = {
     "ec-bf16": {}, "ec-int8": dict(quant="int8"), "ec-int4": dict(quant="int4"),
     "ec-int4+dense-int8": dict(quant="int4", quant_dense="int8"),
     "ec-int4+dense-int4": dict(quant="int4", quant_dense="int4"),
-    "ec-q4": dict(quant="q4"),
+    "ec-q4": dict(quant="q4"), "ec-q4m": dict(quant="q4m"),
     # variants of the preset with the knobs the runtime has today (group size, dense precision)
     "ec-q4-g128": dict(quant="q4", group=128), "ec-q4+dense-int4": dict(quant="q4", quant_dense="int4"),
     "ec-q4-g128+dense-int4": dict(quant="q4", group=128, quant_dense="int4"),

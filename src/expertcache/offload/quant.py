@@ -121,6 +121,7 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
     act = "8-bit" if fbgemm_vnni() else "7-bit"
     dk = {"int4": names["int4"], "int8": f"quantized.linear_dynamic (FBGEMM, {act} activations per token)"
           if dense_int8_kernel(compiled=compiled) == "fbgemm" else names["int8"]}
+    dk["int4-head8"] = f"(attention {dk['int4']}, lm_head int8 {dk['int8']}, embedding int4 rows)"
     caps = "".join(f" {k}={v}" for k, v in c["isa_env"].items())
     slow = experts == "int4" and c["aten_capability"] not in ("AVX512", "AVX512_BF16", "AVX512_VNNI")  # survey
     note = (" (on AVX2 torch's int4 kernel measured 0.75-0.97x bf16 per matrix: int4 experts save memory and reads "
@@ -217,7 +218,9 @@ OPTIMIZERS = ("minmax", "hqq", "lsq")
 #: named recipes ``--quant`` also takes: the settings each stands for (BENCHMARKS.md "A 4-bit preset": quality,
 #: bits per weight). q4: experts int4 with least-squares scales and zeros; the dense part (attention, lm_head,
 #: embedding: the sensitive tensors, as Q4_K_M keeps its attention v / output at 6 bits) int8.
-QUANT_PRESETS = {"q4": dict(quant="int4", quant_dense="int8", quant_opt="lsq")}
+QUANT_PRESETS = {"q4": dict(quant="int4", quant_dense="int8", quant_opt="lsq"),
+                 # per-tensor like llama.cpp's Q4_K_M: everything int4 but lm_head (int8); at Q4_K_M's bits
+                 "q4m": dict(quant="int4", quant_dense="int4-head8", quant_opt="lsq")}
 
 
 def resolve_preset(offload):
