@@ -91,3 +91,21 @@ def test_an_embedding_int4_cannot_group_stays_int8_rows(tmp_path):
     emb = packed["model.embed_tokens.weight"]
     assert isinstance(emb, QuantEmbedding) and emb.mode == "int8"
     assert packed["lm_head.weight"].qm.mode == "int8" and packed["model.layers.0.self_attn.q_proj.weight"].qm.mode == "int4"
+
+
+def test_int4_head8_is_read_back_from_the_dense_cache_bit_for_bit(tmp_path, monkeypatch):
+    """A second start reads the packed dense part (int4 embedding rows with their zeros included) from
+    $EXPERTCACHE_CACHE/dense instead of packing it again, with the same logits."""
+    from expertcache.offload import OffloadConfig, OffloadedModel
+
+    monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))  # empty: the first start writes
+    path = _olmoe(tmp_path / "m", 64)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    got = []
+    for _ in range(2):
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant="q4m"), dtype=torch.bfloat16)
+        with torch.inference_mode():
+            got.append((rt.forward(ids).logits.float(), rt.describe()["dense_load"].get("dense_cache")))
+        rt.close()
+    assert [g[1] for g in got] == ["written", "read"]
+    assert torch.equal(got[0][0], got[1][0])
