@@ -64,6 +64,7 @@ def test_int4_head8_puts_lm_head_at_int8_and_the_rest_at_int4_and_counts_its_byt
     rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", quant="q4m"), dtype=torch.bfloat16)
     mods = dict(rt.model.named_modules())
     assert isinstance(mods["lm_head"], QuantLinear) and mods["lm_head"].qm.mode == "int8"
+    assert mods["lm_head"].kernel == "int8pack"  # weight-only: no activation quantisation on the sensitive head
     assert mods["model.layers.0.self_attn.v_proj"].qm.mode == "int4"
     assert isinstance(mods["model.embed_tokens"], QuantEmbedding) and mods["model.embed_tokens"].mode == "int4"
     with torch.device("meta"):

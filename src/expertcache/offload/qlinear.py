@@ -7,7 +7,7 @@ kernels of :mod:`expertcache.offload.quant`, the token embedding as int8 rows.
   D + 2 bytes per token; no kernel is needed), or int4 codes (two a byte) with a scale and a zero per group of
   :data:`DENSE_GROUP` (``int4-head8``);
 - ``--quant-dense int4-head8``: per-tensor precision as llama.cpp's Q4_K_M chooses it (its ``output`` at 6 bits):
-  attention and the embedding int4 (int8 rows where D is not a multiple of 64), ``lm_head`` int8
+  attention and the embedding int4 (int8 rows where D is not a multiple of 64), ``lm_head`` int8, weight-only
   (:func:`target_modes`);
 - which modules: :func:`dense_targets` (the ``nn.Linear`` modules of every decoder layer's ``self_attn`` and
   ``lm_head``; the MoE router, shared experts and norms stay in the compute dtype: routing decisions are
@@ -56,6 +56,12 @@ def _target_mode(name: str, mod: nn.Module, mode: str) -> str:
     return head if name == "lm_head" else attn
 
 
+def _weight_only(name: str, mode: str) -> bool:
+    """``int4-head8``'s int8 ``lm_head`` runs weight-only (``_weight_int8pack_mm``), not on FBGEMM: FBGEMM's
+    activation quantisation (7-bit on AVX2) there cost more KL than Q4_K_M's whole margin (BENCHMARKS.md)."""
+    return mode == "int4-head8" and name == "lm_head"
+
+
 def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device, optimize: str = "minmax") -> QuantMatrix:
     return QuantMatrix(mode, kernel_for(mode, device), n, k, DENSE_GROUP, dtype, optimize)
 
@@ -75,10 +81,11 @@ class QuantLinear(nn.Module):
 
     def __init__(self, n: int, k: int, mode: str, dtype: torch.dtype, *, bias: bool = False,
                  device: torch.device | str = "cpu", kernel_device: torch.device | str | None = None,
-                 compiled: bool = False, optimize: str = "minmax") -> None:
+                 compiled: bool = False, optimize: str = "minmax", weight_only: bool = False) -> None:
         super().__init__()
         self.qm = _matrix(mode, n, k, dtype, kernel_device or device, optimize)
-        self.kernel = dense_int8_kernel(kernel_device or device, compiled=compiled) if mode == "int8" else "int4pack"
+        self.kernel = ("int4pack" if mode == "int4" else "int8pack" if weight_only
+                       else dense_int8_kernel(kernel_device or device, compiled=compiled))
         self._fbgemm = None  # FBGEMM's packed weight (after finish)
         self.opaque_bytes = 0
         self.reduce_range = not fbgemm_vnni()
@@ -89,10 +96,11 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = k, n
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mode: str) -> "QuantLinear":
+    def from_linear(cls, linear: nn.Linear, mode: str, weight_only: bool = False) -> "QuantLinear":
         """Pack a loaded ``linear`` (its weight read a block of rows at a time; the bias copied)."""
         w = linear.weight.detach()
-        q = cls(w.shape[0], w.shape[1], mode, w.dtype, bias=linear.bias is not None, device=w.device)
+        q = cls(w.shape[0], w.shape[1], mode, w.dtype, bias=linear.bias is not None, device=w.device,
+                weight_only=weight_only)
         q.load_rows(lambda a, b: w[a:b])
         if linear.bias is not None:
             q.bias.data.copy_(linear.bias.detach())
@@ -232,7 +240,7 @@ def quantize_dense(model: nn.Module, mode: str | None, optimize: str = "minmax")
     for name, mod in targets.items():
         m = _target_mode(name, mod, mode)
         _replace(model, name, QuantEmbedding.from_embedding(mod, m, optimize) if isinstance(mod, nn.Embedding)
-                 else QuantLinear.from_linear(mod, m))
+                 else QuantLinear.from_linear(mod, m, weight_only=_weight_only(name, mode)))
     return len(targets)
 
 
@@ -255,7 +263,8 @@ def quantize_dense_skeleton(model: nn.Module, mode: str | None, device: torch.de
                                  optimize=optimize)
         else:
             new = QuantLinear(w.shape[0], w.shape[1], m, w.dtype, bias=mod.bias is not None, device="meta",
-                              kernel_device=device, compiled=compiled, optimize=optimize)
+                              kernel_device=device, compiled=compiled, optimize=optimize,
+                              weight_only=_weight_only(name, mode))
         _replace(model, name, new)
         out[f"{name}.weight"] = new
     return out

@@ -121,7 +121,7 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
     act = "8-bit" if fbgemm_vnni() else "7-bit"
     dk = {"int4": names["int4"], "int8": f"quantized.linear_dynamic (FBGEMM, {act} activations per token)"
           if dense_int8_kernel(compiled=compiled) == "fbgemm" else names["int8"]}
-    dk["int4-head8"] = f"(attention {dk['int4']}, lm_head int8 {dk['int8']}, embedding int4 rows)"
+    dk["int4-head8"] = f"(attention {dk['int4']}, lm_head int8 {names['int8']}, embedding int4 rows)"
     caps = "".join(f" {k}={v}" for k, v in c["isa_env"].items())
     slow = experts == "int4" and c["aten_capability"] not in ("AVX512", "AVX512_BF16", "AVX512_VNNI")  # survey
     note = (" (on AVX2 torch's int4 kernel measured 0.75-0.97x bf16 per matrix: int4 experts save memory and reads "
