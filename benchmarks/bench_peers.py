@@ -56,6 +56,8 @@ from pathlib import Path
 from expertcache.results import append_jsonl  # rows whole or absent, to row files only
 
 GiB = 2**30
+#: llama.cpp file types ``quantize --ftype`` makes (``LLAMA_FTYPE_MOSTLY_<name>``)
+QUANT_FTYPES = ("Q4_K_M", "Q4_K_S", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0")
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 SYSTEMS = ("ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate", "ec-bench", "llama-q4", "ec-q4-lru", "ec-q4-cp",
            "ec-q4d-lru", "ec-q4d-cp")
@@ -657,8 +659,8 @@ def compute(a) -> None:
 
 
 def convert(a) -> None:
-    """llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist) to a bf16 GGUF. The random-weight
-    checkpoint's small byte-level tokenizer is unknown to the converter's pre-tokenizer table: it is written
+    """llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist) to a bf16 GGUF (``--outtype``). The
+    random-weight checkpoint's small byte-level tokenizer is unknown to the converter's pre-tokenizer table: it is written
     as 'gpt-2' (the benchmark feeds token ids; the tokenizer is never used)."""
     import runpy
 
@@ -675,20 +677,20 @@ def convert(a) -> None:
             return "gpt-2"
 
     base.TextModel.get_vocab_base_pre = pre
-    sys.argv = [f"{vendor}/convert_hf_to_gguf.py", a.model, "--outtype", "bf16", "--outfile", a.gguf]
+    sys.argv = [f"{vendor}/convert_hf_to_gguf.py", a.model, "--outtype", a.outtype, "--outfile", a.gguf]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def quantize(a) -> None:
     """llama.cpp's own quantiser (``llama_model_quantize`` of the llama.cpp that llama-cpp-python vendors, as
     ``llama-quantize`` runs it): the bf16 GGUF ``--gguf`` → Q4_K_M ``--gguf-q4`` (attention, embedding and
-    output included, at llama.cpp's per-tensor choices for that type)."""
+    output included, at llama.cpp's per-tensor choices for that type); ``--ftype`` another of its types."""
     import ctypes
 
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{a.ftype}")
     params.nthread = a.threads
     tmp = f"{a.gguf_q4}.tmp"
     t0 = time.perf_counter()
@@ -696,7 +698,7 @@ def quantize(a) -> None:
     if rc != 0:
         raise SystemExit(f"llama_model_quantize failed ({rc})")
     os.replace(tmp, a.gguf_q4)
-    print(f"{a.gguf_q4}: {Path(a.gguf_q4).stat().st_size / 1e9:.2f} GB Q4_K_M in {time.perf_counter() - t0:.0f} s "
+    print(f"{a.gguf_q4}: {Path(a.gguf_q4).stat().st_size / 1e9:.2f} GB {a.ftype} in {time.perf_counter() - t0:.0f} s "
           f"(llama-cpp-python {llama_cpp.__version__})")
 
 
@@ -774,8 +776,11 @@ def main(argv=None) -> None:
     m.add_argument("--out", default=None)
     v = sub.add_parser("convert", parents=[common])
     v.add_argument("--vendor", required=True, help="vendor/llama.cpp folder of the llama-cpp-python sdist")
+    v.add_argument("--outtype", choices=("bf16", "f16", "f32"), default="bf16", help="the GGUF's float type")
     q = sub.add_parser("quantize", parents=[common])
     q.add_argument("--threads", type=int, default=2)
+    q.add_argument("--ftype", choices=QUANT_FTYPES, default="Q4_K_M",
+                   help="llama.cpp's quantisation type (written to --gguf-q4)")
     pa = sub.add_parser("prepare-accelerate", parents=[common])
     pa.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 1.0])
     s = sub.add_parser("summary")

@@ -569,7 +569,7 @@ def test_q4_preset_resolves_to_its_settings_and_keeps_what_is_given():
     assert resolve_preset(OffloadConfig(quant="q4", quant_dense="int4")).quant_dense == "int4"
     assert resolve_preset(OffloadConfig(quant="q4", quant_opt="hqq")).quant_opt == "hqq"
     assert resolve_preset(OffloadConfig(quant="int4")) == OffloadConfig(quant="int4")
-    assert set(QUANT_PRESETS) == {"q4"}
+    assert set(QUANT_PRESETS) == {"q4", "q4m"}
 
 
 def test_q4_runtime_sidecar_and_dense_cache_carry_the_optimiser(tiny_olmoe):

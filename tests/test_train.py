@@ -72,6 +72,29 @@ def test_cli_flags_follow_train_config():
     assert {"granular", "coarse"} <= set(MODEL_SPECS)
 
 
+def test_granular_256_is_a_model_llama_cpp_can_quantise():
+    """llama.cpp's K-quants take rows of whole 256-weight super-blocks and llama.cpp 0.3.36 loads no tied lm_head:
+    the comparison preset has every matrix row a multiple of 256 and its own lm_head (granular has D = 144, tied)."""
+    from expertcache.train.configs import build_hf_config, build_model
+
+    spec = MODEL_SPECS["granular-256"]
+    cfg = build_hf_config(spec, 8192, 256, 0, 0, 1)
+    assert cfg.hidden_size % 256 == 0 and cfg.intermediate_size % 256 == 0
+    assert cfg.hidden_size // cfg.num_attention_heads == 64 and cfg.model_type == "olmoe"
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers) == (16, 4, 4)
+    assert cfg.tie_word_embeddings is False
+    model = build_model(cfg)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    for name, p in model.named_parameters():  # every matrix: rows of whole 256-blocks (the router: [E, D])
+        if p.dim() >= 2:
+            assert p.shape[-1] % 256 == 0, (name, tuple(p.shape))
+    # 2 × V × D (embedding, lm_head) + L × (4 D² attention + E × 3 D F experts + E × D router + 2 D q/k norms +
+    # 2 D layer norms) + D final norm
+    d, f, e, L, v = 256, 256, 16, 4, 8192
+    assert sum(p.numel() for p in model.parameters()) == 2 * v * d + L * (4 * d * d + e * 3 * d * f + e * d + 4 * d) + d
+    assert MODEL_SPECS["granular"].tied  # the shipped ones stay tied
+
+
 def _tiny_cfg(tmp_path, name):
     return TrainConfig(model="tiny", out=str(tmp_path / name), data_dir=str(tmp_path / "corpus"), vocab_size=300,
                        seq_len=32, batch_size=4, steps=12, lr=1e-2, warmup_steps=2, log_every=1, eval_every=6,
@@ -165,3 +188,24 @@ def test_model_card_renders_from_its_card_json(name, installed, monkeypatch):
     r = json.loads((d / "card.json").read_text())
     assert r["transformers"] == json.loads((d / "config.json").read_text())["transformers_version"]
     assert render_card(r, r["command"]) == (d / "MODEL_CARD.md").read_text()
+
+
+def test_a_card_of_a_model_built_by_command_says_so():
+    """granular-256 (not shipped: ~36 MB): its card names its preset, its untied lm_head and its folder, never
+    "shipped" or ``shipped_model_dir``; ``--ship`` of it is refused before training."""
+    import subprocess
+    import sys
+
+    from expertcache.assets import shipped_model_dir
+    from expertcache.train.card import render_card
+
+    r = json.loads((shipped_model_dir("granular") / "card.json").read_text())
+    r["tied"], r["model_dir"] = False, "/data/q256/model"
+    r["train"]["config"]["model"] = "granular-256"
+    text = render_card(r, "expertcache train --card-only /data/q256/model")
+    assert "`granular-256` preset, not shipped" in text and "untied embedding and lm_head" in text
+    assert "shipped_model_dir" not in text and "path = '/data/q256/model'" in text
+    assert "shipped model" not in text and "for shipping" not in text
+    p = subprocess.run([sys.executable, "-m", "expertcache.cli.main", "train", "--model", "granular-256", "--ship",
+                        "--steps", "1"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--ship" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]

@@ -84,13 +84,15 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
                         "never a slower path; the log names the kernel and padding. int4 is the fast one (int8 halves the "
                         "bytes, but its CPU kernel runs at about bf16's speed: BENCHMARKS.md). q4: the 4-bit preset "
                         "(int4 experts with least-squares scales, the dense part int8 unless --quant-dense int4; "
-                        "BENCHMARKS.md gives its quality and bits per weight)")
+                        "BENCHMARKS.md gives its quality and bits per weight); q4m: fewer bits, per tensor like llama.cpp's "
+                        "Q4_K_M (int4 experts, attention and embedding, lm_head int8: --quant-dense int4-head8)")
     g.add_argument("--group", type=int, choices=KERNEL_GROUPS, default=None, metavar="G",
                    help="int4 group size: 32, 64, 128 or 256 (the kernels'); default 64 where it divides D and F, "
                         "else 32 with K padded")
     g.add_argument("--quant-dense", choices=DENSE_MODES, default=d.quant_dense or "none",
                    help="non-expert weights too: attention projections and lm_head through the same fused kernels "
-                        "(int8 per channel / int4 G=32), the token embedding as int8 rows (default: none)")
+                        "(int8 per channel / int4 G=32), the token embedding as int8 rows (default: none); int4-head8: "
+                        "attention and embedding int4, lm_head int8")
     m = parser.add_argument_group("mixed precision (a miss served at 4 bits instead of waited for)")
     m.add_argument("--resident-quant", choices=("none", *LOW_MODES), default="none",
                    help="every expert's int4 copy (the fused kernels' layout) resident beside the full-precision "

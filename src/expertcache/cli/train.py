@@ -15,7 +15,8 @@ import sys
 
 #: one line per TrainConfig field for ``expertcache train --help`` (the defaults come from TrainConfig)
 HELPS = {
-    "model": "which shipped architecture to train",
+    "model": "which architecture to train (granular, coarse: shipped; granular-256: llama.cpp-quantisable, not "
+             "shipped; tiny: tests)",
     "out": "run folder: checkpoint, logs and the exported model/ (\"\" = runs/<model>; resumes from its "
            "ckpt.safetensors)",
     "data_dir": "corpus folder of *.jsonl documents (\"\" = $EXPERTCACHE_DATA/corpus-debian-docs or "
@@ -79,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(TrainConfig, args)
     check_output_path(cfg.out or None, "--out", directory=True)
+    from expertcache.assets import SHIPPED_MODELS
+
+    if args.ship and cfg.model not in SHIPPED_MODELS:  # before hours of training, not after
+        raise ValueError(f"--ship: {cfg.model} is not a shipped model ({', '.join(SHIPPED_MODELS)}); its folder stays "
+                         f"in {cfg.out or 'runs/' + cfg.model}/model")
     summary = train(cfg, command=command, progress=not args.no_progress)
     print(f"trained {cfg.model}: {summary['tokens_seen']} tokens in {summary['train_wall_s']:.0f} s; "
           f"last eval {summary['last_eval']}")

@@ -28,7 +28,8 @@ class OffloadConfig:
     '64MiB') of a host-RAM cache of expert bytes between the fast slots and the disk
     (:mod:`~expertcache.offload.tiers`; None or 0 = none, every miss reads the disk). quant_dense: None,
     'int8' or 'int4': the attention projections and lm_head through the fused kernels, the embedding as int8
-    rows (:mod:`~expertcache.offload.qlinear`; counted in the plan's non-expert bytes). compile: the dense
+    rows; 'int4-head8': attention and embedding int4, lm_head int8 (:mod:`~expertcache.offload.qlinear`; counted
+    in the plan's non-expert bytes). compile: the dense
     part of every decoder layer (its norms and attention) through ``torch.compile`` (opt-in); batch-1
     ``generate`` then takes the captured decode step (:mod:`expertcache.models.captured`: static KV cache, a
     token's whole step one compiled graph, the experts computed in it from their slots where

@@ -4,7 +4,11 @@ kernels of :mod:`expertcache.offload.quant`, the token embedding as int8 rows.
 - :class:`QuantLinear` replaces an ``nn.Linear``: its weight packed once (int8 per output channel, or int4 with
   groups of :data:`DENSE_GROUP` along K, K zero-padded where needed), every call one :func:`qmm`;
 - :class:`QuantEmbedding` replaces an ``nn.Embedding``: int8 codes [V, D] and a scale per row (a lookup reads
-  D + 2 bytes per token; no kernel is needed);
+  D + 2 bytes per token; no kernel is needed), or int4 codes (two a byte) with a scale and a zero per group of
+  :data:`DENSE_GROUP` (``int4-head8``);
+- ``--quant-dense int4-head8``: per-tensor precision as llama.cpp's Q4_K_M chooses it (its ``output`` at 6 bits):
+  attention and the embedding int4 (int8 rows where D is not a multiple of 64), ``lm_head`` int8, weight-only
+  (:func:`target_modes`);
 - which modules: :func:`dense_targets` (the ``nn.Linear`` modules of every decoder layer's ``self_attn`` and
   ``lm_head``; the MoE router, shared experts and norms stay in the compute dtype: routing decisions are
   sensitive, the rest is small). With tied embeddings the quantised ``lm_head`` and the int8 embedding are two
@@ -32,9 +36,30 @@ from expertcache.offload.quant import (PACK_ROWS, QuantMatrix, dense_int8_kernel
 __all__ = ["DENSE_MODES", "DENSE_GROUP", "QuantLinear", "QuantEmbedding", "dense_targets", "quantize_dense",
            "quantize_dense_skeleton", "dense_bytes", "dense_kernel_note"]
 
-DENSE_MODES = ("none", "int8", "int4")
+DENSE_MODES = ("none", "int8", "int4", "int4-head8")
 #: the int4 group size of the dense weights (K padded to it where needed)
 DENSE_GROUP = 32
+
+
+def target_modes(mode: str) -> tuple[str, str, str]:
+    """(attention, ``lm_head``, embedding) precision of a ``--quant-dense`` mode."""
+    return {"int8": ("int8", "int8", "int8"), "int4": ("int4", "int4", "int8"),
+            "int4-head8": ("int4", "int8", "int4")}[mode]
+
+
+def _target_mode(name: str, mod: nn.Module, mode: str) -> str:
+    """The precision of one target; an int4 embedding needs D a multiple of 2 × DENSE_GROUP, else int8 rows (the
+    shipped models' D = 144)."""
+    attn, head, emb = target_modes(mode)
+    if isinstance(mod, nn.Embedding):
+        return emb if emb == "int8" or mod.weight.shape[1] % (2 * DENSE_GROUP) == 0 else "int8"
+    return head if name == "lm_head" else attn
+
+
+def _weight_only(name: str, mode: str) -> bool:
+    """``int4-head8``'s int8 ``lm_head`` runs weight-only (``_weight_int8pack_mm``), not on FBGEMM: FBGEMM's
+    activation quantisation (7-bit on AVX2) there cost more KL than Q4_K_M's whole margin (BENCHMARKS.md)."""
+    return mode == "int4-head8" and name == "lm_head"
 
 
 def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device, optimize: str = "minmax") -> QuantMatrix:
@@ -56,10 +81,11 @@ class QuantLinear(nn.Module):
 
     def __init__(self, n: int, k: int, mode: str, dtype: torch.dtype, *, bias: bool = False,
                  device: torch.device | str = "cpu", kernel_device: torch.device | str | None = None,
-                 compiled: bool = False, optimize: str = "minmax") -> None:
+                 compiled: bool = False, optimize: str = "minmax", weight_only: bool = False) -> None:
         super().__init__()
         self.qm = _matrix(mode, n, k, dtype, kernel_device or device, optimize)
-        self.kernel = dense_int8_kernel(kernel_device or device, compiled=compiled) if mode == "int8" else "int4pack"
+        self.kernel = ("int4pack" if mode == "int4" else "int8pack" if weight_only
+                       else dense_int8_kernel(kernel_device or device, compiled=compiled))
         self._fbgemm = None  # FBGEMM's packed weight (after finish)
         self.opaque_bytes = 0
         self.reduce_range = not fbgemm_vnni()
@@ -70,10 +96,11 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = k, n
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mode: str) -> "QuantLinear":
+    def from_linear(cls, linear: nn.Linear, mode: str, weight_only: bool = False) -> "QuantLinear":
         """Pack a loaded ``linear`` (its weight read a block of rows at a time; the bias copied)."""
         w = linear.weight.detach()
-        q = cls(w.shape[0], w.shape[1], mode, w.dtype, bias=linear.bias is not None, device=w.device)
+        q = cls(w.shape[0], w.shape[1], mode, w.dtype, bias=linear.bias is not None, device=w.device,
+                weight_only=weight_only)
         q.load_rows(lambda a, b: w[a:b])
         if linear.bias is not None:
             q.bias.data.copy_(linear.bias.detach())
@@ -130,26 +157,40 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """``nn.Embedding`` as int8 rows: ``E[i] = q[i] · s[i]`` (``s = max|row| / 127`` in the compute dtype).
-    Made empty and filled by :meth:`load_rows`, or from a loaded ``nn.Embedding`` (:meth:`from_embedding`)."""
+    """``nn.Embedding`` as int8 rows: ``E[i] = q[i] · s[i]`` (``s = max|row| / 127`` in the compute dtype); or,
+    ``mode="int4"``, int4 codes two a byte (even columns in the low nibble) with a scale and a zero per group of
+    :data:`DENSE_GROUP` columns: ``E[i, g] = (q - 8) · s[i, g] + z[i, g]`` (``quantize_codes``, ``optimize``; D a
+    multiple of the group). Made empty and filled by :meth:`load_rows`, or from a loaded ``nn.Embedding``
+    (:meth:`from_embedding`)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, *, padding_idx: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", mode: str = "int8", optimize: str = "minmax") -> None:
         super().__init__()
-        self.register_buffer("codes", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device),
-                             persistent=False)
-        self.register_buffer("scales", torch.empty(num_embeddings, dtype=dtype, device=device), persistent=False)
+        if mode == "int4" and embedding_dim % (2 * DENSE_GROUP):
+            raise ValueError(f"an int4 embedding needs D a multiple of {2 * DENSE_GROUP}, got {embedding_dim}")
+        self.mode, self.optimize = mode, optimize
+        v, d, g = num_embeddings, embedding_dim, DENSE_GROUP
+        codes, scales = ((v, d), (v,)) if mode == "int8" else ((v, d // 2), (v, d // g))
+        self.register_buffer("codes", torch.empty(codes, dtype=torch.int8 if mode == "int8" else torch.uint8,
+                                                  device=device), persistent=False)
+        self.register_buffer("scales", torch.empty(scales, dtype=dtype, device=device), persistent=False)
+        if mode == "int4":
+            self.register_buffer("zeros", torch.empty(scales, dtype=dtype, device=device), persistent=False)
         self.padding_idx = padding_idx
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
 
     @property
     def recipe(self) -> str:
-        return f"embedding-int8-rows-{str(self.scales.dtype).removeprefix('torch.')}"
+        dtype = str(self.scales.dtype).removeprefix("torch.")
+        if self.mode == "int8":
+            return f"embedding-int8-rows-{dtype}"
+        return f"embedding-int4-g{DENSE_GROUP}-{self.optimize}-{dtype}"
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding) -> "QuantEmbedding":
+    def from_embedding(cls, emb: nn.Embedding, mode: str = "int8", optimize: str = "minmax") -> "QuantEmbedding":
         w = emb.weight.detach()
-        q = cls(w.shape[0], w.shape[1], w.dtype, padding_idx=emb.padding_idx, device=w.device)
+        q = cls(w.shape[0], w.shape[1], w.dtype, padding_idx=emb.padding_idx, device=w.device, mode=mode,
+                optimize=optimize)
         q.load_rows(lambda a, b: w[a:b])
         return q
 
@@ -158,12 +199,23 @@ class QuantEmbedding(nn.Module):
         """Quantise the table whose rows [a, b) ``rows_of(a, b)`` gives, ``rows`` rows at a time."""
         for a in range(0, self.num_embeddings, rows):
             b = min(self.num_embeddings, a + rows)
-            q, s, _ = quantize_codes(rows_of(a, b).to("cpu", torch.float32), "int8", 0, self.scales.dtype)
-            self.codes[a:b].copy_(q.to(torch.int8))
+            w = rows_of(a, b).to("cpu", torch.float32)
+            if self.mode == "int8":
+                q, s, _ = quantize_codes(w, "int8", 0, self.scales.dtype)
+                self.codes[a:b].copy_(q.to(torch.int8))
+            else:
+                q, s, z = quantize_codes(w, "int4", DENSE_GROUP, self.scales.dtype, optimize=self.optimize)
+                self.codes[a:b].copy_((q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))
+                self.zeros[a:b].copy_(z)
             self.scales[a:b].copy_(s)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.codes[ids].to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
+        if self.mode == "int8":
+            return self.codes[ids].to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
+        c = self.codes[ids]
+        q = torch.stack([c & 0xF, c >> 4], dim=-1).view(*ids.shape, -1, DENSE_GROUP).to(self.scales.dtype)
+        out = (q - 8) * self.scales[ids].unsqueeze(-1) + self.zeros[ids].unsqueeze(-1)
+        return out.view(*ids.shape, self.embedding_dim)
 
 
 def dense_targets(model: nn.Module) -> dict[str, nn.Module]:
@@ -178,7 +230,7 @@ def dense_targets(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def quantize_dense(model: nn.Module, mode: str | None) -> int:
+def quantize_dense(model: nn.Module, mode: str | None, optimize: str = "minmax") -> int:
     """Replace :func:`dense_targets` of ``model`` (weights loaded) with :class:`QuantLinear` /
     :class:`QuantEmbedding`, one module at a time (the peak is one block of rows more). Returns how many."""
     if mode in (None, "none"):
@@ -186,8 +238,9 @@ def quantize_dense(model: nn.Module, mode: str | None) -> int:
     _check_mode(mode)
     targets = dense_targets(model)
     for name, mod in targets.items():
-        _replace(model, name, QuantEmbedding.from_embedding(mod) if isinstance(mod, nn.Embedding)
-                 else QuantLinear.from_linear(mod, mode))
+        m = _target_mode(name, mod, mode)
+        _replace(model, name, QuantEmbedding.from_embedding(mod, m, optimize) if isinstance(mod, nn.Embedding)
+                 else QuantLinear.from_linear(mod, m, weight_only=_weight_only(name, mode)))
     return len(targets)
 
 
@@ -204,11 +257,14 @@ def quantize_dense_skeleton(model: nn.Module, mode: str | None, device: torch.de
     out = {}
     for name, mod in dense_targets(model).items():
         w = mod.weight
+        m = _target_mode(name, mod, mode)
         if isinstance(mod, nn.Embedding):
-            new = QuantEmbedding(w.shape[0], w.shape[1], w.dtype, padding_idx=mod.padding_idx, device="meta")
+            new = QuantEmbedding(w.shape[0], w.shape[1], w.dtype, padding_idx=mod.padding_idx, device="meta", mode=m,
+                                 optimize=optimize)
         else:
-            new = QuantLinear(w.shape[0], w.shape[1], mode, w.dtype, bias=mod.bias is not None, device="meta",
-                              kernel_device=device, compiled=compiled, optimize=optimize)
+            new = QuantLinear(w.shape[0], w.shape[1], m, w.dtype, bias=mod.bias is not None, device="meta",
+                              kernel_device=device, compiled=compiled, optimize=optimize,
+                              weight_only=_weight_only(name, mode))
         _replace(model, name, new)
         out[f"{name}.weight"] = new
     return out
@@ -237,12 +293,14 @@ def dense_bytes(model: nn.Module, mode: str | None, *, skip_experts: bool = True
         seen.add(id(t))
         total += t.numel() * t.element_size()
     total += sum(getattr(m, "opaque_bytes", 0) for m in model.modules())  # FBGEMM's packed copies
-    for mod in targets.values():
-        w = mod.weight
-        if isinstance(mod, nn.Embedding):
+    for name, mod in targets.items():
+        w, m = mod.weight, _target_mode(name, mod, mode)
+        if isinstance(mod, nn.Embedding) and m == "int8":
             total += w.shape[0] * w.shape[1] + w.shape[0] * w.element_size()
+        elif isinstance(mod, nn.Embedding):  # int4 codes two a byte, a scale and a zero per group
+            total += w.shape[0] * w.shape[1] // 2 + 2 * w.shape[0] * (w.shape[1] // DENSE_GROUP) * w.element_size()
         else:
-            total += sum(_matrix(mode, w.shape[0], w.shape[1], w.dtype, "cpu").part_bytes())
+            total += sum(_matrix(m, w.shape[0], w.shape[1], w.dtype, "cpu").part_bytes())
     return total
 
 
@@ -251,6 +309,6 @@ def dense_kernel_note(model: nn.Module) -> str | None:
     nothing is quantised."""
     from collections import Counter
 
-    c = Counter(f"{m.qm.mode} {m.kernel}" if isinstance(m, QuantLinear) else "int8 embedding"
+    c = Counter(f"{m.qm.mode} {m.kernel}" if isinstance(m, QuantLinear) else f"{m.mode} embedding"
                 for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))
     return ", ".join(f"{k} ×{v}" for k, v in sorted(c.items())) or None

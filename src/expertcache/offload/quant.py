@@ -177,6 +177,7 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
     if timed:  # FBGEMM offered here and timed against torch's int4 kernel (fbexperts.slot_kernel)
         ek["int4"] += (f" (timed here, one token x gate_up: int4pack {timed[1]['int4pack'] * 1e6:.0f} us, FBGEMM "
                        f"{timed[1]['fbgemm'] * 1e6:.0f} us; FBGEMM taken where 2x faster)")
+    dk["int4-head8"] = f"(attention {dk['int4']}, lm_head int8 {names['int8']}, embedding int4 rows)"
     caps = "".join(f" {k}={v}" for k, v in c["isa_env"].items())
     slow = not timed and expert_kernel(experts) == "int4pack" and \
         c["aten_capability"] not in ("AVX512", "AVX512_BF16", "AVX512_VNNI")
@@ -274,7 +275,9 @@ OPTIMIZERS = ("minmax", "hqq", "lsq")
 #: named recipes ``--quant`` also takes: the settings each stands for (BENCHMARKS.md "A 4-bit preset": quality,
 #: bits per weight). q4: experts int4 with least-squares scales and zeros; the dense part (attention, lm_head,
 #: embedding: the sensitive tensors, as Q4_K_M keeps its attention v / output at 6 bits) int8.
-QUANT_PRESETS = {"q4": dict(quant="int4", quant_dense="int8", quant_opt="lsq")}
+QUANT_PRESETS = {"q4": dict(quant="int4", quant_dense="int8", quant_opt="lsq"),
+                 # per-tensor like llama.cpp's Q4_K_M: everything int4 but lm_head (int8); at Q4_K_M's bits
+                 "q4m": dict(quant="int4", quant_dense="int4-head8", quant_opt="lsq")}
 
 
 def resolve_preset(offload):

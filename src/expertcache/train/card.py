@@ -175,6 +175,7 @@ def evaluate_model_dir(model_dir: str | Path, data_dir: str | None = None, max_t
         "num_experts": num_experts, "top_k": top_k, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
         "expert_ffn": cfg.intermediate_size, "heads": cfg.num_attention_heads, "seq_len": seq_len, "vocab": V,
         "params_total": total, "params_experts": experts, "experts_share": experts / total,
+        "tied": bool(getattr(cfg, "tie_word_embeddings", True)),
         "weights_dtype": str(next(iter(_safetensors_dtypes(model_dir)), "unknown")),
         "heldout": {"docs": len(heldout_docs), "tokens_scored": int(len(targets_M)), "ppl": ppl,
                     "unigram_ppl_train_freqs": uni_train, "unigram_ppl_self_fit": uni_self,
@@ -226,8 +227,31 @@ def render_card(r: dict, command: str) -> str:
         packages=", ".join(r["cache_packages"]), cache_rows="\n".join(cache_rows), opening=OPENING_TOKENS,
         continuations="".join(f"**{c['source']}**\n\n```text\n{c['prompt']}⟦{c['continuation']}⟧\n```\n\n"
                               for c in r["continuations"]))
+    fields.update(_card_words(name, tc.get("model") or name, r))
     template = (Path(__file__).with_name("templates") / "MODEL_CARD.md").read_text(encoding="utf-8")
     return string.Template(template).substitute(fields)
+
+
+def _card_words(name: str, preset: str, r: dict) -> dict:
+    """The card's words that differ between a shipped model (``SHIPPED_MODELS``) and one built by a command only
+    (e.g. ``granular-256``, too large to ship); the shipped cards read as before."""
+    from expertcache.assets import SHIPPED_MODELS
+
+    tied = r.get("tied", True)  # cards written before the field: the shipped, tied models
+    if preset in SHIPPED_MODELS and name == preset:
+        return dict(kind="shipped model", purpose="as the package's embedded default",
+                    params_note="tied embeddings counted once", cast_note="cast for shipping to stay under 16 MB",
+                    shared_note="the two cores were shared with the other shipped model's training and other jobs",
+                    use_path="from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+                             "from expertcache.assets import shipped_model_dir\n\n"
+                             f"path = shipped_model_dir({name!r})")
+    return dict(kind="model (not shipped)",
+                purpose=f"from the `{preset}` preset, not shipped in the package (built by the command below)",
+                params_note="tied embeddings counted once" if tied else "untied embedding and lm_head",
+                cast_note="cast to " + str(r.get("weights_dtype", "bf16")),
+                shared_note="the two cores were shared with other jobs",
+                use_path="from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                         f"path = {str(r.get('model_dir', name))!r}  # the trained folder")
 
 
 def write_card(model_dir: str | Path, data_dir: str | None = None, max_tokens: int = 0, threads: int = 1,

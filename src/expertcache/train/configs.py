@@ -6,7 +6,10 @@ only in expert granularity:
 
 - ``granular``: OLMoE (``OlmoeForCausalLM``), 32 experts of width 104 per layer, top-8 (fine-grained experts);
 - ``coarse``:   Mixtral (``MixtralForCausalLM``), 8 experts of width 416 per layer, top-2;
-- ``tiny``:     a 2-layer OLMoE debug config for tests (seconds to train).
+- ``tiny``:     a 2-layer OLMoE debug config for tests (seconds to train);
+- ``granular-256``: OLMoE 4 × 256, 16 experts of width 256, top-4, **untied** lm_head: not shipped (~36 MB in
+  bf16); every matrix row is a multiple of 256 so llama.cpp's K-quants (Q4_K_M) can quantise it, for the
+  like-for-like quality comparison in ``benchmarks/bench_llama_quality.py``.
 
 Letter legend used in names across ``expertcache.train``: B batch, T tokens per sequence, V vocab, E experts,
 K experts per token, L layers, D hidden width.
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Architecture of one model. ``arch`` is ``"olmoe"`` or ``"mixtral"``; ``ffn`` is the width of one expert."""
+    """Architecture of one model. ``arch`` is ``"olmoe"`` or ``"mixtral"``; ``ffn`` is the width of one expert;
+    ``tied``: the lm_head shares the embedding matrix."""
 
     arch: str
     hidden: int
@@ -30,12 +34,14 @@ class ModelSpec:
     top_k: int
     ffn: int
     router_aux_loss_coef: float = 0.01
+    tied: bool = True
 
 
 MODEL_SPECS: dict[str, ModelSpec] = {
     "granular": ModelSpec("olmoe", hidden=144, layers=4, heads=4, experts=32, top_k=8, ffn=104),
     "coarse": ModelSpec("mixtral", hidden=144, layers=4, heads=4, experts=8, top_k=2, ffn=416),
     "tiny": ModelSpec("olmoe", hidden=32, layers=2, heads=2, experts=8, top_k=2, ffn=16),
+    "granular-256": ModelSpec("olmoe", hidden=256, layers=4, heads=4, experts=16, top_k=4, ffn=256, tied=False),
 }
 
 
@@ -104,14 +110,15 @@ def check_save_dtype(value: str, label: str = "save_dtype") -> None:
 
 def build_hf_config(spec: ModelSpec, vocab_size: int, seq_len: int, bos_id: int, eos_id: int, pad_id: int,
                     experts_implementation: str = "grouped_mm"):
-    """Return the transformers config (``OlmoeConfig`` or ``MixtralConfig``) for ``spec``, tied embeddings,
+    """Return the transformers config (``OlmoeConfig`` or ``MixtralConfig``) for ``spec``, embeddings tied as
+    ``spec.tied`` says,
     ``output_router_logits=True`` so the forward adds the model's own load-balancing loss."""
     from transformers import MixtralConfig, OlmoeConfig
 
     common = dict(
         vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=spec.ffn, num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads, num_key_value_heads=spec.heads, max_position_embeddings=seq_len,
-        tie_word_embeddings=True, num_experts_per_tok=spec.top_k, output_router_logits=True,
+        tie_word_embeddings=spec.tied, num_experts_per_tok=spec.top_k, output_router_logits=True,
         router_aux_loss_coef=spec.router_aux_loss_coef, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
         use_cache=True,
     )
