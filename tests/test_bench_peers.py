@@ -299,3 +299,14 @@ def test_run_refuses_an_avx2_run_without_a_llama_build_in_one_line(tmp_path):
                        timeout=120)
     assert r.returncode == 2 and "--llama-path" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_llama_q4_best_is_the_path_that_ran_where_the_other_failed_every_time():
+    rows = [_q4row("llama-q4", 5.0, 0, "no-repack"), _q4row("llama-q4", 6.0, 1, "no-repack"),
+            dict(_q4row("llama-q4", 0, 0, "repack"), ok=False, error="exit -11"),
+            dict(_q4row("llama-q4", 0, 1, "repack"), ok=False, error="exit -4"),
+            _q4row("ec-q4p-cp", 11.0, 0), _q4row("ec-q4p-cp", 6.0, 1)]
+    s = {(x["system"], x["llama_path"]): x for x in bp.summarize(rows)}
+    assert s[("llama-q4-best", "no-repack")]["tok_s"] == pytest.approx(5.5)
+    assert s[("llama-q4", "repack")]["failed"] == 2
+    assert bp.ratios(bp.summarize(rows), "llama-q4-best")[(0.5, "ec-q4p-cp")] == pytest.approx(8.5 / 5.5)
