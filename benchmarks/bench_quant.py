@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -60,7 +61,7 @@ import torch
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.offload.bench import closed_loop_nll, machine_info
 from expertcache.offload.make_model import make_bench_model
-from expertcache.offload.quant import QuantLayout, pack_expert, quant_mlp
+from expertcache.offload.quant import EXPERT_KERNEL_VAR, QuantLayout, pack_expert, quant_mlp
 from expertcache.results import append_jsonl
 
 OUT = Path(__file__).resolve().parent / "results" / "quant.jsonl"
@@ -68,6 +69,8 @@ CONFIGS = {  # name -> (expert quant, dense quant)
     "bf16": (None, None), "int8": ("int8", None), "int4": ("int4", None),
     "int8+dense-int8": ("int8", "int8"), "int4+dense-int8": ("int4", "int8"), "int4+dense-int4": ("int4", "int4"),
     "q4": ("q4", None),
+    # the int4 experts' product forced ($EXPERTCACHE_EXPERT_KERNEL; the plain names take the CPU's own choice)
+    **{f"{q}@{k}": (q, None) for q in ("int4", "q4") for k in ("int4pack", "fbgemm")},
 }
 
 
@@ -137,9 +140,23 @@ def _runtime(path, name: str, tokens: int) -> OffloadedModel:
     is the disk with page-cached reads: with every expert in a slot the decode step is the host tier's, and no
     second host copy of the experts takes memory."""
     quant, dense = CONFIGS[name]
-    rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="disk", io="cached", readers=0, quant=quant,
-                                                            quant_dense=dense, context=16 + tokens))
+    kernel = name.partition("@")[2]
+    saved = os.environ.get(EXPERT_KERNEL_VAR)
+    if kernel:  # only while it is built: its slots' views and MLPs choose the product then
+        os.environ[EXPERT_KERNEL_VAR] = kernel
+    try:
+        rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="disk", io="cached", readers=0, quant=quant,
+                                                                quant_dense=dense, context=16 + tokens))
+    finally:
+        if kernel:
+            os.environ.pop(EXPERT_KERNEL_VAR) if saved is None else os.environ.__setitem__(EXPERT_KERNEL_VAR, saved)
     rt.warm(range(rt.num_experts))
+    t0 = time.perf_counter()
+    rt.steps.drain()
+    for st in rt.states:  # FBGEMM's per-slot copies made now (the runtime makes each at the expert's first use)
+        for e, slot in st.pool.slot_of.items():
+            rt.views.weights(st.moe.index, e, slot)
+    rt.prepack_seconds = time.perf_counter() - t0
     return rt
 
 
@@ -175,6 +192,9 @@ def decode_rows(layers: int, tokens: int, repeats: int, configs: list[str], log)
                            moe_compute_s=(s["compute_seconds"] - m0[k]["compute_seconds"]) / tokens,
                            misses=s["misses"] - m0[k]["misses"], expert_bytes=m.expert_bytes,
                            non_expert_bytes=m.plan.non_expert_bytes, quant_kernel=m.describe()["quant_kernel"],
+                           expert_kernel=None if m.views.quant is None else
+                           "fbgemm" if m.views.prepack is not None else "int4pack",
+                           views_seconds=getattr(m, "prepack_seconds", None), slot_bytes=m.plan.slot_bytes,
                            threads=torch.get_num_threads())
                 rows.append(row)
             a, b = rows[-2], rows[-1]
@@ -239,6 +259,8 @@ KL_CONFIGS = {
     "q4": dict(quant="q4"),
     "q4, dense int8 weight-only": dict(quant="q4", dense_int8_kernel="int8pack"),
     "int8 + dense int8": dict(quant="int8", quant_dense="int8"),
+    # the int4 experts' product forced (the plain names take the CPU's own choice: BENCHMARKS.md "Which 4-bit kernel")
+    **{f"{q}@{k}": dict(quant=q, expert_kernel=k) for q in ("int4", "q4") for k in ("int4pack", "fbgemm")},
 }
 
 
@@ -270,22 +292,28 @@ def kl_rows(models: list[str], chunks: int, configs: list[str], log, on_row, seq
         chunks_NS = torch.tensor(ids[:chunks * seq]).view(chunks, seq)
         params = sum(math.prod(e.shape) for f in sorted(path.glob("*.safetensors")) for e in read_header(f).values())
 
-        def run(dense_int8_kernel=None, **kw):
+        def run(dense_int8_kernel=None, expert_kernel=None, **kw):
             import expertcache.offload.qlinear as qlinear
 
             t0 = time.perf_counter()
-            real = qlinear.dense_int8_kernel
+            real, saved = qlinear.dense_int8_kernel, os.environ.get(EXPERT_KERNEL_VAR)
             if dense_int8_kernel is not None:  # a kernel the run-time choice would not take here (its quality)
                 qlinear.dense_int8_kernel = lambda *a, **k: dense_int8_kernel
+            if expert_kernel is not None:  # read while the runtime is built
+                os.environ[EXPERT_KERNEL_VAR] = expert_kernel
             try:
                 rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", context=seq, **kw))
             finally:
                 qlinear.dense_int8_kernel = real
+                if expert_kernel is not None:
+                    os.environ.pop(EXPERT_KERNEL_VAR) if saved is None else os.environ.__setitem__(EXPERT_KERNEL_VAR, saved)
             with torch.inference_mode():
                 logp = torch.stack([torch.log_softmax(rt.forward(c[None]).logits[0].float(), -1) for c in chunks_NS])
             d = rt.describe()
             info = dict(bpw=8 * (rt.expert_bytes * len(rt.layers) * rt.num_experts + rt.plan.non_expert_bytes) / params,
                         quant_kernel=d.get("quant_kernel"), dense_kernel=d.get("dense_kernel"), quant_opt=d["quant_opt"],
+                        expert_kernel=None if rt.views.quant is None else
+                        "fbgemm" if rt.views.prepack is not None else "int4pack",
                         kernels=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense), group=rt.offload.group,
                         expert_bytes=rt.expert_bytes, non_expert_bytes=rt.plan.non_expert_bytes)
             rt.close()

@@ -98,6 +98,8 @@ PRIVATE_ALLOWED = {
                                   "torchao call them the same way)"
        for op in ("_convert_weight_to_int4pack", "_convert_weight_to_int4pack_for_cpu", "_weight_int8pack_mm",
                   "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu")},
+    ("offload/fbexperts.py", "_convert_weight_to_int4pack_for_cpu"): "torch's int4 packing (aten op, no public "
+                                                                     "name), of random codes for the kernel timing",
     ("melinoe/predictor.py", "_check_out"): "melinoe's --out check, shared by its two commands (finetune.py, "
                                             "predictor.py); to be replaced by cli/common's output checks (issue 32)",
 }
@@ -171,7 +173,7 @@ def test_the_private_access_check_sees_what_it_must():
 
 #: offload/'s modules bottom to top (docs/ARCHITECTURE.md, "The offloaded runtime's parts"): each may import only
 #: the modules before it; the runtime assembles the parts and nothing below imports it
-OFFLOAD_ORDER = ["checkpoint", "quant", "binding", "writer", "densecache", "config", "budget", "ioqueue", "observe",
+OFFLOAD_ORDER = ["checkpoint", "quant", "fbexperts", "binding", "writer", "densecache", "config", "budget", "ioqueue", "observe",
                  "prefetch", "generate",
                  "layout", "qlinear", "experts", "store", "loader", "tiers", "lowtier", "slots", "views", "reads",
                  "step", "routes", "stats", "capture", "preflight", "make_model", "runtime", "bench", "__init__"]

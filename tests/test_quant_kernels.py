@@ -182,14 +182,18 @@ def test_a_miss_is_one_blob_read_into_a_slot_and_nothing_else(tiny_olmoe, monkey
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_offloaded_quantised_logits_equal_the_model_with_dequantised_experts(tiny_olmoe, mode):
+def test_offloaded_quantised_logits_equal_the_model_with_dequantised_experts(tiny_olmoe, mode, monkeypatch):
     """Every capacity, prefill (several tokens: the batched step) then one-token decode (the one-token step):
     the offloaded int8/int4 logits equal the in-memory transformers model whose experts are replaced by the
     sidecar's dequantised matrices (read back through the kernel from the identity), fp32 -- so the runtime
-    computes each used expert with exactly the packed weights, whatever the residency."""
+    computes each used expert with exactly the packed weights, whatever the residency. torch's int4 kernel
+    (an AVX2 CPU would run C = N on FBGEMM's re-quantised copies: tests/test_fbexperts.py)."""
     from conftest import decode_logits
 
     from expertcache.models import load_model
+    from expertcache.offload.quant import EXPERT_KERNEL_VAR
+
+    monkeypatch.setenv(EXPERT_KERNEL_VAR, "int4pack")
 
     rt = _rt(tiny_olmoe, quant=mode, capacity=None)
     layout = rt.source.quant
@@ -596,13 +600,15 @@ def test_q4_runtime_sidecar_and_dense_cache_carry_the_optimiser(tiny_olmoe):
 def test_the_kernel_choice_is_stated_once_on_stderr_with_the_cpu(tiny_olmoe, capfd):
     """A quantised start says, in one stderr line, the CPU model, its ISA flags, ATen's capability and the kernel
     of each quantised part; ``describe()`` carries the same CPU description and the dense kernels."""
-    from expertcache.offload.quant import cpu_description, dense_int8_kernel
+    from expertcache.offload.quant import cpu_description, dense_int8_kernel, expert_kernel
 
     rt = _rt(tiny_olmoe, quant="int4", quant_dense="int8", capacity=2)
     lines = [ln for ln in capfd.readouterr().err.splitlines() if "kernels on" in ln]
     c = cpu_description()
     assert len(lines) == 1 and c["cpu"] in lines[0] and f"ATen {c['aten_capability']}" in lines[0]
-    assert "experts int4 _weight_int4pack_mm_for_cpu" in lines[0]
+    fbx = expert_kernel("int4") == "fbgemm"  # AVX2: FBGEMM's copies where C = N (tests/test_fbexperts.py)
+    assert ("experts int4 _weight_int4pack_mm_for_cpu" in lines[0]) == (not fbx)
+    assert ("experts int4 where every expert is resident (C = N) re-quantised per slot" in lines[0]) == fbx
     fb = dense_int8_kernel() == "fbgemm"
     assert ("FBGEMM" in lines[0]) == fb and ("dense part int8 _weight_int8pack_mm" in lines[0]) == (not fb)
     d = rt.describe()

@@ -20,6 +20,8 @@ writer). :attr:`MemoryPlan.process_peak` is their sum at the worst moment. Insid
 (:func:`cgroup_memory_limit`: v1 ``memory.limit_in_bytes``, v2 ``memory.max``) a plan whose process peak
 exceeds the limit is refused with the largest ``--memory`` that fits; ``--memory auto`` (:data:`AUTO`) plans
 the largest budget whose process peak fits the limit (no limit: ``MemAvailable``).
+Where int4 experts run on FBGEMM (AVX2: :mod:`~expertcache.offload.fbexperts`) each slot also holds its expert's
+packed int8 copy: ``slot_bytes`` is then the slot's bytes plus that copy (``preflight.plan_from``'s ``slot_extra``).
 With ``--resident-quant int4`` every expert's int4 copy is resident too: ``low_tier_bytes`` (L · N · the
 packed blob's bytes) is one more fixed term, added to the total and the minimum.
 ``--memory minimum`` (:data:`MINIMUM`) asks for exactly that minimum: C = K.

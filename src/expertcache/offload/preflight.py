@@ -21,11 +21,12 @@ from expertcache.cache import make_cache
 from expertcache.models.adapters import Family, MoELayer
 from expertcache.models.captured import unsupported_reason
 from expertcache.device import on_host
-from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, MemoryPlan, cgroup_memory_limit, container_limit,
-                                        kv_cache_bytes, parse_bytes, plan_memory, process_rss)
+from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, BudgetError, MemoryPlan, cgroup_memory_limit,
+                                        container_limit, kv_cache_bytes, parse_bytes, plan_memory, process_rss)
 from expertcache.offload.checkpoint import Checkpoint, ExpertParts
 from expertcache.offload.config import EXPERT_PRODUCTS, OffloadConfig
 from expertcache.offload.experts import OPAQUE_MATVEC_ELEMENTS
+from expertcache.offload.fbexperts import slot_copy_bytes
 from expertcache.offload.layout import ALIGN, place_expert, slot_bytes_for
 from expertcache.offload.lowtier import LOW_MODES, low_tier_bytes
 from expertcache.offload.qlinear import dense_bytes, dense_targets
@@ -122,10 +123,12 @@ def preflight(path: Path, model: nn.Module, layers: list[MoELayer], checkpoint: 
     num_experts, readers = layers[0].num_experts, o.default_readers(device)
     ids = [m.layer_id for m in layers]
     if o.quant:  # the sidecar may not exist yet: its layout's bytes, at the worst file offset
-        nbytes = quant_layout_for(checkpoint, ids[0], o.quant, o.group, dtype, device, o.quant_opt).nbytes
+        qlayout = quant_layout_for(checkpoint, ids[0], o.quant, o.group, dtype, device, o.quant_opt)
+        nbytes, slot_extra = qlayout.nbytes, slot_copy_bytes(qlayout, device)  # FBGEMM's copy per slot (fbexperts)
         expert_bytes, io_bytes = nbytes, 0
         slot_bytes = slot_bytes_for(nbytes) + (ALIGN if o.tier == "disk" and o.io == "direct" else 0)
     else:
+        slot_extra = 0
         io = o.io if o.tier == "disk" else "cached"
         parts = {(m.index, e): checkpoint.expert(m.layer_id, e) for m in layers for e in range(num_experts)}
         packed = graph_products(o, model, next(iter(parts.values())), dtype, device)
@@ -153,15 +156,29 @@ def preflight(path: Path, model: nn.Module, layers: list[MoELayer], checkpoint: 
                    limit_source=source)
     plan_from(model, o, dtype, process, dense_mode=o.quant_dense, expert_bytes=expert_bytes, slot_bytes=slot_bytes,
               io_bytes=io_bytes, num_layers=len(layers), num_experts=num_experts, top_k=layers[0].top_k,
-              readers=readers, host_bytes=parse_host_memory(o.host_memory) if o.tier == "disk" else 0, low_tier_bytes=low)
+              readers=readers, host_bytes=parse_host_memory(o.host_memory) if o.tier == "disk" else 0, low_tier_bytes=low,
+              slot_extra=slot_extra)
     return process
 
 
 def plan_from(model: nn.Module, o: OffloadConfig, dtype: torch.dtype, process: dict, *, dense_mode: str | None,
               expert_bytes: int, slot_bytes: int, io_bytes: int, num_layers: int, num_experts: int, top_k: int,
-              readers: int, host_bytes: int, low_tier_bytes: int = 0) -> MemoryPlan:
+              readers: int, host_bytes: int, low_tier_bytes: int = 0, slot_extra: int = 0) -> MemoryPlan:
     """The plan of ``model`` under ``o`` with these expert sizes: ``dense_mode`` None for a loaded model
-    (its tensors as they are), ``o.quant_dense`` for the meta skeleton (the same bytes, before loading)."""
+    (its tensors as they are), ``o.quant_dense`` for the meta skeleton (the same bytes, before loading).
+    ``slot_extra``: bytes a slot holds beside its expert where every expert is resident (FBGEMM's copy of an int4
+    expert: :func:`~expertcache.offload.fbexperts.slot_copy_bytes`): the plan's slot costs ``slot_bytes +
+    slot_extra`` if with it C = N still fits, else ``slot_bytes`` (no copies: the slots keep the int4 kernel)."""
+    if slot_extra:
+        try:
+            plan = plan_from(model, o, dtype, process, dense_mode=dense_mode, expert_bytes=expert_bytes,
+                             slot_bytes=slot_bytes + slot_extra, io_bytes=io_bytes, num_layers=num_layers,
+                             num_experts=num_experts, top_k=top_k, readers=readers, host_bytes=host_bytes,
+                             low_tier_bytes=low_tier_bytes)
+            if plan.slots >= num_experts:
+                return plan
+        except BudgetError:
+            pass
     non_expert = dense_bytes(model, dense_mode)
     kv = kv_cache_bytes(model.config, o.context, o.batch, torch.empty((), dtype=dtype).element_size())
     budget = None if o.memory is None else parse_bytes(o.memory)

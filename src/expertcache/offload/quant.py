@@ -52,7 +52,8 @@ import torch.nn.functional as F
 
 __all__ = ["QUANT_PRESETS", "resolve_preset", "cpu_description", "dense_int8_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
            "kernel_for", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
-           "padding_note", "say_kernels"]
+           "padding_note", "say_kernels", "EXPERT_KERNELS", "choose_expert_kernel", "expert_kernel", "int4pack_codes",
+           "PROBED"]
 
 QUANT_MODES = ("int8", "int4")
 #: the group sizes the int4 kernels take
@@ -114,6 +115,53 @@ def fbgemm_vnni() -> bool:
     return "avx512_vnni" in cpu_description()["cpu_flags"] and cap in ("", "AVX512_E1", "AVX512_VNNI")
 
 
+#: the int4 experts' products on a CPU (:func:`expert_kernel`): torch's int4 kernel on the slot's bytes, or FBGEMM's
+#: int8 × int8 on a per-slot re-quantised copy (offload/fbexperts.py)
+EXPERT_KERNELS = ("int4pack", "fbgemm")
+#: forces :func:`expert_kernel` (benchmarks): ``int4pack`` or ``fbgemm``
+EXPERT_KERNEL_VAR = "EXPERTCACHE_EXPERT_KERNEL"
+
+
+def choose_expert_kernel(aten_capability: str, engines, forced: str | None = None) -> str:
+    """The int4 experts' product on a CPU whose ATen dispatch capability is ``aten_capability`` with the quantized
+    ``engines`` torch has: ``forced`` if given (one of :data:`EXPERT_KERNELS`, else ValueError naming
+    :data:`EXPERT_KERNEL_VAR`); else ``int4pack`` on AVX-512 (torch's int4 kernel 3.8-5.1× bf16 per matrix there,
+    ahead of FBGEMM's int8 at 3.6-4.5×) and where torch has no FBGEMM (ARM), ``fbgemm`` elsewhere (AVX2: the int4
+    kernel 0.74-0.97× bf16, FBGEMM 2.3-2.7×; BENCHMARKS.md "Which 4-bit kernel on which CPU")."""
+    if forced:
+        if forced not in EXPERT_KERNELS:
+            raise ValueError(f"{EXPERT_KERNEL_VAR} must be one of {', '.join(EXPERT_KERNELS)}, got {forced!r}")
+        if forced == "fbgemm" and "fbgemm" not in engines:
+            raise ValueError(f"{EXPERT_KERNEL_VAR}=fbgemm, but this torch has no FBGEMM (engines: {', '.join(engines)})")
+        return forced
+    if aten_capability.upper().startswith("AVX512") or "fbgemm" not in engines:
+        return "int4pack"
+    return "fbgemm"
+
+
+#: ATen capability -> (the expert kernel a timing on this CPU chose where :func:`choose_expert_kernel` offers FBGEMM,
+#: {kernel: seconds per one-token gate_up product}) (``fbexperts.slot_kernel`` records it; :func:`expert_kernel`
+#: and the kernel line report it)
+PROBED: dict[str, tuple[str, dict]] = {}
+
+
+def expert_kernel(mode: str | None, device: torch.device | str = "cpu", *, probed: bool = True) -> str | None:
+    """The product quantised experts of ``mode`` run on, on ``device``: None for unquantised experts, ``int8pack``
+    for int8, ``int4pack`` (the fused kernel of :func:`qmm`) for int4 on a GPU and where
+    :func:`choose_expert_kernel` says so for this CPU (``$EXPERTCACHE_EXPERT_KERNEL`` forcing either), else
+    ``fbgemm`` -- unless a timing of both on this CPU (:data:`PROBED`, ``probed``) found FBGEMM no faster."""
+    import os
+
+    if mode is None:
+        return None
+    if mode != "int4" or torch.device(device).type != "cpu":
+        return "int4pack" if mode == "int4" else "int8pack"
+    forced = os.environ.get(EXPERT_KERNEL_VAR, "").strip() or None
+    cap = torch.backends.cpu.get_cpu_capability()
+    got = choose_expert_kernel(cap, torch.backends.quantized.supported_engines, forced)
+    return PROBED.get(cap, (got,))[0] if probed and got == "fbgemm" and not forced else got
+
+
 def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool = False) -> str:
     """One line for stderr and the bench rows: the CPU, its ISA, and the kernel each quantised part runs on."""
     c = cpu_description()
@@ -121,12 +169,21 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
     act = "8-bit" if fbgemm_vnni() else "7-bit"
     dk = {"int4": names["int4"], "int8": f"quantized.linear_dynamic (FBGEMM, {act} activations per token)"
           if dense_int8_kernel(compiled=compiled) == "fbgemm" else names["int8"]}
+    ek = dict(names)
+    if expert_kernel(experts) == "fbgemm":
+        ek["int4"] = (f"where every expert is resident (C = N) re-quantised per slot to int8 per channel on "
+                      f"quantized.linear_dynamic (FBGEMM, {act} activations per token), else {names['int4']}")
+    timed = PROBED.get(c["aten_capability"]) if expert_kernel(experts, probed=False) == "fbgemm" else None
+    if timed:  # FBGEMM offered here and timed against torch's int4 kernel (fbexperts.slot_kernel)
+        ek["int4"] += (f" (timed here, one token x gate_up: int4pack {timed[1]['int4pack'] * 1e6:.0f} us, FBGEMM "
+                       f"{timed[1]['fbgemm'] * 1e6:.0f} us; FBGEMM taken where 2x faster)")
     caps = "".join(f" {k}={v}" for k, v in c["isa_env"].items())
-    slow = experts == "int4" and c["aten_capability"] not in ("AVX512", "AVX512_BF16", "AVX512_VNNI")  # survey
-    note = (" (on AVX2 torch's int4 kernel measured 0.75-0.97x bf16 per matrix: int4 experts save memory and reads "
-            "here, not compute; BENCHMARKS.md \"Which 4-bit kernel on which CPU\")") if slow else ""
+    slow = not timed and expert_kernel(experts) == "int4pack" and \
+        c["aten_capability"] not in ("AVX512", "AVX512_BF16", "AVX512_VNNI")
+    note = (" (on an AVX2 AMD EPYC torch's int4 kernel measured 0.74-0.97x bf16 per matrix: int4 experts may save "
+            "memory and reads there, not compute; BENCHMARKS.md \"Which 4-bit kernel on which CPU\")") if slow else ""
     return (f"kernels on {c['cpu']} [{' '.join(c['cpu_flags']) or 'no SIMD flags read'}], ATen {c['aten_capability']}"
-            f"{caps}: experts {experts and f'{experts} {names[experts]}' or 'bf16'}; dense part "
+            f"{caps}: experts {experts and f'{experts} {ek[experts]}' or 'bf16'}; dense part "
             f"{dense and f'{dense} {dk[dense]}' or 'bf16'}{note}")
 
 
@@ -360,6 +417,49 @@ def pack_matrix(w_NK: torch.Tensor, qm: QuantMatrix) -> tuple[torch.Tensor, torc
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz
 
 
+#: rows of the int4pack layout unpacked at a time by :func:`int4pack_codes` (a multiple of every CPU layout's row
+#: block: 64 AVX-512, 32 AVX2 and none), so its permutation is held for one block, not the matrix
+_UNPACK_ROWS = 256
+_UNPACK_ORDER: dict[tuple, torch.Tensor] = {}
+
+
+def _unpack_order(n: int, k: int) -> torch.Tensor:
+    """The permutation the CPU int4 packing applies to an [n, k] matrix, this capability: int64 [n·k], for each
+    element (row-major) the position of its nibble in the packed bytes (low nibble, then high, in byte order).
+    Found by packing the matrix of element indices, four bits at a time, so it holds whatever the capability's
+    layout is."""
+    key = (n, k, torch.backends.cpu.get_cpu_capability())
+    got = _UNPACK_ORDER.get(key)
+    if got is None:
+        idx = torch.arange(n * k, dtype=torch.int64).view(n, k)
+        where = torch.zeros(n * k, dtype=torch.int64)  # nibble position -> element
+        for shift in range(0, max(4, (n * k - 1).bit_length()), 4):
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(((idx >> shift) & 15).to(torch.int32), 1)
+            where |= _nibbles(packed).view(-1).long() << shift
+        got = _UNPACK_ORDER.setdefault(key, torch.argsort(where))
+    return got
+
+
+def _nibbles(packed_u8: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2·B]: each byte's low nibble, then its high nibble."""
+    return torch.stack([packed_u8 & 15, packed_u8 >> 4], dim=-1).flatten(-2)
+
+
+def int4pack_codes(weight_u8: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
+    """The codes (uint8 [n_pad, k_pad] in 0..15) a CPU int4 weight of ``qm`` (``QuantMatrix.shapes``'s uint8
+    [n_pad, k_pad / 2], packed on this capability) was packed from: the inverse of ``pack_matrix``'s
+    ``_convert_weight_to_int4pack_for_cpu``, :data:`_UNPACK_ROWS` rows at a time where the row count divides."""
+    if qm.mode != "int4" or qm.kernel != kernel_for("int4", "cpu"):
+        raise ValueError(f"{qm.mode} layout {qm.kernel!r} is not this CPU's int4 layout ({kernel_for('int4', 'cpu')})")
+    n, k = qm.n_pad, qm.k_pad
+    rows = _UNPACK_ROWS if n % _UNPACK_ROWS == 0 else n
+    order = _unpack_order(rows, k)
+    out = torch.empty(n, k, dtype=torch.uint8)
+    for a in range(0, n, rows):
+        out[a:a + rows].view(-1).copy_(torch.take(_nibbles(weight_u8[a:a + rows]), order))
+    return out
+
+
 #: rows packed at a time by :func:`pack_matrix_into` (a multiple of 64: the CPU int4 layout's row block, and of
 #: tinygemm's 8), so packing a large matrix holds one block in float32, not the matrix
 PACK_ROWS = 1024
@@ -484,5 +584,7 @@ def padding_note(layout: QuantLayout) -> str:
     pads = [f"{what} {m.k}->{m.k_pad}" for what, m in (("gate_up K", gu), ("down K", dn)) if m.k_pad != m.k]
     pads += [f"down N {dn.n}->{dn.n_pad}"] if dn.n_pad != dn.n else []
     pads += [f"F {layout.f}->{layout.f_pad} rows per half"] if layout.f_pad != layout.f else []
+    fb = layout.kernel.startswith("cpu-") and expert_kernel(layout.mode) == "fbgemm"
     return f"{layout.mode} {name[layout.mode]}{grp} [{layout.kernel}]" + \
+        (" (where C = N: re-quantised per slot to int8 per channel, FBGEMM quantized.linear_dynamic)" if fb else "") + \
         (f", zero-padded: {', '.join(pads)}" if pads else ", no padding")

@@ -35,7 +35,7 @@ empty caches (as after :meth:`configure`).
 
 Observers (:mod:`~expertcache.offload.observe`) see frozen events and cannot change a decision;
 :meth:`OffloadedModel.set_row_router` is the one seam that may change the routing. No module replaces a method.
-GPU: with ``device='cuda'`` slots are CUDA memory, filled by copies on their own stream (:mod:`.reads`).
+GPU: ``device='cuda'`` slots are CUDA memory, filled by copies on their own stream (:mod:`.reads`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from expertcache.offload.budget import MemoryPlan, release_free_heap
 from expertcache.offload.checkpoint import Checkpoint
 from expertcache.offload.config import OffloadConfig
 from expertcache.offload.experts import OffloadedExperts, bucket_rows, expert_mlp, use_matvec
+from expertcache.offload.fbexperts import slot_copy_bytes, slot_mlps
 from expertcache.offload.generate import generate
 from expertcache.offload.ioqueue import IOQueue
 from expertcache.offload.loader import cache_dir as _cache_dir, load_non_expert, recompute_rotary
@@ -73,7 +74,7 @@ from expertcache.offload.prefetch import PrefetchStats, first_layer_input, guess
 from expertcache.offload.preflight import (check_resident_quant, compile_kernels, expert_product, expert_sizes,
                                            graph_products, plan_from, preflight)
 from expertcache.offload.qlinear import DENSE_MODES, dense_kernel_note, quantize_dense_skeleton
-from expertcache.offload.quant import cpu_description, padding_note, say_kernels, quant_mlp, resolve_preset
+from expertcache.offload.quant import cpu_description, padding_note, say_kernels, resolve_preset
 from expertcache.offload.reads import SlotReads
 from expertcache.offload.routes import Routes
 from expertcache.offload.slots import SlotArena
@@ -172,12 +173,10 @@ class OffloadedModel:
         self._process = process or {}  # the preflight's process terms (interpreter RSS, limit): see preflight
         self.model = model
         self.config = model.config
-        self.family = family
-        self.layers = layers
+        self.family, self.layers = family, layers
         self.checkpoint = checkpoint
         self.offload = offload
-        self.dtype = dtype
-        self.device = device
+        self.dtype, self.device = dtype, device
         self.num_experts = layers[0].num_experts
         self.top_k = layers[0].top_k
         self.renormalize = bool(family.renormalize(layers[0].router))
@@ -190,7 +189,7 @@ class OffloadedModel:
             layout = quant_layout_for(checkpoint, layers[0].layer_id, offload.quant, offload.group, dtype, device,
                                       offload.quant_opt)
             offload = self.offload = dataclasses.replace(offload, group=layout.group if offload.quant == "int4" else None)
-            mlps = [quant_mlp(layout, f.act) for f in mlps]
+            mlps = slot_mlps(layout, [f.act for f in mlps], device)
             self.source = _sidecar(path, checkpoint, layers, layout)
         else:
             self.source = NativeSource(checkpoint)
@@ -269,7 +268,7 @@ class OffloadedModel:
                          expert_bytes=self.expert_bytes, slot_bytes=self.slot_bytes, io_bytes=self._io_bytes,
                          num_layers=len(self.layers), num_experts=self.num_experts, top_k=self.top_k,
                          readers=self.offload.readers, host_bytes=self.host.nbytes if self.host is not None else 0,
-                         low_tier_bytes=self._low_bytes)
+                         low_tier_bytes=self._low_bytes, slot_extra=slot_copy_bytes(self.source.quant, self.device))
         if self.host is not None:  # the host level has its own budget (--host-memory), beside the fast tier's
             plan = dataclasses.replace(plan, host_slots=self.host.slots)
         return dataclasses.replace(plan, pinned_bytes=getattr(self.tier, "pinned_bytes", 0))
@@ -278,7 +277,8 @@ class OffloadedModel:
         """One arena of C cache slots per layer plus one scratch slot and P spares shared by all layers."""
         arena = SlotArena(len(self.layers), capacity, self.slot_bytes, self.device, scratch=1,
                           spare=self.offload.prefetch)
-        self.views = SlotViews(arena, self._parts, self._placement, self._layout_of, self.dtype, self.source.quant)
+        self.views = SlotViews(arena, self._parts, self._placement, self._layout_of, self.dtype, self.source.quant,
+                               copies=self.plan.slot_bytes > self.slot_bytes)  # the plan counts FBGEMM's copies
         self.steps.use_arena(arena, self.views)
         # the captured step's in-graph expert products (or None): where the runtime decided so at construction
         # (graph_experts) and every expert sits at one layout in its slot

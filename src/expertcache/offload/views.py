@@ -6,12 +6,19 @@ compute dtype; the fused kernels' views for quantised experts) and keeps them: v
 the expert's layout there, so experts of one layout (every expert of the host tier) reuse a slot's views, no view
 ops per miss. It also keeps the arena seen as one strided tensor per matrix (the grouped product, the captured
 step's in-graph product). One :class:`SlotViews` per arena: a new arena (a new capacity) gets new views.
+
+Where int4 experts run on FBGEMM (:func:`~expertcache.offload.fbexperts.slot_kernel`), every expert is resident
+(C = N) and the memory plan counts the copies (``copies``), what an expert's MLP reads is not a view but a packed
+copy of the expert (:mod:`~expertcache.offload.fbexperts`), made from the views the first time the expert is
+computed from its slot and kept in the slot's placement: a read into the slot resets the placement
+(``SlotReads.submit``), so the copy never outlives the bytes it was made from.
 """
 
 from __future__ import annotations
 
 import torch
 
+from expertcache.offload.fbexperts import slot_kernel, slot_prepack
 from expertcache.offload.layout import arena_matrix_views, expert_views
 from expertcache.offload.quant import QuantLayout
 from expertcache.offload.slots import SlotArena
@@ -31,17 +38,22 @@ def layout_ids(parts: dict, placement: dict) -> dict:
 class SlotViews:
     """Views of the experts in ``arena``'s slots (see the module docstring). ``parts`` / ``placement`` /
     ``layout_of``: (MoE layer index, expert) -> its ExpertParts, Placement, layout id (:func:`layout_ids`);
-    ``dtype``: the compute dtype; ``quant``: the slots' quantised layout, or None."""
+    ``dtype``: the compute dtype; ``quant``: the slots' quantised layout, or None; ``copies``: whether the memory plan
+    counts FBGEMM's per-slot copies (module docstring)."""
 
     def __init__(self, arena: SlotArena, parts: dict, placement: dict, layout_of: dict, dtype: torch.dtype,
-                 quant: QuantLayout | None) -> None:
+                 quant: QuantLayout | None, *, copies: bool = True) -> None:
         self.arena, self.parts, self.placement, self.layout_of = arena, parts, placement, layout_of
         self.dtype, self.quant = dtype, quant
         self._per_slot: dict[int, dict[int, tuple]] = {}  # slot -> layout id -> the expert tensors' views
         self._per_matrix: dict[tuple, tuple] = {}  # layout key -> the arena per matrix
+        fbgemm = quant is not None and slot_kernel(quant, arena.buffer.device) == "fbgemm"
+        every = arena.capacity > max((e for _, e in parts), default=-1)  # every expert resident: C = N
+        self.prepack = slot_prepack(quant) if fbgemm and every and copies else None  # views -> FBGEMM copy
 
     def weights(self, index: int, e: int, slot: int) -> tuple[torch.Tensor, ...]:
-        """Expert ``e`` of MoE layer ``index``'s tensors as views of ``slot`` (cached per slot while it holds it)."""
+        """Expert ``e`` of MoE layer ``index``'s tensors as views of ``slot`` (cached per slot while it holds it);
+        its FBGEMM copy where the experts run on FBGEMM (module docstring)."""
         key = (index, e)
         held = self.arena.placement.get(slot)
         if held is not None and held[0] == key and held[2] is not None:
@@ -59,6 +71,8 @@ class SlotViews:
             if len(kept) >= 4:  # disk O_DIRECT placements vary with file alignment: keep a few per slot
                 kept.pop(next(iter(kept)))
             kept[sig] = w
+        if self.prepack is not None:  # this expert's own copy, for as long as the slot holds it
+            w = self.prepack(w)
         self.arena.placement[slot] = (key, self.placement[key], w)
         return w
 
