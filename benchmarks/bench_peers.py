@@ -12,7 +12,8 @@ The same random-weight checkpoint (``expertcache bench --make-model olmoe-1b-7b 
   same on the **Q4_K_M** GGUF that llama.cpp's own quantiser makes of it (``quantize``), what llama.cpp's CPU
   users run; ``--no-repack`` loads without llama.cpp's CPU extra buffer types (its ``--no-repack``);
 * **expertcache with 4-bit experts** (``ec-q4-lru``, ``ec-q4-cp``: ``--quant int4``; ``ec-q4d-*`` adds
-  ``--quant-dense int4`` where the runtime has it); every expertcache child plans with ``--memory auto``
+  ``--quant-dense int4`` where the runtime has it; ``ec-q4p-lru``, ``ec-q4p-cp``: the ``--quant q4`` preset,
+  ``offload.quant.QUANT_PRESETS``); every expertcache child plans with ``--memory auto``
   inside its cgroup (``--ec-memory reserve``: the earlier rows' limit − 0.5 GiB);
 * **HF accelerate** disk offload (``dispatch_model`` with an offload folder): accelerate offloads whole
   modules, and OLMoE's experts are one fused module per layer (``experts.gate_up_proj [E, 2F, D]``), so it
@@ -30,6 +31,22 @@ the checkpoint's size (``0.5``) or of the Q4_K_M GGUF's (``q0.5``); within a bud
 interleaved, their order rotated and reversed from round to round. Rows go to JSONL;
 ``--summary`` prints medians per (budget, system).
 
+**Both ISAs on one machine, llama.cpp's best path, time to the first token.** ``--isa avx2`` caps torch's three
+kernel libraries in every expertcache child (:data:`ISA_ENV`: ``ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2``) and requires ``--llama-path`` to name a
+llama-cpp-python build without AVX-512 (checked before the work from ``llama_print_system_info()``, the
+features it was compiled with; the string is in every llama row). ``--llama-path DIR`` is put first on the
+llama children's ``sys.path`` (default: the installed llama-cpp-python). ``--llama-paths repack no-repack``
+runs llama.cpp both with its CPU extra buffer types (``repack``, its default) and without (``no-repack``) in
+the same rounds; the summary's ``llama-q4-best`` is the (path, readahead) with the higher median, and the
+same-round ratios are taken against that path's run in each round. Every row records the CPU model, its ISA
+flags (:data:`ROW_CPU_FLAGS`), the ISA label, torch's ATen capability (expertcache children), threads and
+``ttft_s``: process start (the orchestrator's spawn) → the first generated token's logits (end of the prefill).
+Before the rounds each quantised expertcache configuration runs once (``kind: peers-prime``, in the largest
+budget's cgroup) so that its expert sidecar and packed dense cache exist: the timed rows are **second starts**
+(their ``sidecar_written`` is False and ``dense_load`` says ``read``), the prime row's ``ttft_s`` a first start
+where nothing was built before.
+
 Needs root (cgroups, read_ahead_kb) and the ``peers`` extra (llama-cpp-python, gguf, accelerate)::
 
     expertcache bench --make-model olmoe-1b-7b --layers 16
@@ -37,6 +54,8 @@ Needs root (cgroups, read_ahead_kb) and the ``peers`` extra (llama-cpp-python, g
     python benchmarks/bench_peers.py quantize --gguf M-bf16.gguf --gguf-q4 M-Q4_K_M.gguf   # llama.cpp's quantiser
     python benchmarks/bench_peers.py prepare-accelerate --model M --accel-dir D --budgets 0.25 0.5 1.0
     python benchmarks/bench_peers.py run --model M --gguf M-bf16.gguf --accel-dir D --out rows.jsonl
+    python benchmarks/bench_peers.py run --model M --gguf-q4 M-Q4_K_M.gguf --systems llama-q4 ec-q4p-cp \
+        --llama-paths repack no-repack --isa avx2 --llama-path AVX2_BUILD --out rows.jsonl   # both ISAs: run twice
     python benchmarks/bench_peers.py summary rows.jsonl
     python benchmarks/bench_peers.py compute --model M4 --gguf M4-bf16.gguf    # all-resident, no cgroup, warm
 """
@@ -60,15 +79,27 @@ GiB = 2**30
 QUANT_FTYPES = ("Q4_K_M", "Q4_K_S", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0")
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 SYSTEMS = ("ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate", "ec-bench", "llama-q4", "ec-q4-lru", "ec-q4-cp",
-           "ec-q4d-lru", "ec-q4d-cp")
+           "ec-q4d-lru", "ec-q4d-cp", "ec-q4p-lru", "ec-q4p-cp")
 #: expertcache children: (routing policy set, --quant, --quant-dense); "q4" = int4 experts, "q4d" = int4 experts
-#: and int4 dense weights (the ``quant`` branch's --quant-dense)
+#: and int4 dense weights (the ``quant`` branch's --quant-dense); "q4p" = the ``--quant q4`` preset
 EC_CHILDREN = {"ec-lru": ("original+lru", None, None), "ec-lru-pf": ("original+lru", None, None),
                "ec-cp": ("cache-prior", None, None), "ec-q4-lru": ("original+lru", "int4", None),
                "ec-q4-cp": ("cache-prior", "int4", None), "ec-q4d-lru": ("original+lru", "int4", "int4"),
-               "ec-q4d-cp": ("cache-prior", "int4", "int4")}
+               "ec-q4d-cp": ("cache-prior", "int4", "int4"), "ec-q4p-lru": ("original+lru", "q4", None),
+               "ec-q4p-cp": ("cache-prior", "q4", None)}
 LLAMA_SYSTEMS = ("llama", "llama-q4")
 RESULT_TAG = "PEERS_RESULT "
+#: the environment of an expertcache child per ``--isa``: ``avx2`` caps all three of torch's kernel libraries
+#: (``ATEN_CPU_CAPABILITY`` alone leaves oneDNN and FBGEMM on AVX-512; BENCHMARKS.md "Which 4-bit kernel on
+#: which CPU"); ``native`` removes any cap inherited from the caller
+ISA_ENV = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                  "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}}
+#: the CPU flags every row records (``/proc/cpuinfo``): what decides which kernels run
+ROW_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
+                 "amx_int8", "amx_bf16")
+#: llama.cpp's CPU paths: ``repack`` (its default CPU extra buffer types) and ``no-repack`` (``--no-repack``)
+LLAMA_PATHS = ("repack", "no-repack")
+_T0 = time.time()  # this process's start, near enough (before the heavy imports): a child's sidecar age
 
 
 # -- small helpers (tested in tests/test_bench_peers.py without llama.cpp, cgroups or root) -----------------
@@ -87,6 +118,69 @@ def readahead(kb: int | None, path: str | os.PathLike = "/sys/block/vda/queue/re
         yield int(kb)
     finally:
         path.write_text(f"{old}\n")
+
+
+def isa_env(isa: str, env: dict) -> dict:
+    """``env`` for an expertcache child under ``--isa``: a copy with :data:`ISA_ENV` [isa] set and the other
+    caps removed (``native``: none, whatever the caller had set)."""
+    if isa not in ISA_ENV:
+        raise ValueError(f"--isa {isa!r}: one of {', '.join(ISA_ENV)}")
+    out = {k: v for k, v in env.items() if k not in ISA_ENV["avx2"]}
+    out.update(ISA_ENV[isa])
+    return out
+
+
+def parse_cpuinfo(text: str) -> dict:
+    """The CPU model and which of :data:`ROW_CPU_FLAGS` it has, from ``/proc/cpuinfo``'s text (first CPU)."""
+    model, flags = "?", set()
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "Model") and model == "?":
+            model = val.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = set(val.split())
+    return dict(cpu=model, cpu_flags=[f for f in ROW_CPU_FLAGS if f in flags])
+
+
+def cpu_row() -> dict:
+    """:func:`parse_cpuinfo` of this machine (``cpu='?'`` where ``/proc/cpuinfo`` cannot be read)."""
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return dict(cpu="?", cpu_flags=[])
+
+
+def llama_features(info: str) -> dict[str, int]:
+    """``NAME = value`` pairs of ``llama_print_system_info()`` (e.g. ``CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 |
+    REPACK = 1 |``): the features the build was compiled with, upper-cased names → ints (non-numbers skipped)."""
+    out = {}
+    for part in info.replace("\n", "|").split("|"):
+        name, eq, val = part.rpartition("=")
+        name = name.rsplit(":", 1)[-1].strip().upper()
+        if eq and name and val.strip().lstrip("-").isdigit():
+            out[name] = int(val.strip())
+    return out
+
+
+def llama_build_isa(info: str) -> str:
+    """The widest x86 vector ISA a llama.cpp build was compiled for: ``avx512`` (any ``AVX512*`` feature on),
+    ``avx2``, or ``none``."""
+    feats = llama_features(info)
+    if any(k.startswith("AVX512") and v for k, v in feats.items()):
+        return "avx512"
+    return "avx2" if feats.get("AVX2") else "none"
+
+
+def check_llama_build(isa: str, info: str, where: str) -> str | None:
+    """Why the llama.cpp build at ``where`` (its system info ``info``) cannot stand for ``--isa isa``, or None:
+    ``avx2`` needs a build with AVX2 and without any AVX-512 feature (an AVX-512 build would be measured as
+    the AVX2 one)."""
+    built = llama_build_isa(info)
+    if isa == "avx2" and built != "avx2":
+        return (f"--llama-path {where}: --isa avx2 needs a llama.cpp built for AVX2 without AVX-512, this one is "
+                f"{built} ({info.strip()[:160]})")
+    return None
 
 
 def proc_io(pid: str | int = "self") -> dict[str, int]:
@@ -155,20 +249,28 @@ def drop_page_cache(paths) -> int:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Medians per (budget, system, readahead) of the successful rows; failed runs are counted, not averaged.
-    Each budget also gets a ``llama-best`` entry: the llama.cpp readahead with the higher median tok/s."""
+    """Medians per (budget, system, readahead, llama.cpp path) of the successful timed rows (``kind`` ``peers``;
+    prime runs are left out); failed runs are counted, not averaged. Each budget also gets a ``llama-best``
+    entry: the llama.cpp readahead with the higher median tok/s; and ``llama-q4-best``: the llama.cpp Q4_K_M
+    (path, readahead) with the higher median tok/s, where more than one ran."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["budget"], r["system"], r.get("readahead_kb")), []).append(r)
+        if r.get("kind", "peers") == "peers":
+            groups.setdefault((r["budget"], r["system"], r.get("readahead_kb"), r.get("llama_path")), []).append(r)
     out = []
-    for (budget, system, ra), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+    for (budget, system, ra, path), rs in sorted(groups.items(),
+                                                 key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0, kv[0][3] or "")):
         ok = [r for r in rs if r.get("ok")]
-        s = dict(budget=budget, system=system, readahead_kb=ra, runs=len(rs), failed=len(rs) - len(ok),
+        s = dict(budget=budget, system=system, readahead_kb=ra, llama_path=path, runs=len(rs), failed=len(rs) - len(ok),
                  errors=sorted({r.get("error", "") for r in rs if not r.get("ok")}))
         if ok:
             s["tok_s"] = statistics.median(r["tok_s"] for r in ok)
             s["tok_s_runs"] = [round(r["tok_s"], 3) for r in ok]
             s["bytes_per_token"] = statistics.median(r["bytes_per_token"] for r in ok)
+            ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
+            if ttft:
+                s["ttft_s"] = statistics.median(ttft)
+                s["ttft_runs"] = [round(x, 1) for x in ttft]
             for k in ("max_usage_bytes", "capacity", "resident_layers"):
                 vals = [r[k] for r in ok if r.get(k) is not None]
                 if vals:
@@ -179,8 +281,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         if llamas:
             best = max(llamas, key=lambda s: s["tok_s"])
             out.append(dict(best, system="llama-best"))
-        q4 = [s for s in out if s["budget"] == budget and s["system"] == "llama-q4" and "tok_s" in s]
-        if len(q4) > 1:  # several readaheads: the better one is the reference
+        q4_ran = [s for s in out if s["budget"] == budget and s["system"] == "llama-q4"]
+        q4 = [s for s in q4_ran if "tok_s" in s]
+        if q4 and len(q4_ran) > 1:  # several readaheads or paths (a path that failed in every run counts as
+            # slower): the better one is the reference
             out.append(dict(max(q4, key=lambda s: s["tok_s"]), system="llama-q4-best"))
     return out
 
@@ -201,20 +305,24 @@ def ratios(summary: list[dict], ref: str = "llama-best") -> dict:
     return res
 
 
-def round_ratios(rows: list[dict], ref: str = "llama") -> dict:
-    """Per budget and expertcache system: the ratios within each round (the system's tok/s ÷ the faster of
+def round_ratios(rows: list[dict], ref: str = "llama", best: dict | None = None, key: str = "tok_s") -> dict:
+    """Per budget and expertcache system: the ratios within each round (the system's ``key`` ÷ the faster of
     that round's ``ref`` runs: ``llama`` bf16, ``llama-q4``), one per round where both ran -- the same-run
-    ratios."""
+    ratios. ``best``: budget → (readahead_kb, llama_path) of the reference's best configuration (the
+    summary's ``llama-q4-best``): only that configuration's run of each round is the reference. ``key``:
+    ``tok_s``, or ``ttft_s`` (then the reference is the round's smaller time)."""
     res: dict[tuple, list[float]] = {}
-    ok = [r for r in rows if r.get("ok")]
+    ok = [r for r in rows if r.get("ok") and r.get("kind", "peers") == "peers" and r.get(key) is not None]
+    pick = min if key == "ttft_s" else max
     for b, rnd in sorted({(r["budget"], r["round"]) for r in ok}):
         same = [r for r in ok if r["budget"] == b and r["round"] == rnd]
-        llama = [r["tok_s"] for r in same if r["system"] == ref]
+        llama = [r[key] for r in same if r["system"] == ref
+                 and (best is None or b not in best or (r.get("readahead_kb"), r.get("llama_path")) == best[b])]
         if not llama:
             continue
         for r in same:
             if r["system"] in EC_SYSTEMS:
-                res.setdefault((b, r["system"]), []).append(r["tok_s"] / max(llama))
+                res.setdefault((b, r["system"]), []).append(r[key] / pick(llama))
     return res
 
 
@@ -289,7 +397,7 @@ def child_expertcache(a) -> None:
 
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     from expertcache.offload import OffloadConfig, OffloadedModel
     from expertcache.offload.bench import policy_set
 
@@ -332,6 +440,7 @@ def child_expertcache(a) -> None:
     forced = _ids(vocab, a.tokens + 1, 1)
     with torch.inference_mode():
         logits, past = rt.prefill(prompt)
+        first_token_at = time.time()  # the first generated token's logits
         logits, past = rt.decode_one_token(torch.tensor([[forced[0]]]), past)  # warm-up token
         s0, io0 = rt.stats(), proc_io()
         times = []
@@ -342,26 +451,48 @@ def child_expertcache(a) -> None:
         assert bool(torch.isfinite(logits).all())
         s1, io1 = rt.stats(), proc_io()
     n = len(times)
+    d = rt.describe()
+    side = getattr(rt.source, "path", None)  # the quantised experts' sidecar (None: bf16 experts)
+    from expertcache.offload.quant import kernel_choice_line
+
+    start = dict(first_token_at=first_token_at, aten_capability=d["cpu"].get("aten_capability"),
+                 isa_env=d["cpu"].get("isa_env"), quant_kernel=d.get("quant_kernel"), dense_kernel=d.get("dense_kernel"),
+                 dense_load=d.get("dense_load"), quant_opt=d.get("quant_opt"),
+                 kernel_line=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense) if rt.offload.quant or
+                 rt.offload.quant_dense else None,
+                 sidecar=Path(side).name if side else None,
+                 sidecar_written=bool(side) and Path(side).stat().st_mtime > _T0)  # False: read (a second start)
     _result(ok=True, tok_s=n / sum(times), times=times, bytes_per_token=(io1["read_bytes"] - io0["read_bytes"]) / n,
-            runtime_bytes_per_token=(s1["bytes_read"] - s0["bytes_read"]) / n,
+            **start, runtime_bytes_per_token=(s1["bytes_read"] - s0["bytes_read"]) / n,
             hit_rate=(s1["hits"] - s0["hits"]) / max(1, s1["accesses"] - s0["accesses"]),
             capacity=rt.capacity, prefetch=prefetch, readers=a.readers, memory=rt.plan.budget, plan_bytes=rt.plan.total,
-            process_peak=rt.plan.process_peak, policy=name, quant=quant, quant_dense=quant_dense, ec_memory=a.ec_memory)
+            process_peak=rt.plan.process_peak, policy=name, quant=quant, quant_dense=quant_dense, ec_memory=a.ec_memory,
+            resolved_quant=rt.offload.quant, resolved_quant_dense=rt.offload.quant_dense)
+
+
+def import_llama(path: str | None):
+    """llama_cpp from ``path`` (put first on ``sys.path``: a build that is not installed), else the installed one."""
+    if path:
+        sys.path.insert(0, str(Path(path).resolve()))
+    import llama_cpp
+
+    return llama_cpp
 
 
 def child_llama(a) -> None:
-    import llama_cpp
-
+    llama_cpp = import_llama(a.llama_path)
     meta = json.loads((Path(a.model) / "config.json").read_text())
     vocab = meta["vocab_size"]
     gguf = a.gguf_q4 if a.system == "llama-q4" else a.gguf
     if a.no_repack:
         no_repack(llama_cpp)
-    llm = llama_cpp.Llama(gguf, n_ctx=max(64, a.prompt_tokens + a.tokens + 8), n_threads=1, n_threads_batch=1,
-                          n_batch=max(8, a.prompt_tokens), use_mmap=True, use_mlock=False, verbose=False)
+    llm = llama_cpp.Llama(gguf, n_ctx=max(64, a.prompt_tokens + a.tokens + 8), n_threads=a.threads,
+                          n_threads_batch=a.threads, n_batch=max(8, a.prompt_tokens), use_mmap=True, use_mlock=False,
+                          verbose=False)
     prompt = _ids(vocab, a.prompt_tokens, 0)
     forced = _ids(vocab, a.tokens + 1, 1)
     llm.eval(prompt)
+    first_token_at = time.time()  # the first generated token's logits
     llm.eval([forced[0]])  # warm-up token
     io0 = proc_io()
     times = []
@@ -373,7 +504,9 @@ def child_llama(a) -> None:
     n = len(times)
     _result(ok=True, tok_s=n / sum(times), times=times, bytes_per_token=(io1["read_bytes"] - io0["read_bytes"]) / n,
             llama_cpp=llama_cpp.__version__, gguf=Path(gguf).name, gguf_bytes=Path(gguf).stat().st_size,
-            no_repack=bool(a.no_repack))
+            no_repack=bool(a.no_repack), first_token_at=first_token_at,
+            llama_system_info=llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+            llama_build=llama_build_isa(llama_cpp.llama_print_system_info().decode(errors="replace")))
 
 
 def no_repack(llama_cpp) -> None:
@@ -521,9 +654,15 @@ def child(a) -> None:
 
 # -- the orchestrator -------------------------------------------------------------------------------------
 
-def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | None, label: str = "") -> dict:
-    """One child run inside a fresh cgroup; returns its row (ok=False with the reason on failure)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | None, label: str = "",
+            path: str | None = None, kind: str = "peers", timeout: int | None = None) -> dict:
+    """One child run inside a fresh cgroup; returns its row (ok=False with the reason on failure). ``path``:
+    llama.cpp's CPU path (:data:`LLAMA_PATHS`) for a llama child; ``kind``: ``peers`` (timed) or ``peers-prime``
+    (the run that builds a quantised configuration's sidecar and dense cache, before the rounds)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
+    if system not in LLAMA_SYSTEMS:  # torch's kernel libraries capped per --isa (llama.cpp: its build)
+        env = isa_env(a.isa, env)
+    timeout = timeout or a.timeout
     here = Path(__file__).resolve()
     if system == "ec-bench":  # the CLI benchmark itself inside the cgroup (target: it completes)
         cmd = [sys.executable, "-m", "expertcache.cli.main", "bench", "--model", a.model, "--memory",
@@ -532,29 +671,37 @@ def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | No
     else:
         cmd = [sys.executable, str(here), "child", "--system", system, "--model", a.model, "--limit", str(limit),
                "--tokens", str(a.accel_tokens if system == "accelerate" else a.tokens), "--prompt-tokens", str(a.prompt_tokens), "--readers", str(a.readers),
-               "--prefetch", str(a.prefetch if system == "ec-lru-pf" else 0), "--ec-memory", a.ec_memory]
+               "--prefetch", str(a.prefetch if system == "ec-lru-pf" else 0), "--ec-memory", a.ec_memory,
+               "--threads", str(a.threads), "--isa", a.isa]
         if system in LLAMA_SYSTEMS:
-            cmd += ["--gguf", str(a.gguf), "--gguf-q4", str(a.gguf_q4)] + (["--no-repack"] if a.no_repack else [])
+            cmd += ["--gguf", str(a.gguf), "--gguf-q4", str(a.gguf_q4)] + (["--no-repack"] if path == "no-repack" else [])
+            if a.llama_path:
+                cmd += ["--llama-path", str(a.llama_path)]
         if system == "accelerate":
             cmd += ["--accel-dir", a.accel_dir]
     drop_page_cache([a.model, a.gguf, a.gguf_q4, a.accel_dir])
     cg = MemoryCgroup(f"peers-{os.getpid()}-{system}", limit)
-    row = dict(kind="peers", model=Path(a.model).name, system=system, budget=budget, budget_label=label,
-               limit_bytes=limit, round=rnd, readahead_kb=ra_kb,
+    row = dict(kind=kind, model=Path(a.model).name, system=system, budget=budget, budget_label=label,
+               limit_bytes=limit, round=rnd, readahead_kb=ra_kb, isa=a.isa, threads=a.threads, **cpu_row(),
+               llama_path=path if system in LLAMA_SYSTEMS else None,
+               start=("second (sidecar and dense cache built by the prime run)" if kind == "peers"
+                      and EC_CHILDREN.get(system, (None, None))[1] else
+                      "first (prime run)" if kind == "peers-prime" else "fresh process, page cache dropped"),
                tokens=a.accel_tokens if system == "accelerate" else a.tokens, prompt_tokens=a.prompt_tokens, date=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                loadavg=os.getloadavg()[0])
     t0 = time.perf_counter()
     try:
         with readahead(ra_kb, f"/sys/block/{a.device}/queue/read_ahead_kb") as ra:
             row["readahead_kb"] = ra
+            spawn = time.time()
             p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                  preexec_fn=cg.join)
             try:
-                out, err = p.communicate(timeout=a.timeout)
+                out, err = p.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 p.kill()
                 out, err = p.communicate()
-                row.update(ok=False, error=f"timeout after {a.timeout} s")
+                row.update(ok=False, error=f"timeout after {timeout} s")
             except BaseException:
                 p.kill()
                 p.wait()
@@ -575,10 +722,40 @@ def run_one(a, system: str, budget: float, limit: int, rnd: int, ra_kb: int | No
     lines = [l for l in out.splitlines() if l.startswith(RESULT_TAG)]
     if p.returncode == 0 and lines:
         row.update(json.loads(lines[-1][len(RESULT_TAG):]))
+        if row.get("first_token_at") is not None:
+            row["ttft_s"] = row["first_token_at"] - spawn
+        kernels = [l.strip() for l in err.splitlines() if "kernels on" in l]
+        if kernels:
+            row["kernel_stderr"] = kernels[-1]
     else:
         why = "killed by SIGKILL (cgroup OOM)" if p.returncode == -9 and row.get("oom_kill") else f"exit {p.returncode}"
         row.update(ok=False, error=f"{why}: {(err.strip().splitlines() or [''])[-1][:300]}")
     return row
+
+
+def run_plan(systems, llama_paths, low_readahead: int, low_readahead_only: bool) -> list[tuple]:
+    """The runs of one round, ``(system, read_ahead_kb or None for the device's default, llama.cpp path or
+    None)``: each llama.cpp system once per path and readahead, every other system once."""
+    plan = []
+    for s in systems:
+        if s in LLAMA_SYSTEMS:
+            for path in llama_paths:
+                plan += ([] if low_readahead_only else [(s, None, path)]) + [(s, low_readahead, path)]
+        else:
+            plan.append((s, None, None))
+    return plan
+
+
+def prime_systems(systems) -> list[str]:
+    """One expertcache system per quantised configuration (--quant, --quant-dense) among ``systems``: running
+    it once builds the sidecar and the packed dense cache the others then read."""
+    seen, out = set(), []
+    for s in systems:
+        _, quant, dense = EC_CHILDREN.get(s, (None, None, None))
+        if (quant or dense) and (quant, dense) not in seen:
+            seen.add((quant, dense))
+            out.append(s)
+    return out
 
 
 def round_order(plan: list, rnd: int) -> list:
@@ -593,36 +770,40 @@ def orchestrate(a) -> None:
     size = checkpoint_bytes(a.model)
     ra_path = f"/sys/block/{a.device}/queue/read_ahead_kb"
     default_ra = int(Path(ra_path).read_text())
-    plan = []
-    for s in a.systems:
-        if s in LLAMA_SYSTEMS:
-            plan += ([] if a.low_readahead_only else [(s, None)]) + [(s, a.low_readahead)]
-        else:
-            plan.append((s, None))
+    plan = run_plan(a.systems, a.llama_paths, a.low_readahead, a.low_readahead_only)
     q4 = Path(a.gguf_q4).stat().st_size if a.gguf_q4 else a.q4_bytes
     budgets = [budget_limit(b, size, q4) for b in a.budgets]
-    print(f"checkpoint {size / 1e9:.2f} GB; read_ahead_kb default {default_ra}; load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"checkpoint {size / 1e9:.2f} GB; read_ahead_kb default {default_ra}; load {os.getloadavg()[0]:.1f}; "
+          f"--isa {a.isa}, {a.threads} thread(s); {cpu_row()}", flush=True)
     import signal
 
     def stop(signum, frame):  # SIGTERM: unwind (kill the child, remove its cgroup, restore read_ahead_kb)
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, stop)
+    def report(row, label, limit):
+        if a.out:
+            append_jsonl(a.out, row)
+        msg = (f"{row['tok_s']:.3f} tok/s, {row['bytes_per_token'] / 2**20:.0f} MiB/token, "
+               f"TTFT {row.get('ttft_s') or float('nan'):.1f} s" if row.get("ok") else row.get("error"))
+        path = f" {row['llama_path']}" if row.get("llama_path") else ""
+        print(f"[{label} r{row['round']}] {row['system']}{path:<10} ra={row['readahead_kb']:<5} {msg}  "
+              f"(max {row.get('max_usage_bytes', 0) / 2**30:.2f} GiB of {limit / 2**30:.2f}, "
+              f"{row['wall_s']:.0f} s, load {row['loadavg']:.1f})", flush=True)
+
     try:
+        if not a.no_prime:  # each quantised configuration once: its sidecar and dense cache built, the rows second starts
+            budget, limit, label = max(budgets, key=lambda b: b[1])
+            for system in prime_systems([s for s, _, _ in plan]):
+                report(run_one(a, system, budget, limit, -1, None, label, kind="peers-prime",
+                               timeout=a.prime_timeout), label, limit)
         for budget, limit, label in budgets:
             for rnd in range(a.first_round, a.first_round + a.rounds):
                 order = round_order(plan, rnd)
-                for system, ra in order:
+                for system, ra, path in order:
                     if system == "ec-bench" and rnd > a.first_round:
                         continue
-                    row = run_one(a, system, budget, limit, rnd, ra, label)
-                    if a.out:
-                        append_jsonl(a.out, row)
-                    msg = (f"{row['tok_s']:.3f} tok/s, {row['bytes_per_token'] / 2**20:.0f} MiB/token" if row.get("ok")
-                           else row.get("error"))
-                    print(f"[{label} r{rnd}] {system:<10} ra={row['readahead_kb']:<5} {msg}  "
-                          f"(max {row.get('max_usage_bytes', 0) / 2**30:.2f} GiB of {limit / 2**30:.2f}, "
-                          f"{row['wall_s']:.0f} s, load {row['loadavg']:.1f})", flush=True)
+                    report(run_one(a, system, budget, limit, rnd, ra, label, path), label, limit)
     finally:
         Path(ra_path).write_text(f"{default_ra}\n")
 
@@ -687,8 +868,7 @@ def quantize(a) -> None:
     output included, at llama.cpp's per-tensor choices for that type); ``--ftype`` another of its types."""
     import ctypes
 
-    import llama_cpp
-
+    llama_cpp = import_llama(a.llama_path)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{a.ftype}")
     params.nthread = a.threads
@@ -702,35 +882,112 @@ def quantize(a) -> None:
           f"(llama-cpp-python {llama_cpp.__version__})")
 
 
+def table_key(row: dict) -> tuple:
+    """Which table a row belongs to: (checkpoint, ISA label, threads). Budgets are fractions of each
+    checkpoint's own size, and an ISA or thread count is another machine: rows of different keys never share a
+    median or a same-round ratio (rows from before these fields: ISA ``native``, 1 thread)."""
+    return row.get("model", ""), row.get("isa", "native"), row.get("threads", 1)
+
+
 def print_summary(a) -> None:
-    """One table per checkpoint (the rows' ``model``: budgets are fractions of each checkpoint's own size, so
-    rows of different checkpoints never share a median or a same-round ratio)."""
+    """One table per (checkpoint, ISA, threads) (:func:`table_key`)."""
     rows = [json.loads(l) for f in a.rows for l in open(f) if l.strip()]
-    models = sorted({r.get("model", "") for r in rows})
-    for model in models:
-        if len(models) > 1:
-            print(f"\n### {model or 'checkpoint not recorded'}\n")
-        print_table([r for r in rows if r.get("model", "") == model])
+    keys = sorted({table_key(r) for r in rows})
+    for key in keys:
+        model, isa, threads = key
+        if len(keys) > 1:
+            print(f"\n### {model or 'checkpoint not recorded'}" + (f" · --isa {isa}" if isa != "native" else "")
+                  + (f" · {threads} threads" if threads != 1 else "") + "\n")
+        print_table([r for r in rows if table_key(r) == key])
 
 
 def print_table(rows: list[dict]) -> None:
     labels = {r["budget"]: r.get("budget_label") or f"{r['budget']:.0%} of bf16" for r in rows}
     summ = summarize(rows)
-    print("| budget | system | read_ahead_kb | tok/s (median) | tok/s per run | MiB read/token | failed |")
-    print("|---|---|---:|---:|---|---:|---:|")
+    cpus = sorted({(r.get("cpu"), " ".join(r.get("cpu_flags") or [])) for r in rows if r.get("cpu")})
+    for cpu, flags in cpus:
+        print(f"CPU: {cpu} [{flags}]")
+    loads = [r["loadavg"] for r in rows if r.get("loadavg") is not None and r.get("kind", "peers") == "peers"]
+    if loads:
+        print(f"load average over the runs: {min(loads):.1f}–{max(loads):.1f} (median {statistics.median(loads):.1f})")
+    for r in rows:
+        if r.get("kind") == "peers-prime":
+            print(f"prime (first start) {r['system']}: " + (f"TTFT {r.get('ttft_s', float('nan')):.1f} s, sidecar "
+                  f"{'written' if r.get('sidecar_written') else 'read'}, dense {(r.get('dense_load') or {}).get('how', r.get('dense_load'))}"
+                  if r.get("ok") else r.get("error", "")))
+    print("| budget | system | llama.cpp path | read_ahead_kb | tok/s (median) | tok/s per run | MiB read/token | "
+          "TTFT s (median) | failed |")
+    print("|---|---|---|---:|---:|---|---:|---:|---:|")
     for s in summ:
         tok = f"{s['tok_s']:.2f}" if "tok_s" in s else "–"
         mib = f"{s['bytes_per_token'] / 2**20:.0f}" if "bytes_per_token" in s else "–"
-        print(f"| {labels.get(s['budget'], s['budget'])} | {s['system']} | {s['readahead_kb'] or ''} | {tok} | "
-              f"{' · '.join(map(str, s.get('tok_s_runs', [])))} | {mib} | {s['failed']} {'; '.join(s['errors'])[:120]} |")
+        ttft = f"{s['ttft_s']:.1f}" if "ttft_s" in s else "–"
+        print(f"| {labels.get(s['budget'], s['budget'])} | {s['system']} | {s.get('llama_path') or ''} | "
+              f"{s['readahead_kb'] or ''} | {tok} | {' · '.join(map(str, s.get('tok_s_runs', [])))} | {mib} | {ttft} | "
+              f"{s['failed']} {'; '.join(s['errors'])[:120]} |")
     q4_ref = "llama-q4-best" if any(s["system"] == "llama-q4-best" for s in summ) else "llama-q4"
-    for ref, row_ref, what in (("llama-best", "llama", "llama.cpp bf16 (better readahead)"),
-                               (q4_ref, "llama-q4", "llama.cpp Q4_K_M")):
-        per_round = round_ratios(rows, row_ref)
+    best = {s["budget"]: (s["readahead_kb"], s.get("llama_path")) for s in summ if s["system"] == "llama-q4-best"}
+    for ref, row_ref, what, cfg in (("llama-best", "llama", "llama.cpp bf16 (better readahead)", None),
+                                    (q4_ref, "llama-q4", "llama.cpp Q4_K_M's best path", best)):
+        per_round = round_ratios(rows, row_ref, cfg)
+        ttft_round = round_ratios(rows, row_ref, cfg, key="ttft_s")
         for (b, sys_), r in sorted(ratios(summ, ref).items()):
             rr = per_round.get((b, sys_), [])
-            print(f"{labels.get(b, b)} {sys_} ÷ {what}: {r:.2f}× of the medians; within each round "
-                  f"{' · '.join(f'{x:.2f}' for x in rr)} (median {statistics.median(rr) if rr else float('nan'):.2f})")
+            tr = ttft_round.get((b, sys_), [])
+            path = f" ({best[b][1]}, ra {best[b][0]})" if cfg and b in best else ""
+            print(f"{labels.get(b, b)} {sys_} ÷ {what}{path}: {r:.2f}× of the medians; within each round "
+                  f"{' · '.join(f'{x:.2f}' for x in rr)} (median {statistics.median(rr) if rr else float('nan'):.2f})"
+                  + (f"; TTFT ratio per round {' · '.join(f'{x:.2f}' for x in tr)}" if tr else ""))
+
+
+def llama_system_info(path: str | None) -> str:
+    """``llama_print_system_info()`` of the llama-cpp-python at ``path`` (None: the installed one), read in a
+    child process (importing llama_cpp here would fix which build this process uses). RuntimeError when it does
+    not import."""
+    code = ("import sys\nif sys.argv[1]: sys.path.insert(0, sys.argv[1])\nimport llama_cpp\n"
+            "print(llama_cpp.llama_print_system_info().decode(errors='replace'))")
+    p = subprocess.run([sys.executable, "-c", code, str(Path(path).resolve()) if path else ""], capture_output=True,
+                       text=True, timeout=120)
+    if p.returncode != 0:
+        raise RuntimeError((p.stderr.strip().splitlines() or ["no output"])[-1][:200])
+    return p.stdout
+
+
+def check_args(a, probe=llama_system_info) -> str | None:
+    """Why ``a`` (run / compute / quantize arguments) cannot run, in one line naming the flag, or None; checked
+    before any work. ``probe(path)``: the llama.cpp build's system info (RuntimeError if it does not import)."""
+    if getattr(a, "threads", 1) < 1:
+        return f"--threads must be at least 1, got {a.threads}"
+    if getattr(a, "rounds", 1) < 1:
+        return f"--rounds must be at least 1, got {a.rounds}"
+    if a.llama_path and not Path(a.llama_path, "llama_cpp").is_dir():
+        return f"--llama-path {a.llama_path}: no llama_cpp package in that folder"
+    systems = getattr(a, "systems", ["llama"] if a.cmd == "compute" else [])
+    if a.cmd == "run":
+        if not Path(a.model).is_dir():
+            return f"--model {a.model}: no such folder"
+        if "llama" in systems and not (a.gguf and Path(a.gguf).is_file()):
+            return f"--gguf {a.gguf}: the bf16 GGUF is needed for the llama system and is not a file"
+        if "llama-q4" in systems and not (a.gguf_q4 and Path(a.gguf_q4).is_file()):
+            return f"--gguf-q4 {a.gguf_q4}: the Q4_K_M GGUF is needed for llama-q4 and is not a file"
+        for b in a.budgets:
+            try:
+                budget_limit(b, 1, 1 if (a.gguf_q4 or a.q4_bytes) else None)
+            except ValueError as exc:
+                return f"--budgets: {exc}"
+    if a.isa == "avx2" and "avx2" not in cpu_row()["cpu_flags"]:
+        return "--isa avx2: this CPU has no AVX2 (/proc/cpuinfo)"
+    uses_llama = a.cmd == "quantize" or any(s in LLAMA_SYSTEMS for s in systems)
+    if uses_llama:
+        if a.isa == "avx2" and not a.llama_path and a.cmd != "quantize":
+            return "--isa avx2: give --llama-path, a llama-cpp-python build without AVX-512"
+        try:
+            info = probe(a.llama_path)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            return f"--llama-path {a.llama_path or '(installed llama-cpp-python)'}: llama_cpp does not import: {exc}"
+        if a.cmd != "quantize":
+            return check_llama_build(a.isa, info, a.llama_path)
+    return None
 
 
 def main(argv=None) -> None:
@@ -741,7 +998,15 @@ def main(argv=None) -> None:
     common.add_argument("--gguf", default=None, help="llama.cpp's bf16 GGUF of the checkpoint")
     common.add_argument("--gguf-q4", default=None, help="llama.cpp's Q4_K_M GGUF of the checkpoint (quantize)")
     common.add_argument("--no-repack", action="store_true",
-                        help="llama.cpp without its CPU extra buffer types (--no-repack: no Q4 repacking, no AMX)")
+                        help="llama.cpp without its CPU extra buffer types (--no-repack: no Q4 repacking, no AMX); "
+                             "run: the same as --llama-paths no-repack")
+    common.add_argument("--llama-path", default=None,
+                        help="folder holding a llama-cpp-python build (its llama_cpp package), put first on the "
+                             "llama children's sys.path (default: the installed llama-cpp-python)")
+    common.add_argument("--isa", choices=tuple(ISA_ENV), default="native",
+                        help="avx2: expertcache children with torch's kernel libraries capped at AVX2, and "
+                             "--llama-path must be a llama.cpp build without AVX-512 (checked first)")
+    common.add_argument("--threads", type=int, default=1, help="threads of every child (torch and llama.cpp)")
     common.add_argument("--ec-memory", choices=("auto", "reserve"), default="auto",
                         help="expertcache's --memory in its cgroup: auto (reads the limit; default) or reserve "
                              "(limit − 0.5 GiB, the earlier rows)")
@@ -764,6 +1029,12 @@ def main(argv=None) -> None:
     r.add_argument("--accel-tokens", type=int, default=2,
                    help="accelerate's timed tokens (after the prompt, no extra warm-up token: it reads every "
                         "offloaded layer whole per token)")
+    r.add_argument("--llama-paths", nargs="+", choices=LLAMA_PATHS, default=None,
+                   help="llama.cpp's CPU paths to run in every round (default: repack, or no-repack with --no-repack); "
+                        "the summary's llama-q4-best is the faster")
+    r.add_argument("--no-prime", action="store_true",
+                   help="no prime run before the rounds (the quantised sidecar and dense cache exist already)")
+    r.add_argument("--prime-timeout", type=int, default=3600, help="seconds for a prime run (it may quantise the model)")
     r.add_argument("--device", default="vda")
     r.add_argument("--timeout", type=int, default=420)
     r.add_argument("--out", default=None)
@@ -777,8 +1048,7 @@ def main(argv=None) -> None:
     v = sub.add_parser("convert", parents=[common])
     v.add_argument("--vendor", required=True, help="vendor/llama.cpp folder of the llama-cpp-python sdist")
     v.add_argument("--outtype", choices=("bf16", "f16", "f32"), default="bf16", help="the GGUF's float type")
-    q = sub.add_parser("quantize", parents=[common])
-    q.add_argument("--threads", type=int, default=2)
+    q = sub.add_parser("quantize", parents=[common])  # --threads: the quantiser's
     q.add_argument("--ftype", choices=QUANT_FTYPES, default="Q4_K_M",
                    help="llama.cpp's quantisation type (written to --gguf-q4)")
     pa = sub.add_parser("prepare-accelerate", parents=[common])
@@ -789,6 +1059,11 @@ def main(argv=None) -> None:
     from expertcache.results import check_rows_out
 
     check_rows_out(p, getattr(a, "out", None))  # rows go to a row file only: never appended to notes.md
+    if a.cmd == "run" and a.llama_paths is None:
+        a.llama_paths = ["no-repack"] if a.no_repack else ["repack"]
+    why = check_args(a, llama_system_info) if a.cmd in ("run", "compute", "quantize") else None
+    if why:  # before the work: one line naming the culprit, exit 2
+        p.exit(2, f"bench_peers.py: error: {why}\n")
     {"run": orchestrate, "child": child, "compute": compute, "convert": convert, "quantize": quantize,
      "prepare-accelerate": prepare_accelerate,
      "summary": print_summary}[a.cmd](a)
