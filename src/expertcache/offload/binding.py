@@ -12,14 +12,21 @@ The packed dense weights of ``--quant-dense`` (:mod:`expertcache.offload.denseca
 :func:`checkpoint_digest` of their source tensors -- each one's name, dtype, shape and bytes -- so a cache made
 from other weights, or from the same names with edited values, is never read as this checkpoint's.
 
-Cost: one sequential read and hash of the checkpoint's expert bytes per process that loads a sidecar (remembered
-for unchanged files): 45-80 ms for granular's 11 MiB of experts on a busy 2-core VM, so ~4-7 s per GiB.
+Cost: one sequential read and hash of the checkpoint's expert bytes (45-80 ms for granular's 11 MiB of experts on a
+busy 2-core VM, so ~4-7 s per GiB: 18.9 s for an 8-layer OLMoE-1B-7B shape, most of a second start's time to the
+first token). A digest is remembered for unchanged files, in the process and in
+``$EXPERTCACHE_CACHE/digests/`` (one small JSON file per checkpoint and tensor set), keyed by every source file's
+resolved path, size, device, inode, mtime and **ctime** (the kernel sets ctime at every change of a file's bytes
+or times; no user-space call can set it back), so a later start reads the digest instead of the bytes; a changed,
+replaced or touched file is hashed again. An unreadable or malformed memo is ignored (hashed again).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import struct
 import sys
 from pathlib import Path
@@ -27,6 +34,8 @@ from typing import Iterable
 
 from expertcache.offload.checkpoint import CheckpointError
 from expertcache.offload.quant import FORMAT_VERSION
+from expertcache.outputs import env_path
+from expertcache.results import atomic_write_bytes
 from expertcache.tensorfile import read_metadata
 
 __all__ = ["SOURCE_KEY", "source_digest", "sidecar_source", "check_bound", "check_sidecar_place", "check_not_newer", "bound_sidecar",
@@ -40,21 +49,57 @@ _CHUNK = 4 << 20  # under one packing block (PACK_ROWS rows of float32): the loa
 _MEMO: dict[tuple, str] = {}  # (checkpoint files' stamps, layers) -> digest, for this process
 
 
-def _stamps(checkpoint) -> tuple:
-    files = sorted({t.file for t in checkpoint.entries.values()})
+def _stamps(checkpoint, files=None) -> tuple:
+    """(resolved path, size, device, inode, mtime_ns, ctime_ns) of each of ``files`` (default: every file of
+    ``checkpoint``), sorted: equal stamps mean unchanged bytes (ctime moves with any write, truncate or utime)."""
+    files = sorted({str(t.file) for t in checkpoint.entries.values()} if files is None else {str(f) for f in files})
     out = []
     for p in files:
         st = Path(p).stat()
-        out.append((str(Path(p).resolve()), st.st_size, st.st_mtime_ns, st.st_ino))
+        out.append((str(Path(p).resolve()), st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
     return tuple(out)
+
+
+def _memo_file(key: tuple) -> Path:
+    root = env_path("EXPERTCACHE_CACHE") or Path.home() / ".cache" / "expertcache"
+    return root / "digests" / f"{hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()}.json"
+
+
+def _recall(key: tuple) -> str | None:
+    """The digest remembered for ``key`` (this process, then the memo file), or None."""
+    got = _MEMO.get(key)
+    if got is not None:
+        return got
+    try:
+        rec = json.loads(_memo_file(key).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or rec.get("key") != repr(key):
+        return None
+    digest = rec.get("digest")
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{%d}" % (2 * DIGEST_BYTES), digest):
+        return None
+    _MEMO[key] = digest
+    return digest
+
+
+def _remember(key: tuple, digest: str) -> str:
+    _MEMO[key] = digest
+    try:  # a read-only or full cache folder only costs the next start a hash
+        path = _memo_file(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps({"key": repr(key), "digest": digest}).encode())
+    except OSError:
+        pass
+    return digest
 
 
 def source_digest(checkpoint, layer_ids) -> str:
     """blake2b-128 (hex) over every expert of ``layer_ids`` of ``checkpoint`` (all ``checkpoint.num_experts``):
     ``layer:e:dtype:d:f:layout:offsets:nbytes`` then the bytes of each of its byte ranges, in file order."""
     layer_ids = tuple(int(i) for i in layer_ids)
-    key = (_stamps(checkpoint), layer_ids, checkpoint.num_experts)
-    got = _MEMO.get(key)
+    key = ("experts", _stamps(checkpoint), layer_ids, checkpoint.num_experts)
+    got = _recall(key)
     if got is not None:
         return got
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
@@ -75,8 +120,7 @@ def source_digest(checkpoint, layer_ids) -> str:
     finally:
         for fd in handles.values():
             os.close(fd)
-    _MEMO[key] = h.hexdigest()
-    return _MEMO[key]
+    return _remember(key, h.hexdigest())
 
 
 def sidecar_source(path: str | os.PathLike) -> str | None:
@@ -145,16 +189,22 @@ def checkpoint_digest(ckpt, keys: Iterable[str]) -> str:
     """Hex blake2b digest of the tensors ``keys`` of ``ckpt`` (a :class:`~expertcache.offload.checkpoint.Checkpoint`):
     for each key in sorted order, its name, dtype, shape and data bytes (read in chunks of 4 MiB: memory is
     one chunk). Raises CheckpointError for a key the checkpoint lacks or a file shorter than its header says."""
+    keys = sorted(set(keys))
+    for key in keys:
+        if key not in ckpt.entries:
+            raise CheckpointError(f"{ckpt.folder}: missing tensor {key!r}")
+    memo = ("tensors", _stamps(ckpt, [ckpt.entries[k].file for k in keys]), tuple(keys))
+    got = _recall(memo)
+    if got is not None:
+        return got
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
     buf = bytearray(_CHUNK)
-    for key in sorted(set(keys)):
-        t = ckpt.entries.get(key)
-        if t is None:
-            raise CheckpointError(f"{ckpt.folder}: missing tensor {key!r}")
+    for key in keys:
+        t = ckpt.entries[key]
         h.update(f"{key}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0{t.nbytes}\0".encode())
         with open(t.file, "rb", buffering=0) as f:
             _hash_range(h, f.fileno(), t.start, t.nbytes, buf, t.file)
-    return h.hexdigest()
+    return _remember(memo, h.hexdigest())
 
 
 def _hash_range(h, fd: int, start: int, nbytes: int, buf: bytearray, name) -> None:
