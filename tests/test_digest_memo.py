@@ -111,3 +111,34 @@ def test_a_damaged_memo_is_never_believed(ckpt, tmp_path, monkeypatch, damage):
         memo.write_text(damage)
     monkeypatch.setattr(binding, "_MEMO", {})
     assert binding.checkpoint_digest(ckpt(), keys) == want
+
+
+def test_a_verified_sidecar_is_not_read_again_by_a_later_process_until_its_bytes_change(ckpt, tmp_path, monkeypatch):
+    """verify_quant_sidecar hashes every blob once; a later process trusts the memo for the same stamps, and a
+    blob damaged in place (its mtime put back) is caught again."""
+    from expertcache.offload import store
+    from expertcache.offload.checkpoint import CheckpointError
+
+    ck = ckpt()
+    monkeypatch.setattr(store, "_VERIFIED", set())
+    sidecar = store.quantize_checkpoint(ck, [0, 1], "int8", out=tmp_path / "side.safetensors")
+    monkeypatch.setattr(store, "_VERIFIED", set())
+    store.verify_quant_sidecar(sidecar)  # one process checks every blob
+    monkeypatch.setattr(store, "_VERIFIED", set())  # a new process
+    calls = []
+    real = store._digest
+    monkeypatch.setattr(store, "_digest", lambda data: calls.append(1) or real(data))
+    store.verify_quant_sidecar(sidecar)
+    assert calls == []  # the memo, not the bytes
+    st = os.stat(sidecar)
+    time.sleep(0.05)
+    e = next(t for k, t in read_header(sidecar).items() if k.endswith(".qblob"))
+    with open(sidecar, "r+b") as f:
+        f.seek(e.start + 2)
+        b = f.read(1)
+        f.seek(e.start + 2)
+        f.write(bytes([b[0] ^ 0x55]))
+    os.utime(sidecar, ns=(st.st_atime_ns, st.st_mtime_ns))
+    monkeypatch.setattr(store, "_VERIFIED", set())
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        store.verify_quant_sidecar(sidecar)

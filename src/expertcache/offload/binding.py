@@ -39,7 +39,7 @@ from expertcache.results import atomic_write_bytes
 from expertcache.tensorfile import read_metadata
 
 __all__ = ["SOURCE_KEY", "source_digest", "sidecar_source", "check_bound", "check_sidecar_place", "check_not_newer", "bound_sidecar",
-           "checkpoint_digest", "DIGEST_BYTES"]
+           "checkpoint_digest", "DIGEST_BYTES", "file_stamps", "recall", "remember"]
 
 #: the sidecar metadata key holding the digest of the checkpoint experts it was packed from
 SOURCE_KEY = "source_digest"
@@ -49,15 +49,19 @@ _CHUNK = 4 << 20  # under one packing block (PACK_ROWS rows of float32): the loa
 _MEMO: dict[tuple, str] = {}  # (checkpoint files' stamps, layers) -> digest, for this process
 
 
-def _stamps(checkpoint, files=None) -> tuple:
-    """(resolved path, size, device, inode, mtime_ns, ctime_ns) of each of ``files`` (default: every file of
-    ``checkpoint``), sorted: equal stamps mean unchanged bytes (ctime moves with any write, truncate or utime)."""
-    files = sorted({str(t.file) for t in checkpoint.entries.values()} if files is None else {str(f) for f in files})
+def file_stamps(files) -> tuple:
+    """(resolved path, size, device, inode, mtime_ns, ctime_ns) of each of ``files``, sorted: equal stamps mean
+    unchanged bytes (ctime moves with any write, truncate or utime)."""
     out = []
-    for p in files:
+    for p in sorted({str(f) for f in files}):
         st = Path(p).stat()
         out.append((str(Path(p).resolve()), st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
     return tuple(out)
+
+
+def _stamps(checkpoint, files=None) -> tuple:
+    """:func:`file_stamps` of ``files`` (default: every file of ``checkpoint``)."""
+    return file_stamps([t.file for t in checkpoint.entries.values()] if files is None else files)
 
 
 def _memo_file(key: tuple) -> Path:
@@ -65,7 +69,7 @@ def _memo_file(key: tuple) -> Path:
     return root / "digests" / f"{hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()}.json"
 
 
-def _recall(key: tuple) -> str | None:
+def recall(key: tuple) -> str | None:
     """The digest remembered for ``key`` (this process, then the memo file), or None."""
     got = _MEMO.get(key)
     if got is not None:
@@ -83,7 +87,7 @@ def _recall(key: tuple) -> str | None:
     return digest
 
 
-def _remember(key: tuple, digest: str) -> str:
+def remember(key: tuple, digest: str) -> str:
     _MEMO[key] = digest
     try:  # a read-only or full cache folder only costs the next start a hash
         path = _memo_file(key)
@@ -99,7 +103,7 @@ def source_digest(checkpoint, layer_ids) -> str:
     ``layer:e:dtype:d:f:layout:offsets:nbytes`` then the bytes of each of its byte ranges, in file order."""
     layer_ids = tuple(int(i) for i in layer_ids)
     key = ("experts", _stamps(checkpoint), layer_ids, checkpoint.num_experts)
-    got = _recall(key)
+    got = recall(key)
     if got is not None:
         return got
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
@@ -120,7 +124,7 @@ def source_digest(checkpoint, layer_ids) -> str:
     finally:
         for fd in handles.values():
             os.close(fd)
-    return _remember(key, h.hexdigest())
+    return remember(key, h.hexdigest())
 
 
 def sidecar_source(path: str | os.PathLike) -> str | None:
@@ -194,7 +198,7 @@ def checkpoint_digest(ckpt, keys: Iterable[str]) -> str:
         if key not in ckpt.entries:
             raise CheckpointError(f"{ckpt.folder}: missing tensor {key!r}")
     memo = ("tensors", _stamps(ckpt, [ckpt.entries[k].file for k in keys]), tuple(keys))
-    got = _recall(memo)
+    got = recall(memo)
     if got is not None:
         return got
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
@@ -204,7 +208,7 @@ def checkpoint_digest(ckpt, keys: Iterable[str]) -> str:
         h.update(f"{key}\0{str(t.dtype).removeprefix('torch.')}\0{list(t.shape)}\0{t.nbytes}\0".encode())
         with open(t.file, "rb", buffering=0) as f:
             _hash_range(h, f.fileno(), t.start, t.nbytes, buf, t.file)
-    return _remember(memo, h.hexdigest())
+    return remember(memo, h.hexdigest())
 
 
 def _hash_range(h, fd: int, start: int, nbytes: int, buf: bytearray, name) -> None:
