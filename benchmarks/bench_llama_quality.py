@@ -322,22 +322,12 @@ def make_gguf(system: str, model: Path, gguf_dir: Path, vendor: Path | None, log
 
 def token_chunks(model: Path, text: str, chunks: int):
     """The first ``chunks`` × 256 token ids of the text, ``[chunks, 256]`` (ValueError if it is shorter)."""
-    import torch
+    from expertcache.eval.data import text_token_chunks
 
-    if text == "wikitext":
-        from tokenizers import Tokenizer
-
-        from expertcache.eval.data import resolve_eval_data_dir, wikitext_text
-
-        body = wikitext_text(resolve_eval_data_dir("wikitext"))
-        ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(body, add_special_tokens=False).ids
-    else:
-        from expertcache.offload.bench import heldout_stream
-
-        ids = heldout_stream(model).tolist()
-    if len(ids) < chunks * SEQ:
-        raise ValueError(f"--chunks: the {text} text gives {len(ids)} tokens, fewer than {chunks} × {SEQ}")
-    return torch.tensor(ids[:chunks * SEQ]).view(chunks, SEQ)
+    try:
+        return text_token_chunks(model, text, chunks, SEQ)
+    except ValueError as exc:
+        raise ValueError(f"--chunks: {exc}") from None
 
 
 def check_args(ap, a) -> None:

@@ -270,26 +270,18 @@ def kl_rows(models: list[str], chunks: int, configs: list[str], log, on_row, seq
     ``heldout`` (the held-out split of the training corpus, expertcache.train.data) or ``wikitext``."""
     import math
 
-    from tokenizers import Tokenizer
-
-    from expertcache.eval.data import resolve_eval_data_dir, wikitext_text
     from expertcache.models.loader import resolve_model_path
+    from expertcache.eval.data import text_token_chunks
     from expertcache.offload.checkpoint import read_header
     from expertcache.offload.quant import kernel_choice_line
-
-    from expertcache.offload.bench import heldout_stream
 
     rows = []
     for model in models:
         path = resolve_model_path(model)
-        if text_source == "wikitext":
-            text = wikitext_text(resolve_eval_data_dir("wikitext"))
-            ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text, add_special_tokens=False).ids
-        else:
-            ids = heldout_stream(path).tolist()
-        if len(ids) < chunks * seq:
-            raise ValueError(f"{model}: {text_source} gives {len(ids)} tokens, fewer than {chunks} × {seq}")
-        chunks_NS = torch.tensor(ids[:chunks * seq]).view(chunks, seq)
+        try:
+            chunks_NS = text_token_chunks(path, text_source, chunks, seq)
+        except ValueError as exc:
+            raise ValueError(f"{model}: {exc}") from None
         params = sum(math.prod(e.shape) for f in sorted(path.glob("*.safetensors")) for e in read_header(f).values())
 
         def run(dense_int8_kernel=None, expert_kernel=None, **kw):

@@ -21,7 +21,7 @@ from pathlib import Path
 from expertcache.inputs import json_text_fields
 from expertcache.train.data import data_root
 
-__all__ = ["DATA_SETS", "resolve_eval_data_dir", "wikitext_text", "MMLUQuestion", "load_mmlu", "GSMProblem",
+__all__ = ["DATA_SETS", "resolve_eval_data_dir", "wikitext_text", "text_token_chunks", "MMLUQuestion", "load_mmlu", "GSMProblem",
            "load_gsm8k", "final_number"]
 
 #: task name -> the sub-folder of the data folder it reads
@@ -159,3 +159,23 @@ def load_gsm8k(folder: Path, split: str) -> list[GSMProblem]:
             raise ValueError(f"{path}:{lineno}: expected {{question, answer ending in '#### N'}} (no final number)")
         out.append(GSMProblem(question, answer, target))
     return out
+
+
+def text_token_chunks(path, source: str, chunks: int, seq: int = 256):
+    """The first ``chunks`` × ``seq`` token ids, ``[chunks, seq]`` (torch int64), of an evaluation text encoded by
+    the model folder ``path``'s tokenizer: ``source`` ``heldout`` (``offload.bench.heldout_stream``) or ``wikitext``
+    (WikiText-2 test, ``tokenizer.json``, no special tokens). ValueError naming the text when it is shorter."""
+    import torch
+
+    if source == "wikitext":
+        from tokenizers import Tokenizer
+
+        body = wikitext_text(resolve_eval_data_dir("wikitext"))
+        ids = Tokenizer.from_file(str(Path(path) / "tokenizer.json")).encode(body, add_special_tokens=False).ids
+    else:
+        from expertcache.offload.bench import heldout_stream
+
+        ids = heldout_stream(path).tolist()
+    if len(ids) < chunks * seq:
+        raise ValueError(f"the {source} text gives {len(ids)} tokens, fewer than {chunks} × {seq}")
+    return torch.tensor(ids[:chunks * seq]).view(chunks, seq)
