@@ -313,6 +313,9 @@ def make_gguf(system: str, model: Path, gguf_dir: Path, vendor: Path | None, log
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if r.returncode != 0 or not path.exists():
         raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}")
+    from expertcache.outputs import record_names
+
+    record_names(gguf_dir, [path.name], "bench_llama_quality")  # so that a later run may replace it, and only it
     log(f"made {path} ({path.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - t0:.0f} s)")
     return path
 
@@ -346,6 +349,7 @@ def check_args(ap, a) -> None:
     llama = [s for s in a.systems if s in LLAMA_SYSTEMS]
     if not llama:
         return
+    check_gguf_dir(ap, a, llama)
     try:
         import llama_cpp  # noqa: F401
     except ImportError as exc:
@@ -353,6 +357,35 @@ def check_args(ap, a) -> None:
     if not (Path(a.vendor) / "convert_hf_to_gguf.py").is_file():
         ap.error(f"--vendor {a.vendor}: no convert_hf_to_gguf.py there (the vendor/llama.cpp folder of the "
                  "llama-cpp-python sdist)")
+
+
+def gguf_dir_of(a) -> Path:
+    """``--gguf-dir``, default ``<expertcache cache>/gguf``."""
+    from expertcache.offload.loader import cache_dir
+
+    return Path(a.gguf_dir).expanduser() if a.gguf_dir else cache_dir() / "gguf"
+
+
+def check_gguf_dir(ap, a, llama: list[str]) -> None:
+    """``--gguf-dir`` before the work (one line, exit 2): a folder (or none yet), not inside the input ``--model``
+    folder, and every GGUF this run would make again there (missing or older than the checkpoint) either absent or
+    one this script wrote (``outputs.claim_names``): a user's file of that name is never replaced."""
+    from expertcache.outputs import OutputError, claim_names
+
+    gdir, model = gguf_dir_of(a), Path(a.model)
+    if gdir.exists() and not gdir.is_dir():
+        ap.error(f"--gguf-dir {gdir}: not a folder")
+    if gdir.resolve().is_relative_to(model.resolve()):
+        ap.error(f"--gguf-dir {gdir}: inside the input --model folder {model}; give another --gguf-dir")
+    names = {f"{model.name}-{s.removeprefix('llama-')}.gguf" for s in llama}
+    if any(LLAMA_SYSTEMS[s][1] for s in llama):  # quantised from the BF16 file
+        names.add(f"{model.name}-BF16.gguf")
+    newest = max(f.stat().st_mtime for f in model.glob("*.safetensors"))
+    stale = sorted(n for n in names if (gdir / n).exists() and (gdir / n).stat().st_mtime < newest)
+    try:
+        claim_names(gdir, stale, "--gguf-dir", "bench_llama_quality", {"--model": str(model)})
+    except OutputError as exc:
+        ap.error(str(exc))
 
 
 def main(argv=None) -> int:
@@ -372,12 +405,11 @@ def main(argv=None) -> int:
 
     from expertcache.offload.bench import machine_info
     from expertcache.offload.checkpoint import read_header
-    from expertcache.offload.loader import cache_dir
     from expertcache.results import append_jsonl
 
     torch.set_num_threads(a.threads)
     model = Path(a.model).resolve()
-    gguf_dir = Path(a.gguf_dir) if a.gguf_dir else cache_dir() / "gguf"
+    gguf_dir = gguf_dir_of(a)
     vendor = Path(a.vendor) if a.vendor else None
     try:
         chunks_CS = token_chunks(model, a.text, a.chunks)

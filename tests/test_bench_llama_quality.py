@@ -117,3 +117,31 @@ def test_simulated_recipes_count_bits_as_stored_and_pick_the_last_matching_entry
         blq.parse_recipe("down=int4/64")
     for text in blq.SIM_RECIPES.values():
         blq.parse_recipe(text)
+
+
+@pytest.mark.parametrize("case", ["inside-model", "a-file", "users-gguf"])
+def test_the_gguf_folder_never_takes_an_input_or_a_users_file(case, tmp_path):
+    """--gguf-dir (where llama.cpp's files are made) is refused in one line before the work when it lies in the
+    input model folder, is a file, or holds a file of the name this run would make again that it did not write."""
+    import os
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    gdir = {"inside-model": model / "gguf", "a-file": tmp_path / "f", "users-gguf": tmp_path / "g"}[case]
+    if case == "a-file":
+        gdir.write_text("mine")
+    if case == "users-gguf":
+        gdir.mkdir()
+        mine = gdir / "m-Q4_K_M.gguf"
+        mine.write_text("a user's own file")
+        os.utime(mine, (1, 1))  # older than the checkpoint: this run would make it again
+    r = subprocess.run([sys.executable, str(BENCH / "bench_llama_quality.py"), "--model", str(model), "--systems",
+                        "llama-Q4_K_M", "--gguf-dir", str(gdir), "--vendor", str(tmp_path),
+                        "--out", str(tmp_path / "rows.jsonl")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in r.stderr and "--gguf-dir" in last, r.stderr[-2000:]
+    if case == "users-gguf":
+        assert (gdir / "m-Q4_K_M.gguf").read_text() == "a user's own file"
