@@ -225,6 +225,17 @@ def test_compile_without_a_cxx_compiler_is_refused_before_loading(env, capsys, m
     assert "/no/such/c++" in _check(["bench", "--model", env["tiny"], "--compile"], "--compile", capsys)
 
 
+def test_expert_kernel_variable_and_non_shipped_ship_are_refused_before_the_work(env, capsys, monkeypatch, tmp_path):
+    """$EXPERTCACHE_EXPERT_KERNEL (forces the int4 experts' product) must name a kernel; ``train --ship`` of a
+    preset that is not shipped (granular-256) is refused before training, writing nothing."""
+    monkeypatch.setenv("EXPERTCACHE_EXPERT_KERNEL", "bogus")
+    assert "bogus" in _check(["generate", "--quant", "int4", "--max-new-tokens", "2", "hello"],
+                             "EXPERTCACHE_EXPERT_KERNEL", capsys)
+    monkeypatch.delenv("EXPERTCACHE_EXPERT_KERNEL")
+    _check(["train", "--model", "granular-256", "--ship", "--steps", "1", "--out", tmp_path / "run"], "--ship", capsys)
+    assert not (tmp_path / "run").exists()
+
+
 def test_output_paths_are_checked_before_any_work(env, capsys):
     for argv, culprit in _out_cases(env):
         _check(argv, culprit, capsys)
