@@ -57,16 +57,21 @@ __all__ = ["IO_MODES", "TIERS", "NativeSource", "QuantSource", "DiskTier", "Host
 CHECKSUM_KEY = "expertcache.checksums"
 _DIGEST = 16
 _VERIFIED_MARK = "0" * 32  # what binding.remember records for a sidecar whose checksums all held
-_VERIFIED: set[tuple] = set()  # (path, size, mtime, inode) of sidecars verified by this process
+_VERIFIED: set[tuple] = set()  # binding.file_stamps of the sidecars verified by this process
 
 
 def _digest(data) -> bytes:
     return hashlib.blake2b(data, digest_size=_DIGEST).digest()
 
 
-def _stamp(path: Path) -> tuple:
-    st = path.stat()
-    return (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+def _mark_verified(path: Path, *, across_processes: bool = True) -> None:
+    """``path``'s checksums hold: remembered in this process and (``across_processes``: they were checked by
+    reading the file back) for later processes, keyed by the file's stamps
+    (:func:`~expertcache.offload.binding.file_stamps`, ctime included)."""
+    stamps = file_stamps([path])
+    _VERIFIED.add(stamps)
+    if across_processes:
+        remember(("sidecar-verified", stamps), _VERIFIED_MARK)
 
 
 def verify_quant_sidecar(path: str | os.PathLike, entries: dict | None = None) -> None:
@@ -77,12 +82,11 @@ def verify_quant_sidecar(path: str | os.PathLike, entries: dict | None = None) -
     first damaged expert) on a mismatch, or when the file has no checksums (written by an older
     expertcache)."""
     path = Path(path)
-    stamp = _stamp(path)
-    if stamp in _VERIFIED:
+    stamps = file_stamps([path])
+    if stamps in _VERIFIED:
         return
-    memo = ("sidecar-verified", file_stamps([path]))
-    if recall(memo) == _VERIFIED_MARK:
-        _VERIFIED.add(stamp)
+    if recall(("sidecar-verified", stamps)) == _VERIFIED_MARK:
+        _VERIFIED.add(stamps)
         return
     entries = read_header(path) if entries is None else entries
     ck = entries.get(CHECKSUM_KEY)
@@ -101,8 +105,7 @@ def verify_quant_sidecar(path: str | os.PathLike, entries: dict | None = None) -
             if _digest(f.read(t.nbytes)) != table[i * _DIGEST:(i + 1) * _DIGEST]:
                 raise CheckpointError(f"{path}: {key} fails its checksum (the file is damaged); delete the file and "
                                       "it is rebuilt from the checkpoint")
-    _VERIFIED.add(stamp)
-    remember(memo, _VERIFIED_MARK)
+    _mark_verified(path)
 
 IO_MODES = ("direct", "fadvise", "cached")
 TIERS = ("disk", "host")
@@ -237,7 +240,7 @@ def quantize_checkpoint(checkpoint: Checkpoint, layer_ids: list[int], mode: str 
             SOURCE_KEY: source_digest(checkpoint, layer_ids),
             "checksum": f"blake2b-{8 * _DIGEST} per expert in {CHECKSUM_KEY}"}
     out_path = write_safetensors(path, entries, meta)
-    _VERIFIED.add(_stamp(out_path))
+    _mark_verified(out_path, across_processes=False)  # written, not read back: the next process checks it once
     return out_path
 
 
