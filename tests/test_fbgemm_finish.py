@@ -125,3 +125,42 @@ def test_finish_peak_rss_stays_within_the_plans_loading_term(n, k):
     assert r["growth"] <= term, (r["growth"] / MiB, term / MiB)
     assert r["blocks"] == -(-n // FBGEMM_ROWS)
     assert r["kept"] <= 4 * MiB, r["kept"] / MiB  # FBGEMM's copy replaces the codes; the freed blocks given back
+
+
+def test_loading_counts_the_finish_and_trims_the_heap_after_it(tmp_path, monkeypatch):
+    """An int8 dense part whose ``lm_head`` hand-over is the largest loading transient: the plan's ``load_bytes``
+    is ``finish_transient_bytes`` (N·K_pad + 4 blocks, computed here from the shape), and ``load_non_expert``
+    trims the heap once every module is handed to FBGEMM (before the runtime allocates the expert slots)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from expertcache.offload import OffloadConfig, OffloadedModel, loader
+
+    cfg = AutoConfig.for_model("olmoe", vocab_size=5000, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                               tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    seen = []
+
+    def trim():
+        seen.append(None)
+        return True
+
+    real_finish = QuantLinear.finish
+
+    def finish(self):
+        real_finish(self)
+        seen.append(self.out_features)
+
+    monkeypatch.setattr(loader, "release_free_heap", trim)
+    monkeypatch.setattr(QuantLinear, "finish", finish)
+    monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))
+    rt = OffloadedModel.from_pretrained(tmp_path / "m", OffloadConfig(tier="host", quant_dense="int8", memory="auto"),
+                                        dtype=torch.float32)
+    try:
+        assert rt.plan.load_bytes == 5000 * 64 + 4 * 4096 * 64
+        assert seen.count(None) == 1 and seen[-1] is None and 5000 in seen  # trimmed after the last hand-over
+        assert len(seen) == 1 + 5  # q, k, v, o and lm_head handed over first
+    finally:
+        rt.close()
