@@ -56,9 +56,9 @@ _HEADERS_KEPT = 64
 
 def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
     """The tensors of one safetensors file, validated against the file size (see the module docstring).
-    Parsed once per process for an unchanged file (remembered by its path, size, inode, mtime and ctime: a start
-    asked for the checkpoint's header six times, 3,000 entries each for an 8-layer OLMoE shape); a new dict each
-    call.
+    Parsed once per process for an unchanged file (remembered by its path, size, inode, mtime and ctime: a
+    ``generate`` start asks for the checkpoint's header six times; 16 ms a parse for a 4-layer OLMoE-1B-7B shape's
+    807 tensors, 0.1 ms remembered); a new dict each call.
 
     Raises CheckpointError for any inconsistency, FileNotFoundError if the file does not exist."""
     path = Path(path)
