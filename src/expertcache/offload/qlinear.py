@@ -74,8 +74,9 @@ class QuantLinear(nn.Module):
     ``kernel_device`` names the device the packed layout is for (the skeleton's buffers live on ``meta``).
 
     int8 on an x86 CPU (:func:`~expertcache.offload.quant.dense_int8_kernel`; ``compiled`` False): once filled,
-    :meth:`finish` hands the codes and scales to FBGEMM (``quantized.linear_prepack``: its own packed copy, the
-    activation quantised per call, per token) and drops the codes buffer (``opaque_bytes`` counts FBGEMM's copy
+    :meth:`finish` hands the codes and scales to FBGEMM (``quantized.linear_prepack``: its own packed copy, made
+    from the codes a block of rows at a time, :func:`~expertcache.offload.fbgemm.fbgemm_prepack`; the activation
+    quantised per call, per token) and drops the codes buffer (``opaque_bytes`` counts FBGEMM's copy
     instead). Activations are 8-bit where FBGEMM runs VNNI (int32 sums), 7-bit elsewhere (``reduce_range``: AVX2's
     ``vpmaddubsw`` sums pairs of u8 × s8 products in int16, which 8-bit activations can overflow)."""
 
