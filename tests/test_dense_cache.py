@@ -124,3 +124,45 @@ def test_checkpoint_digest_reads_names_dtypes_shapes_and_bytes(tmp_path):
     assert digest(copy, keys) == d
     _flip(copy / "model.safetensors", "lm_head.weight", at=101)
     assert digest(copy, keys) != d
+
+
+def test_a_verified_file_is_read_without_hashing_until_it_changes(tmp_path, monkeypatch):
+    """The checksum of the packed file is recomputed by the first process that reads it; later ones (its stamps
+    remembered in $EXPERTCACHE_CACHE/digests) read it without hashing, with the same logits, until the file's
+    stamps change (a touch moves its ctime): then it is hashed again."""
+    import os
+
+    from expertcache.offload import densecache
+
+    monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))
+    path = _olmoe(tmp_path / "m")
+    want, info = _start(path, "int8")
+    assert info["dense_cache"] == "written"
+    packed = sum(e.nbytes for k, e in read_header(info["path"]).items() if k != "__checksum__")
+    hashed = []
+    real = densecache._new_hash
+
+    class Counting:
+        def __init__(self):
+            self.h = real()
+
+        def update(self, b):
+            hashed.append(len(memoryview(b).cast("B")))
+            self.h.update(b)
+
+        def digest(self):
+            return self.h.digest()
+
+    monkeypatch.setattr(densecache, "_new_hash", Counting)
+
+    def start_in_a_new_process():
+        hashed.clear()
+        monkeypatch.setattr(densecache, "_VERIFIED", set())
+        logits, i = _start(path, "int8")
+        assert i["dense_cache"] == "read" and torch.equal(logits, want)
+        return sum(hashed)
+
+    assert start_in_a_new_process() == packed  # written by another process: checked once
+    assert start_in_a_new_process() == 0  # remembered
+    os.utime(info["path"])
+    assert start_in_a_new_process() == packed  # touched: checked again

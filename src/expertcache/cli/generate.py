@@ -234,7 +234,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_predictor_arg(p)
     add_routing_args(p, live=True)
     add_routing_alias(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, gc_paused_start=True)  # cli/gcpause.py: resumed at the first token
 
 
 def load_prompt(path, prompt: str):
@@ -271,6 +271,7 @@ def check_context(path, prompt_tokens: int, new_tokens: int, what: str = "--max-
 
 
 def run(args: argparse.Namespace) -> int:
+    from expertcache.cli.gcpause import resume_gc
     from expertcache.melinoe.prefetch import prefetch_runtime
     from expertcache.offload import OffloadedModel
     from expertcache.offload.runtime import resolve_model_path
@@ -297,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
 
     def on_token(t_B1):
         nonlocal shown
+        if not generated:
+            resume_gc()  # the start is over (cli/gcpause.py)
         generated.append(int(t_B1[0, 0]))
         if tok is None:
             out.write(f"{generated[-1]} ")

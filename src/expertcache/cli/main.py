@@ -153,7 +153,17 @@ def _warnings_as_lines(command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run the command ``argv`` (default: this process's command line) with the garbage collector paused while it
+    starts (:mod:`expertcache.cli.gcpause`: imports, the parser; a command whose parser sets ``gc_paused_start``,
+    ``generate``, keeps it paused until its first token); the objects made meanwhile frozen only when the command
+    line is the process's own (``argv`` None: the process ends with the command)."""
+    from expertcache.cli.gcpause import GCPause
+
+    with GCPause(freeze=argv is None) as pause:
+        return _main(list(sys.argv[1:] if argv is None else argv), pause)
+
+
+def _main(argv: list[str], pause) -> int:
     if sys.stdout is None:  # started with stdout closed (``>&-``): every print would fail with AttributeError
         if sys.stderr is not None:
             print(f"expertcache {_command_of(argv) or ''}: error: stdout is closed (run it with an output, e.g. "
@@ -185,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if not getattr(args, "gc_paused_start", False):
+        pause.resume()
     _warnings_as_lines(args.command)
     try:
         from expertcache.outputs import check_args

@@ -39,7 +39,8 @@ from expertcache.results import atomic_write_bytes
 from expertcache.tensorfile import read_metadata
 
 __all__ = ["SOURCE_KEY", "source_digest", "sidecar_source", "check_bound", "check_sidecar_place", "check_not_newer", "bound_sidecar",
-           "checkpoint_digest", "DIGEST_BYTES", "file_stamps", "recall", "remember"]
+           "checkpoint_digest", "DIGEST_BYTES", "file_stamps", "recall", "remember", "VERIFIED_MARK", "was_verified",
+           "mark_verified"]
 
 #: the sidecar metadata key holding the digest of the checkpoint experts it was packed from
 SOURCE_KEY = "source_digest"
@@ -96,6 +97,31 @@ def remember(key: tuple, digest: str) -> str:
     except OSError:
         pass
     return digest
+
+
+#: what :func:`remember` records for a file whose checksums all held (:func:`mark_verified`)
+VERIFIED_MARK = "0" * 32
+
+
+def was_verified(path, kind: str, seen: set) -> bool:
+    """Whether ``path``, as it is now (:func:`file_stamps`, ctime included), had its checksums verified: in this
+    process (its stamps in ``seen``) or, through :func:`recall`, by an earlier one (then added to ``seen``)."""
+    stamps = file_stamps([path])
+    if stamps in seen:
+        return True
+    if recall((kind, stamps)) == VERIFIED_MARK:
+        seen.add(stamps)
+        return True
+    return False
+
+
+def mark_verified(path, kind: str, seen: set, *, across_processes: bool = True) -> None:
+    """``path``'s checksums hold: its stamps added to ``seen`` (this process) and, ``across_processes`` (they were
+    checked by reading the file back, not just written), remembered for later processes under ``kind``."""
+    stamps = file_stamps([path])
+    seen.add(stamps)
+    if across_processes:
+        remember((kind, stamps), VERIFIED_MARK)
 
 
 def source_digest(checkpoint, layer_ids) -> str:

@@ -7,7 +7,9 @@
   compute dtype, format): weights edited in place, or another checkpoint, miss the cache and are packed afresh.
 - **Checked when read**: a blake2b digest of every packed byte (tensor ``__checksum__``, written last) is
   recomputed while reading; a damaged, truncated or foreign file is packed again and rewritten (a note on stderr),
-  never used.
+  never used. A file whose checksum held is remembered by its stamps (:func:`~expertcache.offload.binding.
+  mark_verified`: path, size, inode, mtime, ctime; in this process and in ``$EXPERTCACHE_CACHE/digests/``), as
+  the quantised sidecar is: a later start reads it without hashing it again, until the file changes.
 - **Written atomically** (:func:`~expertcache.offload.writer.write_safetensors`: a temporary file, renamed): an
   interrupted start leaves no file that looks valid. A cache folder that cannot be written costs only the cache
   (a note on stderr; the packed weights are in memory either way).
@@ -29,7 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from expertcache.offload.binding import checkpoint_digest
+from expertcache.offload.binding import checkpoint_digest, mark_verified, was_verified
 from expertcache.offload.checkpoint import CheckpointError, read_header
 from expertcache.offload.writer import write_safetensors
 from expertcache.tensorfile import read_metadata
@@ -39,6 +41,8 @@ __all__ = ["DENSE_CACHE_VERSION", "dense_cache_path", "load_or_pack_dense"]
 #: the packed-dense file's format (bump when a layout or a recipe's meaning changes)
 DENSE_CACHE_VERSION = 1
 _CHECKSUM = "__checksum__"
+_KIND = "dense-verified"  # binding.mark_verified's memo of the files whose checksum held
+_VERIFIED: set[tuple] = set()  # binding.file_stamps of the files verified (or written) by this process
 
 
 def _buffers(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -70,7 +74,8 @@ def _read(path: Path, packed: dict[str, nn.Module], digest: str) -> None:
     keys = [f"{name}:{b}" for name, m in packed.items() for b, _ in _buffers(m)]
     if sorted(entries) != sorted(keys + [_CHECKSUM]):
         raise CheckpointError(f"{path}: holds other tensors than this model's packed dense weights")
-    h = hashlib.blake2b(digest_size=16)
+    known = was_verified(path, _KIND, _VERIFIED)  # checked before, and unchanged since: read, not hashed
+    h = _new_hash()
     with open(path, "rb", buffering=0) as f:
         for name, m in packed.items():
             for b, t in _buffers(m):
@@ -82,17 +87,25 @@ def _read(path: Path, packed: dict[str, nn.Module], digest: str) -> None:
                 view = memoryview(host.view(torch.uint8).reshape(-1).numpy()) if host.numel() else memoryview(b"")
                 if os.preadv(f.fileno(), [view], e.start) != e.nbytes:
                     raise CheckpointError(f"{path}: short read of {name}:{b} (truncated file)")
-                h.update(view)
+                if not known:
+                    h.update(view)
                 if host is not t:
                     t.copy_(host)
+        if known:
+            return
         c = entries[_CHECKSUM]
         stored = os.pread(f.fileno(), c.nbytes, c.start)
     if stored != h.digest():
         raise CheckpointError(f"{path}: checksum mismatch (damaged file)")
+    mark_verified(path, _KIND, _VERIFIED)
+
+
+def _new_hash():
+    return hashlib.blake2b(digest_size=16)
 
 
 def _write(path: Path, packed: dict[str, nn.Module], digest: str) -> Path:
-    h = hashlib.blake2b(digest_size=16)
+    h = _new_hash()
 
     def make(t):
         def f():
@@ -105,7 +118,9 @@ def _write(path: Path, packed: dict[str, nn.Module], digest: str) -> Path:
     entries.append((_CHECKSUM, torch.uint8, (16,), lambda: torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)))
     meta = {"format": "pt", "expertcache": "packed-dense", **_recipe(packed), "checkpoint_digest": digest,
             "checksum": f"blake2b-128 of every packed byte in key order, in {_CHECKSUM}"}
-    return write_safetensors(path, entries, meta)
+    out = write_safetensors(path, entries, meta)
+    mark_verified(out, _KIND, _VERIFIED, across_processes=False)  # written, not read back: the next process checks it
+    return out
 
 
 def load_or_pack_dense(packed: dict[str, nn.Module], pack: Callable[[], None], ckpt, source_keys: list[str],

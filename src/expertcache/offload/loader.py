@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from expertcache.offload.budget import release_free_heap
 from expertcache.offload.checkpoint import Checkpoint, CheckpointError
 from expertcache.offload.densecache import load_or_pack_dense
 from expertcache.outputs import env_path
@@ -78,6 +79,7 @@ def load_non_expert(model: nn.Module, ckpt: Checkpoint, config, packed: dict[str
                 getattr(mod, "finish", lambda: None)()
             if stats is not None:
                 stats.update(info)
+    release_free_heap()  # the reads' and the packing's freed blocks, given back before the expert slots are allocated
     if missing:
         raise CheckpointError(f"{ckpt.folder}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if tied and "lm_head.weight" not in packed:

@@ -29,13 +29,14 @@ from expertcache.offload.experts import OPAQUE_MATVEC_ELEMENTS
 from expertcache.offload.fbexperts import slot_copy_bytes
 from expertcache.offload.layout import ALIGN, place_expert, slot_bytes_for
 from expertcache.offload.lowtier import LOW_MODES, low_tier_bytes
-from expertcache.offload.qlinear import dense_bytes, dense_targets
+from expertcache.offload.fbgemm import FBGEMM_ROWS, FINISH_TRANSIENT
+from expertcache.offload.qlinear import dense_bytes, dense_targets, fbgemm_shapes
 from expertcache.offload.quant import PACK_ROWS
 from expertcache.offload.store import quant_layout_for
 from expertcache.offload.tiers import parse_host_memory
 from expertcache.routing import Router, RoutingConfig
 
-__all__ = ["SIDECAR_TRANSIENT", "DENSE_PACK_TRANSIENT", "expert_sizes", "graph_products", "expert_product",
+__all__ = ["SIDECAR_TRANSIENT", "DENSE_PACK_TRANSIENT", "finish_transient_bytes", "expert_sizes", "graph_products", "expert_product",
            "check_resident_quant", "compile_kernels", "preflight", "plan_from"]
 
 #: the quantised sidecar's writer holds one expert at a time: its bytes, float32 copies of its largest matrix
@@ -49,6 +50,16 @@ SIDECAR_TRANSIENT = 9
 #: the block's bytes, its float32 copy, the padded copy, the int32 codes and the packed block; a bound in bytes
 #: per element of one block (measured 12.9 per element when whole matrices were packed from float32)
 DENSE_PACK_TRANSIENT = 13
+
+
+def finish_transient_bytes(model: nn.Module, mode: str | None, device: torch.device | str, *,
+                           compiled: bool = False) -> int:
+    """The transient of handing the int8 dense matrices to FBGEMM after loading (``QuantLinear.finish``, one
+    matrix at a time): the largest matrix's codes, still held while FBGEMM packs its own copy of them (which the
+    plan counts in their place), plus :data:`~expertcache.offload.fbgemm.FINISH_TRANSIENT` copies of one block
+    of :data:`~expertcache.offload.fbgemm.FBGEMM_ROWS` rows. 0 where no matrix runs on FBGEMM."""
+    return max((codes + FINISH_TRANSIENT * min(n, FBGEMM_ROWS) * k
+                for n, k, codes in fbgemm_shapes(model, mode, device, compiled=compiled)), default=0)
 
 
 def expert_sizes(parts: dict, placement: dict, readers: int) -> tuple[int, int, int]:
@@ -145,7 +156,8 @@ def preflight(path: Path, model: nn.Module, layers: list[MoELayer], checkpoint: 
         quant_layout_for(checkpoint, ids[0], o.resident_quant, None, dtype, device), len(layers), num_experts)
     if dense:  # packed a block of rows at a time, straight from the checkpoint
         widest = max(m.weight.shape[1] for m in dense.values())
-        load = max(load, DENSE_PACK_TRANSIENT * PACK_ROWS * widest)
+        load = max(load, DENSE_PACK_TRANSIENT * PACK_ROWS * widest,
+                   finish_transient_bytes(model, o.quant_dense, device, compiled=o.compile))
     budget = None if o.memory is None else parse_bytes(o.memory)
     root = os.environ.get("EXPERTCACHE_CGROUP_ROOT", "").strip() or "/"  # a fake tree, for tests; "" = unset
     if budget == AUTO:

@@ -24,17 +24,17 @@ skeleton is enough), for a plan made before loading.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
 from torch import nn
 
+from expertcache.offload.fbgemm import fbgemm_linear, fbgemm_prepack
 from expertcache.offload.quant import (PACK_ROWS, QuantMatrix, dense_int8_kernel, fbgemm_vnni, kernel_for,
                                        pack_matrix_into, qmm, quantize_codes)
 
 __all__ = ["DENSE_MODES", "DENSE_GROUP", "QuantLinear", "QuantEmbedding", "dense_targets", "quantize_dense",
-           "quantize_dense_skeleton", "dense_bytes", "dense_kernel_note"]
+           "quantize_dense_skeleton", "dense_bytes", "fbgemm_shapes", "dense_kernel_note"]
 
 DENSE_MODES = ("none", "int8", "int4", "int4-head8")
 #: the int4 group size of the dense weights (K padded to it where needed)
@@ -74,8 +74,9 @@ class QuantLinear(nn.Module):
     ``kernel_device`` names the device the packed layout is for (the skeleton's buffers live on ``meta``).
 
     int8 on an x86 CPU (:func:`~expertcache.offload.quant.dense_int8_kernel`; ``compiled`` False): once filled,
-    :meth:`finish` hands the codes and scales to FBGEMM (``quantized.linear_prepack``: its own packed copy, the
-    activation quantised per call, per token) and drops the codes buffer (``opaque_bytes`` counts FBGEMM's copy
+    :meth:`finish` hands the codes and scales to FBGEMM (``quantized.linear_prepack``: its own packed copy, made
+    from the codes a block of rows at a time, :func:`~expertcache.offload.fbgemm.fbgemm_prepack`; the activation
+    quantised per call, per token) and drops the codes buffer (``opaque_bytes`` counts FBGEMM's copy
     instead). Activations are 8-bit where FBGEMM runs VNNI (int32 sums), 7-bit elsewhere (``reduce_range``: AVX2's
     ``vpmaddubsw`` sums pairs of u8 × s8 products in int16, which 8-bit activations can overflow)."""
 
@@ -86,7 +87,7 @@ class QuantLinear(nn.Module):
         self.qm = _matrix(mode, n, k, dtype, kernel_device or device, optimize)
         self.kernel = ("int4pack" if mode == "int4" else "int8pack" if weight_only
                        else dense_int8_kernel(kernel_device or device, compiled=compiled))
-        self._fbgemm = None  # FBGEMM's packed weight (after finish)
+        self._fbgemm = None  # FBGEMM's packed weight, a list of blocks of rows (after finish)
         self.opaque_bytes = 0
         self.reduce_range = not fbgemm_vnni()
         (ws, wd), (ss, sd) = self.qm.shapes()
@@ -119,15 +120,9 @@ class QuantLinear(nn.Module):
         that is the kernel (class docstring); otherwise nothing."""
         if self.kernel != "fbgemm" or self._fbgemm is not None or self.qweight.device.type != "cpu":
             return
-        codes = self.qweight[:, :self.in_features]  # FBGEMM takes any K: the zero padding is not needed
-        s = self.scales.double()
-        with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's op still takes one
-            warnings.simplefilter("ignore")
-            # codes · s in float32 is within 2^-24 relative of the exact product: quantising it back gives the codes
-            qw = torch.quantize_per_channel(codes.float() * s.float()[:, None], s, torch.zeros_like(s, dtype=torch.long),
-                                            0, torch.qint8)
-            assert torch.equal(qw.int_repr(), codes)
-            self._fbgemm = torch.ops.quantized.linear_prepack(qw, None)
+        # the codes themselves, a block of FBGEMM_ROWS rows at a time (fbgemm.py): the transient is a block's
+        # copies (FINISH_TRANSIENT), never a float copy of the matrix; FBGEMM takes any K: the zero padding is dropped
+        self._fbgemm = fbgemm_prepack(self.qweight[:, :self.in_features], self.scales)
         # FBGEMM holds the N·K codes and N int32 column offsets: counted as the codes buffer it replaces (N·K_pad,
         # K_pad = K rounded up to 16), so a plan made from the skeleton (dense_bytes) equals the loaded model's
         self.opaque_bytes = self.qweight.numel()
@@ -145,7 +140,7 @@ class QuantLinear(nn.Module):
             # per token (exact: the product is linear), so a prompt's large rows do not coarsen the small ones
             x_MK = x.reshape(-1, x.shape[-1]).float()
             m_M1 = x_MK.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-            y = (torch.ops.quantized.linear_dynamic(x_MK / m_M1, self._fbgemm, self.reduce_range) * m_M1).to(x.dtype)
+            y = (fbgemm_linear(x_MK / m_M1, self._fbgemm, self.reduce_range) * m_M1).to(x.dtype)
         else:
             y = qmm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.qm)
         if self.bias is not None:
@@ -302,6 +297,23 @@ def dense_bytes(model: nn.Module, mode: str | None, *, skip_experts: bool = True
         else:
             total += sum(_matrix(m, w.shape[0], w.shape[1], w.dtype, "cpu").part_bytes())
     return total
+
+
+def fbgemm_shapes(model: nn.Module, mode: str | None, device: torch.device | str, *,
+                  compiled: bool = False) -> list[tuple[int, int, int]]:
+    """(N, K, codes bytes) of each ``nn.Linear`` of ``model`` (a skeleton: nothing allocated) that
+    :func:`quantize_dense_skeleton` with ``mode`` makes an FBGEMM :class:`QuantLinear` on ``device``: those whose
+    :meth:`QuantLinear.finish` hands their codes (N × K_pad int8) to FBGEMM after loading."""
+    if mode in (None, "none") or dense_int8_kernel(device, compiled=compiled) != "fbgemm":
+        return []
+    out = []
+    for name, mod in dense_targets(model).items():
+        if isinstance(mod, nn.Embedding) or _target_mode(name, mod, mode) != "int8" or _weight_only(name, mode):
+            continue
+        n, k = mod.weight.shape
+        (ws, _), _ = _matrix("int8", n, k, mod.weight.dtype, device).shapes()
+        out.append((n, k, ws[0] * ws[1]))
+    return out
 
 
 def dense_kernel_note(model: nn.Module) -> str | None:

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from expertcache.offload.binding import (SOURCE_KEY, check_bound, check_not_newer, check_sidecar_place, file_stamps, recall,
-                                         remember, source_digest)
+from expertcache.offload.binding import (SOURCE_KEY, check_bound, check_not_newer, check_sidecar_place, mark_verified,
+                                         source_digest, was_verified)
 from expertcache.offload.checkpoint import ByteRange, Checkpoint, CheckpointError, ExpertParts, read_header
 # the byte layout of a slot (re-exported: ALIGN, Placement, place_expert)
 from expertcache.offload.layout import ALIGN, Placement, expert_views, place_expert
@@ -56,7 +56,6 @@ __all__ = ["IO_MODES", "TIERS", "NativeSource", "QuantSource", "DiskTier", "Host
 #: order the blobs are stored in the file)
 CHECKSUM_KEY = "expertcache.checksums"
 _DIGEST = 16
-_VERIFIED_MARK = "0" * 32  # what binding.remember records for a sidecar whose checksums all held
 _VERIFIED: set[tuple] = set()  # binding.file_stamps of the sidecars verified by this process
 
 
@@ -66,12 +65,8 @@ def _digest(data) -> bytes:
 
 def _mark_verified(path: Path, *, across_processes: bool = True) -> None:
     """``path``'s checksums hold: remembered in this process and (``across_processes``: they were checked by
-    reading the file back) for later processes, keyed by the file's stamps
-    (:func:`~expertcache.offload.binding.file_stamps`, ctime included)."""
-    stamps = file_stamps([path])
-    _VERIFIED.add(stamps)
-    if across_processes:
-        remember(("sidecar-verified", stamps), _VERIFIED_MARK)
+    reading the file back) for later processes (:func:`~expertcache.offload.binding.mark_verified`)."""
+    mark_verified(path, "sidecar-verified", _VERIFIED, across_processes=across_processes)
 
 
 def verify_quant_sidecar(path: str | os.PathLike, entries: dict | None = None) -> None:
@@ -82,11 +77,7 @@ def verify_quant_sidecar(path: str | os.PathLike, entries: dict | None = None) -
     first damaged expert) on a mismatch, or when the file has no checksums (written by an older
     expertcache)."""
     path = Path(path)
-    stamps = file_stamps([path])
-    if stamps in _VERIFIED:
-        return
-    if recall(("sidecar-verified", stamps)) == _VERIFIED_MARK:
-        _VERIFIED.add(stamps)
+    if was_verified(path, "sidecar-verified", _VERIFIED):
         return
     entries = read_header(path) if entries is None else entries
     ck = entries.get(CHECKSUM_KEY)
