@@ -1,0 +1,246 @@
+"""The int4 group fits of :func:`~expertcache.offload.quant.quantize_codes`: the least-squares scale and offset per
+group (``optimize="lsq"``, the q4 / q4m presets), HQQ's zero refinement (``hqq``), and the final rounding of the
+weights to codes under the stored scale and zero.
+
+Two implementations of the least-squares fit and of the rounding, which make the same decisions:
+
+- torch (:func:`lsq_torch`, the reference; the only one without numba, ``EXPERTCACHE_NO_NUMBA=1``): tensor ops over
+  [N, K/G, G], a dozen full-size temporaries per step;
+- compiled (:func:`lsq` and :func:`codes` when :data:`expertcache.compiled.AVAILABLE`): one numba loop per group
+  over its G values (``_fit_rows``, ``_code_rows``), the same candidates, steps and tie-breaking in float32, the
+  per-group sums accumulated in float64 and rounded to float32 where torch rounds its float32 sums (so a mean, a
+  covariance or an error may differ from torch's in the last float32 place: a scale or offset then differs by an
+  ulp and a weight lying on a rounding boundary may get the neighbouring code; tests/test_groupfit.py bounds it).
+  The rounding to codes is element-wise float32 (``(w - z) / s``, round half to even, ``+ 8``, clamp): bit-equal to
+  torch's.
+
+The compiled loops run without the GIL on a few threads of a ``ThreadPoolExecutor`` (:func:`threads`), each on its
+own block of rows (rows are independent, so the result does not depend on the split), not on numba's parallel
+backend, whose spinning workers slowed torch's own ops beside them 50-100×.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from expertcache import compiled
+
+__all__ = ["SHRINKS", "ITERS", "MAX_THREADS", "threads", "lsq_torch", "lsq", "codes_torch", "codes", "hqq_zero"]
+
+#: the candidate ranges of the least-squares fit (the min/max one, shrunk about its centre) and its steps per candidate
+SHRINKS = (1.0, 0.9, 0.8)
+ITERS = 3
+#: at most this many threads for the compiled fits (:func:`threads`)
+MAX_THREADS = 4
+#: rows (groups) per thread below which one thread does the whole call (a thread's start costs ~50 µs)
+_MIN_ROWS = 2048
+
+_F0, _F2, _F7_5, _F8, _F15 = np.float32(0), np.float32(2), np.float32(7.5), np.float32(8), np.float32(15)
+_TINY, _EPS = np.float32(1e-12), np.float32(1e-6)  # torch's clamp(min=1e-12), var > 1e-6 / clamp(min=1e-6)
+
+
+def threads() -> int:
+    """Threads the compiled fits use: torch's intra-op count, capped by the CPUs this process may run on and by
+    :data:`MAX_THREADS`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cpus, MAX_THREADS))
+
+
+def lsq_torch(w_NBG: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, shrinks=SHRINKS,
+              iters: int = ITERS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Least-squares scale and offset per group (llama.cpp's ``make_qkx2_quants`` idea): from each candidate range
+    (the min/max one, shrunk about its centre by ``shrinks``), alternate the codes (rounding, optimal for a given
+    scale and offset) and the scale and offset (the linear regression of W on the codes, optimal for given codes):
+    neither step raises the squared error. The candidate with the smallest error is kept per group (the first of
+    equals). Returns (s, m) with ``W ≈ q·s + m``, q in [0, 15] (float32). About 8× the time of min/max in torch
+    (3 candidates × 3 steps); more candidates gained little (Student-t(5) weights [2048, 2048], G = 64: relative
+    error 0.1102 min/max, 0.1023 here, 0.1017 with 6 candidates × 4 steps at 4× this time). The reference of the
+    compiled :func:`lsq`."""
+    wm = w_NBG.mean(-1)
+    wc = w_NBG - wm[..., None]  # centred once: cov(q, W) = mean(q · (W - mean W))
+    best_err = best_s = best_m = None
+    mid = (hi + lo) / 2
+    for r in shrinks:
+        s = ((hi - lo) * r / 15).clamp(min=1e-12)
+        m = mid - 7.5 * s
+        for _ in range(iters):
+            q = torch.round((w_NBG - m[..., None]) / s[..., None]).clamp_(0, 15)
+            qm = q.mean(-1)
+            var = (q * q).mean(-1) - qm * qm
+            cov = (q * wc).mean(-1)
+            ok = var > 1e-6  # codes not all equal
+            s = torch.where(ok, cov / var.clamp(min=1e-6), s).clamp(min=1e-12)
+            m = torch.where(ok, wm - s * qm, m)
+        q = torch.round((w_NBG - m[..., None]) / s[..., None]).clamp_(0, 15)
+        err = (w_NBG - (q * s[..., None] + m[..., None])).pow_(2).sum(-1)
+        if best_err is None:
+            best_err, best_s, best_m = err, s, m
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
+    return best_s, best_m
+
+
+def _fit_rows(w, lo, hi, shrinks, iters, s_out, m_out):  # pragma: no cover - compiled (its torch twin: lsq_torch)
+    """:func:`lsq_torch` for the groups (rows) of ``w`` float32 [R, G], one pass per step over a group: writes
+    s_out, m_out [R]. float32 arithmetic as torch's; the sums in float64, rounded to float32 (torch's are float32)."""
+    n_rows, g = w.shape
+    gf = np.float32(g)
+    wc = np.empty(g, np.float32)
+    for i in range(n_rows):
+        row = w[i]
+        acc = 0.0
+        for j in range(g):
+            acc += row[j]
+        wm = np.float32(acc) / gf
+        for j in range(g):
+            wc[j] = row[j] - wm
+        l, h = lo[i], hi[i]
+        mid = (h + l) / _F2
+        best_err, best_s, best_m = _F0, _F0, _F0
+        for c in range(shrinks.shape[0]):
+            s = max((h - l) * shrinks[c] / _F15, _TINY)
+            m = mid - _F7_5 * s
+            for _ in range(iters):
+                sq, sqq, cov0, cov1 = 0, 0, 0.0, 0.0
+                for j in range(0, g - 1, 2):  # two accumulators: the float64 adds are not one chain
+                    t0 = min(max(np.rint((row[j] - m) / s), _F0), _F15)
+                    t1 = min(max(np.rint((row[j + 1] - m) / s), _F0), _F15)
+                    k0, k1 = int(t0), int(t1)
+                    sq += k0 + k1
+                    sqq += k0 * k0 + k1 * k1
+                    cov0 += t0 * wc[j]
+                    cov1 += t1 * wc[j + 1]
+                if g & 1:  # an odd group's last value
+                    t0 = min(max(np.rint((row[g - 1] - m) / s), _F0), _F15)
+                    k0 = int(t0)
+                    sq += k0
+                    sqq += k0 * k0
+                    cov0 += t0 * wc[g - 1]
+                qm = np.float32(sq) / gf
+                var = np.float32(sqq) / gf - qm * qm
+                if var > _EPS:
+                    s = max(np.float32(cov0 + cov1) / gf / var, _TINY)
+                    m = wm - s * qm
+            e0, e1 = 0.0, 0.0
+            for j in range(0, g - 1, 2):
+                t0 = min(max(np.rint((row[j] - m) / s), _F0), _F15)
+                t1 = min(max(np.rint((row[j + 1] - m) / s), _F0), _F15)
+                d0 = row[j] - (t0 * s + m)
+                d1 = row[j + 1] - (t1 * s + m)
+                e0 += d0 * d0
+                e1 += d1 * d1
+            if g & 1:
+                t0 = min(max(np.rint((row[g - 1] - m) / s), _F0), _F15)
+                d0 = row[g - 1] - (t0 * s + m)
+                e0 += d0 * d0
+            err = np.float32(e0 + e1)
+            if c == 0 or err < best_err:
+                best_err, best_s, best_m = err, s, m
+        s_out[i] = best_s
+        m_out[i] = best_m
+
+
+def _code_rows(w, s, z, out):  # pragma: no cover - compiled (its torch twin: codes_torch)
+    """int4 codes of ``w`` float32 [R, G] under each row's scale and zero: ``clamp(round((w - z) / s) + 8, 0, 15)``."""
+    n_rows, g = w.shape
+    for i in range(n_rows):
+        si, zi = s[i], z[i]
+        for j in range(g):
+            out[i, j] = np.int32(min(max(np.rint((w[i, j] - zi) / si) + _F8, _F0), _F15))
+
+
+if compiled.AVAILABLE:
+    _fit_rows = compiled.jit(_fit_rows)
+    _code_rows = compiled.jit(_code_rows)
+
+
+def _in_blocks(fn, n_rows: int, arrays, n_threads: int | None) -> None:
+    """``fn(*(a[r0:r1] for a in arrays))`` over blocks of rows, on ``n_threads`` threads (:func:`threads` if
+    None); every array's first axis is the rows. 0-d arrays and scalars pass whole (``None`` in ``arrays``'s
+    place is not allowed)."""
+    n = threads() if n_threads is None else max(1, n_threads)
+    n = min(n, max(1, n_rows // _MIN_ROWS)) if n_threads is None else min(n, max(1, n_rows))
+    if n <= 1:
+        fn(*arrays)
+        return
+    bounds = [n_rows * t // n for t in range(n + 1)]
+
+    def block(t):
+        a, b = bounds[t], bounds[t + 1]
+        fn(*(x[a:b] if isinstance(x, np.ndarray) and x.ndim and x.shape[0] == n_rows else x for x in arrays))
+
+    with ThreadPoolExecutor(n, thread_name_prefix="expertcache-groupfit") as pool:
+        for f in [pool.submit(block, t) for t in range(n)]:
+            f.result()
+
+
+def _rows(x: torch.Tensor, g: int | None = None) -> np.ndarray:
+    x = x.detach().float().contiguous()
+    return (x.reshape(-1, g) if g else x.reshape(-1)).numpy()
+
+
+def lsq(w_NBG: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, shrinks=SHRINKS, iters: int = ITERS,
+        n_threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lsq_torch`'s (s, m) [N, K/G] float32, compiled where numba is (else that function): equal up to the
+    float32 rounding of the per-group sums (module docstring). ``n_threads``: None = :func:`threads` (one where the
+    call is small), else that many."""
+    if not compiled.AVAILABLE:
+        return lsq_torch(w_NBG, lo, hi, shrinks=shrinks, iters=iters)
+    g = w_NBG.shape[-1]
+    w = _rows(w_NBG, g)
+    s = np.empty(w.shape[0], np.float32)
+    m = np.empty(w.shape[0], np.float32)
+    sh = np.asarray(shrinks, np.float32)
+    _in_blocks(lambda *a: _fit_rows(*a[:3], sh, iters, *a[3:]), w.shape[0], (w, _rows(lo), _rows(hi), s, m), n_threads)
+    shape = w_NBG.shape[:-1]
+    return torch.from_numpy(s).view(shape), torch.from_numpy(m).view(shape)
+
+
+def codes_torch(w_NBG: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """int32 codes [N, K/G, G]: ``clamp(round((w - z) / s) + 8, 0, 15)`` (float32 w, s, z)."""
+    return (torch.round((w_NBG - z[..., None]) / s[..., None]) + 8).clamp(0, 15).to(torch.int32)
+
+
+def codes(w_NBG: torch.Tensor, s: torch.Tensor, z: torch.Tensor, *, n_threads: int | None = None) -> torch.Tensor:
+    """:func:`codes_torch`, in one compiled pass where numba is (bit-equal: the same float32 operations)."""
+    if not compiled.AVAILABLE:
+        return codes_torch(w_NBG, s, z)
+    g = w_NBG.shape[-1]
+    w = _rows(w_NBG, g)
+    out = np.empty(w.shape, np.int32)
+    _in_blocks(_code_rows, w.shape[0], (w, _rows(s), _rows(z), out), n_threads)
+    return torch.from_numpy(out).view(w_NBG.shape)
+
+
+def hqq_zero(w_NBG: torch.Tensor, s: torch.Tensor, z: torch.Tensor, *, iters: int = 20, p: float = 0.7,
+             beta: float = 10.0, kappa: float = 1.01) -> torch.Tensor:
+    """HQQ's half-quadratic refinement of the zero point (Badri & Shaji 2023, the hqq package's
+    ``optimize_weights_proximal``), written for this kernel's form ``W ≈ (q - zq)·s``, ``zq = 8 - z/s``: alternate
+    the codes (rounding), the error ``We`` (the proximal step of an l_p norm, p < 1: a generalised soft
+    threshold that lets a few large errors be, so the rest get small) and the zero that makes ``W - We`` closest
+    to the codes (a mean per group); the scale stays the min/max one. Returns the refined z (float32); the
+    iteration whose mean |W - dequant| was smallest is kept, the min/max zero if none beat it."""
+    zq = 8 - z / s
+    q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
+    best = (w_NBG - (q - zq[..., None]) * s[..., None]).abs().mean(-1)
+    best_zq = zq.clone()
+    for _ in range(iters):
+        q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
+        r = w_NBG - (q - zq[..., None]) * s[..., None]
+        e = torch.sign(r) * torch.relu(r.abs() - (1 / beta) * r.abs().clamp(min=1e-12).pow(p - 1))
+        zq = (q - (w_NBG - e) / s[..., None]).mean(-1)
+        beta *= kappa
+        q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
+        err = (w_NBG - (q - zq[..., None]) * s[..., None]).abs().mean(-1)
+        better = err < best
+        best, best_zq = torch.where(better, err, best), torch.where(better, zq, best_zq)
+    return (8 - best_zq) * s
