@@ -29,7 +29,8 @@ import torch
 
 from expertcache import compiled
 
-__all__ = ["SHRINKS", "ITERS", "MAX_THREADS", "threads", "lsq_torch", "lsq", "codes_torch", "codes", "hqq_zero"]
+__all__ = ["SHRINKS", "ITERS", "MAX_THREADS", "threads", "lsq_torch", "lsq", "codes_torch", "codes", "hqq_zero",
+           "quantize_int4_torch", "quantize_int4"]
 
 #: the candidate ranges of the least-squares fit (the min/max one, shrunk about its centre) and its steps per candidate
 SHRINKS = (1.0, 0.9, 0.8)
@@ -149,6 +150,18 @@ def _fit_rows(w, lo, hi, shrinks, iters, s_out, m_out):  # pragma: no cover - co
         m_out[i] = best_m
 
 
+def _range_rows(w, lo, hi):  # pragma: no cover - compiled (torch: amin, amax)
+    """Each row's minimum and maximum (one pass)."""
+    n_rows, g = w.shape
+    for i in range(n_rows):
+        a = b = w[i, 0]
+        for j in range(1, g):
+            v = w[i, j]
+            a = min(a, v)
+            b = max(b, v)
+        lo[i], hi[i] = a, b
+
+
 def _code_rows(w, s, z, out):  # pragma: no cover - compiled (its torch twin: codes_torch)
     """int4 codes of ``w`` float32 [R, G] under each row's scale and zero: ``clamp(round((w - z) / s) + 8, 0, 15)``."""
     n_rows, g = w.shape
@@ -161,6 +174,7 @@ def _code_rows(w, s, z, out):  # pragma: no cover - compiled (its torch twin: co
 if compiled.AVAILABLE:
     _fit_rows = compiled.jit(_fit_rows)
     _code_rows = compiled.jit(_code_rows)
+    _range_rows = compiled.jit(_range_rows)
 
 
 def _in_blocks(fn, n_rows: int, arrays, n_threads: int | None) -> None:
@@ -244,3 +258,72 @@ def hqq_zero(w_NBG: torch.Tensor, s: torch.Tensor, z: torch.Tensor, *, iters: in
         better = err < best
         best, best_zq = torch.where(better, err, best), torch.where(better, zq, best_zq)
     return (8 - best_zq) * s
+
+
+def quantize_int4_torch(w_NBG: torch.Tensor, dtype: torch.dtype, optimize: str) -> tuple[torch.Tensor, ...]:
+    """(codes int32 [N, B, G], s, z [N, B] float32 holding ``dtype`` values) of float32 ``w_NBG``: the int4 part of
+    :func:`~expertcache.offload.quant.quantize_codes` in torch ops (``optimize``: minmax, hqq or lsq)."""
+    lo, hi = w_NBG.amin(dim=2), w_NBG.amax(dim=2)
+    s = ((hi - lo) / 15).to(dtype).float()
+    flat = s == 0  # a constant group: s = 1, z = its value, every q = 8
+    s = torch.where(flat, torch.ones_like(s), s)
+    z = lo + 8 * s
+    if optimize == "hqq":
+        z = hqq_zero(w_NBG, s, z)
+    elif optimize == "lsq":
+        s_ls, m_ls = lsq_torch(w_NBG, lo, hi)
+        s = torch.where(flat, s, s_ls.to(dtype).float())
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        z = m_ls + 8 * s
+    z = torch.where(flat, lo, z).to(dtype).float()
+    return codes_torch(w_NBG, s, z), s, z
+
+
+def _rounder(dtype: torch.dtype):
+    """float32 ndarray -> its values rounded to ``dtype`` (as float32), as torch's ``.to(dtype).float()``: round to
+    nearest even; None for a dtype done in torch only."""
+    if dtype == torch.float32:
+        return lambda x: x
+    if dtype == torch.float16:
+        return lambda x: x.astype(np.float16).astype(np.float32)
+    if dtype == torch.bfloat16:
+        def bf16(x):  # c10::BFloat16's round_to_nearest_even on the bits (NaN -> 0x7FC0)
+            u = x.view(np.uint32)
+            r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000))
+            return np.where(np.isnan(x), np.uint32(0x7FC00000), r).astype(np.uint32).view(np.float32)
+        return bf16
+    return None
+
+
+def quantize_int4(w_NBG: torch.Tensor, dtype: torch.dtype, optimize: str, *,
+                  n_threads: int | None = None) -> tuple[torch.Tensor, ...]:
+    """:func:`quantize_int4_torch`, compiled where numba is (``minmax`` and ``lsq``: the group ranges, the fit and
+    the codes in compiled loops on :func:`threads` threads, the per-group scale and zero steps in numpy, which
+    runs no threads of its own): the same float32 operations, so ``minmax`` is bit-equal and ``lsq`` equal up to
+    the fit's float32 sums (:func:`lsq`). ``hqq`` and other dtypes: torch."""
+    rnd = _rounder(dtype)
+    if not compiled.AVAILABLE or optimize not in ("minmax", "lsq") or rnd is None:
+        return quantize_int4_torch(w_NBG.float(), dtype, optimize)
+    g = w_NBG.shape[-1]
+    w = _rows(w_NBG, g)
+    lo, hi = np.empty(w.shape[0], np.float32), np.empty(w.shape[0], np.float32)
+    _in_blocks(_range_rows, w.shape[0], (w, lo, hi), n_threads)
+    with np.errstate(all="ignore"):
+        s = rnd((hi - lo) / _F15)
+        flat = s == 0  # a constant group: s = 1, z = its value, every q = 8
+        s = np.where(flat, np.float32(1), s)
+        if optimize == "lsq":
+            s_ls, m_ls = np.empty_like(s), np.empty_like(s)
+            sh = np.asarray(SHRINKS, np.float32)
+            _in_blocks(lambda *a: _fit_rows(*a[:3], sh, ITERS, *a[3:]), w.shape[0], (w, lo, hi, s_ls, m_ls), n_threads)
+            s = np.where(flat, s, rnd(s_ls))
+            s = np.where(s == 0, np.float32(1), s)
+            z = m_ls + _F8 * s
+        else:
+            z = lo + _F8 * s
+        z = rnd(np.where(flat, lo, z).astype(np.float32))
+    s = s.astype(np.float32)
+    q = np.empty(w.shape, np.int32)
+    _in_blocks(_code_rows, w.shape[0], (w, s, z, q), n_threads)
+    shape = w_NBG.shape[:-1]
+    return torch.from_numpy(q).view(w_NBG.shape), torch.from_numpy(s).view(shape), torch.from_numpy(z).view(shape)

@@ -312,22 +312,8 @@ def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype
         q = torch.round(w / s_N[:, None]).clamp(-127, 127).to(torch.int32)
         return q, s_N.to(dtype), None
     n, k = w.shape
-    w_NBG = w.reshape(n, k // group, group)
-    lo, hi = w_NBG.amin(dim=2), w_NBG.amax(dim=2)
-    s = ((hi - lo) / 15).to(dtype).float()
-    flat = s == 0  # a constant group: s = 1, z = its value, every q = 8
-    s = torch.where(flat, torch.ones_like(s), s)
-    z = lo + 8 * s
-    if optimize == "hqq":
-        z = groupfit.hqq_zero(w_NBG, s, z)
-    elif optimize == "lsq":
-        s_ls, m_ls = groupfit.lsq(w_NBG, lo, hi)
-        s = torch.where(flat, s, s_ls.to(dtype).float())
-        s = torch.where(s == 0, torch.ones_like(s), s)
-        z = m_ls + 8 * s
-    z = torch.where(flat, lo, z).to(dtype).float()
-    q = groupfit.codes(w_NBG, s, z).reshape(n, k)
-    return q, s.to(dtype), z.to(dtype)
+    q, s, z = groupfit.quantize_int4(w.reshape(n, k // group, group), dtype, optimize)
+    return q.reshape(n, k), s.to(dtype), z.to(dtype)
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -502,7 +488,7 @@ def pack_expert(gate_up_FD: torch.Tensor, down_DF: torch.Tensor, layout: QuantLa
     """One expert (gate_up [2F, D], down [D, F]) as a uint8 blob of ``layout.nbytes`` bytes."""
     f = layout.f
     gate, up = gate_up_FD[:f], gate_up_FD[f:]
-    gu = torch.cat([_pad_rows(gate, layout.f_pad), _pad_rows(up, layout.f_pad)])
+    gu = gate_up_FD if layout.f_pad == f else torch.cat([_pad_rows(gate, layout.f_pad), _pad_rows(up, layout.f_pad)])
     blob = torch.zeros(layout.nbytes, dtype=torch.uint8)
     for qm, w, at in ((layout.gate_up, gu, 0), (layout.down, down_DF, layout.gate_up.nbytes)):
         for dst, src in zip(qm.views(blob, at), pack_matrix(w, qm)):
