@@ -285,7 +285,10 @@ def _rounder(dtype: torch.dtype):
     if dtype == torch.float32:
         return lambda x: x
     if dtype == torch.float16:
-        return lambda x: x.astype(np.float16).astype(np.float32)
+        def fp16(x):
+            with np.errstate(over="ignore"):  # beyond fp16's range: inf, as torch's
+                return x.astype(np.float16).astype(np.float32)
+        return fp16
     if dtype == torch.bfloat16:
         def bf16(x):  # c10::BFloat16's round_to_nearest_even on the bits (NaN -> 0x7FC0)
             u = x.view(np.uint32)
