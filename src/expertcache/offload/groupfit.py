@@ -22,6 +22,7 @@ backend, whose spinning workers slowed torch's own ops beside them 50-100×.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -180,8 +181,8 @@ if compiled.AVAILABLE:
 
 def _in_blocks(fn, n_rows: int, arrays, n_threads: int | None) -> None:
     """``fn(*(a[r0:r1] for a in arrays))`` over blocks of rows, on ``n_threads`` threads (:func:`threads` if
-    None); every array's first axis is the rows. 0-d arrays and scalars pass whole (``None`` in ``arrays``'s
-    place is not allowed)."""
+    None, and one where the call has under :data:`_MIN_ROWS` rows a thread); every ndarray in ``arrays`` whose
+    first axis is the rows is cut in blocks, anything else passes whole."""
     n = threads() if n_threads is None else max(1, n_threads)
     n = min(n, max(1, n_rows // _MIN_ROWS)) if n_threads is None else min(n, max(1, n_rows))
     if n <= 1:
@@ -193,9 +194,26 @@ def _in_blocks(fn, n_rows: int, arrays, n_threads: int | None) -> None:
         a, b = bounds[t], bounds[t + 1]
         fn(*(x[a:b] if isinstance(x, np.ndarray) and x.ndim and x.shape[0] == n_rows else x for x in arrays))
 
-    with ThreadPoolExecutor(n, thread_name_prefix="expertcache-groupfit") as pool:
-        for f in [pool.submit(block, t) for t in range(n)]:
+    futures = [_pool(n).submit(block, t) for t in range(1, n)]
+    try:
+        block(0)  # this thread does the first block
+    finally:
+        for f in futures:  # every block finished before the arrays are used (or an error raised)
             f.result()
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """A pool of ``n - 1`` helper threads kept for the process (idle helpers wait on a queue: no spinning beside
+    torch's threads); the caller's thread is the n-th."""
+    with _POOL_LOCK:
+        pool = _POOLS.get(n)
+        if pool is None:
+            pool = _POOLS[n] = ThreadPoolExecutor(n - 1, thread_name_prefix="expertcache-groupfit")
+        return pool
 
 
 def _rows(x: torch.Tensor, g: int | None = None) -> np.ndarray:
