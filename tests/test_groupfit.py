@@ -183,8 +183,8 @@ def test_threads_do_not_change_the_result():
 def test_rounders_equal_torch():
     """numpy's rounding of the stored scales and zeros to bf16 / fp16 equals torch's ``.to(dtype).float()``
     (nearest even, ties, overflow to inf, subnormals, NaN)."""
-    x = torch.cat([_student_t(1, 4096, seed=1)[0], torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.4e38, -3.4e38, 1e-40,
-                                                                 65520.0, 6e-8, float("inf"), float("nan"), 0.0, -0.0])])
+    odd = [1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.4e38, -3.4e38, 1e-40, 65520.0, 6e-8, float("inf"), float("nan"), 0.0, -0.0]
+    x = torch.cat([_student_t(1, 4096, seed=1)[0], torch.tensor(odd)])
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         got = torch.from_numpy(groupfit._rounder(dtype)(x.numpy().copy()))
         want = x.to(dtype).float()
