@@ -245,3 +245,31 @@ def test_an_olmoe_expert_matrix(group):
     assert (z1 == z0).float().mean().item() >= 0.999 and (s1 == s0).float().mean().item() >= 0.999
     e0, e1 = _dequant_err(w, q0, s0, z0), _dequant_err(w, q1, s1, z1)
     assert abs(e1.sum() / e0.sum() - 1) < 1e-5
+
+
+@needs_numba
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_fits_on_its_own_threads():
+    """The helper threads are the parent's: a child forked after a threaded fit starts its own (no hang)."""
+    w = _student_t(64, 4096, seed=12).view(64, 128, 32)
+    want = groupfit.quantize_int4(w, torch.bfloat16, "lsq", n_threads=2)
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            got = groupfit.quantize_int4(w, torch.bfloat16, "lsq", n_threads=2)
+            os.write(wfd, b"1" if all(torch.equal(a, b) for a, b in zip(got, want)) else b"0")
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    try:
+        import select
+
+        ready, _, _ = select.select([r], [], [], 20)
+        if not ready:
+            os.kill(pid, 9)
+        assert ready, "the forked child's fit hung"
+        assert os.read(r, 1) == b"1"
+    finally:
+        os.waitpid(pid, 0)
+        os.close(r)

@@ -204,6 +204,8 @@ def _in_blocks(fn, n_rows: int, arrays, n_threads: int | None) -> None:
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's helper threads: it starts its own
+    os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
