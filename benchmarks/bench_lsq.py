@@ -116,17 +116,20 @@ def run(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| threads | competitor | median s / layer (64 experts) | speed-up vs torch | rel. error |",
-           "|---|---|---|---|---|"]
-    med = {}
+    out = ["| threads | competitor | median s / layer (64 experts) | speed-up vs torch | median CPU s / layer | "
+           "rel. error |", "|---|---|---|---|---|---|"]
+    med, cpu = {}, {}
     for row in rows:
         med.setdefault((row["threads"], row["competitor"]), []).append(row["seconds_per_layer"])
+        cpu.setdefault((row["threads"], row["competitor"]), []).append(
+            row["cpu_seconds"] * LAYER_EXPERTS / row["experts"])
     for (t, name), xs in sorted(med.items()):
         m = statistics.median(xs)
         ref = statistics.median(med.get((t, name.replace("compiled", "torch")), xs))
         err = next(r["rel_err"] for r in rows if r["competitor"] == name)
-        out.append(f"| {t} | {name} | {m:.2f} | {ref / m:.1f}× | {err:.5f} |")
-    out.append(f"(min/max rel. error {rows[0]['rel_err_minmax']:.5f})")
+        out.append(f"| {t} | {name} | {m:.2f} | {ref / m:.1f}× | {statistics.median(cpu[t, name]):.2f} | {err:.5f} |")
+    out.append(f"(min/max rel. error {rows[0]['rel_err_minmax']:.5f}; load average {rows[0]['loadavg_1m']:.2f} at the "
+               f"first row, {rows[-1]['loadavg_1m']:.2f} at the last)")
     return "\n".join(out)
 
 
