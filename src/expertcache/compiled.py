@@ -180,9 +180,10 @@ def _njit(fn, **options):
     return disp
 
 
-def jit(fn):
-    """Compile ``fn`` (nopython, no GIL, cached on disk where possible) when numba is available."""
-    return _njit(fn) if numba is not None else fn
+def jit(fn, **options):
+    """Compile ``fn`` (nopython, no GIL, cached on disk where possible) when numba is available; ``options`` go to
+    ``numba.njit`` (``fastmath={"reassoc"}``: a sum in any order)."""
+    return _njit(fn, **options) if numba is not None else fn
 
 
 def jit_inline(fn):

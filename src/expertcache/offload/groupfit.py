@@ -47,7 +47,6 @@ _MIN_ROWS = 2048
 
 _F0, _F2, _F7_5, _F8, _F15 = np.float32(0), np.float32(2), np.float32(7.5), np.float32(8), np.float32(15)
 _TINY, _EPS = np.float32(1e-12), np.float32(1e-6)  # torch's clamp(min=1e-12), var > 1e-6 / clamp(min=1e-6)
-_LANES = 8  # independent float64 partial sums per group sum: 8 add chains, not one (the fit 1.8× faster)
 
 
 def threads() -> int:
@@ -96,22 +95,27 @@ def lsq_torch(w_NBG: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, shrink
     return best_s, best_m
 
 
+def _sum64(x):  # pragma: no cover - compiled (fastmath reassoc: the adds in any order, so they vectorise)
+    """The float64 sum of float32 ``x`` [G]: the float32 values are exact in float64 and G ≤ 256 terms, so the order
+    (the compiler's, vectorised) moves the sum by a few float64 ulps, far below the float32 it is rounded to."""
+    acc = 0.0
+    for j in range(x.shape[0]):
+        acc += np.float64(x[j])
+    return acc
+
+
 def _fit_rows(w, lo, hi, shrinks, iters, s_out, m_out):  # pragma: no cover - compiled (its torch twin: lsq_torch)
     """:func:`lsq_torch` for the groups (rows) of ``w`` float32 [R, G], one pass per step over a group: writes
-    s_out, m_out [R]. float32 arithmetic as torch's; the sums in float64 (:data:`_LANES` partial sums, so the
-    loops vectorise), rounded to float32 (torch's are float32)."""
+    s_out, m_out [R]. float32 arithmetic as torch's (each product and difference rounded to float32); the sums of
+    those float32 values in float64 (:func:`_sum64`), rounded to float32 (torch's are float32)."""
     n_rows, g = w.shape
     gf = np.float32(g)
     wc = np.empty(g, np.float32)
     t = np.empty(g, np.float32)
-    acc = np.empty(_LANES, np.float64)
-    body = g - g % _LANES
+    p = np.empty(g, np.float32)
     for i in range(n_rows):
         row = w[i]
-        acc[:] = 0.0
-        for j in range(g):
-            acc[j % _LANES] += row[j]
-        wm = np.float32(acc.sum()) / gf
+        wm = np.float32(_sum64(row)) / gf
         for j in range(g):
             wc[j] = row[j] - wm
         l, h = lo[i], hi[i]
@@ -125,31 +129,20 @@ def _fit_rows(w, lo, hi, shrinks, iters, s_out, m_out):  # pragma: no cover - co
                 for j in range(g):
                     x = min(max(np.rint((row[j] - m) / s), _F0), _F15)
                     t[j] = x
+                    p[j] = x * wc[j]
                     k = np.int32(x)
                     sq += k
                     sqq += k * k
-                acc[:] = 0.0
-                for j0 in range(0, body, _LANES):
-                    for u in range(_LANES):
-                        acc[u] += t[j0 + u] * wc[j0 + u]
-                for j in range(body, g):
-                    acc[0] += t[j] * wc[j]
                 qm = np.float32(sq) / gf
                 var = np.float32(sqq) / gf - qm * qm
                 if var > _EPS:
-                    s = max(np.float32(acc.sum()) / gf / var, _TINY)
+                    s = max(np.float32(_sum64(p)) / gf / var, _TINY)
                     m = wm - s * qm
             for j in range(g):
-                t[j] = min(max(np.rint((row[j] - m) / s), _F0), _F15)
-            acc[:] = 0.0
-            for j0 in range(0, body, _LANES):
-                for u in range(_LANES):
-                    d = row[j0 + u] - (t[j0 + u] * s + m)
-                    acc[u] += d * d
-            for j in range(body, g):
-                d = row[j] - (t[j] * s + m)
-                acc[0] += d * d
-            err = np.float32(acc.sum())
+                x = min(max(np.rint((row[j] - m) / s), _F0), _F15)
+                d = row[j] - (x * s + m)
+                p[j] = d * d
+            err = np.float32(_sum64(p))
             if c == 0 or err < best_err:
                 best_err, best_s, best_m = err, s, m
         s_out[i] = best_s
@@ -178,6 +171,7 @@ def _code_rows(w, s, z, out):  # pragma: no cover - compiled (its torch twin: co
 
 
 if compiled.AVAILABLE:
+    _sum64 = compiled.jit(_sum64, fastmath={"reassoc"})
     _fit_rows = compiled.jit(_fit_rows)
     _code_rows = compiled.jit(_code_rows)
     _range_rows = compiled.jit(_range_rows)
