@@ -273,3 +273,19 @@ def test_a_forked_child_fits_on_its_own_threads():
     finally:
         os.waitpid(pid, 0)
         os.close(r)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_is_bit_equal(dtype):
+    """The int8 step (per-row max|w| / 127, rounded codes) compiled equals torch's, a zero row (s = 1) and ties
+    (w an exact half multiple of s) included; and on 3 threads as on one."""
+    w = _student_t(300, 208, seed=13)
+    w[0] = 0
+    w[1, :3] = torch.tensor([1.27, 0.005, -0.015])  # s = 0.01 in float32: exact .5 ties round to even
+    want = groupfit.quantize_int8_torch(w, dtype)
+    for n_threads in (None, 1, 3):
+        got = groupfit.quantize_int8(w, dtype, n_threads=n_threads)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    q, s, z = quantize_codes(w, "int8", 0, dtype)
+    assert z is None and s.dtype == dtype and torch.equal(q, want[0])

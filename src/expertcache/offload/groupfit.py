@@ -35,7 +35,7 @@ import torch
 from expertcache import compiled
 
 __all__ = ["SHRINKS", "ITERS", "MAX_THREADS", "threads", "lsq_torch", "lsq", "codes_torch", "codes", "hqq_zero",
-           "quantize_int4_torch", "quantize_int4"]
+           "quantize_int4_torch", "quantize_int4", "quantize_int8_torch", "quantize_int8"]
 
 #: the candidate ranges of the least-squares fit (the min/max one, shrunk about its centre) and its steps per candidate
 SHRINKS = (1.0, 0.9, 0.8)
@@ -46,6 +46,7 @@ MAX_THREADS = 4
 _MIN_ROWS = 2048
 
 _F0, _F2, _F7_5, _F8, _F15 = np.float32(0), np.float32(2), np.float32(7.5), np.float32(8), np.float32(15)
+_F127 = np.float32(127)
 _TINY, _EPS = np.float32(1e-12), np.float32(1e-6)  # torch's clamp(min=1e-12), var > 1e-6 / clamp(min=1e-6)
 
 
@@ -170,19 +171,38 @@ def _code_rows(w, s, z, out):  # pragma: no cover - compiled (its torch twin: co
             out[i, j] = np.int32(min(max(np.rint((w[i, j] - zi) / si) + _F8, _F0), _F15))
 
 
+def _absmax_rows(w, out):  # pragma: no cover - compiled (torch: w.abs().amax(dim=1))
+    n_rows, k = w.shape
+    for i in range(n_rows):
+        a = _F0
+        for j in range(k):
+            a = max(a, abs(w[i, j]))
+        out[i] = a
+
+
+def _int8_rows(w, s, out):  # pragma: no cover - compiled (torch: round(w / s).clamp(-127, 127))
+    n_rows, k = w.shape
+    for i in range(n_rows):
+        si = s[i]
+        for j in range(k):
+            out[i, j] = np.int32(min(max(np.rint(w[i, j] / si), -_F127), _F127))
+
+
 if compiled.AVAILABLE:
+    _absmax_rows = compiled.jit(_absmax_rows)
+    _int8_rows = compiled.jit(_int8_rows)
     _sum64 = compiled.jit(_sum64, fastmath={"reassoc"})
     _fit_rows = compiled.jit(_fit_rows)
     _code_rows = compiled.jit(_code_rows)
     _range_rows = compiled.jit(_range_rows)
 
 
-def _in_blocks(fn, n_rows: int, arrays, n_threads: int | None) -> None:
+def _in_blocks(fn, n_rows: int, arrays, n_threads: int | None, *, min_rows: int = _MIN_ROWS) -> None:
     """``fn(*(a[r0:r1] for a in arrays))`` over blocks of rows, on ``n_threads`` threads (:func:`threads` if
-    None, and one where the call has under :data:`_MIN_ROWS` rows a thread); every ndarray in ``arrays`` whose
+    None, and one where the call has under ``min_rows`` rows a thread); every ndarray in ``arrays`` whose
     first axis is the rows is cut in blocks, anything else passes whole."""
     n = threads() if n_threads is None else max(1, n_threads)
-    n = min(n, max(1, n_rows // _MIN_ROWS)) if n_threads is None else min(n, max(1, n_rows))
+    n = min(n, max(1, n_rows // min_rows)) if n_threads is None else min(n, max(1, n_rows))
     if n <= 1:
         fn(*arrays)
         return
@@ -349,3 +369,30 @@ def quantize_int4(w_NBG: torch.Tensor, dtype: torch.dtype, optimize: str, *,
     _in_blocks(_code_rows, w.shape[0], (w, s, z, q), n_threads)
     shape = w_NBG.shape[:-1]
     return torch.from_numpy(q).view(w_NBG.shape), torch.from_numpy(s).view(shape), torch.from_numpy(z).view(shape)
+
+
+def quantize_int8_torch(w_NK: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int32 [N, K] in [-127, 127], s [N] float32 holding ``dtype`` values) of float32 ``w_NK``: ``s = max|w|
+    / 127`` per row (1 for a zero row), ``q = round(w / s)``; quantize_codes' int8 step in torch ops."""
+    s_N = (w_NK.abs().amax(dim=1) / 127).to(dtype).float()
+    s_N = torch.where(s_N > 0, s_N, torch.ones_like(s_N))
+    return torch.round(w_NK / s_N[:, None]).clamp(-127, 127).to(torch.int32), s_N
+
+
+def quantize_int8(w_NK: torch.Tensor, dtype: torch.dtype, *, n_threads: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_int8_torch` in two compiled passes where numba is (bit-equal: the same float32 operations;
+    the scale's rounding to ``dtype`` in numpy); else, and for other dtypes, that function."""
+    rnd = _rounder(dtype)
+    if not compiled.AVAILABLE or rnd is None or w_NK.dim() != 2 or 0 in w_NK.shape:
+        return quantize_int8_torch(w_NK.float(), dtype)
+    w = _rows(w_NK, w_NK.shape[1])
+    amax = np.empty(w.shape[0], np.float32)
+    rows = max(1, _MIN_ROWS * 64 // max(1, w.shape[1]))  # blocks of about as many values as the int4 loops'
+    _in_blocks(_absmax_rows, w.shape[0], (w, amax), n_threads, min_rows=rows)
+    with np.errstate(all="ignore"):
+        s = rnd(amax / _F127)
+    s = np.where(s > 0, s, np.float32(1)).astype(np.float32)
+    q = np.empty(w.shape, np.int32)
+    _in_blocks(_int8_rows, w.shape[0], (w, s, q), n_threads, min_rows=rows)
+    return torch.from_numpy(q), torch.from_numpy(s)

@@ -307,9 +307,7 @@ def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype
         raise ValueError(f"int4 scale optimisation must be one of {', '.join(OPTIMIZERS)}, got {optimize!r}")
     w = w_NK.float()
     if mode == "int8":
-        s_N = (w.abs().amax(dim=1) / 127).to(dtype).float()
-        s_N = torch.where(s_N > 0, s_N, torch.ones_like(s_N))
-        q = torch.round(w / s_N[:, None]).clamp(-127, 127).to(torch.int32)
+        q, s_N = groupfit.quantize_int8(w, dtype)
         return q, s_N.to(dtype), None
     n, k = w.shape
     q, s, z = groupfit.quantize_int4(w.reshape(n, k // group, group), dtype, optimize)
