@@ -18,6 +18,9 @@ the same decisions:
   dtype, the codes ``clamp(round((w - z) / s) + 8, 0, 15)`` -- is the same float32 operations: min/max
   quantisation is bit-equal. tests/test_groupfit.py holds the tolerance.
 
+quantize_codes' int8 step (:func:`quantize_int8`: the q4 preset's dense part and lm_head) is compiled the same
+way, two passes per row (max |w|, then the codes), bit-equal to :func:`quantize_int8_torch`.
+
 The compiled loops run without the GIL on a few threads (:func:`threads`; the caller's thread and kept helpers of a
 ``ThreadPoolExecutor``), each on its own block of rows (rows are independent, so the result does not depend on the
 split), not on numba's parallel backend, whose spinning workers slowed torch's own ops beside them 50-100×.
