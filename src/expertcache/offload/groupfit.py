@@ -47,6 +47,8 @@ ITERS = 3
 MAX_THREADS = 4
 #: rows (groups) per thread below which one thread does the whole call (handing a block over costs tens of µs)
 _MIN_ROWS = 2048
+#: blocks per thread of a threaded call (:func:`_in_blocks`)
+_BLOCKS_PER_THREAD = 4
 
 _F0, _F2, _F7_5, _F8, _F15 = np.float32(0), np.float32(2), np.float32(7.5), np.float32(8), np.float32(15)
 _F127 = np.float32(127)
@@ -203,21 +205,31 @@ if compiled.AVAILABLE:
 def _in_blocks(fn, n_rows: int, arrays, n_threads: int | None, *, min_rows: int = _MIN_ROWS) -> None:
     """``fn(*(a[r0:r1] for a in arrays))`` over blocks of rows, on ``n_threads`` threads (:func:`threads` if
     None, and one where the call has under ``min_rows`` rows a thread); every ndarray in ``arrays`` whose
-    first axis is the rows is cut in blocks, anything else passes whole."""
+    first axis is the rows is cut in blocks, anything else passes whole. :data:`_BLOCKS_PER_THREAD` blocks a
+    thread, each thread taking the next block when done with one: a thread the OS holds back on a busy machine
+    delays the call by one block, not by its share."""
     n = threads() if n_threads is None else max(1, n_threads)
     n = min(n, max(1, n_rows // min_rows)) if n_threads is None else min(n, max(1, n_rows))
     if n <= 1:
         fn(*arrays)
         return
-    bounds = [n_rows * t // n for t in range(n + 1)]
+    blocks = min(n_rows, n * _BLOCKS_PER_THREAD)
+    bounds = [n_rows * t // blocks for t in range(blocks + 1)]
+    todo = iter(range(blocks))
+    lock = threading.Lock()
 
-    def block(t):
-        a, b = bounds[t], bounds[t + 1]
-        fn(*(x[a:b] if isinstance(x, np.ndarray) and x.ndim and x.shape[0] == n_rows else x for x in arrays))
+    def work() -> None:
+        while True:
+            with lock:
+                t = next(todo, None)
+            if t is None:
+                return
+            a, b = bounds[t], bounds[t + 1]
+            fn(*(x[a:b] if isinstance(x, np.ndarray) and x.ndim and x.shape[0] == n_rows else x for x in arrays))
 
-    futures = [_pool(n).submit(block, t) for t in range(1, n)]
+    futures = [_pool(n).submit(work) for _ in range(n - 1)]
     try:
-        block(0)  # this thread does the first block
+        work()  # this thread works too
     finally:
         for f in futures:  # every block finished before the arrays are used (or an error raised)
             f.result()
