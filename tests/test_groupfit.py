@@ -289,3 +289,13 @@ def test_int8_is_bit_equal(dtype):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     q, s, z = quantize_codes(w, "int8", 0, dtype)
     assert z is None and s.dtype == dtype and torch.equal(q, want[0])
+
+
+def test_scale_zero_helpers_equal_torch():
+    """``as_dtype`` (numpy) equals ``.to(dtype)`` and ``scales_zeros`` equals torch.stack of the transposes."""
+    x = torch.cat([_student_t(1, 4096, seed=14)[0], torch.tensor([1 + 2 ** -8, 3.4e38, 65520.0, float("inf"), 0.0])])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(groupfit.as_dtype(x, dtype), x.to(dtype))
+        s, z = x[:4096].view(64, 64).to(dtype), x[:4096].flip(0).view(64, 64).to(dtype)
+        got = groupfit.scales_zeros(s.T, z.T)
+        assert got.is_contiguous() and torch.equal(got, torch.stack([s.T, z.T], dim=-1))

@@ -38,7 +38,8 @@ import torch
 from expertcache import compiled
 
 __all__ = ["SHRINKS", "ITERS", "MAX_THREADS", "threads", "lsq_torch", "lsq", "codes_torch", "codes", "hqq_zero",
-           "quantize_int4_torch", "quantize_int4", "quantize_int8_torch", "quantize_int8"]
+           "quantize_int4_torch", "quantize_int4", "quantize_int8_torch", "quantize_int8", "scales_zeros",
+           "as_dtype"]
 
 #: the candidate ranges of the least-squares fit (the min/max one, shrunk about its centre) and its steps per candidate
 SHRINKS = (1.0, 0.9, 0.8)
@@ -411,3 +412,28 @@ def quantize_int8(w_NK: torch.Tensor, dtype: torch.dtype, *, n_threads: int | No
     q = np.empty(w.shape, np.int32)
     _in_blocks(_int8_rows, w.shape[0], (w, s, q), n_threads, min_rows=rows)
     return torch.from_numpy(q), torch.from_numpy(s)
+
+
+def scales_zeros(s_BN: torch.Tensor, z_BN: torch.Tensor) -> torch.Tensor:
+    """``torch.stack([s_BN, z_BN], dim=-1)``, contiguous [B, N, 2] (the int4 kernels' scales-and-zeros), as a
+    numpy copy of the bits: single-threaded, as the tensors are small, where torch's copy of strided inputs
+    waits on its thread pool (7 ms for [32, 2048] on a busy 2-core machine)."""
+    if s_BN.dtype != z_BN.dtype or s_BN.shape != z_BN.shape or s_BN.dtype.itemsize not in (2, 4):
+        return torch.stack([s_BN, z_BN], dim=-1).contiguous()
+    bits = torch.int16 if s_BN.dtype.itemsize == 2 else torch.int32
+    out = np.stack([s_BN.view(bits).numpy(), z_BN.view(bits).numpy()], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(out)).view(s_BN.dtype)
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` (round to nearest even), for float32 ``x`` to bf16 / fp16 as a numpy conversion, which runs no
+    thread pool (the small scale and zero vectors: a torch op on them waits on its pool on a busy machine)."""
+    if x.dtype != torch.float32 or dtype == torch.float32:
+        return x.to(dtype)
+    if dtype == torch.bfloat16:
+        bits = (_rounder(dtype)(x.contiguous().numpy()).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        return torch.from_numpy(bits).view(torch.bfloat16)
+    if dtype == torch.float16:
+        with np.errstate(over="ignore"):
+            return torch.from_numpy(x.contiguous().numpy().astype(np.float16))
+    return x.to(dtype)

@@ -308,10 +308,10 @@ def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype
     w = w_NK.float()
     if mode == "int8":
         q, s_N = groupfit.quantize_int8(w, dtype)
-        return q, s_N.to(dtype), None
+        return q, groupfit.as_dtype(s_N, dtype), None
     n, k = w.shape
     q, s, z = groupfit.quantize_int4(w.reshape(n, k // group, group), dtype, optimize)
-    return q.reshape(n, k), s.to(dtype), z.to(dtype)
+    return q.reshape(n, k), groupfit.as_dtype(s, dtype), groupfit.as_dtype(z, dtype)
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -339,7 +339,7 @@ def pack_matrix(w_NK: torch.Tensor, qm: QuantMatrix) -> tuple[torch.Tensor, torc
     if qm.mode == "int8":
         return q.to(torch.int8).contiguous(), s.contiguous()
     z = z if qm.n_pad == qm.n else F.pad(z.T, (0, qm.n_pad - qm.n)).T
-    sz = torch.stack([s.T, z.T], dim=-1).contiguous()  # [K/G, N, 2]
+    sz = groupfit.scales_zeros(s.T, z.T)  # [K/G, N, 2]
     if qm.kernel == "cuda":  # pragma: no cover - GPU only (tests/test_quant_kernels.py, -m gpu)
         u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).cuda()
         return torch.ops.aten._convert_weight_to_int4pack(u8, _INNER_K_TILES).cpu(), sz
@@ -490,7 +490,8 @@ def pack_expert(gate_up_FD: torch.Tensor, down_DF: torch.Tensor, layout: QuantLa
     blob = torch.zeros(layout.nbytes, dtype=torch.uint8)
     for qm, w, at in ((layout.gate_up, gu, 0), (layout.down, down_DF, layout.gate_up.nbytes)):
         for dst, src in zip(qm.views(blob, at), pack_matrix(w, qm)):
-            dst.copy_(src)
+            # one memcpy of the bytes (torch's copy_ waits on its thread pool on a busy machine)
+            dst.reshape(-1).view(torch.uint8).numpy()[:] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
     return blob
 
 
