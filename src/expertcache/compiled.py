@@ -1,5 +1,6 @@
 """The optional numba backend of the compiled loops (:mod:`expertcache.cache.lru`,
-:mod:`expertcache.routing.kernels`, :mod:`expertcache.models.fused`), in one place.
+:mod:`expertcache.routing.kernels`, :mod:`expertcache.models.fused`, :mod:`expertcache.offload.groupfit`), in one
+place.
 
 ``AVAILABLE`` is False when numba is not installed or ``EXPERTCACHE_NO_NUMBA`` is set (to anything but
 ``0``); then :func:`jit` and :func:`jit_inline` return the function unchanged and callers take their
@@ -162,11 +163,12 @@ _NOTICED = []
 
 def compile_notice() -> None:
     """One line on stderr, once per process, before the first kernel is compiled (not loaded from the cache): the
-    first run after installing compiles them all, 20-70 s of silence otherwise."""
+    first run after installing compiles them all, 20-70 s of silence otherwise (offload/groupfit.py's on the first
+    int4 quantisation)."""
     if not _NOTICED:
         _NOTICED.append(True)
-        print("expertcache: compiling the routing and cache kernels with numba (once after installing or upgrading: "
-              "20-70 s; later runs load them from the cache)", file=sys.stderr, flush=True)
+        print("expertcache: compiling the routing, cache and int4 group-fit kernels with numba (once after installing "
+              "or upgrading: 20-70 s; later runs load them from the cache)", file=sys.stderr, flush=True)
 
 
 def _njit(fn, **options):
@@ -178,9 +180,10 @@ def _njit(fn, **options):
     return disp
 
 
-def jit(fn):
-    """Compile ``fn`` (nopython, no GIL, cached on disk where possible) when numba is available."""
-    return _njit(fn) if numba is not None else fn
+def jit(fn, **options):
+    """Compile ``fn`` (nopython, no GIL, cached on disk where possible) when numba is available; ``options`` go to
+    ``numba.njit`` (``fastmath={"reassoc"}``: a sum in any order)."""
+    return _njit(fn, **options) if numba is not None else fn
 
 
 def jit_inline(fn):

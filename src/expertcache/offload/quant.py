@@ -50,6 +50,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from expertcache.offload import groupfit
+from expertcache.offload.groupfit import hqq_zero as _hqq_zero, lsq_torch as _lsq  # noqa: F401 - former homes
+
 __all__ = ["QUANT_PRESETS", "resolve_preset", "cpu_description", "dense_int8_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
            "kernel_for", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
            "padding_note", "say_kernels", "EXPERT_KERNELS", "choose_expert_kernel", "expert_kernel", "int4pack_codes",
@@ -290,66 +293,6 @@ def resolve_preset(offload):
                                quant_opt=preset["quant_opt"] if offload.quant_opt == "minmax" else offload.quant_opt)
 
 
-def _hqq_zero(w_NBG: torch.Tensor, s: torch.Tensor, z: torch.Tensor, *, iters: int = 20, p: float = 0.7,
-              beta: float = 10.0, kappa: float = 1.01) -> torch.Tensor:
-    """HQQ's half-quadratic refinement of the zero point (Badri & Shaji 2023, the hqq package's
-    ``optimize_weights_proximal``), written for this kernel's form ``W ≈ (q - zq)·s``, ``zq = 8 - z/s``: alternate
-    the codes (rounding), the error ``We`` (the proximal step of an l_p norm, p < 1: a generalised soft
-    threshold that lets a few large errors be, so the rest get small) and the zero that makes ``W - We`` closest
-    to the codes (a mean per group); the scale stays the min/max one. Returns the refined z (float32); the
-    iteration whose mean |W - dequant| was smallest is kept, the min/max zero if none beat it."""
-    zq = 8 - z / s
-    q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
-    best = (w_NBG - (q - zq[..., None]) * s[..., None]).abs().mean(-1)
-    best_zq = zq.clone()
-    for _ in range(iters):
-        q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
-        r = w_NBG - (q - zq[..., None]) * s[..., None]
-        e = torch.sign(r) * torch.relu(r.abs() - (1 / beta) * r.abs().clamp(min=1e-12).pow(p - 1))
-        zq = (q - (w_NBG - e) / s[..., None]).mean(-1)
-        beta *= kappa
-        q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
-        err = (w_NBG - (q - zq[..., None]) * s[..., None]).abs().mean(-1)
-        better = err < best
-        best, best_zq = torch.where(better, err, best), torch.where(better, zq, best_zq)
-    return (8 - best_zq) * s
-
-
-def _lsq(w_NBG: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, shrinks=(1.0, 0.9, 0.8),
-         iters: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least-squares scale and offset per group (llama.cpp's ``make_qkx2_quants`` idea): from each candidate range
-    (the min/max one, shrunk about its centre by ``shrinks``), alternate the codes (rounding, optimal for a given
-    scale and offset) and the scale and offset (the linear regression of W on the codes, optimal for given codes):
-    neither step raises the squared error. The candidate with the smallest error is kept per group. Returns
-    (s, m) with ``W ≈ q·s + m``, q in [0, 15] (float32). About 8× the time of min/max (3 candidates × 3 steps; a
-    sidecar is written once); more candidates gained little (Student-t(5) weights [2048, 2048], G = 64: relative
-    error 0.1102 min/max, 0.1023 here, 0.1017 with 6 candidates × 4 steps at 4× this time)."""
-    wm = w_NBG.mean(-1)
-    wc = w_NBG - wm[..., None]  # centred once: cov(q, W) = mean(q · (W - mean W))
-    best_err = best_s = best_m = None
-    mid = (hi + lo) / 2
-    for r in shrinks:
-        s = ((hi - lo) * r / 15).clamp(min=1e-12)
-        m = mid - 7.5 * s
-        for _ in range(iters):
-            q = torch.round((w_NBG - m[..., None]) / s[..., None]).clamp_(0, 15)
-            qm = q.mean(-1)
-            var = (q * q).mean(-1) - qm * qm
-            cov = (q * wc).mean(-1)
-            ok = var > 1e-6  # codes not all equal
-            s = torch.where(ok, cov / var.clamp(min=1e-6), s).clamp(min=1e-12)
-            m = torch.where(ok, wm - s * qm, m)
-        q = torch.round((w_NBG - m[..., None]) / s[..., None]).clamp_(0, 15)
-        err = (w_NBG - (q * s[..., None] + m[..., None])).pow_(2).sum(-1)
-        if best_err is None:
-            best_err, best_s, best_m = err, s, m
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
-    return best_s, best_m
-
-
 def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype, *, optimize: str = "minmax"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes int32 [N, K], scales, zeros) of ``w_NK`` (K a multiple of ``k_align``): int8 codes in
@@ -357,33 +300,18 @@ def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype
     Scales and zeros are in ``dtype``: ``W ≈ q·s`` (int8), ``W ≈ (q - 8)·s + z`` (int4).
 
     ``optimize`` (int4): ``minmax`` (each group's range: s = (max - min) / 15), ``hqq`` (that scale, the zero
-    refined by :func:`_hqq_zero`) or ``lsq`` (scale and offset by least squares, :func:`_lsq`). Whichever, the codes
+    refined by :func:`~.groupfit.hqq_zero`) or ``lsq`` (scale and offset by least squares,
+    :func:`~.groupfit.lsq`, compiled where numba is). Whichever, the codes
     are the rounding of W under the stored (``dtype``-rounded) scale and zero."""
     if optimize not in OPTIMIZERS:
         raise ValueError(f"int4 scale optimisation must be one of {', '.join(OPTIMIZERS)}, got {optimize!r}")
     w = w_NK.float()
     if mode == "int8":
-        s_N = (w.abs().amax(dim=1) / 127).to(dtype).float()
-        s_N = torch.where(s_N > 0, s_N, torch.ones_like(s_N))
-        q = torch.round(w / s_N[:, None]).clamp(-127, 127).to(torch.int32)
-        return q, s_N.to(dtype), None
+        q, s_N = groupfit.quantize_int8(w, dtype)
+        return q, groupfit.as_dtype(s_N, dtype), None
     n, k = w.shape
-    w_NBG = w.reshape(n, k // group, group)
-    lo, hi = w_NBG.amin(dim=2), w_NBG.amax(dim=2)
-    s = ((hi - lo) / 15).to(dtype).float()
-    flat = s == 0  # a constant group: s = 1, z = its value, every q = 8
-    s = torch.where(flat, torch.ones_like(s), s)
-    z = lo + 8 * s
-    if optimize == "hqq":
-        z = _hqq_zero(w_NBG, s, z)
-    elif optimize == "lsq":
-        s_ls, m_ls = _lsq(w_NBG, lo, hi)
-        s = torch.where(flat, s, s_ls.to(dtype).float())
-        s = torch.where(s == 0, torch.ones_like(s), s)
-        z = m_ls + 8 * s
-    z = torch.where(flat, lo, z).to(dtype).float()
-    q = (torch.round((w_NBG - z[..., None]) / s[..., None]) + 8).clamp(0, 15).to(torch.int32).reshape(n, k)
-    return q, s.to(dtype), z.to(dtype)
+    q, s, z = groupfit.quantize_int4(w.reshape(n, k // group, group), dtype, optimize)
+    return q.reshape(n, k), groupfit.as_dtype(s, dtype), groupfit.as_dtype(z, dtype)
 
 
 def _pad_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -411,7 +339,7 @@ def pack_matrix(w_NK: torch.Tensor, qm: QuantMatrix) -> tuple[torch.Tensor, torc
     if qm.mode == "int8":
         return q.to(torch.int8).contiguous(), s.contiguous()
     z = z if qm.n_pad == qm.n else F.pad(z.T, (0, qm.n_pad - qm.n)).T
-    sz = torch.stack([s.T, z.T], dim=-1).contiguous()  # [K/G, N, 2]
+    sz = groupfit.scales_zeros(s.T, z.T)  # [K/G, N, 2]
     if qm.kernel == "cuda":  # pragma: no cover - GPU only (tests/test_quant_kernels.py, -m gpu)
         u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).cuda()
         return torch.ops.aten._convert_weight_to_int4pack(u8, _INNER_K_TILES).cpu(), sz
@@ -558,11 +486,12 @@ def pack_expert(gate_up_FD: torch.Tensor, down_DF: torch.Tensor, layout: QuantLa
     """One expert (gate_up [2F, D], down [D, F]) as a uint8 blob of ``layout.nbytes`` bytes."""
     f = layout.f
     gate, up = gate_up_FD[:f], gate_up_FD[f:]
-    gu = torch.cat([_pad_rows(gate, layout.f_pad), _pad_rows(up, layout.f_pad)])
+    gu = gate_up_FD if layout.f_pad == f else torch.cat([_pad_rows(gate, layout.f_pad), _pad_rows(up, layout.f_pad)])
     blob = torch.zeros(layout.nbytes, dtype=torch.uint8)
     for qm, w, at in ((layout.gate_up, gu, 0), (layout.down, down_DF, layout.gate_up.nbytes)):
         for dst, src in zip(qm.views(blob, at), pack_matrix(w, qm)):
-            dst.copy_(src)
+            # one memcpy of the bytes (torch's copy_ waits on its thread pool on a busy machine)
+            dst.reshape(-1).view(torch.uint8).numpy()[:] = src.contiguous().reshape(-1).view(torch.uint8).numpy()
     return blob
 
 
