@@ -341,6 +341,7 @@ def test_process_peak_bounds_the_measured_peak_rss(rss_model, tmp_path, policy, 
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
+    run(env)  # a first run compiles any kernel not yet in numba's cache (~85 MiB of RSS the plan does not count)
     first = run(env)  # C = N
     assert first["slots"] == first["n"]
     assert first["maxrss"] <= first["peak"], (first["maxrss"] - first["peak"]) / MiB
