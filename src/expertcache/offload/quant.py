@@ -50,8 +50,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from expertcache.offload import q4x8
+from expertcache.offload.qopt import hqq_zero, lsq
+
 __all__ = ["QUANT_PRESETS", "resolve_preset", "cpu_description", "dense_int8_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
-           "kernel_for", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
+           "kernel_for", "expert_layout_kernel", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
            "padding_note", "say_kernels", "EXPERT_KERNELS", "choose_expert_kernel", "expert_kernel", "int4pack_codes",
            "PROBED"]
 
@@ -115,28 +118,33 @@ def fbgemm_vnni() -> bool:
     return "avx512_vnni" in cpu_description()["cpu_flags"] and cap in ("", "AVX512_E1", "AVX512_VNNI")
 
 
-#: the int4 experts' products on a CPU (:func:`expert_kernel`): torch's int4 kernel on the slot's bytes, or FBGEMM's
-#: int8 × int8 on a per-slot re-quantised copy (offload/fbexperts.py)
-EXPERT_KERNELS = ("int4pack", "fbgemm")
-#: forces :func:`expert_kernel` (benchmarks): ``int4pack`` or ``fbgemm``
+#: the int4 experts' products on a CPU (:func:`expert_kernel`): torch's int4 kernel on the slot's bytes, FBGEMM's
+#: int8 × int8 on a per-slot re-quantised copy (offload/fbexperts.py), or int8 activations × the slot's int4 bytes in
+#: the q4x8 layout (offload/q4x8.py, numba)
+EXPERT_KERNELS = ("int4pack", "fbgemm", "q4x8")
+#: forces :func:`expert_kernel` (benchmarks): one of :data:`EXPERT_KERNELS`
 EXPERT_KERNEL_VAR = "EXPERTCACHE_EXPERT_KERNEL"
 
 
-def choose_expert_kernel(aten_capability: str, engines, forced: str | None = None) -> str:
+def choose_expert_kernel(aten_capability: str, engines, forced: str | None = None, numba: bool = False) -> str:
     """The int4 experts' product on a CPU whose ATen dispatch capability is ``aten_capability`` with the quantized
-    ``engines`` torch has: ``forced`` if given (one of :data:`EXPERT_KERNELS`, else ValueError naming
-    :data:`EXPERT_KERNEL_VAR`); else ``int4pack`` on AVX-512 (torch's int4 kernel 3.8-5.1× bf16 per matrix there,
-    ahead of FBGEMM's int8 at 3.6-4.5×) and where torch has no FBGEMM (ARM), ``fbgemm`` elsewhere (AVX2: the int4
-    kernel 0.74-0.97× bf16, FBGEMM 2.3-2.7×; BENCHMARKS.md "Which 4-bit kernel on which CPU")."""
+    ``engines`` torch has, ``numba`` whether the q4x8 kernel can be compiled: ``forced`` if given (one of
+    :data:`EXPERT_KERNELS`, else ValueError naming :data:`EXPERT_KERNEL_VAR`); else ``int4pack`` on AVX-512 (torch's
+    int4 kernel 3.8-5.1× bf16 per matrix there, ahead of FBGEMM's int8 at 3.6-4.5×, and of q4x8) and where torch has
+    no FBGEMM (ARM); on AVX2 ``q4x8`` where numba is available (int8 activations × int4 on ``vpmaddubsw``:
+    offload/q4x8.py), ``fbgemm`` elsewhere (AVX2: the int4 kernel 0.74-0.97× bf16, FBGEMM 2.3-2.7×; BENCHMARKS.md
+    "Which 4-bit kernel on which CPU")."""
     if forced:
         if forced not in EXPERT_KERNELS:
             raise ValueError(f"{EXPERT_KERNEL_VAR} must be one of {', '.join(EXPERT_KERNELS)}, got {forced!r}")
         if forced == "fbgemm" and "fbgemm" not in engines:
             raise ValueError(f"{EXPERT_KERNEL_VAR}=fbgemm, but this torch has no FBGEMM (engines: {', '.join(engines)})")
+        if forced == "q4x8" and not numba:
+            raise ValueError(f"{EXPERT_KERNEL_VAR}=q4x8 needs numba (not installed, or EXPERTCACHE_NO_NUMBA is set)")
         return forced
     if aten_capability.upper().startswith("AVX512") or "fbgemm" not in engines:
         return "int4pack"
-    return "fbgemm"
+    return "q4x8" if numba and aten_capability.upper() == "AVX2" else "fbgemm"
 
 
 #: ATen capability -> (the expert kernel a timing on this CPU chose where :func:`choose_expert_kernel` offers FBGEMM,
@@ -149,7 +157,8 @@ def expert_kernel(mode: str | None, device: torch.device | str = "cpu", *, probe
     """The product quantised experts of ``mode`` run on, on ``device``: None for unquantised experts, ``int8pack``
     for int8, ``int4pack`` (the fused kernel of :func:`qmm`) for int4 on a GPU and where
     :func:`choose_expert_kernel` says so for this CPU (``$EXPERTCACHE_EXPERT_KERNEL`` forcing either), else
-    ``fbgemm`` -- unless a timing of both on this CPU (:data:`PROBED`, ``probed``) found FBGEMM no faster."""
+    ``fbgemm`` or ``q4x8`` -- FBGEMM unless a timing of both on this CPU (:data:`PROBED`, ``probed``) found it no
+    faster."""
     import os
 
     if mode is None:
@@ -158,7 +167,7 @@ def expert_kernel(mode: str | None, device: torch.device | str = "cpu", *, probe
         return "int4pack" if mode == "int4" else "int8pack"
     forced = os.environ.get(EXPERT_KERNEL_VAR, "").strip() or None
     cap = torch.backends.cpu.get_cpu_capability()
-    got = choose_expert_kernel(cap, torch.backends.quantized.supported_engines, forced)
+    got = choose_expert_kernel(cap, torch.backends.quantized.supported_engines, forced, q4x8.available())
     return PROBED.get(cap, (got,))[0] if probed and got == "fbgemm" and not forced else got
 
 
@@ -170,7 +179,10 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
     dk = {"int4": names["int4"], "int8": f"quantized.linear_dynamic (FBGEMM, {act} activations per token)"
           if dense_int8_kernel(compiled=compiled) == "fbgemm" else names["int8"]}
     ek = dict(names)
-    if expert_kernel(experts) == "fbgemm":
+    if expert_kernel(experts) == "q4x8":
+        ek["int4"] = (f"q4x8 (numba, int8 activations per token × int4, "
+                      f"{'AVX2 vpmaddubsw' if q4x8.use_avx2() else 'plain loop: no AVX2 here'}; offload/q4x8.py)")
+    elif expert_kernel(experts) == "fbgemm":
         ek["int4"] = (f"where every expert is resident (C = N) re-quantised per slot to int8 per channel on "
                       f"quantized.linear_dynamic (FBGEMM, {act} activations per token), else {names['int4']}")
     timed = PROBED.get(c["aten_capability"]) if expert_kernel(experts, probed=False) == "fbgemm" else None
@@ -197,6 +209,14 @@ def default_group(d: int, f: int) -> int:
     """The int4 group size: 64 where it divides D and F (OLMoE-1B-7B: D = 2048, F = 1024), else 32 with K
     padded (the shipped models: D = 144, F = 104 / 416)."""
     return 64 if d % 64 == 0 and f % 64 == 0 else 32
+
+
+def expert_layout_kernel(mode: str, device: torch.device | str = "cpu") -> str:
+    """The packed layout of the experts of ``mode`` on ``device``: ``q4x8`` where :func:`expert_kernel` runs int4
+    experts on it (its own layout, so its own sidecar), else :func:`kernel_for`."""
+    if mode == "int4" and torch.device(device).type == "cpu" and expert_kernel(mode, device, probed=False) == "q4x8":
+        return q4x8.KERNEL
+    return kernel_for(mode, device)
 
 
 def kernel_for(mode: str, device: torch.device | str = "cpu") -> str:
@@ -249,7 +269,7 @@ class QuantMatrix:
         n, k = self.n_pad, self.k_pad
         if self.mode == "int8":
             return ((n, k), torch.int8), ((n,), self.dtype)
-        sz = ((k // self.group, n, 2), self.sz_dtype)
+        sz = ((n, k // self.group, 2) if self.kernel == q4x8.KERNEL else (k // self.group, n, 2), self.sz_dtype)
         if self.kernel == "cuda":
             return ((n // 8, k // (16 * _INNER_K_TILES), 32, _INNER_K_TILES // 2), torch.int32), sz
         return ((n, k // 2), torch.uint8), sz
@@ -290,66 +310,6 @@ def resolve_preset(offload):
                                quant_opt=preset["quant_opt"] if offload.quant_opt == "minmax" else offload.quant_opt)
 
 
-def _hqq_zero(w_NBG: torch.Tensor, s: torch.Tensor, z: torch.Tensor, *, iters: int = 20, p: float = 0.7,
-              beta: float = 10.0, kappa: float = 1.01) -> torch.Tensor:
-    """HQQ's half-quadratic refinement of the zero point (Badri & Shaji 2023, the hqq package's
-    ``optimize_weights_proximal``), written for this kernel's form ``W ≈ (q - zq)·s``, ``zq = 8 - z/s``: alternate
-    the codes (rounding), the error ``We`` (the proximal step of an l_p norm, p < 1: a generalised soft
-    threshold that lets a few large errors be, so the rest get small) and the zero that makes ``W - We`` closest
-    to the codes (a mean per group); the scale stays the min/max one. Returns the refined z (float32); the
-    iteration whose mean |W - dequant| was smallest is kept, the min/max zero if none beat it."""
-    zq = 8 - z / s
-    q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
-    best = (w_NBG - (q - zq[..., None]) * s[..., None]).abs().mean(-1)
-    best_zq = zq.clone()
-    for _ in range(iters):
-        q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
-        r = w_NBG - (q - zq[..., None]) * s[..., None]
-        e = torch.sign(r) * torch.relu(r.abs() - (1 / beta) * r.abs().clamp(min=1e-12).pow(p - 1))
-        zq = (q - (w_NBG - e) / s[..., None]).mean(-1)
-        beta *= kappa
-        q = torch.round(w_NBG / s[..., None] + zq[..., None]).clamp(0, 15)
-        err = (w_NBG - (q - zq[..., None]) * s[..., None]).abs().mean(-1)
-        better = err < best
-        best, best_zq = torch.where(better, err, best), torch.where(better, zq, best_zq)
-    return (8 - best_zq) * s
-
-
-def _lsq(w_NBG: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, *, shrinks=(1.0, 0.9, 0.8),
-         iters: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least-squares scale and offset per group (llama.cpp's ``make_qkx2_quants`` idea): from each candidate range
-    (the min/max one, shrunk about its centre by ``shrinks``), alternate the codes (rounding, optimal for a given
-    scale and offset) and the scale and offset (the linear regression of W on the codes, optimal for given codes):
-    neither step raises the squared error. The candidate with the smallest error is kept per group. Returns
-    (s, m) with ``W ≈ q·s + m``, q in [0, 15] (float32). About 8× the time of min/max (3 candidates × 3 steps; a
-    sidecar is written once); more candidates gained little (Student-t(5) weights [2048, 2048], G = 64: relative
-    error 0.1102 min/max, 0.1023 here, 0.1017 with 6 candidates × 4 steps at 4× this time)."""
-    wm = w_NBG.mean(-1)
-    wc = w_NBG - wm[..., None]  # centred once: cov(q, W) = mean(q · (W - mean W))
-    best_err = best_s = best_m = None
-    mid = (hi + lo) / 2
-    for r in shrinks:
-        s = ((hi - lo) * r / 15).clamp(min=1e-12)
-        m = mid - 7.5 * s
-        for _ in range(iters):
-            q = torch.round((w_NBG - m[..., None]) / s[..., None]).clamp_(0, 15)
-            qm = q.mean(-1)
-            var = (q * q).mean(-1) - qm * qm
-            cov = (q * wc).mean(-1)
-            ok = var > 1e-6  # codes not all equal
-            s = torch.where(ok, cov / var.clamp(min=1e-6), s).clamp(min=1e-12)
-            m = torch.where(ok, wm - s * qm, m)
-        q = torch.round((w_NBG - m[..., None]) / s[..., None]).clamp_(0, 15)
-        err = (w_NBG - (q * s[..., None] + m[..., None])).pow_(2).sum(-1)
-        if best_err is None:
-            best_err, best_s, best_m = err, s, m
-        else:
-            better = err < best_err
-            best_err = torch.where(better, err, best_err)
-            best_s, best_m = torch.where(better, s, best_s), torch.where(better, m, best_m)
-    return best_s, best_m
-
-
 def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype, *, optimize: str = "minmax"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes int32 [N, K], scales, zeros) of ``w_NK`` (K a multiple of ``k_align``): int8 codes in
@@ -357,8 +317,8 @@ def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype
     Scales and zeros are in ``dtype``: ``W ≈ q·s`` (int8), ``W ≈ (q - 8)·s + z`` (int4).
 
     ``optimize`` (int4): ``minmax`` (each group's range: s = (max - min) / 15), ``hqq`` (that scale, the zero
-    refined by :func:`_hqq_zero`) or ``lsq`` (scale and offset by least squares, :func:`_lsq`). Whichever, the codes
-    are the rounding of W under the stored (``dtype``-rounded) scale and zero."""
+    refined by :func:`~expertcache.offload.qopt.hqq_zero`) or ``lsq`` (scale and offset by least squares,
+    :func:`~expertcache.offload.qopt.lsq`). Whichever, the codes are the rounding of W under the stored (``dtype``-rounded) scale and zero."""
     if optimize not in OPTIMIZERS:
         raise ValueError(f"int4 scale optimisation must be one of {', '.join(OPTIMIZERS)}, got {optimize!r}")
     w = w_NK.float()
@@ -375,9 +335,9 @@ def quantize_codes(w_NK: torch.Tensor, mode: str, group: int, dtype: torch.dtype
     s = torch.where(flat, torch.ones_like(s), s)
     z = lo + 8 * s
     if optimize == "hqq":
-        z = _hqq_zero(w_NBG, s, z)
+        z = hqq_zero(w_NBG, s, z)
     elif optimize == "lsq":
-        s_ls, m_ls = _lsq(w_NBG, lo, hi)
+        s_ls, m_ls = lsq(w_NBG, lo, hi)
         s = torch.where(flat, s, s_ls.to(dtype).float())
         s = torch.where(s == 0, torch.ones_like(s), s)
         z = m_ls + 8 * s
@@ -411,6 +371,8 @@ def pack_matrix(w_NK: torch.Tensor, qm: QuantMatrix) -> tuple[torch.Tensor, torc
     if qm.mode == "int8":
         return q.to(torch.int8).contiguous(), s.contiguous()
     z = z if qm.n_pad == qm.n else F.pad(z.T, (0, qm.n_pad - qm.n)).T
+    if qm.kernel == q4x8.KERNEL:  # codes two a byte, (s, z) per row and group [N, K/G, 2] (offload/q4x8.py)
+        return q4x8.pack_codes(q), torch.stack([s, z], dim=-1).contiguous()
     sz = torch.stack([s.T, z.T], dim=-1).contiguous()  # [K/G, N, 2]
     if qm.kernel == "cuda":  # pragma: no cover - GPU only (tests/test_quant_kernels.py, -m gpu)
         u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).cuda()
@@ -452,6 +414,8 @@ def int4pack_codes(weight_u8: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
     """The codes (uint8 [n_pad, k_pad] in 0..15) a CPU int4 weight of ``qm`` (``QuantMatrix.shapes``'s uint8
     [n_pad, k_pad / 2], packed on this capability) was packed from: the inverse of ``pack_matrix``'s
     ``_convert_weight_to_int4pack_for_cpu``, :data:`_UNPACK_ROWS` rows at a time where the row count divides."""
+    if qm.mode == "int4" and qm.kernel == q4x8.KERNEL:
+        return q4x8.unpack_codes(weight_u8)
     if qm.mode != "int4" or qm.kernel != kernel_for("int4", "cpu"):
         raise ValueError(f"{qm.mode} layout {qm.kernel!r} is not this CPU's int4 layout ({kernel_for('int4', 'cpu')})")
     n, k = qm.n_pad, qm.k_pad
@@ -489,11 +453,13 @@ def pack_matrix_into(rows_of: Callable[[int, int], torch.Tensor], qm: QuantMatri
             weight[a // 8:end // 8].copy_(w)
         else:
             weight[a:end].copy_(w)
-        scales[:, a:end].copy_(s)
+        (scales[a:end] if qm.kernel == q4x8.KERNEL else scales[:, a:end]).copy_(s)
 
 
 def qmm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
     """``x_MK @ W.T`` [M, qm.n] with the fused kernel of ``qm`` (x's K padded with zeros to ``qm.k_pad``)."""
+    if qm.kernel == q4x8.KERNEL:  # int8 activations × int4 (offload/q4x8.py): the padding done in the kernel
+        return q4x8.q4x8_mm(x_MK, weight, scales, qm.group, qm.n)
     x = _pad_cols(x_MK, qm.k_pad)
     if qm.mode == "int8":
         if x.device.type == "cuda":  # pragma: no cover - GPU only
@@ -581,7 +547,8 @@ def quant_mlp(layout: QuantLayout, act):
 def padding_note(layout: QuantLayout) -> str:
     """One line for the plan and the logs: the kernel, the group and any padding of K and N."""
     gu, dn = layout.gate_up, layout.down
-    name = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm" + ("" if layout.kernel == "cuda" else "_for_cpu")}
+    name = {"int8": "_weight_int8pack_mm", "int4": "q4x8 (numba int8 x int4)" if layout.kernel == q4x8.KERNEL else
+            "_weight_int4pack_mm" + ("" if layout.kernel == "cuda" else "_for_cpu")}
     grp = f" G={layout.group}" + (f" {layout.optimize}" if layout.optimize != "minmax" else "") \
         if layout.mode == "int4" else " per-channel"
     pads = [f"{what} {m.k}->{m.k_pad}" for what, m in (("gate_up K", gu), ("down K", dn)) if m.k_pad != m.k]
