@@ -33,8 +33,10 @@ torch's int4 kernel.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
+import threading
 
 import numpy as np
 import torch
@@ -95,12 +97,15 @@ def unpack_codes(w_u8: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 15, b >> 4], dim=2).reshape(n, 2 * h)
 
 
-_KERNELS: dict[bool, tuple] = {}
+_CFUNCS: dict[bool, object] = {}
+_SCRATCH = threading.local()
 
 
 def _intrinsics():
-    """(dot_avx2, dot_plain, scale_f32): the per-group integer dot on AVX2 and plain, and one stored scale as float32."""
+    """(dot_avx2, dot_plain, scale_f32): the per-group integer dot on AVX2 and plain, and one stored scale as float32
+    (defined where numba is; nothing is compiled until a kernel is)."""
     from llvmlite import ir
+    import numba
     from numba import types
     from numba.core import cgutils
     from numba.extending import intrinsic
@@ -109,10 +114,13 @@ def _intrinsics():
     v16i8, v32i8, v16i16, v8i32 = (ir.VectorType(i8, 16), ir.VectorType(i8, 32), ir.VectorType(i16, 16),
                                    ir.VectorType(i32, 8))
 
+    def wide(builder, v):
+        return builder.sext(v, i64) if v.type != i64 else v
+
     @intrinsic
     def dot_avx2(typingctx, c, cb, xq, xb, nblk):
         """Σ q·xq over ``nblk`` blocks: codes from byte ``cb`` of ``c`` (uint8, 1-D), xq from ``xb`` of ``xq``
-        (int8, 1-D); int32."""
+        (int8, 1-D); int32. The blocks' vpmaddubsw pairs are added in int16 (at most 8 blocks: no overflow)."""
         sig = types.int32(c, cb, xq, xb, nblk)
 
         def codegen(context, builder, signature, args):
@@ -126,12 +134,10 @@ def _intrinsics():
                                                      "llvm.x86.avx2.pmadd.wd")
             reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [v8i32]), "llvm.vector.reduce.add.v8i32")
             acc = cgutils.alloca_once_value(builder, ir.Constant(v16i16, [0] * 16))
-            cbase = builder.gep(ca.data, [builder.sext(cb_v, i64) if cb_v.type != i64 else cb_v])
-            xbase = builder.gep(xa.data, [builder.sext(xb_v, i64) if xb_v.type != i64 else xb_v])
+            cbase, xbase = builder.gep(ca.data, [wide(builder, cb_v)]), builder.gep(xa.data, [wide(builder, xb_v)])
             four, low = ir.Constant(v16i8, [4] * 16), ir.Constant(v32i8, [15] * 32)
             order = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
-            count = builder.sext(nb_v, i64) if nb_v.type != i64 else nb_v
-            with cgutils.for_range(builder, count) as loop:
+            with cgutils.for_range(builder, wide(builder, nb_v)) as loop:
                 i = loop.index
                 cp = builder.gep(cbase, [builder.mul(i, ir.Constant(i.type, 16))])
                 v = builder.load(builder.bitcast(cp, v16i8.as_pointer()), align=1)
@@ -145,20 +151,23 @@ def _intrinsics():
 
     @intrinsic
     def scale_f32(typingctx, arr, idx, kind):
-        """``arr[idx]`` as float32: float32 arrays as they are; int16 arrays hold bf16 (``kind`` 1) or fp16 bits."""
+        """Stored scale ``idx`` of ``arr`` (int16, 1-D: the scales' bytes) as float32: ``kind`` 1 bf16, 2 fp16,
+        0 float32 (element ``idx`` of the bytes read as float32)."""
         sig = types.float32(arr, idx, kind)
 
         def codegen(context, builder, signature, args):
             a = context.make_array(signature.args[0])(context, builder, args[0])
-            v = builder.load(builder.gep(a.data, [args[1]]))
-            if signature.args[0].dtype == types.float32:
-                return v
+            at, k = wide(builder, args[1]), args[2]
+            v = builder.load(builder.gep(a.data, [at]))
             bf = builder.bitcast(builder.shl(builder.zext(v, i32), ir.Constant(i32, 16)), f32)
             hf = builder.fpext(builder.bitcast(v, ir.HalfType()), f32)
-            k = args[2]
-            return builder.select(builder.icmp_signed("==", k, ir.Constant(k.type, 1)), bf, hf)
+            ff = builder.load(builder.gep(builder.bitcast(a.data, f32.as_pointer()), [at]))
+            one, two = ir.Constant(k.type, 1), ir.Constant(k.type, 2)
+            return builder.select(builder.icmp_signed("==", k, one), bf,
+                                  builder.select(builder.icmp_signed("==", k, two), hf, ff))
         return sig, codegen
 
+    @numba.njit(inline="always")
     def dot_plain(c, cb, xq, xb, nblk):
         d = np.int32(0)
         for b in range(nblk):
@@ -167,60 +176,113 @@ def _intrinsics():
                 d += (byte & 15) * np.int32(xq[xb + 32 * b + j]) + (byte >> 4) * np.int32(xq[xb + 32 * b + 16 + j])
         return d
 
-    return dot_avx2, compiled.jit_inline(dot_plain), scale_f32
+    return dot_avx2, dot_plain, scale_f32
 
 
-def _make_kernel(dot, scale_f32):
-    def kernel(x, m_rows, k_in, codes, sz, kind, n_rows, k_pad, group, y, ints):
-        """x float32 [M·k_in], codes uint8 [N·k_pad/2], sz [N·(k_pad/G)·2] -> y float32 [M·n_rows]; ``ints``
-        int32 [M·n_rows]: the group sums Σ q·xq of group 0 of each (m, n) (for the tests' plain/AVX2 check)."""
+if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels compile on first use)
+    from numba import carray, njit
+
+    _dot_avx2, _dot_plain, _scale_f32 = _intrinsics()
+
+    @njit(inline="always")
+    def _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale):
+        """Each row of x to int8 (module docstring): xq [M·k_pad] (zeros past k_in), Σ xq and Σ x per group, the
+        row's scale a."""
         ng = k_pad // group
-        nblk = group // BLOCK
-        xq = np.zeros(m_rows * k_pad, dtype=np.int8)
-        sxq = np.zeros(m_rows * ng, dtype=np.int32)
-        xs = np.zeros(m_rows * ng, dtype=np.float32)
-        scale = np.ones(m_rows, dtype=np.float32)
         for m in range(m_rows):
             big = np.float32(0.0)
             for k in range(k_in):
-                v = abs(x[m * k_in + k])
-                if v > big:
-                    big = v
+                big = max(big, abs(x[m * k_in + k]))
             a = np.float32(big / np.float32(127.0)) if big > 0 else np.float32(1.0)
             scale[m] = a
-            for k in range(k_in):
-                v = x[m * k_in + k]
-                r = np.int32(np.rint(np.float32(v / a)))
-                r = min(127, max(-127, r))
+            for g in range(ng):
+                sxq[m * ng + g] = 0
+                xs[m * ng + g] = 0
+            for k in range(k_pad):
+                r = np.int32(0)
+                if k < k_in:
+                    v = x[m * k_in + k]
+                    r = min(127, max(-127, np.int32(np.rint(np.float32(v / a)))))
+                    xs[m * ng + k // group] += v
                 xq[m * k_pad + k] = r
-                g = k // group
-                sxq[m * ng + g] += r
-                xs[m * ng + g] += v
-        half = k_pad // 2
+                sxq[m * ng + k // group] += r
+
+    @njit(inline="always")
+    def _arrays(xp, m_rows, k_in, cp, szp, n_rows, k_pad, group, yp, ip, qp, sp, fp):
+        ng = k_pad // group
+        f = carray(fp, m_rows * (ng + 1))
+        return (carray(xp, m_rows * k_in), carray(cp, n_rows * k_pad // 2), carray(szp, n_rows * ng * 4),
+                carray(yp, m_rows * n_rows), carray(ip, m_rows * n_rows), carray(qp, m_rows * k_pad),
+                carray(sp, m_rows * ng), f[:m_rows * ng], f[m_rows * ng:])
+
+    # the two paths' kernels: the same source but for the dot (module-level functions, so numba caches them)
+    def _kernel_avx2(xp, m_rows, k_in, cp, szp, kind, n_rows, k_pad, group, yp, ip, qp, sp, fp):
+        x, codes, sz, y, ints, xq, sxq, xs, scale = _arrays(xp, m_rows, k_in, cp, szp, n_rows, k_pad, group, yp, ip,
+                                                            qp, sp, fp)
+        _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale)
+        ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
         for n in range(n_rows):
             for m in range(m_rows):
-                acc = np.float32(0.0)
-                accz = np.float32(0.0)
+                acc, accz = np.float32(0.0), np.float32(0.0)
                 for g in range(ng):
-                    d = dot(codes, n * half + g * (group // 2), xq, m * k_pad + g * group, nblk)
+                    d = _dot_avx2(codes, n * half + g * (group // 2), xq, m * k_pad + g * group, nblk)
                     if g == 0:
                         ints[m * n_rows + n] = d
                     at = (n * ng + g) * 2
-                    acc += scale_f32(sz, at, kind) * np.float32(d - 8 * sxq[m * ng + g])
-                    accz += scale_f32(sz, at + 1, kind) * xs[m * ng + g]
+                    acc += _scale_f32(sz, at, kind) * np.float32(d - 8 * sxq[m * ng + g])
+                    accz += _scale_f32(sz, at + 1, kind) * xs[m * ng + g]
                 y[m * n_rows + n] = scale[m] * acc + accz
-    return compiled.jit(kernel)
+
+    def _kernel_plain(xp, m_rows, k_in, cp, szp, kind, n_rows, k_pad, group, yp, ip, qp, sp, fp):
+        x, codes, sz, y, ints, xq, sxq, xs, scale = _arrays(xp, m_rows, k_in, cp, szp, n_rows, k_pad, group, yp, ip,
+                                                            qp, sp, fp)
+        _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale)
+        ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
+        for n in range(n_rows):
+            for m in range(m_rows):
+                acc, accz = np.float32(0.0), np.float32(0.0)
+                for g in range(ng):
+                    d = _dot_plain(codes, n * half + g * (group // 2), xq, m * k_pad + g * group, nblk)
+                    if g == 0:
+                        ints[m * n_rows + n] = d
+                    at = (n * ng + g) * 2
+                    acc += _scale_f32(sz, at, kind) * np.float32(d - 8 * sxq[m * ng + g])
+                    accz += _scale_f32(sz, at + 1, kind) * xs[m * ng + g]
+                y[m * n_rows + n] = scale[m] * acc + accz
 
 
 def _kernel(avx2: bool):
-    got = _KERNELS.get(avx2)
+    """The compiled kernel of the AVX2 or the plain path (a C function: numba's cfunc, called through ctypes, which
+    costs less per call than a dispatcher's argument unboxing), compiled on first use and cached on disk."""
+    got = _CFUNCS.get(avx2)
     if got is None:
-        dot_avx2, dot_plain, scale_f32 = _intrinsics()
-        got = _KERNELS.setdefault(avx2, _make_kernel(dot_avx2 if avx2 else dot_plain, scale_f32))
-    return got
+        from numba import cfunc, types
+
+        p = types.CPointer
+        sig = types.void(p(types.float32), types.int64, types.int64, p(types.uint8), p(types.int16), types.int64,
+                         types.int64, types.int64, types.int64, p(types.float32), p(types.int32), p(types.int8),
+                         p(types.int32), p(types.float32))
+        cf = cfunc(sig, nopython=True, cache=True)(_kernel_avx2 if avx2 else _kernel_plain)
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        proto = ctypes.CFUNCTYPE(None, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr)
+        got = _CFUNCS.setdefault(avx2, (cf, proto(cf.address)))  # the cfunc kept alive beside its pointer
+    return got[1]
 
 
 _KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
+
+
+def _scratch(m: int, k_pad: int, ng: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This thread's scratch for M rows (grown, never shrunk): xq int8, group sums int32, float32 group sums + row
+    scales."""
+    need = (m * k_pad, m * ng, m * (ng + 1))
+    got = getattr(_SCRATCH, "bufs", None)
+    if got is None or any(t.numel() < k for t, k in zip(got, need)):
+        have = [t.numel() for t in got] if got is not None else [0, 0, 0]
+        got = tuple(torch.empty(max(k, h), dtype=d) for k, h, d in zip(need, have, (torch.int8, torch.int32,
+                                                                                       torch.float32)))
+        _SCRATCH.bufs = got
+    return got
 
 
 def _run(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group: int, n: int, avx2: bool | None):
@@ -229,18 +291,19 @@ def _run(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group: 
     n_pad, half = weight.shape
     k_pad = 2 * half
     m, k_in = x_MK.shape
-    if k_in > k_pad or k_pad % group or group % BLOCK or group > 8 * BLOCK or scales.shape != (n_pad, k_pad // group, 2):
-        raise ValueError(f"q4x8: x [{m}, {k_in}], weight [{n_pad}, {half}], scales {tuple(scales.shape)}, G={group} "
-                         "do not fit")
+    if k_in > k_pad or k_pad % group or group % BLOCK or group > 8 * BLOCK or n > n_pad or \
+            scales.shape != (n_pad, k_pad // group, 2) or scales.dtype not in _KIND or weight.dtype != torch.uint8:
+        raise ValueError(f"q4x8: x [{m}, {k_in}], weight {tuple(weight.shape)} {weight.dtype}, scales "
+                         f"{tuple(scales.shape)} {scales.dtype}, G={group}, n={n} do not fit")
     if weight.device.type != "cpu" or not weight.is_contiguous() or not scales.is_contiguous():
         raise ValueError("q4x8: the weight and scales must be contiguous CPU tensors")
-    kind = _KIND[scales.dtype]
-    sz = (scales.view(torch.int16) if kind else scales).reshape(-1).numpy()
-    x = x_MK.detach().to(torch.float32).contiguous().reshape(-1).numpy()
-    y = np.empty(m * n, dtype=np.float32)
-    ints = np.empty(m * n, dtype=np.int32)
-    _kernel(use_avx2() if avx2 is None else avx2)(x, m, k_in, weight.reshape(-1).numpy(), sz, kind, n, k_pad, group,
-                                                  y, ints)
+    x = x_MK.detach().to(torch.float32).contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    ints = torch.empty(m, n, dtype=torch.int32)
+    xq, sxq, xs = _scratch(m, k_pad, k_pad // group)
+    _kernel(use_avx2() if avx2 is None else avx2)(
+        x.data_ptr(), m, k_in, weight.data_ptr(), scales.data_ptr(), _KIND[scales.dtype], n, k_pad, group,
+        y.data_ptr(), ints.data_ptr(), xq.data_ptr(), sxq.data_ptr(), xs.data_ptr())
     return y, ints
 
 
@@ -250,11 +313,9 @@ def q4x8_mm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grou
     [N, K/G, 2]; x's columns past its own count are zeros (K padding); ``n`` (default N): the rows computed (the
     padding rows left out). ``avx2``: force the AVX2 path (True) or the plain one (False); default :func:`use_avx2`."""
     n = weight.shape[0] if n is None else n
-    y, _ = _run(x_MK, weight, scales, group, n, avx2)
-    return torch.from_numpy(y).view(x_MK.shape[0], n).to(x_MK.dtype)
+    return _run(x_MK, weight, scales, group, n, avx2)[0].to(x_MK.dtype)
 
 
 def int_dots(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group: int, *, avx2: bool) -> torch.Tensor:
     """int32 [M, N]: the integer sums Σ q·xq of group 0 for every (row of x, row of W), on the chosen path (tests)."""
-    _, ints = _run(x_MK, weight, scales, group, weight.shape[0], avx2)
-    return torch.from_numpy(ints).view(x_MK.shape[0], weight.shape[0])
+    return _run(x_MK, weight, scales, group, weight.shape[0], avx2)[1]
