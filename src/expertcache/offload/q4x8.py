@@ -97,75 +97,159 @@ def unpack_codes(w_u8: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 15, b >> 4], dim=2).reshape(n, 2 * h)
 
 
-_CFUNCS: dict[bool, object] = {}
+_CFUNCS: dict[bool, tuple] = {}
 _SCRATCH = threading.local()
 
 
 def _intrinsics():
-    """(dot_avx2, dot_plain, scale_f32): the per-group integer dot on AVX2 and plain, and one stored scale as float32
-    (defined where numba is; nothing is compiled until a kernel is)."""
-    from llvmlite import ir
+    """(dot_avx2, row_avx2, scale_f32, dot_plain): the per-group integer dot on AVX2, a row's Σ_g s_g·Σ q·xq on
+    AVX2, one stored scale as float32, the plain per-group dot (defined where numba is; nothing is compiled until a
+    kernel is)."""
     import numba
+    from llvmlite import ir
     from numba import types
     from numba.core import cgutils
     from numba.extending import intrinsic
 
     i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-    v16i8, v32i8, v16i16, v8i32 = (ir.VectorType(i8, 16), ir.VectorType(i8, 32), ir.VectorType(i16, 16),
-                                   ir.VectorType(i32, 8))
+    v16i8, v32i8, v16i16, v8i32, v8f32 = (ir.VectorType(i8, 16), ir.VectorType(i8, 32), ir.VectorType(i16, 16),
+                                          ir.VectorType(i32, 8), ir.VectorType(f32, 8))
 
     def wide(builder, v):
         return builder.sext(v, i64) if v.type != i64 else v
+
+    def fn(builder, name, ret, *args):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, list(args)), name)
+
+    def group_sums(builder, cbase, xbase, nblk, acc):
+        """The int16 pair sums (vpmaddubsw) of ``nblk`` blocks from byte pointers ``cbase`` (codes), ``xbase`` (xq)
+        added into the <16 x i16> at ``acc`` (zeroed here); returns their <8 x i32> (vpmaddwd by ones)."""
+        madd_ub = fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, v32i8, v32i8)
+        madd_wd = fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, v16i16, v16i16)
+        four, low = ir.Constant(v16i8, [4] * 16), ir.Constant(v32i8, [15] * 32)
+        order = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
+        builder.store(ir.Constant(v16i16, [0] * 16), acc)
+        with cgutils.for_range(builder, nblk) as loop:
+            i = loop.index
+            cp = builder.gep(cbase, [builder.mul(i, ir.Constant(i.type, 16))])
+            v = builder.load(builder.bitcast(cp, v16i8.as_pointer()), align=1)
+            w = builder.and_(builder.shuffle_vector(v, builder.lshr(v, four), order), low)  # codes j, j + 16
+            xp = builder.gep(xbase, [builder.mul(i, ir.Constant(i.type, 32))])
+            xv = builder.load(builder.bitcast(xp, v32i8.as_pointer()), align=1)
+            builder.store(builder.add(builder.load(acc), builder.call(madd_ub, [w, xv])), acc)
+        return builder.call(madd_wd, [builder.load(acc), ir.Constant(v16i16, [1] * 16)])
+
+    def load_scale(builder, p16, p32, at, kind):
+        """Stored scale ``at`` as float32: float32 (kind 0) from ``p32``, bf16 (1) or fp16 (2) bits from ``p16``;
+        each read only where its kind is (no load past the scales' bytes)."""
+        with builder.if_else(builder.icmp_signed("==", kind, ir.Constant(kind.type, 0))) as (as32, as16):
+            with as32:
+                b32 = builder.basic_block
+                v32 = builder.load(builder.gep(p32, [at]))
+            with as16:
+                b16 = builder.basic_block
+                v = builder.load(builder.gep(p16, [at]))
+                bf = builder.bitcast(builder.shl(builder.zext(v, i32), ir.Constant(i32, 16)), f32)
+                hf = builder.fpext(builder.bitcast(v, ir.HalfType()), f32)
+                v16 = builder.select(builder.icmp_signed("==", kind, ir.Constant(kind.type, 1)), bf, hf)
+        out = builder.phi(f32)
+        out.add_incoming(v32, b32)
+        out.add_incoming(v16, b16)
+        return out
+
+    def ptr(context, builder, ty, val, at):
+        return builder.gep(context.make_array(ty)(context, builder, val).data, [wide(builder, at)])
 
     @intrinsic
     def dot_avx2(typingctx, c, cb, xq, xb, nblk):
         """Σ q·xq over ``nblk`` blocks: codes from byte ``cb`` of ``c`` (uint8, 1-D), xq from ``xb`` of ``xq``
         (int8, 1-D); int32. The blocks' vpmaddubsw pairs are added in int16 (at most 8 blocks: no overflow)."""
-        sig = types.int32(c, cb, xq, xb, nblk)
-
-        def codegen(context, builder, signature, args):
-            c_v, cb_v, x_v, xb_v, nb_v = args
-            ca = context.make_array(signature.args[0])(context, builder, c_v)
-            xa = context.make_array(signature.args[2])(context, builder, x_v)
-            mod = builder.module
-            madd_ub = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i16, [v32i8, v32i8]),
-                                                     "llvm.x86.avx2.pmadd.ub.sw")
-            madd_wd = cgutils.get_or_insert_function(mod, ir.FunctionType(v8i32, [v16i16, v16i16]),
-                                                     "llvm.x86.avx2.pmadd.wd")
-            reduce = cgutils.get_or_insert_function(mod, ir.FunctionType(i32, [v8i32]), "llvm.vector.reduce.add.v8i32")
-            acc = cgutils.alloca_once_value(builder, ir.Constant(v16i16, [0] * 16))
-            cbase, xbase = builder.gep(ca.data, [wide(builder, cb_v)]), builder.gep(xa.data, [wide(builder, xb_v)])
-            four, low = ir.Constant(v16i8, [4] * 16), ir.Constant(v32i8, [15] * 32)
-            order = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
-            with cgutils.for_range(builder, wide(builder, nb_v)) as loop:
-                i = loop.index
-                cp = builder.gep(cbase, [builder.mul(i, ir.Constant(i.type, 16))])
-                v = builder.load(builder.bitcast(cp, v16i8.as_pointer()), align=1)
-                w = builder.and_(builder.shuffle_vector(v, builder.lshr(v, four), order), low)
-                xp = builder.gep(xbase, [builder.mul(i, ir.Constant(i.type, 32))])
-                xv = builder.load(builder.bitcast(xp, v32i8.as_pointer()), align=1)
-                builder.store(builder.add(builder.load(acc), builder.call(madd_ub, [w, xv])), acc)
-            s = builder.call(madd_wd, [builder.load(acc), ir.Constant(v16i16, [1] * 16)])
-            return builder.call(reduce, [s])
-        return sig, codegen
+        def codegen(context, builder, sig, args):
+            acc = cgutils.alloca_once(builder, v16i16)
+            s = group_sums(builder, ptr(context, builder, sig.args[0], args[0], args[1]),
+                           ptr(context, builder, sig.args[2], args[2], args[3]), wide(builder, args[4]), acc)
+            return builder.call(fn(builder, "llvm.vector.reduce.add.v8i32", i32, v8i32), [s])
+        return types.int32(c, cb, xq, xb, nblk), codegen
 
     @intrinsic
-    def scale_f32(typingctx, arr, idx, kind):
-        """Stored scale ``idx`` of ``arr`` (int16, 1-D: the scales' bytes) as float32: ``kind`` 1 bf16, 2 fp16,
-        0 float32 (element ``idx`` of the bytes read as float32)."""
-        sig = types.float32(arr, idx, kind)
+    def rows4_avx2(typingctx, c, cb, half, xq, xb, sf, corr, cob, xs, xsb, a, ng, nblk, out, ob):
+        """Four outputs y[n0..n0+3] of one row of x (float32, stored at ``out[ob..ob+3]``): codes of row n0 from
+        byte ``cb`` of ``c`` (rows ``half`` bytes apart), xq from ``xb``; ``sf`` the four rows' (s, z) per group as
+        float32 [4, ng, 2]; ``corr`` the int32 [ng, 8] vectors added to each group's sums (``-8·Σ xq`` in lane 0)
+        from ``cob``; ``xs`` the float group sums of x from ``xsb``; ``a`` x's scale. Per group: each block's 32 xq
+        loaded once for the four rows; each row's int32 sums converted once and accumulated with its scale in its
+        own float32 vector (four independent chains), its zero term in its own float; summed across at the end."""
+        def codegen(context, builder, sig, args):
+            c_v, cb_v, half_v, x_v, xb_v, sf_v, corr_v, cob_v, xs_v, xsb_v, a_v, ng_v, nb_v, out_v, ob_v = args
+            cbase = ptr(context, builder, sig.args[0], c_v, cb_v)
+            xbase = ptr(context, builder, sig.args[3], x_v, xb_v)
+            sfp = context.make_array(sig.args[5])(context, builder, sf_v).data
+            cop = builder.bitcast(ptr(context, builder, sig.args[6], corr_v, cob_v), v8i32.as_pointer())
+            xsp = ptr(context, builder, sig.args[8], xs_v, xsb_v)
+            outp = ptr(context, builder, sig.args[13], out_v, ob_v)
+            half, ng, nblk = wide(builder, half_v), wide(builder, ng_v), wide(builder, nb_v)
+            madd_ub = fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, v32i8, v32i8)
+            madd_wd = fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, v16i16, v16i16)
+            four, low = ir.Constant(v16i8, [4] * 16), ir.Constant(v32i8, [15] * 32)
+            order = ir.Constant(ir.VectorType(i32, 32), list(range(32)))
+            accs = [cgutils.alloca_once(builder, v16i16) for _ in range(4)]
+            faccs = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, [0.0] * 8)) for _ in range(4)]
+            zaccs = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
+            rows = [builder.gep(cbase, [builder.mul(half, ir.Constant(i64, r))]) for r in range(4)]
+            gbytes, gcodes = builder.mul(nblk, ir.Constant(i64, 16)), builder.mul(nblk, ir.Constant(i64, 32))
+            with cgutils.for_range(builder, ng) as gl:
+                g = gl.index
+                for acc in accs:
+                    builder.store(ir.Constant(v16i16, [0] * 16), acc)
+                with cgutils.for_range(builder, nblk) as bl:
+                    b = bl.index
+                    xp = builder.gep(xbase, [builder.add(builder.mul(g, gcodes), builder.mul(b, ir.Constant(i64, 32)))])
+                    xv = builder.load(builder.bitcast(xp, v32i8.as_pointer()), align=1)
+                    at = builder.add(builder.mul(g, gbytes), builder.mul(b, ir.Constant(i64, 16)))
+                    for row, acc in zip(rows, accs):
+                        v = builder.load(builder.bitcast(builder.gep(row, [at]), v16i8.as_pointer()), align=1)
+                        w = builder.and_(builder.shuffle_vector(v, builder.lshr(v, four), order), low)
+                        builder.store(builder.add(builder.load(acc), builder.call(madd_ub, [w, xv])), acc)
+                cv = builder.load(builder.gep(cop, [g]), align=4)
+                xsg = builder.load(builder.gep(xsp, [g]))
+                for r in range(4):
+                    si = builder.add(builder.mul(builder.add(builder.mul(ir.Constant(i64, r), ng), g),
+                                                 ir.Constant(i64, 2)), ir.Constant(i64, 0))
+                    sc = builder.load(builder.gep(sfp, [si]))
+                    zc = builder.load(builder.gep(sfp, [builder.add(si, ir.Constant(i64, 1))]))
+                    p32 = builder.add(builder.call(madd_wd, [builder.load(accs[r]), ir.Constant(v16i16, [1] * 16)]), cv)
+                    splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8f32, None), sc,
+                                                                          ir.Constant(i32, 0)),
+                                                   ir.Constant(v8f32, None), ir.Constant(v8i32, [0] * 8))
+                    builder.store(builder.fadd(builder.load(faccs[r]), builder.fmul(builder.sitofp(p32, v8f32), splat)),
+                                  faccs[r])
+                    builder.store(builder.fadd(builder.load(zaccs[r]), builder.fmul(zc, xsg)), zaccs[r])
+            red = fn(builder, "llvm.vector.reduce.fadd.v8f32", f32, f32, v8f32)
+            for r in range(4):
+                tot = builder.call(red, [ir.Constant(f32, 0.0), builder.load(faccs[r])])
+                builder.store(builder.fadd(builder.fmul(a_v, tot), builder.load(zaccs[r])),
+                              builder.gep(outp, [ir.Constant(i64, r)]))
+            return context.get_dummy_value()
+        return types.none(c, cb, half, xq, xb, sf, corr, cob, xs, xsb, a, ng, nblk, out, ob), codegen
 
-        def codegen(context, builder, signature, args):
-            a = context.make_array(signature.args[0])(context, builder, args[0])
-            at, k = wide(builder, args[1]), args[2]
-            v = builder.load(builder.gep(a.data, [at]))
-            bf = builder.bitcast(builder.shl(builder.zext(v, i32), ir.Constant(i32, 16)), f32)
-            hf = builder.fpext(builder.bitcast(v, ir.HalfType()), f32)
-            ff = builder.load(builder.gep(builder.bitcast(a.data, f32.as_pointer()), [at]))
-            one, two = ir.Constant(k.type, 1), ir.Constant(k.type, 2)
-            return builder.select(builder.icmp_signed("==", k, one), bf,
-                                  builder.select(builder.icmp_signed("==", k, two), hf, ff))
-        return sig, codegen
+    @intrinsic
+    def cvt16(typingctx, v, kind):
+        """A stored 16-bit scale (int16 bits) as float32: bf16 (``kind`` 1) or fp16 (2)."""
+        def codegen(context, builder, sig, args):
+            x = builder.trunc(args[0], i16) if args[0].type != i16 else args[0]
+            bf = builder.bitcast(builder.shl(builder.zext(x, i32), ir.Constant(i32, 16)), f32)
+            hf = builder.fpext(builder.bitcast(x, ir.HalfType()), f32)
+            return builder.select(builder.icmp_signed("==", args[1], ir.Constant(args[1].type, 1)), bf, hf)
+        return types.float32(v, kind), codegen
+
+    @intrinsic
+    def scale_f32(typingctx, sz16, sz32, at, kind):
+        """Stored scale ``at`` (the scales' bytes as int16 and as float32 arrays) as float32 (``load_scale``)."""
+        def codegen(context, builder, sig, args):
+            return load_scale(builder, context.make_array(sig.args[0])(context, builder, args[0]).data,
+                              context.make_array(sig.args[1])(context, builder, args[1]).data, wide(builder, args[2]),
+                              args[3])
+        return types.float32(sz16, sz32, at, kind), codegen
 
     @numba.njit(inline="always")
     def dot_plain(c, cb, xq, xb, nblk):
@@ -176,13 +260,13 @@ def _intrinsics():
                 d += (byte & 15) * np.int32(xq[xb + 32 * b + j]) + (byte >> 4) * np.int32(xq[xb + 32 * b + 16 + j])
         return d
 
-    return dot_avx2, dot_plain, scale_f32
+    return dot_avx2, rows4_avx2, cvt16, scale_f32, dot_plain
 
 
 if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels compile on first use)
     from numba import carray, njit
 
-    _dot_avx2, _dot_plain, _scale_f32 = _intrinsics()
+    _dot_avx2, _rows4_avx2, _cvt16, _scale_f32, _dot_plain = _intrinsics()
 
     @njit(inline="always")
     def _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale):
@@ -208,47 +292,83 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
                 sxq[m * ng + k // group] += r
 
     @njit(inline="always")
-    def _arrays(xp, m_rows, k_in, cp, szp, n_rows, k_pad, group, yp, ip, qp, sp, fp):
+    def _arrays(xp, m_rows, k_in, cp, szp, szf, n_rows, k_pad, group, yp, qp, sp, fp):
         ng = k_pad // group
         f = carray(fp, m_rows * (ng + 1))
-        return (carray(xp, m_rows * k_in), carray(cp, n_rows * k_pad // 2), carray(szp, n_rows * ng * 4),
-                carray(yp, m_rows * n_rows), carray(ip, m_rows * n_rows), carray(qp, m_rows * k_pad),
+        return (carray(xp, m_rows * k_in), carray(cp, n_rows * k_pad // 2), carray(szp, n_rows * ng * 2),
+                carray(szf, n_rows * ng * 2), carray(yp, m_rows * n_rows), carray(qp, m_rows * k_pad),
                 carray(sp, m_rows * ng), f[:m_rows * ng], f[m_rows * ng:])
 
-    # the two paths' kernels: the same source but for the dot (module-level functions, so numba caches them)
-    def _kernel_avx2(xp, m_rows, k_in, cp, szp, kind, n_rows, k_pad, group, yp, ip, qp, sp, fp):
-        x, codes, sz, y, ints, xq, sxq, xs, scale = _arrays(xp, m_rows, k_in, cp, szp, n_rows, k_pad, group, yp, ip,
-                                                            qp, sp, fp)
-        _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale)
-        ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
-        for n in range(n_rows):
-            for m in range(m_rows):
-                acc, accz = np.float32(0.0), np.float32(0.0)
-                for g in range(ng):
-                    d = _dot_avx2(codes, n * half + g * (group // 2), xq, m * k_pad + g * group, nblk)
-                    if g == 0:
-                        ints[m * n_rows + n] = d
-                    at = (n * ng + g) * 2
-                    acc += _scale_f32(sz, at, kind) * np.float32(d - 8 * sxq[m * ng + g])
-                    accz += _scale_f32(sz, at + 1, kind) * xs[m * ng + g]
-                y[m * n_rows + n] = scale[m] * acc + accz
+    @njit(inline="always")
+    def _offsets(x, sz16, sz32, kind, n, m, sxq, xs, ng):
+        """Σ_g s_g·(-8·Σ xq) and Σ_g z_g·Σ x of output (m, n): the code offset and the zero terms."""
+        off, zero = np.float32(0.0), np.float32(0.0)
+        for g in range(ng):
+            at = (n * ng + g) * 2
+            off += _scale_f32(sz16, sz32, at, kind) * np.float32(-8 * sxq[m * ng + g])
+            zero += _scale_f32(sz16, sz32, at + 1, kind) * xs[m * ng + g]
+        return off, zero
 
-    def _kernel_plain(xp, m_rows, k_in, cp, szp, kind, n_rows, k_pad, group, yp, ip, qp, sp, fp):
-        x, codes, sz, y, ints, xq, sxq, xs, scale = _arrays(xp, m_rows, k_in, cp, szp, n_rows, k_pad, group, yp, ip,
-                                                            qp, sp, fp)
+    # the two paths' kernels (module-level functions, so numba caches them): the AVX2 one on row_avx2, the plain
+    # one on dot_plain
+    @njit(inline="always")
+    def _row_scales(sz16, sz32, kind, at, count, sf):
+        """``count`` stored scales from ``at`` as float32 into ``sf`` (the kind's branch outside the loop)."""
+        if kind == 0:
+            for j in range(count):
+                sf[j] = sz32[at + j]
+        else:
+            for j in range(count):
+                sf[j] = _cvt16(sz16[at + j], kind)
+
+    def _kernel_avx2(xp, m_rows, k_in, cp, szp, szf, kind, n_rows, k_pad, group, yp, qp, sp, fp):
+        """y [M, n_rows] (n_rows a multiple of 4: rows of four at a time on rows4_avx2)."""
+        n4 = n_rows
+        x, codes, sz16, sz32, y, xq, sxq, xs, scale = _arrays(xp, m_rows, k_in, cp, szp, szf, n4, k_pad, group,
+                                                              yp, qp, sp, fp)
+        _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale)
+        ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
+        corr = np.zeros(m_rows * ng * 8, dtype=np.int32)
+        for j in range(m_rows * ng):
+            corr[8 * j] = -8 * sxq[j]
+        sf = np.empty(4 * ng * 2, dtype=np.float32)
+        for n0 in range(0, n4, 4):
+            _row_scales(sz16, sz32, kind, n0 * ng * 2, 4 * ng * 2, sf)
+            for m in range(m_rows):
+                _rows4_avx2(codes, n0 * half, half, xq, m * k_pad, sf, corr, m * ng * 8, xs, m * ng, scale[m], ng,
+                            nblk, y, m * n4 + n0)
+
+    def _kernel_plain(xp, m_rows, k_in, cp, szp, szf, kind, n_rows, k_pad, group, yp, qp, sp, fp):
+        x, codes, sz16, sz32, y, xq, sxq, xs, scale = _arrays(xp, m_rows, k_in, cp, szp, szf, n_rows, k_pad, group,
+                                                              yp, qp, sp, fp)
         _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale)
         ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
         for n in range(n_rows):
             for m in range(m_rows):
-                acc, accz = np.float32(0.0), np.float32(0.0)
+                off, zero = _offsets(x, sz16, sz32, kind, n, m, sxq, xs, ng)
+                main = np.float32(0.0)
                 for g in range(ng):
                     d = _dot_plain(codes, n * half + g * (group // 2), xq, m * k_pad + g * group, nblk)
-                    if g == 0:
-                        ints[m * n_rows + n] = d
-                    at = (n * ng + g) * 2
-                    acc += _scale_f32(sz, at, kind) * np.float32(d - 8 * sxq[m * ng + g])
-                    accz += _scale_f32(sz, at + 1, kind) * xs[m * ng + g]
-                y[m * n_rows + n] = scale[m] * acc + accz
+                    main += _scale_f32(sz16, sz32, (n * ng + g) * 2, kind) * np.float32(d)
+                y[m * n_rows + n] = scale[m] * (main + off) + zero
+
+    @njit(cache=True)
+    def _dots_avx2(codes, xq, n_rows, m_rows, k_pad, group, out):
+        ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
+        for m in range(m_rows):
+            for n in range(n_rows):
+                for g in range(ng):
+                    out[(m * n_rows + n) * ng + g] = _dot_avx2(codes, n * half + g * (group // 2), xq,
+                                                               m * k_pad + g * group, nblk)
+
+    @njit(cache=True)
+    def _dots_plain(codes, xq, n_rows, m_rows, k_pad, group, out):
+        ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
+        for m in range(m_rows):
+            for n in range(n_rows):
+                for g in range(ng):
+                    out[(m * n_rows + n) * ng + g] = _dot_plain(codes, n * half + g * (group // 2), xq,
+                                                                m * k_pad + g * group, nblk)
 
 
 def _kernel(avx2: bool):
@@ -259,12 +379,12 @@ def _kernel(avx2: bool):
         from numba import cfunc, types
 
         p = types.CPointer
-        sig = types.void(p(types.float32), types.int64, types.int64, p(types.uint8), p(types.int16), types.int64,
-                         types.int64, types.int64, types.int64, p(types.float32), p(types.int32), p(types.int8),
-                         p(types.int32), p(types.float32))
+        sig = types.void(p(types.float32), types.int64, types.int64, p(types.uint8), p(types.int16),
+                         p(types.float32), types.int64, types.int64, types.int64, types.int64, p(types.float32),
+                         p(types.int8), p(types.int32), p(types.float32))
         cf = cfunc(sig, nopython=True, cache=True)(_kernel_avx2 if avx2 else _kernel_plain)
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        proto = ctypes.CFUNCTYPE(None, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr)
+        proto = ctypes.CFUNCTYPE(None, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr)
         got = _CFUNCS.setdefault(avx2, (cf, proto(cf.address)))  # the cfunc kept alive beside its pointer
     return got[1]
 
@@ -285,26 +405,19 @@ def _scratch(m: int, k_pad: int, ng: int) -> tuple[torch.Tensor, torch.Tensor, t
     return got
 
 
-def _run(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group: int, n: int, avx2: bool | None):
+def _check(x_MK, weight, scales, group, n):
     if not available():
         raise RuntimeError("the q4x8 kernel needs numba (not installed, or EXPERTCACHE_NO_NUMBA is set)")
     n_pad, half = weight.shape
     k_pad = 2 * half
     m, k_in = x_MK.shape
-    if k_in > k_pad or k_pad % group or group % BLOCK or group > 8 * BLOCK or n > n_pad or \
+    if k_in > k_pad or k_pad % group or group % BLOCK or group > 8 * BLOCK or n > n_pad or n_pad % 4 or \
             scales.shape != (n_pad, k_pad // group, 2) or scales.dtype not in _KIND or weight.dtype != torch.uint8:
         raise ValueError(f"q4x8: x [{m}, {k_in}], weight {tuple(weight.shape)} {weight.dtype}, scales "
                          f"{tuple(scales.shape)} {scales.dtype}, G={group}, n={n} do not fit")
     if weight.device.type != "cpu" or not weight.is_contiguous() or not scales.is_contiguous():
         raise ValueError("q4x8: the weight and scales must be contiguous CPU tensors")
-    x = x_MK.detach().to(torch.float32).contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    ints = torch.empty(m, n, dtype=torch.int32)
-    xq, sxq, xs = _scratch(m, k_pad, k_pad // group)
-    _kernel(use_avx2() if avx2 is None else avx2)(
-        x.data_ptr(), m, k_in, weight.data_ptr(), scales.data_ptr(), _KIND[scales.dtype], n, k_pad, group,
-        y.data_ptr(), ints.data_ptr(), xq.data_ptr(), sxq.data_ptr(), xs.data_ptr())
-    return y, ints
+    return m, k_in, k_pad
 
 
 def q4x8_mm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group: int, n: int | None = None, *,
@@ -313,9 +426,27 @@ def q4x8_mm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grou
     [N, K/G, 2]; x's columns past its own count are zeros (K padding); ``n`` (default N): the rows computed (the
     padding rows left out). ``avx2``: force the AVX2 path (True) or the plain one (False); default :func:`use_avx2`."""
     n = weight.shape[0] if n is None else n
-    return _run(x_MK, weight, scales, group, n, avx2)[0].to(x_MK.dtype)
+    m, k_in, k_pad = _check(x_MK, weight, scales, group, n)
+    x = x_MK.detach().to(torch.float32).contiguous()
+    n4 = -(-n // 4) * 4  # rows of four (the weight's rows are a multiple of 4)
+    y = torch.empty(m, n4, dtype=torch.float32)
+    xq, sxq, xs = _scratch(m, k_pad, k_pad // group)
+    p = scales.data_ptr()
+    _kernel(use_avx2() if avx2 is None else avx2)(x.data_ptr(), m, k_in, weight.data_ptr(), p, p, _KIND[scales.dtype],
+                                                  n4, k_pad, group, y.data_ptr(), xq.data_ptr(), sxq.data_ptr(),
+                                                  xs.data_ptr())
+    return (y if n4 == n else y[:, :n]).to(x_MK.dtype)
 
 
-def int_dots(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group: int, *, avx2: bool) -> torch.Tensor:
-    """int32 [M, N]: the integer sums Σ q·xq of group 0 for every (row of x, row of W), on the chosen path (tests)."""
-    return _run(x_MK, weight, scales, group, weight.shape[0], avx2)[1]
+def int_dots(x_MK: torch.Tensor, weight: torch.Tensor, group: int, *, avx2: bool) -> torch.Tensor:
+    """int32 [M, N, K/G]: the integer sums Σ q·xq per group of every (row of x, row of W), x quantised as the kernel
+    does (module docstring), on the chosen path (for the tests: the two paths agree exactly)."""
+    n_pad, half = weight.shape
+    m, k = x_MK.shape
+    a = x_MK.float().abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x_MK.float() / torch.where(a > 0, a, torch.ones_like(a))).clamp(-127, 127)
+    xq = torch.nn.functional.pad(xq, (0, 2 * half - k)).to(torch.int8).reshape(-1)
+    out = torch.empty(m * n_pad * (2 * half // group), dtype=torch.int32)
+    (_dots_avx2 if avx2 else _dots_plain)(weight.reshape(-1).numpy(), xq.numpy(), n_pad, m, 2 * half, group,
+                                          out.numpy())
+    return out.view(m, n_pad, -1)
