@@ -49,6 +49,8 @@ __all__ = ["KERNEL", "BLOCK", "available", "use_avx2", "pack_codes", "unpack_cod
 KERNEL = "q4x8"
 #: codes per block: 16 bytes, two nibbles a byte (module docstring)
 BLOCK = 32
+#: the AVX2 path prefetches the weight bytes this many rows past the four it computes (a hint: no fault past the end)
+PREFETCH_ROWS = 4
 #: numba target CPUs (``NUMBA_CPU_NAME``) that have AVX2 (LLVM names); "host" and unset mean this CPU
 _AVX2_TARGETS = ("haswell", "broadwell", "skylake", "skylake-avx512", "cascadelake", "cooperlake", "cannonlake",
                  "icelake-client", "icelake-server", "tigerlake", "rocketlake", "alderlake", "raptorlake",
@@ -197,10 +199,17 @@ def _intrinsics():
             zaccs = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(4)]
             rows = [builder.gep(cbase, [builder.mul(half, ir.Constant(i64, r))]) for r in range(4)]
             gbytes, gcodes = builder.mul(nblk, ir.Constant(i64, 16)), builder.mul(nblk, ir.Constant(i64, 32))
+            fma8 = fn(builder, "llvm.fmuladd.v8f32", v8f32, v8f32, v8f32, v8f32)  # fused where the CPU has FMA
+            fma1 = fn(builder, "llvm.fmuladd.f32", f32, f32, f32, f32)
+            prefetch = fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), i8.as_pointer(), i32, i32, i32)
+            ahead = builder.mul(half, ir.Constant(i64, 4 + PREFETCH_ROWS))  # the same place of a later quad's rows
             with cgutils.for_range(builder, ng) as gl:
                 g = gl.index
                 for acc in accs:
                     builder.store(ir.Constant(v16i16, [0] * 16), acc)
+                for row in rows:  # weights stream from memory: fetch the rows ahead of their use
+                    pf = builder.gep(row, [builder.add(ahead, builder.mul(g, gbytes))])
+                    builder.call(prefetch, [pf, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
                 with cgutils.for_range(builder, nblk) as bl:
                     b = bl.index
                     xp = builder.gep(xbase, [builder.add(builder.mul(g, gcodes), builder.mul(b, ir.Constant(i64, 32)))])
@@ -221,9 +230,9 @@ def _intrinsics():
                     splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8f32, None), sc,
                                                                           ir.Constant(i32, 0)),
                                                    ir.Constant(v8f32, None), ir.Constant(v8i32, [0] * 8))
-                    builder.store(builder.fadd(builder.load(faccs[r]), builder.fmul(builder.sitofp(p32, v8f32), splat)),
+                    builder.store(builder.call(fma8, [builder.sitofp(p32, v8f32), splat, builder.load(faccs[r])]),
                                   faccs[r])
-                    builder.store(builder.fadd(builder.load(zaccs[r]), builder.fmul(zc, xsg)), zaccs[r])
+                    builder.store(builder.call(fma1, [zc, xsg, builder.load(zaccs[r])]), zaccs[r])
             red = fn(builder, "llvm.vector.reduce.fadd.v8f32", f32, f32, v8f32)
             for r in range(4):
                 tot = builder.call(red, [ir.Constant(f32, 0.0), builder.load(faccs[r])])
