@@ -28,8 +28,9 @@ Candidates (``W`` float32 N(0, 0.02), ``x`` N(0, 1)):
 - ``a8w4 dyn_quant_matmul_4bit``: ``_dyn_quant_matmul_4bit`` (int8 activation × int4 symmetric groups of 32:
   KleidiAI on ARM, a reference path on x86);
 - ``q4x8 G=g``: expertcache's own int8-activation × int4 kernel (offload/q4x8.py, numba: AVX2 ``vpmaddubsw``
-  intrinsics; what the int4 experts run on AVX2 CPUs); ``--isa avx2`` also sets ``NUMBA_CPU_NAME=haswell`` so
-  numba compiles it for AVX2 only (rows: ``numba_cpu_name``, ``q4x8_path``);
+  intrinsics; what the int4 experts run on AVX2 CPUs); ``--isa avx2`` also sets ``NUMBA_CPU_NAME=haswell`` and
+  ``NUMBA_CPU_FEATURES=+avx2,+fma`` so numba compiles it for AVX2 only (rows: ``numba_cpu_name``,
+  ``numba_cpu_features``, ``q4x8_path``);
 - ``inductor dequant-mm G=32`` (``--compile``): the int4 codes as bytes (two a byte), dequantised and reduced in
   one ``torch.compile``-generated C++ kernel (float32 accumulation);
 - torchao: its CPU int4 weight-only layout (``Int4WeightOnlyConfig(int4_packing_format="opaque")``) calls the
@@ -63,7 +64,9 @@ COLD_BYTES = 96 << 20
 #: what caps each of torch's kernel libraries at an ISA (module docstring)
 ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"},
            "avx512": {"ATEN_CPU_CAPABILITY": "avx512"}, "default": {}}
-ISA_ENV["avx2"]["NUMBA_CPU_NAME"] = "haswell"  # numba (the q4x8 kernel) compiles for AVX2 only
+# numba (the q4x8 kernel) compiles for AVX2 only: the target CPU and its features (with the name alone numba keeps
+# the host's features, AVX-512 included)
+ISA_ENV["avx2"].update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx2,+fma")
 
 
 def numba_info() -> dict:
@@ -71,6 +74,7 @@ def numba_info() -> dict:
     from expertcache.offload import q4x8
 
     return dict(numba_cpu_name=os.environ.get("NUMBA_CPU_NAME") or "host",
+                numba_cpu_features=os.environ.get("NUMBA_CPU_FEATURES") or "host",
                 q4x8_path=("avx2" if q4x8.use_avx2() else "plain") if q4x8.available() else None)
 
 

@@ -34,6 +34,7 @@ torch's int4 kernel.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import threading
@@ -74,9 +75,11 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+@functools.lru_cache(maxsize=None)
 def use_avx2() -> bool:
     """Whether the integer dot runs on the AVX2 intrinsics: an x86-64 CPU with the avx2 flag, and numba's target CPU
-    (``NUMBA_CPU_NAME``, unset: this one) one with AVX2. Else the plain loop (the same sums)."""
+    (``NUMBA_CPU_NAME``, unset: this one; numba reads it once, at import) one with AVX2. Else the plain loop (the
+    same sums). Read once per process."""
     if platform.machine().lower() not in ("x86_64", "amd64") or "avx2" not in _cpu_flags():
         return False
     target = os.environ.get("NUMBA_CPU_NAME", "").strip().lower()
