@@ -162,6 +162,15 @@ def _intrinsics():
         out.add_incoming(v16, b16)
         return out
 
+    def scale_at(builder, p16, at, kind):
+        """Stored scale ``at`` (an index into the scales as the kind stores them) as float32, ``kind`` known here."""
+        if kind == 0:
+            return builder.load(builder.gep(builder.bitcast(p16, f32.as_pointer()), [at]))
+        v = builder.load(builder.gep(p16, [at]))
+        if kind == 1:
+            return builder.bitcast(builder.shl(builder.zext(v, i32), ir.Constant(i32, 16)), f32)
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), f32)
+
     def ptr(context, builder, ty, val, at):
         return builder.gep(context.make_array(ty)(context, builder, val).data, [wide(builder, at)])
 
@@ -177,21 +186,23 @@ def _intrinsics():
         return types.int32(c, cb, xq, xb, nblk), codegen
 
     @intrinsic
-    def rows4_avx2(typingctx, c, cb, half, xq, xb, sf, corr, cob, xs, xsb, a, ng, nblk, out, ob):
+    def rows4_avx2(typingctx, c, cb, half, xq, xb, sz, sb, kind, corr, cob, xs, xsb, a, ng, nblk, out, ob):
         """Four outputs y[n0..n0+3] of one row of x (float32, stored at ``out[ob..ob+3]``): codes of row n0 from
-        byte ``cb`` of ``c`` (rows ``half`` bytes apart), xq from ``xb``; ``sf`` the four rows' (s, z) per group as
-        float32 [4, ng, 2]; ``corr`` the int32 [ng, 8] vectors added to each group's sums (``-8·Σ xq`` in lane 0)
+        byte ``cb`` of ``c`` (rows ``half`` bytes apart), xq from ``xb``; the four rows' (s, z) per group from
+        element ``sb`` of ``sz`` (the scales' bytes as int16) stored as ``kind`` (0 float32, 1 bf16, 2 fp16: the
+        group loop is emitted once per kind, chosen once); ``corr`` the int32 [ng, 8] vectors added to each group's sums (``-8·Σ xq`` in lane 0)
         from ``cob``; ``xs`` the float group sums of x from ``xsb``; ``a`` x's scale. Per group: each block's 32 xq
         loaded once for the four rows; each row's int32 sums converted once and accumulated with its scale in its
         own float32 vector (four independent chains), its zero term in its own float; summed across at the end."""
         def codegen(context, builder, sig, args):
-            c_v, cb_v, half_v, x_v, xb_v, sf_v, corr_v, cob_v, xs_v, xsb_v, a_v, ng_v, nb_v, out_v, ob_v = args
+            c_v, cb_v, half_v, x_v, xb_v, sz_v, sb_v, kind_v, corr_v, cob_v, xs_v, xsb_v, a_v, ng_v, nb_v, out_v, ob_v = args
             cbase = ptr(context, builder, sig.args[0], c_v, cb_v)
             xbase = ptr(context, builder, sig.args[3], x_v, xb_v)
-            sfp = context.make_array(sig.args[5])(context, builder, sf_v).data
-            cop = builder.bitcast(ptr(context, builder, sig.args[6], corr_v, cob_v), v8i32.as_pointer())
-            xsp = ptr(context, builder, sig.args[8], xs_v, xsb_v)
-            outp = ptr(context, builder, sig.args[13], out_v, ob_v)
+            s16 = context.make_array(sig.args[5])(context, builder, sz_v).data
+            sb = wide(builder, sb_v)
+            cop = builder.bitcast(ptr(context, builder, sig.args[8], corr_v, cob_v), v8i32.as_pointer())
+            xsp = ptr(context, builder, sig.args[10], xs_v, xsb_v)
+            outp = ptr(context, builder, sig.args[15], out_v, ob_v)
             half, ng, nblk = wide(builder, half_v), wide(builder, ng_v), wide(builder, nb_v)
             madd_ub = fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, v32i8, v32i8)
             madd_wd = fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, v16i16, v16i16)
@@ -206,43 +217,72 @@ def _intrinsics():
             fma1 = fn(builder, "llvm.fmuladd.f32", f32, f32, f32, f32)
             prefetch = fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), i8.as_pointer(), i32, i32, i32)
             ahead = builder.mul(half, ir.Constant(i64, 4 + PREFETCH_ROWS))  # the same place of a later quad's rows
-            with cgutils.for_range(builder, ng) as gl:
-                g = gl.index
-                for acc in accs:
-                    builder.store(ir.Constant(v16i16, [0] * 16), acc)
-                for row in rows:  # weights stream from memory: fetch the rows ahead of their use
-                    pf = builder.gep(row, [builder.add(ahead, builder.mul(g, gbytes))])
-                    builder.call(prefetch, [pf, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-                with cgutils.for_range(builder, nblk) as bl:
-                    b = bl.index
-                    xp = builder.gep(xbase, [builder.add(builder.mul(g, gcodes), builder.mul(b, ir.Constant(i64, 32)))])
-                    xv = builder.load(builder.bitcast(xp, v32i8.as_pointer()), align=1)
-                    at = builder.add(builder.mul(g, gbytes), builder.mul(b, ir.Constant(i64, 16)))
-                    for row, acc in zip(rows, accs):
-                        v = builder.load(builder.bitcast(builder.gep(row, [at]), v16i8.as_pointer()), align=1)
-                        w = builder.and_(builder.shuffle_vector(v, builder.lshr(v, four), order), low)
-                        builder.store(builder.add(builder.load(acc), builder.call(madd_ub, [w, xv])), acc)
-                cv = builder.load(builder.gep(cop, [g]), align=4)
-                xsg = builder.load(builder.gep(xsp, [g]))
-                for r in range(4):
-                    si = builder.add(builder.mul(builder.add(builder.mul(ir.Constant(i64, r), ng), g),
-                                                 ir.Constant(i64, 2)), ir.Constant(i64, 0))
-                    sc = builder.load(builder.gep(sfp, [si]))
-                    zc = builder.load(builder.gep(sfp, [builder.add(si, ir.Constant(i64, 1))]))
-                    p32 = builder.add(builder.call(madd_wd, [builder.load(accs[r]), ir.Constant(v16i16, [1] * 16)]), cv)
-                    splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8f32, None), sc,
-                                                                          ir.Constant(i32, 0)),
-                                                   ir.Constant(v8f32, None), ir.Constant(v8i32, [0] * 8))
-                    builder.store(builder.call(fma8, [builder.sitofp(p32, v8f32), splat, builder.load(faccs[r])]),
-                                  faccs[r])
-                    builder.store(builder.call(fma1, [zc, xsg, builder.load(zaccs[r])]), zaccs[r])
+            def group_loop(kind):
+                with cgutils.for_range(builder, ng) as gl:
+                    g = gl.index
+                    for acc in accs:
+                        builder.store(ir.Constant(v16i16, [0] * 16), acc)
+                    for row in rows:  # weights stream from memory: fetch the rows ahead of their use
+                        pf = builder.gep(row, [builder.add(ahead, builder.mul(g, gbytes))])
+                        builder.call(prefetch, [pf, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                    pairs = builder.icmp_signed("==", builder.and_(nblk, ir.Constant(i64, 1)), ir.Constant(i64, 0))
+                    with builder.if_else(pairs) as (two, one):
+                        with two:  # blocks two at a time: one 32-byte load a row (xq in the pair order: _quantise)
+                            with cgutils.for_range(builder, builder.lshr(nblk, ir.Constant(i64, 1))) as bl:
+                                b = bl.index
+                                xp = builder.gep(xbase, [builder.add(builder.mul(g, gcodes),
+                                                                     builder.mul(b, ir.Constant(i64, 64)))])
+                                x_lo = builder.load(builder.bitcast(xp, v32i8.as_pointer()), align=1)
+                                x_hi = builder.load(builder.bitcast(builder.gep(xp, [ir.Constant(i64, 32)]),
+                                                                    v32i8.as_pointer()), align=1)
+                                at = builder.add(builder.mul(g, gbytes), builder.mul(b, ir.Constant(i64, 32)))
+                                for row, acc in zip(rows, accs):
+                                    v = builder.load(builder.bitcast(builder.gep(row, [at]), v32i8.as_pointer()), align=1)
+                                    lo = builder.and_(v, low)
+                                    hi = builder.and_(builder.lshr(v, ir.Constant(v32i8, [4] * 32)), low)
+                                    both = builder.add(builder.call(madd_ub, [lo, x_lo]), builder.call(madd_ub, [hi, x_hi]))
+                                    builder.store(builder.add(builder.load(acc), both), acc)
+                        with one:  # one block at a time: codes j and j + 16 of a 16-byte load
+                            with cgutils.for_range(builder, nblk) as bl:
+                                b = bl.index
+                                xp = builder.gep(xbase, [builder.add(builder.mul(g, gcodes),
+                                                                     builder.mul(b, ir.Constant(i64, 32)))])
+                                xv = builder.load(builder.bitcast(xp, v32i8.as_pointer()), align=1)
+                                at = builder.add(builder.mul(g, gbytes), builder.mul(b, ir.Constant(i64, 16)))
+                                for row, acc in zip(rows, accs):
+                                    v = builder.load(builder.bitcast(builder.gep(row, [at]), v16i8.as_pointer()), align=1)
+                                    w = builder.and_(builder.shuffle_vector(v, builder.lshr(v, four), order), low)
+                                    builder.store(builder.add(builder.load(acc), builder.call(madd_ub, [w, xv])), acc)
+                    cv = builder.load(builder.gep(cop, [g]), align=4)
+                    xsg = builder.load(builder.gep(xsp, [g]))
+                    for r in range(4):
+                        si = builder.add(sb, builder.mul(builder.add(builder.mul(ir.Constant(i64, r), ng), g),
+                                                         ir.Constant(i64, 2)))
+                        sc, zc = (scale_at(builder, s16, builder.add(si, ir.Constant(i64, j)), kind) for j in (0, 1))
+                        p32 = builder.add(builder.call(madd_wd, [builder.load(accs[r]), ir.Constant(v16i16, [1] * 16)]), cv)
+                        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8f32, None), sc,
+                                                                              ir.Constant(i32, 0)),
+                                                       ir.Constant(v8f32, None), ir.Constant(v8i32, [0] * 8))
+                        builder.store(builder.call(fma8, [builder.sitofp(p32, v8f32), splat, builder.load(faccs[r])]),
+                                      faccs[r])
+                        builder.store(builder.call(fma1, [zc, xsg, builder.load(zaccs[r])]), zaccs[r])
+
+            kinds = builder.switch(kind_v, builder.append_basic_block("kind_end"))
+            after = kinds.default
+            for k in (0, 1, 2):
+                blk = builder.append_basic_block(f"kind{k}")
+                kinds.add_case(ir.Constant(kind_v.type, k), blk)
+                builder.position_at_end(blk)
+                group_loop(k)
+                builder.branch(after)
+            builder.position_at_end(after)
             red = fn(builder, "llvm.vector.reduce.fadd.v8f32", f32, f32, v8f32)
             for r in range(4):
                 tot = builder.call(red, [ir.Constant(f32, 0.0), builder.load(faccs[r])])
                 builder.store(builder.fadd(builder.fmul(a_v, tot), builder.load(zaccs[r])),
                               builder.gep(outp, [ir.Constant(i64, r)]))
             return context.get_dummy_value()
-        return types.none(c, cb, half, xq, xb, sf, corr, cob, xs, xsb, a, ng, nblk, out, ob), codegen
+        return types.none(c, cb, half, xq, xb, sz, sb, kind, corr, cob, xs, xsb, a, ng, nblk, out, ob), codegen
 
     @intrinsic
     def cvt16(typingctx, v, kind):
@@ -281,9 +321,10 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
     _dot_avx2, _rows4_avx2, _cvt16, _scale_f32, _dot_plain = _intrinsics()
 
     @njit(inline="always")
-    def _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale):
+    def _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, pairs):
         """Each row of x to int8 (module docstring): xq [M·k_pad] (zeros past k_in), Σ xq and Σ x per group, the
-        row's scale a."""
+        row's scale a. ``pairs``: xq in the order of rows4_avx2's two-block loads (in each 64 codes the middle two
+        quarters swapped: a 32-byte load of two blocks gives their codes j in its low nibbles, j + 16 in its high)."""
         ng = k_pad // group
         for m in range(m_rows):
             big = np.float32(0.0)
@@ -300,7 +341,9 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
                     v = x[m * k_in + k]
                     r = min(127, max(-127, np.int32(np.rint(np.float32(v / a)))))
                     xs[m * ng + k // group] += v
-                xq[m * k_pad + k] = r
+                i = k & 63
+                at = k + (16 if pairs and i >= 16 and i < 32 else -16 if pairs and i >= 32 and i < 48 else 0)
+                xq[m * k_pad + at] = r
                 sxq[m * ng + k // group] += r
 
     @njit(inline="always")
@@ -323,37 +366,25 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
 
     # the two paths' kernels (module-level functions, so numba caches them): the AVX2 one on row_avx2, the plain
     # one on dot_plain
-    @njit(inline="always")
-    def _row_scales(sz16, sz32, kind, at, count, sf):
-        """``count`` stored scales from ``at`` as float32 into ``sf`` (the kind's branch outside the loop)."""
-        if kind == 0:
-            for j in range(count):
-                sf[j] = sz32[at + j]
-        else:
-            for j in range(count):
-                sf[j] = _cvt16(sz16[at + j], kind)
-
     def _kernel_avx2(xp, m_rows, k_in, cp, szp, szf, kind, n_rows, k_pad, group, yp, qp, sp, fp):
         """y [M, n_rows] (n_rows a multiple of 4: rows of four at a time on rows4_avx2)."""
         n4 = n_rows
         x, codes, sz16, sz32, y, xq, sxq, xs, scale = _arrays(xp, m_rows, k_in, cp, szp, szf, n4, k_pad, group,
                                                               yp, qp, sp, fp)
-        _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale)
+        _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, group % 64 == 0)
         ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
         corr = np.zeros(m_rows * ng * 8, dtype=np.int32)
         for j in range(m_rows * ng):
             corr[8 * j] = -8 * sxq[j]
-        sf = np.empty(4 * ng * 2, dtype=np.float32)
         for n0 in range(0, n4, 4):
-            _row_scales(sz16, sz32, kind, n0 * ng * 2, 4 * ng * 2, sf)
             for m in range(m_rows):
-                _rows4_avx2(codes, n0 * half, half, xq, m * k_pad, sf, corr, m * ng * 8, xs, m * ng, scale[m], ng,
-                            nblk, y, m * n4 + n0)
+                _rows4_avx2(codes, n0 * half, half, xq, m * k_pad, sz16, n0 * ng * 2, kind, corr, m * ng * 8, xs,
+                            m * ng, scale[m], ng, nblk, y, m * n4 + n0)
 
     def _kernel_plain(xp, m_rows, k_in, cp, szp, szf, kind, n_rows, k_pad, group, yp, qp, sp, fp):
         x, codes, sz16, sz32, y, xq, sxq, xs, scale = _arrays(xp, m_rows, k_in, cp, szp, szf, n_rows, k_pad, group,
                                                               yp, qp, sp, fp)
-        _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale)
+        _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, False)
         ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
         for n in range(n_rows):
             for m in range(m_rows):
