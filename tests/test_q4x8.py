@@ -198,11 +198,14 @@ def test_an_offloaded_model_decodes_on_q4x8_close_to_int4pack(tiny_olmoe, tmp_pa
     monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(2))
     out, files = {}, {}
+    warmed = []
+    monkeypatch.setattr(q4x8, "warm", lambda: warmed.append(True))  # compiled before the plan (preflight)
     for kernel in ("int4pack", "q4x8"):
         monkeypatch.setenv(EXPERT_KERNEL_VAR, kernel)
         rt = OffloadedModel.from_pretrained(tiny_olmoe, OffloadConfig(quant="int4", io="cached", readers=0,
                                                                       capacity=2), dtype=torch.float32)
         assert (rt.source.quant.kernel == "q4x8") == (kernel == "q4x8")
+        assert len(warmed) == (kernel == "q4x8")
         files[kernel] = rt.source.path
         out[kernel] = [decode_logits(rt, ids, prefill=3)]
         rt.configure(capacity=rt.num_experts)

@@ -44,7 +44,7 @@ import torch
 
 from expertcache import compiled
 
-__all__ = ["KERNEL", "BLOCK", "available", "use_avx2", "pack_codes", "unpack_codes", "q4x8_mm", "int_dots"]
+__all__ = ["KERNEL", "BLOCK", "PREFETCH_ROWS", "available", "use_avx2", "warm", "pack_codes", "unpack_codes", "q4x8_mm", "int_dots"]
 
 #: the layout's (and the expert kernel's) name
 KERNEL = "q4x8"
@@ -446,6 +446,12 @@ def _scratch(m: int, k_pad: int, ng: int) -> tuple[torch.Tensor, torch.Tensor, t
                                                                                        torch.float32)))
         _SCRATCH.bufs = got
     return got
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) the kernel of this CPU's path now (``preflight.compile_kernels``: before
+    the memory plan measures the process), not at the first product."""
+    _kernel(use_avx2())
 
 
 def _check(x_MK, weight, scales, group, n):
