@@ -395,7 +395,7 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
                     main += _scale_f32(sz16, sz32, (n * ng + g) * 2, kind) * np.float32(d)
                 y[m * n_rows + n] = scale[m] * (main + off) + zero
 
-    @njit(cache=True)
+    @compiled.jit
     def _dots_avx2(codes, xq, n_rows, m_rows, k_pad, group, out):
         ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
         for m in range(m_rows):
@@ -404,7 +404,7 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
                     out[(m * n_rows + n) * ng + g] = _dot_avx2(codes, n * half + g * (group // 2), xq,
                                                                m * k_pad + g * group, nblk)
 
-    @njit(cache=True)
+    @compiled.jit
     def _dots_plain(codes, xq, n_rows, m_rows, k_pad, group, out):
         ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
         for m in range(m_rows):
@@ -425,7 +425,11 @@ def _kernel(avx2: bool):
         sig = types.void(p(types.float32), types.int64, types.int64, p(types.uint8), p(types.int16),
                          p(types.float32), types.int64, types.int64, types.int64, types.int64, p(types.float32),
                          p(types.int8), p(types.int32), p(types.float32))
-        cf = cfunc(sig, nopython=True, cache=True)(_kernel_avx2 if avx2 else _kernel_plain)
+        body = _kernel_avx2 if avx2 else _kernel_plain
+        try:
+            cf = cfunc(sig, nopython=True, cache=True)(body)
+        except RuntimeError:  # no writable cache location (a read-only install, no user cache dir): per process
+            cf = cfunc(sig, nopython=True)(body)
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         proto = ctypes.CFUNCTYPE(None, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr)
         got = _CFUNCS.setdefault(avx2, (cf, proto(cf.address)))  # the cfunc kept alive beside its pointer
