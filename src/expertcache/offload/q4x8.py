@@ -303,6 +303,28 @@ def _intrinsics():
                               args[3])
         return types.float32(sz16, sz32, at, kind), codegen
 
+    @intrinsic
+    def store_f32(typingctx, y16, y32, at, val, kind):
+        """Store float32 ``val`` at ``at`` as ``kind``: float32 into ``y32``, bf16 (round to nearest even, as torch
+        converts) or fp16 into ``y16``; only the kind's array is written."""
+        def codegen(context, builder, sig, args):
+            p16 = context.make_array(sig.args[0])(context, builder, args[0]).data
+            p32 = context.make_array(sig.args[1])(context, builder, args[1]).data
+            at, val, kind = wide(builder, args[2]), args[3], args[4]
+            with builder.if_else(builder.icmp_signed("==", kind, ir.Constant(kind.type, 0))) as (as32, as16):
+                with as32:
+                    builder.store(val, builder.gep(p32, [at]))
+                with as16:
+                    bits = builder.bitcast(val, i32)
+                    odd = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+                    rounded = builder.add(bits, builder.add(ir.Constant(i32, 0x7FFF), odd))
+                    bf = builder.trunc(builder.lshr(rounded, ir.Constant(i32, 16)), i16)
+                    hf = builder.bitcast(builder.fptrunc(val, ir.HalfType()), i16)
+                    one = builder.icmp_signed("==", kind, ir.Constant(kind.type, 1))
+                    builder.store(builder.select(one, bf, hf), builder.gep(p16, [at]))
+            return context.get_dummy_value()
+        return types.none(y16, y32, at, val, kind), codegen
+
     @numba.njit(inline="always")
     def dot_plain(c, cb, xq, xb, nblk):
         d = np.int32(0)
@@ -312,24 +334,24 @@ def _intrinsics():
                 d += (byte & 15) * np.int32(xq[xb + 32 * b + j]) + (byte >> 4) * np.int32(xq[xb + 32 * b + 16 + j])
         return d
 
-    return dot_avx2, rows4_avx2, cvt16, scale_f32, dot_plain
+    return dot_avx2, rows4_avx2, cvt16, scale_f32, store_f32, dot_plain
 
 
 if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels compile on first use)
     from numba import carray, njit
 
-    _dot_avx2, _rows4_avx2, _cvt16, _scale_f32, _dot_plain = _intrinsics()
+    _dot_avx2, _rows4_avx2, _cvt16, _scale_f32, _store_f32, _dot_plain = _intrinsics()
 
     @njit(inline="always")
-    def _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, pairs):
+    def _quantise(x16, x32, xkind, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, pairs):
         """Each row of x to int8 (module docstring): xq [M·k_pad] (zeros past k_in), Σ xq and Σ x per group, the
-        row's scale a. ``pairs``: xq in the order of rows4_avx2's two-block loads (in each 64 codes the middle two
+        row's scale a; x stored as ``xkind`` (``x16``/``x32``: its bytes as int16 / float32, :func:`scale_f32`). ``pairs``: xq in the order of rows4_avx2's two-block loads (in each 64 codes the middle two
         quarters swapped: a 32-byte load of two blocks gives their codes j in its low nibbles, j + 16 in its high)."""
         ng = k_pad // group
         for m in range(m_rows):
             big = np.float32(0.0)
             for k in range(k_in):
-                big = max(big, abs(x[m * k_in + k]))
+                big = max(big, abs(_scale_f32(x16, x32, m * k_in + k, xkind)))
             a = np.float32(big / np.float32(127.0)) if big > 0 else np.float32(1.0)
             scale[m] = a
             for g in range(ng):
@@ -338,7 +360,7 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
             for k in range(k_pad):
                 r = np.int32(0)
                 if k < k_in:
-                    v = x[m * k_in + k]
+                    v = _scale_f32(x16, x32, m * k_in + k, xkind)
                     r = min(127, max(-127, np.int32(np.rint(np.float32(v / a)))))
                     xs[m * ng + k // group] += v
                 i = k & 63
@@ -347,15 +369,16 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
                 sxq[m * ng + k // group] += r
 
     @njit(inline="always")
-    def _arrays(xp, m_rows, k_in, cp, szp, szf, n_rows, k_pad, group, yp, qp, sp, fp):
+    def _arrays(xp, xf, m_rows, k_in, cp, szp, szf, n_rows, k_pad, group, yp, yf, qp, sp, fp):
         ng = k_pad // group
         f = carray(fp, m_rows * (ng + 1))
-        return (carray(xp, m_rows * k_in), carray(cp, n_rows * k_pad // 2), carray(szp, n_rows * ng * 2),
-                carray(szf, n_rows * ng * 2), carray(yp, m_rows * n_rows), carray(qp, m_rows * k_pad),
-                carray(sp, m_rows * ng), f[:m_rows * ng], f[m_rows * ng:])
+        return (carray(xp, m_rows * k_in), carray(xf, m_rows * k_in), carray(cp, n_rows * k_pad // 2),
+                carray(szp, n_rows * ng * 2), carray(szf, n_rows * ng * 2), carray(yp, m_rows * n_rows),
+                carray(yf, m_rows * n_rows), carray(qp, m_rows * k_pad), carray(sp, m_rows * ng), f[:m_rows * ng],
+                f[m_rows * ng:])
 
     @njit(inline="always")
-    def _offsets(x, sz16, sz32, kind, n, m, sxq, xs, ng):
+    def _offsets(sz16, sz32, kind, n, m, sxq, xs, ng):
         """Σ_g s_g·(-8·Σ xq) and Σ_g z_g·Σ x of output (m, n): the code offset and the zero terms."""
         off, zero = np.float32(0.0), np.float32(0.0)
         for g in range(ng):
@@ -366,12 +389,14 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
 
     # the two paths' kernels (module-level functions, so numba caches them): the AVX2 one on row_avx2, the plain
     # one on dot_plain
-    def _kernel_avx2(xp, m_rows, k_in, cp, szp, szf, kind, n_rows, k_pad, group, yp, qp, sp, fp):
+    def _kernel_avx2(xp, xf, xkind, m_rows, k_in, cp, szp, szf, kind, n_rows, k_pad, group, yp, yf, ykind, qp, sp,
+                     fp):
         """y [M, n_rows] (n_rows a multiple of 4: rows of four at a time on rows4_avx2)."""
         n4 = n_rows
-        x, codes, sz16, sz32, y, xq, sxq, xs, scale = _arrays(xp, m_rows, k_in, cp, szp, szf, n4, k_pad, group,
-                                                              yp, qp, sp, fp)
-        _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, group % 64 == 0)
+        x16, x32, codes, sz16, sz32, y16, y32, xq, sxq, xs, scale = _arrays(xp, xf, m_rows, k_in, cp, szp, szf, n4,
+                                                                            k_pad, group, yp, yf, qp, sp, fp)
+        _quantise(x16, x32, xkind, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, group % 64 == 0)
+        four = np.empty(4, dtype=np.float32)
         ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
         corr = np.zeros(m_rows * ng * 8, dtype=np.int32)
         for j in range(m_rows * ng):
@@ -379,21 +404,24 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
         for n0 in range(0, n4, 4):
             for m in range(m_rows):
                 _rows4_avx2(codes, n0 * half, half, xq, m * k_pad, sz16, n0 * ng * 2, kind, corr, m * ng * 8, xs,
-                            m * ng, scale[m], ng, nblk, y, m * n4 + n0)
+                            m * ng, scale[m], ng, nblk, four, 0)
+                for r in range(4):
+                    _store_f32(y16, y32, m * n4 + n0 + r, four[r], ykind)
 
-    def _kernel_plain(xp, m_rows, k_in, cp, szp, szf, kind, n_rows, k_pad, group, yp, qp, sp, fp):
-        x, codes, sz16, sz32, y, xq, sxq, xs, scale = _arrays(xp, m_rows, k_in, cp, szp, szf, n_rows, k_pad, group,
-                                                              yp, qp, sp, fp)
-        _quantise(x, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, False)
+    def _kernel_plain(xp, xf, xkind, m_rows, k_in, cp, szp, szf, kind, n_rows, k_pad, group, yp, yf, ykind, qp, sp,
+                      fp):
+        x16, x32, codes, sz16, sz32, y16, y32, xq, sxq, xs, scale = _arrays(xp, xf, m_rows, k_in, cp, szp, szf,
+                                                                            n_rows, k_pad, group, yp, yf, qp, sp, fp)
+        _quantise(x16, x32, xkind, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, False)
         ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
         for n in range(n_rows):
             for m in range(m_rows):
-                off, zero = _offsets(x, sz16, sz32, kind, n, m, sxq, xs, ng)
+                off, zero = _offsets(sz16, sz32, kind, n, m, sxq, xs, ng)
                 main = np.float32(0.0)
                 for g in range(ng):
                     d = _dot_plain(codes, n * half + g * (group // 2), xq, m * k_pad + g * group, nblk)
                     main += _scale_f32(sz16, sz32, (n * ng + g) * 2, kind) * np.float32(d)
-                y[m * n_rows + n] = scale[m] * (main + off) + zero
+                _store_f32(y16, y32, m * n_rows + n, scale[m] * (main + off) + zero, ykind)
 
     @compiled.jit
     def _dots_avx2(codes, xq, n_rows, m_rows, k_pad, group, out):
@@ -422,16 +450,17 @@ def _kernel(avx2: bool):
         from numba import cfunc, types
 
         p = types.CPointer
-        sig = types.void(p(types.float32), types.int64, types.int64, p(types.uint8), p(types.int16),
-                         p(types.float32), types.int64, types.int64, types.int64, types.int64, p(types.float32),
-                         p(types.int8), p(types.int32), p(types.float32))
+        i64, f32, i16 = types.int64, types.float32, types.int16
+        sig = types.void(p(i16), p(f32), i64, i64, i64, p(types.uint8), p(i16), p(f32), i64, i64, i64, i64, p(i16),
+                         p(f32), i64, p(types.int8), p(types.int32), p(f32))
         body = _kernel_avx2 if avx2 else _kernel_plain
         try:
             cf = cfunc(sig, nopython=True, cache=True)(body)
         except RuntimeError:  # no writable cache location (a read-only install, no user cache dir): per process
             cf = cfunc(sig, nopython=True)(body)
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        proto = ctypes.CFUNCTYPE(None, ptr, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr)
+        proto = ctypes.CFUNCTYPE(None, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr,
+                                 ptr, ptr)
         got = _CFUNCS.setdefault(avx2, (cf, proto(cf.address)))  # the cfunc kept alive beside its pointer
     return got[1]
 
@@ -480,15 +509,19 @@ def q4x8_mm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grou
     padding rows left out). ``avx2``: force the AVX2 path (True) or the plain one (False); default :func:`use_avx2`."""
     n = weight.shape[0] if n is None else n
     m, k_in, k_pad = _check(x_MK, weight, scales, group, n)
-    x = x_MK.detach().to(torch.float32).contiguous()
+    x = x_MK.detach()
+    if x.dtype not in _KIND:
+        x = x.float()
+    x = x.contiguous()
     n4 = -(-n // 4) * 4  # rows of four (the weight's rows are a multiple of 4)
-    y = torch.empty(m, n4, dtype=torch.float32)
+    y = torch.empty(m, n4, dtype=x.dtype)  # written in x's dtype by the kernel (float32 sums, rounded once)
     xq, sxq, xs = _scratch(m, k_pad, k_pad // group)
-    p = scales.data_ptr()
-    _kernel(use_avx2() if avx2 is None else avx2)(x.data_ptr(), m, k_in, weight.data_ptr(), p, p, _KIND[scales.dtype],
-                                                  n4, k_pad, group, y.data_ptr(), xq.data_ptr(), sxq.data_ptr(),
-                                                  xs.data_ptr())
-    return (y if n4 == n else y[:, :n]).to(x_MK.dtype)
+    p, px, py = scales.data_ptr(), x.data_ptr(), y.data_ptr()
+    _kernel(use_avx2() if avx2 is None else avx2)(px, px, _KIND[x.dtype], m, k_in, weight.data_ptr(), p, p,
+                                                  _KIND[scales.dtype], n4, k_pad, group, py, py, _KIND[x.dtype],
+                                                  xq.data_ptr(), sxq.data_ptr(), xs.data_ptr())
+    y = y if n4 == n else y[:, :n].contiguous()
+    return y if y.dtype == x_MK.dtype else y.to(x_MK.dtype)
 
 
 def int_dots(x_MK: torch.Tensor, weight: torch.Tensor, group: int, *, avx2: bool) -> torch.Tensor:
