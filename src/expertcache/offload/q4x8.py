@@ -217,9 +217,10 @@ def _intrinsics():
             fma1 = fn(builder, "llvm.fmuladd.f32", f32, f32, f32, f32)
             prefetch = fn(builder, "llvm.prefetch.p0i8", ir.VoidType(), i8.as_pointer(), i32, i32, i32)
             ahead = builder.mul(half, ir.Constant(i64, 4 + PREFETCH_ROWS))  # the same place of a later quad's rows
-            def group_loop(kind):
-                with cgutils.for_range(builder, ng) as gl:
-                    g = gl.index
+            def group_loop(kind, first, count):
+                """Groups [first, first + count), one at a time (G >= 64: blocks two at a time)."""
+                with cgutils.for_range(builder, count) as gl:
+                    g = builder.add(first, gl.index)
                     for acc in accs:
                         builder.store(ir.Constant(v16i16, [0] * 16), acc)
                     for row in rows:  # weights stream from memory: fetch the rows ahead of their use
@@ -267,13 +268,59 @@ def _intrinsics():
                                       faccs[r])
                         builder.store(builder.call(fma1, [zc, xsg, builder.load(zaccs[r])]), zaccs[r])
 
+            def pair_loop(kind):
+                """G = 32: groups two at a time, one 32-byte load a row (xq in the pair order): each 128-bit half
+                of the sums is one group's, scaled by its own scale (a vector of two scales)."""
+                two = ir.Constant(i64, 2)
+                with cgutils.for_range(builder, builder.lshr(ng, ir.Constant(i64, 1))) as gl:
+                    g = builder.mul(gl.index, two)
+                    at = builder.mul(g, ir.Constant(i64, 16))
+                    for row in rows:
+                        pf = builder.gep(row, [builder.add(ahead, at)])
+                        builder.call(prefetch, [pf, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                    xp = builder.gep(xbase, [builder.mul(g, ir.Constant(i64, 32))])
+                    x_lo = builder.load(builder.bitcast(xp, v32i8.as_pointer()), align=1)
+                    x_hi = builder.load(builder.bitcast(builder.gep(xp, [ir.Constant(i64, 32)]), v32i8.as_pointer()),
+                                        align=1)
+                    cv = builder.shuffle_vector(builder.load(builder.gep(cop, [g]), align=4),
+                                                builder.load(builder.gep(cop, [builder.add(g, ir.Constant(i64, 1))]),
+                                                             align=4),
+                                                ir.Constant(v8i32, [0, 1, 2, 3, 8, 9, 10, 11]))
+                    xs0 = builder.load(builder.gep(xsp, [g]))
+                    xs1 = builder.load(builder.gep(xsp, [builder.add(g, ir.Constant(i64, 1))]))
+                    v2f32 = ir.VectorType(f32, 2)
+                    for r, row in enumerate(rows):
+                        v = builder.load(builder.bitcast(builder.gep(row, [at]), v32i8.as_pointer()), align=1)
+                        lo = builder.and_(v, low)
+                        hi = builder.and_(builder.lshr(v, ir.Constant(v32i8, [4] * 32)), low)
+                        both = builder.add(builder.call(madd_ub, [lo, x_lo]), builder.call(madd_ub, [hi, x_hi]))
+                        p32 = builder.add(builder.call(madd_wd, [both, ir.Constant(v16i16, [1] * 16)]), cv)
+                        si = builder.add(sb, builder.mul(builder.add(builder.mul(ir.Constant(i64, r), ng), g), two))
+                        s0, z0, s1, z1 = (scale_at(builder, s16, builder.add(si, ir.Constant(i64, j)), kind)
+                                          for j in range(4))
+                        sv = builder.insert_element(builder.insert_element(ir.Constant(v2f32, None), s0,
+                                                                           ir.Constant(i32, 0)), s1, ir.Constant(i32, 1))
+                        sv = builder.shuffle_vector(sv, ir.Constant(v2f32, None),
+                                                    ir.Constant(v8i32, [0, 0, 0, 0, 1, 1, 1, 1]))
+                        builder.store(builder.call(fma8, [builder.sitofp(p32, v8f32), sv, builder.load(faccs[r])]),
+                                      faccs[r])
+                        z = builder.call(fma1, [z0, xs0, builder.load(zaccs[r])])
+                        builder.store(builder.call(fma1, [z1, xs1, z]), zaccs[r])
+
+            g32 = builder.icmp_signed("==", nblk, ir.Constant(i64, 1))
+            odd = builder.and_(ng, ir.Constant(i64, 1))
             kinds = builder.switch(kind_v, builder.append_basic_block("kind_end"))
             after = kinds.default
             for k in (0, 1, 2):
                 blk = builder.append_basic_block(f"kind{k}")
                 kinds.add_case(ir.Constant(kind_v.type, k), blk)
                 builder.position_at_end(blk)
-                group_loop(k)
+                with builder.if_else(g32) as (by_pairs, by_groups):
+                    with by_pairs:  # pairs of groups, then the last group alone where their count is odd
+                        pair_loop(k)
+                        group_loop(k, builder.sub(ng, odd), odd)
+                    with by_groups:
+                        group_loop(k, ir.Constant(i64, 0), ng)
                 builder.branch(after)
             builder.position_at_end(after)
             red = fn(builder, "llvm.vector.reduce.fadd.v8f32", f32, f32, v8f32)
@@ -345,7 +392,7 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
     @njit(inline="always")
     def _quantise(x16, x32, xkind, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, pairs):
         """Each row of x to int8 (module docstring): xq [M·k_pad] (zeros past k_in), Σ xq and Σ x per group, the
-        row's scale a; x stored as ``xkind`` (``x16``/``x32``: its bytes as int16 / float32, :func:`scale_f32`). ``pairs``: xq in the order of rows4_avx2's two-block loads (in each 64 codes the middle two
+        row's scale a; x stored as ``xkind`` (``x16``/``x32``: its bytes as int16 / float32, :func:`scale_f32`). ``pairs``: xq in the order of rows4_avx2's two-block loads (in each whole 64 codes the middle two
         quarters swapped: a 32-byte load of two blocks gives their codes j in its low nibbles, j + 16 in its high)."""
         ng = k_pad // group
         for m in range(m_rows):
@@ -364,7 +411,9 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
                     r = min(127, max(-127, np.int32(np.rint(np.float32(v / a)))))
                     xs[m * ng + k // group] += v
                 i = k & 63
-                at = k + (16 if pairs and i >= 16 and i < 32 else -16 if pairs and i >= 32 and i < 48 else 0)
+                at = k
+                if pairs and k < k_pad - k_pad % 64:  # whole 64-code chunks only (a last 32 stay in order)
+                    at = k + (16 if i >= 16 and i < 32 else -16 if i >= 32 and i < 48 else 0)
                 xq[m * k_pad + at] = r
                 sxq[m * ng + k // group] += r
 
@@ -395,7 +444,7 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
         n4 = n_rows
         x16, x32, codes, sz16, sz32, y16, y32, xq, sxq, xs, scale = _arrays(xp, xf, m_rows, k_in, cp, szp, szf, n4,
                                                                             k_pad, group, yp, yf, qp, sp, fp)
-        _quantise(x16, x32, xkind, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, group % 64 == 0)
+        _quantise(x16, x32, xkind, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, True)
         four = np.empty(4, dtype=np.float32)
         ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
         corr = np.zeros(m_rows * ng * 8, dtype=np.int32)
