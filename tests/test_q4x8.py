@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from expertcache.offload import q4x8
-from expertcache.offload.quant import (EXPERT_KERNEL_VAR, QuantLayout, QuantMatrix, choose_expert_kernel, pack_expert,
-                                       pack_matrix, qmm, quant_mlp, quantize_codes)
+from expertcache.offload.quant import (EXPERT_KERNEL_VAR, QuantLayout, QuantMatrix, choose_expert_kernel, int4pack_codes,
+                                       pack_expert, pack_matrix, qmm, quant_mlp, quantize_codes)
 
 needs_numba = pytest.mark.skipif(not q4x8.available(), reason="q4x8 needs numba")
 needs_avx2 = pytest.mark.skipif(not q4x8.use_avx2(), reason="the intrinsic path needs an AVX2 CPU")
@@ -60,6 +60,7 @@ def test_packing_round_trip_gives_the_codes_back(n, k, group):
     assert weight.shape == (qm.n_pad, qm.k_pad // 2) and weight.dtype == torch.uint8
     assert scales.shape == (qm.n_pad, qm.k_pad // group, 2)
     assert torch.equal(q4x8.unpack_codes(weight).int(), q)
+    assert torch.equal(int4pack_codes(weight, qm).int(), q)  # what fbexperts.dequantize reads, for either layout
     assert torch.equal(scales[..., 0].double(), s) and torch.equal(scales[..., 1].double(), z)
     # the layout: byte j of each 32-code block holds code j (low nibble) and code j + 16 (high)
     assert torch.equal(weight[:, 3] & 15, q[:, 3].to(torch.uint8)) and torch.equal(weight[:, 3] >> 4,
@@ -217,3 +218,18 @@ def test_an_offloaded_model_decodes_on_q4x8_close_to_int4pack(tiny_olmoe, tmp_pa
         rel = ((a - b).norm() / b.norm()).item()
         assert rel < 0.02, rel
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+
+
+@needs_numba
+def test_shapes_the_kernel_cannot_take_are_refused():
+    _, qm, weight, scales, *_ = _matrix(32, 128, 32)
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match="do not fit"):
+        q4x8.q4x8_mm(torch.randn(2, 160), weight, scales, 32)  # x wider than K
+    with pytest.raises(ValueError, match="do not fit"):
+        q4x8.q4x8_mm(x, weight, scales, 64)  # scales of another group
+    with pytest.raises(ValueError, match="do not fit"):
+        q4x8.q4x8_mm(x, weight[:30], scales[:30], 32)  # rows not a multiple of 4
+    with pytest.raises(ValueError, match="contiguous"):
+        q4x8.q4x8_mm(x, weight.t().contiguous().t(), scales, 32)
+    assert q4x8.q4x8_mm(torch.randn(0, 128), weight, scales, 32).shape == (0, 32)  # no tokens: nothing

@@ -17,16 +17,25 @@ is quantised to int8, ``a = max|x| / 127``, ``xq = round(x / a)`` (half to even;
     y[m, n] = Σ_g s[n, g]·a·(Σ_{k∈g} q·xq − 8·Σ_{k∈g} xq) + Σ_g z[n, g]·Σ_{k∈g} x_k
 
 The integer dot ``Σ q·xq`` (q u8 in 0..15, xq s8) runs on AVX2's ``vpmaddubsw`` (u8 × s8, pairs summed to int16:
-at most 2·15·127 = 3810, and up to 8 blocks of a group, G ≤ 256, added in int16: 30480, no saturation) and one
-``vpmaddwd`` by ones per group (int32), summed across the vector once per group (LLVM intrinsics through
-``numba.extending.intrinsic``). Where the CPU (or numba's target, ``NUMBA_CPU_NAME``) lacks AVX2, a plain numba
-loop computes the same int32 sums (:func:`use_avx2`). Float sums in float32.
+at most 2·15·127 = 3810; a group's blocks, up to 8 at G = 256, added in int16: 30480, no saturation) and one
+``vpmaddwd`` by ones per group (int32), through LLVM intrinsics (``numba.extending.intrinsic``, :func:`_intrinsics`).
+The AVX2 path (``rows4_avx2``) computes four output rows at a time: each 32-byte load of x is shared by the four
+rows; two blocks of codes come from one 32-byte load (low nibbles: codes j of both, high: codes j + 16), x being
+stored in the matching order (in each whole 64 codes the middle two quarters swapped); each row's group sums get
+``-8·Σ xq`` added in int32, are converted to float once per group and accumulated with the group's scale in the
+row's own float32 vector (four independent FMA chains), summed across once per row; at G = 32 two groups share a
+load and a vector of their two scales. The scales are read straight from the slot in their stored dtype (the group
+loop is emitted once per dtype); the next row quad's bytes are prefetched. x is read and y written in x's dtype
+(float32 sums, rounded once). Where the CPU (or numba's target, ``NUMBA_CPU_NAME``) lacks AVX2, a plain numba loop
+computes the same int32 sums (:func:`use_avx2`). The kernels are numba ``cfunc``s called through ctypes (about
+8 µs a call from Python, against 10-15 µs through a dispatcher).
 
 **Numerical contract**: the result equals ``(a·xq) @ ((q - 8)·s).T + xs @ z.T`` (xs: the group sums of x) to
 float32 rounding; against ``x @ W.T`` with W the dequantised int4 matrix it differs only by the activation's
 rounding, at most ``a/2`` per element of x through the ``(q - 8)·s`` part of W.
 
-Compiled on first use (not at import), cached on disk like the project's other loops (:mod:`expertcache.compiled`);
+Compiled on first use (not at import; a run with int4 experts on it compiles it before its memory plan measures the
+process: ``preflight.compile_kernels``, :func:`warm`), cached on disk by numba (its own file is its only dependency);
 where numba is unavailable (or ``EXPERTCACHE_NO_NUMBA`` is set) :func:`available` is False and the experts keep
 torch's int4 kernel.
 """
