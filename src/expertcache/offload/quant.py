@@ -134,10 +134,12 @@ def choose_expert_kernel(aten_capability: str, engines, forced: str | None = Non
     """The int4 experts' product on a CPU whose ATen dispatch capability is ``aten_capability`` with the quantized
     ``engines`` torch has, ``numba`` whether the q4x8 kernel can be compiled: ``forced`` if given (one of
     :data:`EXPERT_KERNELS`, else ValueError naming :data:`EXPERT_KERNEL_VAR`); else ``int4pack`` on AVX-512 (torch's
-    int4 kernel 3.8-5.1× bf16 per matrix there, ahead of FBGEMM's int8 at 3.6-4.5×, and of q4x8) and where torch has
-    no FBGEMM (ARM); on AVX2 ``q4x8`` where numba is available (int8 activations × int4 on ``vpmaddubsw``:
-    offload/q4x8.py), ``fbgemm`` elsewhere (AVX2: the int4 kernel 0.74-0.97× bf16, FBGEMM 2.3-2.7×; BENCHMARKS.md
-    "Which 4-bit kernel on which CPU")."""
+    int4 kernel 3.8-5.1× bf16 per matrix there, ahead of FBGEMM's int8 at 3.6-4.5×; q4x8 measured 4.5× against its
+    3.8-4.0× on one thread of an AMD EPYC, but torch's kernel also uses torch's threads) and where torch has no FBGEMM
+    (ARM); on AVX2 ``q4x8`` where numba is available (int8 activations × int4 on ``vpmaddubsw``: offload/q4x8.py;
+    AVX2-capped AMD EPYC, one token, one thread, G = 64: 2.8-3.1× bf16 per matrix, FBGEMM 2.3×, the int4 kernel
+    0.8×; benchmarks/results/kernels.jsonl), ``fbgemm`` elsewhere (AVX2: the int4 kernel 0.74-0.97× bf16, FBGEMM
+    2.3-2.7×; BENCHMARKS.md "Which 4-bit kernel on which CPU")."""
     if forced:
         if forced not in EXPERT_KERNELS:
             raise ValueError(f"{EXPERT_KERNEL_VAR} must be one of {', '.join(EXPERT_KERNELS)}, got {forced!r}")
