@@ -116,9 +116,9 @@ _SCRATCH = threading.local()
 
 
 def _intrinsics():
-    """(dot_avx2, row_avx2, scale_f32, dot_plain): the per-group integer dot on AVX2, a row's Σ_g s_g·Σ q·xq on
-    AVX2, one stored scale as float32, the plain per-group dot (defined where numba is; nothing is compiled until a
-    kernel is)."""
+    """(dot_avx2, rows4_avx2, scale_f32, store_f32, dot_plain): the per-group integer dot on AVX2 (the tests'
+    check), four output rows on AVX2, a stored 16/32-bit float read as float32 and a float32 stored as one, the plain
+    per-group dot (defined where numba is; nothing is compiled until a kernel is)."""
     import numba
     from llvmlite import ir
     from numba import types
@@ -341,16 +341,6 @@ def _intrinsics():
         return types.none(c, cb, half, xq, xb, sz, sb, kind, corr, cob, xs, xsb, a, ng, nblk, out, ob), codegen
 
     @intrinsic
-    def cvt16(typingctx, v, kind):
-        """A stored 16-bit scale (int16 bits) as float32: bf16 (``kind`` 1) or fp16 (2)."""
-        def codegen(context, builder, sig, args):
-            x = builder.trunc(args[0], i16) if args[0].type != i16 else args[0]
-            bf = builder.bitcast(builder.shl(builder.zext(x, i32), ir.Constant(i32, 16)), f32)
-            hf = builder.fpext(builder.bitcast(x, ir.HalfType()), f32)
-            return builder.select(builder.icmp_signed("==", args[1], ir.Constant(args[1].type, 1)), bf, hf)
-        return types.float32(v, kind), codegen
-
-    @intrinsic
     def scale_f32(typingctx, sz16, sz32, at, kind):
         """Stored scale ``at`` (the scales' bytes as int16 and as float32 arrays) as float32 (``load_scale``)."""
         def codegen(context, builder, sig, args):
@@ -390,13 +380,13 @@ def _intrinsics():
                 d += (byte & 15) * np.int32(xq[xb + 32 * b + j]) + (byte >> 4) * np.int32(xq[xb + 32 * b + 16 + j])
         return d
 
-    return dot_avx2, rows4_avx2, cvt16, scale_f32, store_f32, dot_plain
+    return dot_avx2, rows4_avx2, scale_f32, store_f32, dot_plain
 
 
 if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels compile on first use)
     from numba import carray, njit
 
-    _dot_avx2, _rows4_avx2, _cvt16, _scale_f32, _store_f32, _dot_plain = _intrinsics()
+    _dot_avx2, _rows4_avx2, _scale_f32, _store_f32, _dot_plain = _intrinsics()
 
     @njit(inline="always")
     def _quantise(x16, x32, xkind, m_rows, k_in, k_pad, group, xq, sxq, xs, scale, pairs):
