@@ -74,8 +74,10 @@ _INNER_K_TILES = 2  # tinygemm: K % 32 == 0 (every G in KERNEL_GROUPS divides a 
 #: CPU ISA flags that choose kernels (reported in every benchmark row and the kernel-choice line)
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
              "amx_int8", "amx_bf16", "asimd", "sve", "i8mm", "bf16")
-#: what caps torch's three CPU kernel libraries at an ISA (each reads its own variable once, at start-up)
-ISA_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+#: what caps torch's three CPU kernel libraries at an ISA (each reads its own variable once, at start-up), and numba's
+#: target (the q4x8 expert kernel, offload/q4x8.py: with the CPU name alone numba keeps the host's features)
+ISA_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS", "NUMBA_CPU_NAME",
+            "NUMBA_CPU_FEATURES")
 
 
 def cpu_description() -> dict:
