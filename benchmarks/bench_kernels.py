@@ -2,7 +2,7 @@
 shapes with every CPU candidate torch (and torchao, where it installs) offers, on each ISA torch can dispatch to.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_kernels.py [--isa avx2 avx512] [--rounds 5] [--shapes ...]
-        [--compile] [--out benchmarks/results/kernels.jsonl]
+        [--kernels NAME ...] [--compile] [--out benchmarks/results/kernels.jsonl]
 
 Each ``--isa`` runs in a child process with the ISA capped in each of torch's three kernel libraries (they pick
 their kernels once, at start-up, each from its own variable): ``avx2`` sets ``ATEN_CPU_CAPABILITY=avx2`` (ATen's
@@ -27,6 +27,10 @@ Candidates (``W`` float32 N(0, 0.02), ``x`` N(0, 1)):
   scaled back;
 - ``a8w4 dyn_quant_matmul_4bit``: ``_dyn_quant_matmul_4bit`` (int8 activation × int4 symmetric groups of 32:
   KleidiAI on ARM, a reference path on x86);
+- ``q4x8 G=g``: expertcache's own int8-activation × int4 kernel (offload/q4x8.py, numba: AVX2 ``vpmaddubsw``
+  intrinsics; what the int4 experts run on AVX2 CPUs); ``--isa avx2`` also sets ``NUMBA_CPU_NAME=haswell`` and
+  ``NUMBA_CPU_FEATURES=+avx2,+fma`` so numba compiles it for AVX2 only (rows: ``numba_cpu_name``,
+  ``numba_cpu_features``, ``q4x8_path``);
 - ``inductor dequant-mm G=32`` (``--compile``): the int4 codes as bytes (two a byte), dequantised and reduced in
   one ``torch.compile``-generated C++ kernel (float32 accumulation);
 - torchao: its CPU int4 weight-only layout (``Int4WeightOnlyConfig(int4_packing_format="opaque")``) calls the
@@ -60,6 +64,18 @@ COLD_BYTES = 96 << 20
 #: what caps each of torch's kernel libraries at an ISA (module docstring)
 ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"},
            "avx512": {"ATEN_CPU_CAPABILITY": "avx512"}, "default": {}}
+# numba (the q4x8 kernel) compiles for AVX2 only: the target CPU and its features (with the name alone numba keeps
+# the host's features, AVX-512 included)
+ISA_ENV["avx2"].update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES="+avx2,+fma")
+
+
+def numba_info() -> dict:
+    """The q4x8 kernel's numba target (``NUMBA_CPU_NAME``, unset: this CPU) and its path (AVX2 intrinsics or plain)."""
+    from expertcache.offload import q4x8
+
+    return dict(numba_cpu_name=os.environ.get("NUMBA_CPU_NAME") or "host",
+                numba_cpu_features=os.environ.get("NUMBA_CPU_FEATURES") or "host",
+                q4x8_path=("avx2" if q4x8.use_avx2() else "plain") if q4x8.available() else None)
 
 
 def cpu_info() -> dict:
@@ -83,6 +99,15 @@ def cand_int4pack(group):
     def make(w, x):
         from expertcache.offload.quant import QuantMatrix, kernel_for, pack_matrix, qmm
         qm = QuantMatrix("int4", kernel_for("int4"), w.shape[0], w.shape[1], group, torch.bfloat16)
+        pw, sz = pack_matrix(w, qm)
+        return (lambda W, xx=x.bfloat16(): qmm(xx, W[0], W[1], qm)), (pw, sz), pw.nbytes + sz.nbytes
+    return make
+
+
+def cand_q4x8(group):
+    def make(w, x):
+        from expertcache.offload.quant import QuantMatrix, pack_matrix, qmm
+        qm = QuantMatrix("int4", "q4x8", w.shape[0], w.shape[1], group, torch.bfloat16)
         pw, sz = pack_matrix(w, qm)
         return (lambda W, xx=x.bfloat16(): qmm(xx, W[0], W[1], qm)), (pw, sz), pw.nbytes + sz.nbytes
     return make
@@ -147,6 +172,9 @@ def candidates(compile_: bool) -> dict:
     out = {"bf16 linear": cand_bf16, "int4pack G=32": cand_int4pack(32), "int4pack G=64": cand_int4pack(64),
            "int4pack G=128": cand_int4pack(128), "int8pack": cand_int8pack, "a8w8 fbgemm": cand_fbgemm,
            "a8w8 _int_mm": cand_int_mm, "a8w4 dyn_quant_matmul_4bit": cand_dyn4}
+    from expertcache.offload import q4x8
+    if q4x8.available():
+        out.update({"q4x8 G=32": cand_q4x8(32), "q4x8 G=64": cand_q4x8(64)})
     if compile_:
         out["inductor dequant-mm G=32"] = cand_inductor
     return out
@@ -174,6 +202,8 @@ def child(args) -> list[dict]:
         ref = F.linear(x, w)
         comps, pools, errs = {}, {}, {}
         for name, make in candidates(args.compile).items():
+            if args.kernels and not any(name.startswith(k) for k in args.kernels):
+                continue
             try:
                 fn, weights, nbytes = make(w, x)
                 y = fn(weights).float()
@@ -204,7 +234,8 @@ def child(args) -> list[dict]:
             us = statistics.median(ts)
             row = dict(kind="kernel-survey", shape=shape, n=n, k=k, m=1, kernel=name, us=us, us_rounds=ts,
                        vs_bf16=(base / us) if base else None, weight_bytes=comps[name][1],
-                       copies=len(pools[name]), rel_err=errs[name], threads=1, torchao=note, **info)
+                       copies=len(pools[name]), rel_err=errs[name], threads=1, torchao=note, **info,
+                       **(numba_info() if name.startswith("q4x8") else {}))
             rows.append(row)
             print(f"[{info['aten_capability']}] {shape} {name}: {us:.0f} µs ({row['vs_bf16']:.2f}x bf16), "
                   f"rel err {errs[name]:.4f}", file=sys.stderr, flush=True)
@@ -224,6 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--compile", action="store_true", help="add the inductor-generated dequant-matmul")
+    ap.add_argument("--kernels", nargs="+", default=None,
+                    help="only the candidates whose names start with these (bf16 linear is the baseline: name it)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -243,7 +276,7 @@ def main(argv=None) -> int:
             env.pop(var, None)
         env.update(ISA_ENV.get(isa, {}))
         cmd = [sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--shapes", *args.shapes] + \
-            (["--compile"] if args.compile else [])
+            (["--compile"] if args.compile else []) + (["--kernels", *args.kernels] if args.kernels else [])
         out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, check=True, text=True).stdout
         for row in json.loads(out.strip().splitlines()[-1]):
             row.update(bench="bench_kernels.py", date=stamp)

@@ -93,7 +93,9 @@ RESULT_TAG = "PEERS_RESULT "
 #: (``ATEN_CPU_CAPABILITY`` alone leaves oneDNN and FBGEMM on AVX-512; BENCHMARKS.md "Which 4-bit kernel on
 #: which CPU"); ``native`` removes any cap inherited from the caller
 ISA_ENV = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                                  "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}}
+                                  "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+                                  # numba (the q4x8 int4 expert kernel, offload/q4x8.py) compiled for AVX2 only
+                                  "NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+fma"}}
 #: the CPU flags every row records (``/proc/cpuinfo``): what decides which kernels run
 ROW_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
                  "amx_int8", "amx_bf16")

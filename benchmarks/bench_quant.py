@@ -70,7 +70,7 @@ CONFIGS = {  # name -> (expert quant, dense quant)
     "int8+dense-int8": ("int8", "int8"), "int4+dense-int8": ("int4", "int8"), "int4+dense-int4": ("int4", "int4"),
     "q4": ("q4", None),
     # the int4 experts' product forced ($EXPERTCACHE_EXPERT_KERNEL; the plain names take the CPU's own choice)
-    **{f"{q}@{k}": (q, None) for q in ("int4", "q4") for k in ("int4pack", "fbgemm")},
+    **{f"{q}@{k}": (q, None) for q in ("int4", "q4") for k in ("int4pack", "fbgemm", "q4x8")},
 }
 
 
@@ -193,7 +193,8 @@ def decode_rows(layers: int, tokens: int, repeats: int, configs: list[str], log)
                            misses=s["misses"] - m0[k]["misses"], expert_bytes=m.expert_bytes,
                            non_expert_bytes=m.plan.non_expert_bytes, quant_kernel=m.describe()["quant_kernel"],
                            expert_kernel=None if m.views.quant is None else
-                           "fbgemm" if m.views.prepack is not None else "int4pack",
+                           "fbgemm" if m.views.prepack is not None else
+                           "q4x8" if m.views.quant.kernel == "q4x8" else "int4pack",
                            views_seconds=getattr(m, "prepack_seconds", None), slot_bytes=m.plan.slot_bytes,
                            threads=torch.get_num_threads())
                 rows.append(row)
@@ -260,7 +261,7 @@ KL_CONFIGS = {
     "q4, dense int8 weight-only": dict(quant="q4", dense_int8_kernel="int8pack"),
     "int8 + dense int8": dict(quant="int8", quant_dense="int8"),
     # the int4 experts' product forced (the plain names take the CPU's own choice: BENCHMARKS.md "Which 4-bit kernel")
-    **{f"{q}@{k}": dict(quant=q, expert_kernel=k) for q in ("int4", "q4") for k in ("int4pack", "fbgemm")},
+    **{f"{q}@{k}": dict(quant=q, expert_kernel=k) for q in ("int4", "q4") for k in ("int4pack", "fbgemm", "q4x8")},
 }
 
 
@@ -305,7 +306,8 @@ def kl_rows(models: list[str], chunks: int, configs: list[str], log, on_row, seq
             info = dict(bpw=8 * (rt.expert_bytes * len(rt.layers) * rt.num_experts + rt.plan.non_expert_bytes) / params,
                         quant_kernel=d.get("quant_kernel"), dense_kernel=d.get("dense_kernel"), quant_opt=d["quant_opt"],
                         expert_kernel=None if rt.views.quant is None else
-                        "fbgemm" if rt.views.prepack is not None else "int4pack",
+                        "fbgemm" if rt.views.prepack is not None else
+                        "q4x8" if rt.views.quant.kernel == "q4x8" else "int4pack",
                         kernels=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense), group=rt.offload.group,
                         expert_bytes=rt.expert_bytes, non_expert_bytes=rt.plan.non_expert_bytes)
             rt.close()

@@ -229,8 +229,8 @@ def test_expert_kernel_variable_and_non_shipped_ship_are_refused_before_the_work
     """$EXPERTCACHE_EXPERT_KERNEL (forces the int4 experts' product) must name a kernel; ``train --ship`` of a
     preset that is not shipped (granular-256) is refused before training, writing nothing."""
     monkeypatch.setenv("EXPERTCACHE_EXPERT_KERNEL", "bogus")
-    assert "bogus" in _check(["generate", "--quant", "int4", "--max-new-tokens", "2", "hello"],
-                             "EXPERTCACHE_EXPERT_KERNEL", capsys)
+    line = _check(["generate", "--quant", "int4", "--max-new-tokens", "2", "hello"], "EXPERTCACHE_EXPERT_KERNEL", capsys)
+    assert "bogus" in line and "q4x8" in line  # the choices listed
     monkeypatch.delenv("EXPERTCACHE_EXPERT_KERNEL")
     _check(["train", "--model", "granular-256", "--ship", "--steps", "1", "--out", tmp_path / "run"], "--ship", capsys)
     assert not (tmp_path / "run").exists()

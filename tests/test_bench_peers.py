@@ -168,7 +168,8 @@ def test_isa_env_caps_all_three_kernel_libraries_or_none():
     env = {"PATH": "/bin", "ATEN_CPU_CAPABILITY": "avx512", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512"}
     capped = bp.isa_env("avx2", env)
     assert capped == {"PATH": "/bin", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                      "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+                      "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "NUMBA_CPU_NAME": "haswell",
+                      "NUMBA_CPU_FEATURES": "+avx2,+fma"}
     assert bp.isa_env("native", env) == {"PATH": "/bin"}  # a cap inherited from the caller is not kept
     assert env["ATEN_CPU_CAPABILITY"] == "avx512"  # the caller's dict is not changed
     with pytest.raises(ValueError, match="--isa"):

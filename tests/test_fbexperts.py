@@ -38,9 +38,13 @@ def test_the_choice_follows_the_cpu():
 
 
 @pytest.fixture
-def unprobed():
-    """No timing recorded (quant.PROBED is per process): restored afterwards."""
+def unprobed(monkeypatch):
+    """No timing recorded (quant.PROBED is per process): restored afterwards. And no numba for the q4x8 kernel,
+    which an AVX2 CPU would otherwise run (tests/test_q4x8.py): FBGEMM is what is offered there without it."""
+    from expertcache.offload import q4x8
     from expertcache.offload.quant import PROBED
+
+    monkeypatch.setattr(q4x8, "available", lambda: False)
 
     saved = dict(PROBED)
     PROBED.clear()

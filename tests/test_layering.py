@@ -176,8 +176,8 @@ def test_the_private_access_check_sees_what_it_must():
 
 #: offload/'s modules bottom to top (docs/ARCHITECTURE.md, "The offloaded runtime's parts"): each may import only
 #: the modules before it; the runtime assembles the parts and nothing below imports it
-OFFLOAD_ORDER = ["checkpoint", "groupfit", "quant", "fbexperts", "binding", "writer", "densecache", "config", "budget", "fbgemm",
-                 "ioqueue", "observe",
+OFFLOAD_ORDER = ["checkpoint", "groupfit", "q4x8", "quant", "fbexperts", "binding", "writer", "densecache", "config",
+                 "budget", "fbgemm", "ioqueue", "observe",
                  "prefetch", "generate",
                  "layout", "qlinear", "experts", "store", "loader", "tiers", "lowtier", "slots", "views", "reads",
                  "step", "routes", "stats", "capture", "preflight", "make_model", "runtime", "bench", "__init__"]

@@ -606,9 +606,10 @@ def test_the_kernel_choice_is_stated_once_on_stderr_with_the_cpu(tiny_olmoe, cap
     lines = [ln for ln in capfd.readouterr().err.splitlines() if "kernels on" in ln]
     c = cpu_description()
     assert len(lines) == 1 and c["cpu"] in lines[0] and f"ATen {c['aten_capability']}" in lines[0]
-    fbx = expert_kernel("int4") == "fbgemm"  # AVX2: FBGEMM's copies where C = N (tests/test_fbexperts.py)
-    assert ("experts int4 _weight_int4pack_mm_for_cpu" in lines[0]) == (not fbx)
-    assert ("experts int4 where every expert is resident (C = N) re-quantised per slot" in lines[0]) == fbx
+    ek = expert_kernel("int4")  # AVX2: q4x8 (tests/test_q4x8.py), or without numba FBGEMM's copies where C = N
+    assert ("experts int4 _weight_int4pack_mm_for_cpu" in lines[0]) == (ek == "int4pack")
+    assert ("experts int4 where every expert is resident (C = N) re-quantised per slot" in lines[0]) == (ek == "fbgemm")
+    assert ("experts int4 q4x8 (numba, int8 activations per token" in lines[0]) == (ek == "q4x8")
     fb = dense_int8_kernel() == "fbgemm"
     assert ("FBGEMM" in lines[0]) == fb and ("dense part int8 _weight_int8pack_mm" in lines[0]) == (not fb)
     d = rt.describe()

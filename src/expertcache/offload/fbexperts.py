@@ -1,5 +1,6 @@
-"""int4 experts on FBGEMM: offered on x86 CPUs without AVX-512 (``quant.expert_kernel``), used where a timing on
-this CPU finds it clearly faster (:func:`slot_kernel`), or forced by ``$EXPERTCACHE_EXPERT_KERNEL``.
+"""int4 experts on FBGEMM: offered on x86 CPUs without AVX-512 where the q4x8 kernel is not (no numba, or no AVX2:
+``quant.expert_kernel``; offload/q4x8.py runs int8 activations on the slot's own int4 bytes, no copy), used where a
+timing on this CPU finds it clearly faster (:func:`slot_kernel`), or forced by ``$EXPERTCACHE_EXPERT_KERNEL``.
 
 On an AMD EPYC capped at AVX2 torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) is no faster than bf16, while
 FBGEMM's int8 × int8 product (``quantized.linear_dynamic``, the dense part's kernel:

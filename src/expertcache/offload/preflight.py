@@ -31,7 +31,8 @@ from expertcache.offload.layout import ALIGN, place_expert, slot_bytes_for
 from expertcache.offload.lowtier import LOW_MODES, low_tier_bytes
 from expertcache.offload.fbgemm import FBGEMM_ROWS, FINISH_TRANSIENT
 from expertcache.offload.qlinear import dense_bytes, dense_targets, fbgemm_shapes
-from expertcache.offload.quant import PACK_ROWS
+from expertcache.offload import q4x8
+from expertcache.offload.quant import PACK_ROWS, expert_kernel
 from expertcache.offload.store import quant_layout_for
 from expertcache.offload.tiers import parse_host_memory
 from expertcache.routing import Router, RoutingConfig
@@ -107,12 +108,15 @@ def check_resident_quant(offload: OffloadConfig, acts: list) -> None:
         raise ValueError("--resident-quant needs gate_up/down experts (the 'linear' layout)")
 
 
-def compile_kernels(family: Family, m: MoELayer, routing: RoutingConfig, eviction: str, gamma: float) -> None:
-    """Compile (or load from numba's cache) the cache and routing kernels this run uses, before the
-    interpreter's RSS is measured for the plan: compiling holds tens of MiB for the process's life
-    (LLVM), which the first token would otherwise add beyond the plan. Nothing else changes: the
-    runtime builds its own cache and router. A policy that needs inputs given later (ERAS's profile) or
-    an offline eviction rule (refused by ``OffloadedModel.configure``) is left to its first use."""
+def compile_kernels(family: Family, m: MoELayer, routing: RoutingConfig, eviction: str, gamma: float,
+                    quant: str | None = None, device: torch.device | str = "cpu") -> None:
+    """Compile (or load from numba's cache) the cache and routing kernels this run uses, and the q4x8 expert kernel
+    where int4 experts (``quant``) run on it on ``device``, before the interpreter's RSS is measured for the plan:
+    compiling holds tens of MiB for the process's life (LLVM), which the first token would otherwise add beyond the
+    plan. Nothing else changes: the runtime builds its own cache and router. A policy that needs inputs given later
+    (ERAS's profile) or an offline eviction rule (refused by ``OffloadedModel.configure``) is left to its first use."""
+    if quant == "int4" and torch.device(device).type == "cpu" and expert_kernel(quant, device) == q4x8.KERNEL:
+        q4x8.warm()
     n, k = m.num_experts, m.top_k
     try:
         make_cache(eviction, n, k, gamma=gamma, expert_bytes=1).access_step(list(range(k)))

@@ -19,6 +19,10 @@ Kernel contracts (torch 2.13; pinned by ``tests/test_quant_kernels.py`` against 
   int32 [N/8, K/(16·innerKTiles), 32, innerKTiles/2] (CUDA only: a CUDA sidecar is packed on the device);
   ``_weight_int4pack_mm(x bf16 [M, K], packed, G, sz bf16 [K/G, N, 2])``, the same ``(q - 8)·s + z``;
   K % (16·innerKTiles) == 0, N % 8 == 0.
+- **int4, q4x8** (:mod:`~expertcache.offload.q4x8`, numba; the int4 experts' kernel on AVX2 CPUs,
+  :func:`expert_kernel`): codes two a byte [N, K/2] in blocks of 32 (byte j: code j low nibble, code j + 16 high),
+  scales and zeros [N, K/G, 2] in the compute dtype: the int4pack layout's bytes in another order, its own layout
+  name (``q4x8``: its own sidecar); x quantised per row to int8 per call; G ≤ 256, K % 32 == 0.
 - **int8**: ``_weight_int8pack_mm(x [M, K], q int8 [N, K], s [N])`` = ``x @ (q * s[:, None]).T``, s in x's
   dtype; K % 16 == 0 (other K give silently wrong results in 2.13: K = 104 is off by 400×). One layout for
   both devices; CUDA computes ``linear(x, q.to(dtype)) * s`` (no fused int8 CUDA kernel to check against here).
@@ -52,9 +56,10 @@ import torch.nn.functional as F
 
 from expertcache.offload import groupfit
 from expertcache.offload.groupfit import hqq_zero as _hqq_zero, lsq_torch as _lsq  # noqa: F401 - former homes
+from expertcache.offload import q4x8
 
 __all__ = ["QUANT_PRESETS", "resolve_preset", "cpu_description", "dense_int8_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
-           "kernel_for", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
+           "kernel_for", "expert_layout_kernel", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
            "padding_note", "say_kernels", "EXPERT_KERNELS", "choose_expert_kernel", "expert_kernel", "int4pack_codes",
            "PROBED"]
 
@@ -70,8 +75,10 @@ _INNER_K_TILES = 2  # tinygemm: K % 32 == 0 (every G in KERNEL_GROUPS divides a 
 #: CPU ISA flags that choose kernels (reported in every benchmark row and the kernel-choice line)
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
              "amx_int8", "amx_bf16", "asimd", "sve", "i8mm", "bf16")
-#: what caps torch's three CPU kernel libraries at an ISA (each reads its own variable once, at start-up)
-ISA_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+#: what caps torch's three CPU kernel libraries at an ISA (each reads its own variable once, at start-up), and numba's
+#: target (the q4x8 expert kernel, offload/q4x8.py: with the CPU name alone numba keeps the host's features)
+ISA_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS", "NUMBA_CPU_NAME",
+            "NUMBA_CPU_FEATURES")
 
 
 def cpu_description() -> dict:
@@ -118,28 +125,35 @@ def fbgemm_vnni() -> bool:
     return "avx512_vnni" in cpu_description()["cpu_flags"] and cap in ("", "AVX512_E1", "AVX512_VNNI")
 
 
-#: the int4 experts' products on a CPU (:func:`expert_kernel`): torch's int4 kernel on the slot's bytes, or FBGEMM's
-#: int8 × int8 on a per-slot re-quantised copy (offload/fbexperts.py)
-EXPERT_KERNELS = ("int4pack", "fbgemm")
-#: forces :func:`expert_kernel` (benchmarks): ``int4pack`` or ``fbgemm``
+#: the int4 experts' products on a CPU (:func:`expert_kernel`): torch's int4 kernel on the slot's bytes, FBGEMM's
+#: int8 × int8 on a per-slot re-quantised copy (offload/fbexperts.py), or int8 activations × the slot's int4 bytes in
+#: the q4x8 layout (offload/q4x8.py, numba)
+EXPERT_KERNELS = ("int4pack", "fbgemm", "q4x8")
+#: forces :func:`expert_kernel` (benchmarks): one of :data:`EXPERT_KERNELS`
 EXPERT_KERNEL_VAR = "EXPERTCACHE_EXPERT_KERNEL"
 
 
-def choose_expert_kernel(aten_capability: str, engines, forced: str | None = None) -> str:
+def choose_expert_kernel(aten_capability: str, engines, forced: str | None = None, numba: bool = False) -> str:
     """The int4 experts' product on a CPU whose ATen dispatch capability is ``aten_capability`` with the quantized
-    ``engines`` torch has: ``forced`` if given (one of :data:`EXPERT_KERNELS`, else ValueError naming
-    :data:`EXPERT_KERNEL_VAR`); else ``int4pack`` on AVX-512 (torch's int4 kernel 3.8-5.1× bf16 per matrix there,
-    ahead of FBGEMM's int8 at 3.6-4.5×) and where torch has no FBGEMM (ARM), ``fbgemm`` elsewhere (AVX2: the int4
-    kernel 0.74-0.97× bf16, FBGEMM 2.3-2.7×; BENCHMARKS.md "Which 4-bit kernel on which CPU")."""
+    ``engines`` torch has, ``numba`` whether the q4x8 kernel can be compiled: ``forced`` if given (one of
+    :data:`EXPERT_KERNELS`, else ValueError naming :data:`EXPERT_KERNEL_VAR`); else ``int4pack`` on AVX-512 (torch's
+    int4 kernel 3.8-5.1× bf16 per matrix there, ahead of FBGEMM's int8 at 3.6-4.5×; q4x8 measured 4.5× against its
+    3.8-4.0× on one thread of an AMD EPYC, but torch's kernel also uses torch's threads) and where torch has no FBGEMM
+    (ARM); on AVX2 ``q4x8`` where numba is available (int8 activations × int4 on ``vpmaddubsw``: offload/q4x8.py;
+    AVX2-capped AMD EPYC, one token, one thread, G = 64: 2.8-3.1× bf16 per matrix, FBGEMM 2.3×, the int4 kernel
+    0.8×; benchmarks/results/kernels.jsonl), ``fbgemm`` elsewhere (AVX2: the int4 kernel 0.74-0.97× bf16, FBGEMM
+    2.3-2.7×; BENCHMARKS.md "Which 4-bit kernel on which CPU")."""
     if forced:
         if forced not in EXPERT_KERNELS:
             raise ValueError(f"{EXPERT_KERNEL_VAR} must be one of {', '.join(EXPERT_KERNELS)}, got {forced!r}")
         if forced == "fbgemm" and "fbgemm" not in engines:
             raise ValueError(f"{EXPERT_KERNEL_VAR}=fbgemm, but this torch has no FBGEMM (engines: {', '.join(engines)})")
+        if forced == "q4x8" and not numba:
+            raise ValueError(f"{EXPERT_KERNEL_VAR}=q4x8 needs numba (not installed, or EXPERTCACHE_NO_NUMBA is set)")
         return forced
     if aten_capability.upper().startswith("AVX512") or "fbgemm" not in engines:
         return "int4pack"
-    return "fbgemm"
+    return "q4x8" if numba and aten_capability.upper() == "AVX2" else "fbgemm"
 
 
 #: ATen capability -> (the expert kernel a timing on this CPU chose where :func:`choose_expert_kernel` offers FBGEMM,
@@ -152,7 +166,8 @@ def expert_kernel(mode: str | None, device: torch.device | str = "cpu", *, probe
     """The product quantised experts of ``mode`` run on, on ``device``: None for unquantised experts, ``int8pack``
     for int8, ``int4pack`` (the fused kernel of :func:`qmm`) for int4 on a GPU and where
     :func:`choose_expert_kernel` says so for this CPU (``$EXPERTCACHE_EXPERT_KERNEL`` forcing either), else
-    ``fbgemm`` -- unless a timing of both on this CPU (:data:`PROBED`, ``probed``) found FBGEMM no faster."""
+    ``fbgemm`` or ``q4x8`` -- FBGEMM unless a timing of both on this CPU (:data:`PROBED`, ``probed``) found it no
+    faster."""
     import os
 
     if mode is None:
@@ -161,7 +176,7 @@ def expert_kernel(mode: str | None, device: torch.device | str = "cpu", *, probe
         return "int4pack" if mode == "int4" else "int8pack"
     forced = os.environ.get(EXPERT_KERNEL_VAR, "").strip() or None
     cap = torch.backends.cpu.get_cpu_capability()
-    got = choose_expert_kernel(cap, torch.backends.quantized.supported_engines, forced)
+    got = choose_expert_kernel(cap, torch.backends.quantized.supported_engines, forced, q4x8.available())
     return PROBED.get(cap, (got,))[0] if probed and got == "fbgemm" and not forced else got
 
 
@@ -173,7 +188,10 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
     dk = {"int4": names["int4"], "int8": f"quantized.linear_dynamic (FBGEMM, {act} activations per token)"
           if dense_int8_kernel(compiled=compiled) == "fbgemm" else names["int8"]}
     ek = dict(names)
-    if expert_kernel(experts) == "fbgemm":
+    if expert_kernel(experts) == "q4x8":
+        ek["int4"] = (f"q4x8 (numba, int8 activations per token × int4, "
+                      f"{'AVX2 vpmaddubsw' if q4x8.use_avx2() else 'plain loop: no AVX2 here'}; offload/q4x8.py)")
+    elif expert_kernel(experts) == "fbgemm":
         ek["int4"] = (f"where every expert is resident (C = N) re-quantised per slot to int8 per channel on "
                       f"quantized.linear_dynamic (FBGEMM, {act} activations per token), else {names['int4']}")
     timed = PROBED.get(c["aten_capability"]) if expert_kernel(experts, probed=False) == "fbgemm" else None
@@ -200,6 +218,14 @@ def default_group(d: int, f: int) -> int:
     """The int4 group size: 64 where it divides D and F (OLMoE-1B-7B: D = 2048, F = 1024), else 32 with K
     padded (the shipped models: D = 144, F = 104 / 416)."""
     return 64 if d % 64 == 0 and f % 64 == 0 else 32
+
+
+def expert_layout_kernel(mode: str, device: torch.device | str = "cpu") -> str:
+    """The packed layout of the experts of ``mode`` on ``device``: ``q4x8`` where :func:`expert_kernel` runs int4
+    experts on it (its own layout, so its own sidecar), else :func:`kernel_for`."""
+    if mode == "int4" and torch.device(device).type == "cpu" and expert_kernel(mode, device, probed=False) == "q4x8":
+        return q4x8.KERNEL
+    return kernel_for(mode, device)
 
 
 def kernel_for(mode: str, device: torch.device | str = "cpu") -> str:
@@ -252,7 +278,7 @@ class QuantMatrix:
         n, k = self.n_pad, self.k_pad
         if self.mode == "int8":
             return ((n, k), torch.int8), ((n,), self.dtype)
-        sz = ((k // self.group, n, 2), self.sz_dtype)
+        sz = ((n, k // self.group, 2) if self.kernel == q4x8.KERNEL else (k // self.group, n, 2), self.sz_dtype)
         if self.kernel == "cuda":
             return ((n // 8, k // (16 * _INNER_K_TILES), 32, _INNER_K_TILES // 2), torch.int32), sz
         return ((n, k // 2), torch.uint8), sz
@@ -339,6 +365,8 @@ def pack_matrix(w_NK: torch.Tensor, qm: QuantMatrix) -> tuple[torch.Tensor, torc
     if qm.mode == "int8":
         return q.to(torch.int8).contiguous(), s.contiguous()
     z = z if qm.n_pad == qm.n else F.pad(z.T, (0, qm.n_pad - qm.n)).T
+    if qm.kernel == q4x8.KERNEL:  # codes two a byte, (s, z) per row and group [N, K/G, 2] (offload/q4x8.py)
+        return q4x8.pack_codes(q), groupfit.scales_zeros(s, z)
     sz = groupfit.scales_zeros(s.T, z.T)  # [K/G, N, 2]
     if qm.kernel == "cuda":  # pragma: no cover - GPU only (tests/test_quant_kernels.py, -m gpu)
         u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).cuda()
@@ -380,6 +408,8 @@ def int4pack_codes(weight_u8: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
     """The codes (uint8 [n_pad, k_pad] in 0..15) a CPU int4 weight of ``qm`` (``QuantMatrix.shapes``'s uint8
     [n_pad, k_pad / 2], packed on this capability) was packed from: the inverse of ``pack_matrix``'s
     ``_convert_weight_to_int4pack_for_cpu``, :data:`_UNPACK_ROWS` rows at a time where the row count divides."""
+    if qm.mode == "int4" and qm.kernel == q4x8.KERNEL:
+        return q4x8.unpack_codes(weight_u8)
     if qm.mode != "int4" or qm.kernel != kernel_for("int4", "cpu"):
         raise ValueError(f"{qm.mode} layout {qm.kernel!r} is not this CPU's int4 layout ({kernel_for('int4', 'cpu')})")
     n, k = qm.n_pad, qm.k_pad
@@ -417,11 +447,13 @@ def pack_matrix_into(rows_of: Callable[[int, int], torch.Tensor], qm: QuantMatri
             weight[a // 8:end // 8].copy_(w)
         else:
             weight[a:end].copy_(w)
-        scales[:, a:end].copy_(s)
+        (scales[a:end] if qm.kernel == q4x8.KERNEL else scales[:, a:end]).copy_(s)
 
 
 def qmm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, qm: QuantMatrix) -> torch.Tensor:
     """``x_MK @ W.T`` [M, qm.n] with the fused kernel of ``qm`` (x's K padded with zeros to ``qm.k_pad``)."""
+    if qm.kernel == q4x8.KERNEL:  # int8 activations × int4 (offload/q4x8.py): the padding done in the kernel
+        return q4x8.q4x8_mm(x_MK, weight, scales, qm.group, qm.n)
     x = _pad_cols(x_MK, qm.k_pad)
     if qm.mode == "int8":
         if x.device.type == "cuda":  # pragma: no cover - GPU only
@@ -510,7 +542,8 @@ def quant_mlp(layout: QuantLayout, act):
 def padding_note(layout: QuantLayout) -> str:
     """One line for the plan and the logs: the kernel, the group and any padding of K and N."""
     gu, dn = layout.gate_up, layout.down
-    name = {"int8": "_weight_int8pack_mm", "int4": "_weight_int4pack_mm" + ("" if layout.kernel == "cuda" else "_for_cpu")}
+    name = {"int8": "_weight_int8pack_mm", "int4": "q4x8 (numba int8 x int4)" if layout.kernel == q4x8.KERNEL else
+            "_weight_int4pack_mm" + ("" if layout.kernel == "cuda" else "_for_cpu")}
     grp = f" G={layout.group}" + (f" {layout.optimize}" if layout.optimize != "minmax" else "") \
         if layout.mode == "int4" else " per-channel"
     pads = [f"{what} {m.k}->{m.k_pad}" for what, m in (("gate_up K", gu), ("down K", dn)) if m.k_pad != m.k]

@@ -44,7 +44,7 @@ from expertcache.offload.binding import (SOURCE_KEY, check_bound, check_not_newe
 from expertcache.offload.checkpoint import ByteRange, Checkpoint, CheckpointError, ExpertParts, read_header
 # the byte layout of a slot (re-exported: ALIGN, Placement, place_expert)
 from expertcache.offload.layout import ALIGN, Placement, expert_views, place_expert
-from expertcache.offload.quant import FORMAT_VERSION, QuantLayout, default_group, kernel_for, pack_expert
+from expertcache.offload.quant import FORMAT_VERSION, QuantLayout, default_group, expert_layout_kernel, pack_expert
 from expertcache.offload.writer import write_safetensors
 from expertcache.tensorfile import read_metadata
 
@@ -184,7 +184,7 @@ def quant_layout_for(checkpoint: Checkpoint, layer_id: int, mode: str, group: in
     if p0.layout != "linear":
         raise ValueError(f"--quant needs gate_up/down experts (the 'linear' layout), not {p0.layout!r}")
     group = default_group(p0.d, p0.f) if group is None else group
-    return QuantLayout(mode, p0.d, p0.f, group, dtype or p0.dtype, kernel_for(mode, device),
+    return QuantLayout(mode, p0.d, p0.f, group, dtype or p0.dtype, expert_layout_kernel(mode, device),
                        optimize if mode == "int4" else "minmax")
 
 
