@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from expertcache.offload.fbgemm import fbgemm_linear, fbgemm_prepack
-from expertcache.offload.quant import (PACK_ROWS, QuantMatrix, dense_int8_kernel, fbgemm_vnni, kernel_for,
-                                       pack_matrix_into, qmm, quantize_codes)
+from expertcache.offload.quant import (PACK_ROWS, QuantMatrix, dense_int4_kernel, dense_int8_kernel, dense_layout_kernel,
+                                       fbgemm_vnni, pack_matrix_into, qmm, quantize_codes)
 
 __all__ = ["DENSE_MODES", "DENSE_GROUP", "QuantLinear", "QuantEmbedding", "dense_targets", "quantize_dense",
            "quantize_dense_skeleton", "dense_bytes", "fbgemm_shapes", "dense_kernel_note"]
@@ -62,8 +62,11 @@ def _weight_only(name: str, mode: str) -> bool:
     return mode == "int4-head8" and name == "lm_head"
 
 
-def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device, optimize: str = "minmax") -> QuantMatrix:
-    return QuantMatrix(mode, kernel_for(mode, device), n, k, DENSE_GROUP, dtype, optimize)
+def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device, optimize: str = "minmax", *,
+            compiled: bool = False) -> QuantMatrix:
+    """The layout of one dense matrix: int4 in q4x8's where :func:`~expertcache.offload.quant.dense_int4_kernel`
+    runs it (the same bytes as torch's int4 layout: :func:`dense_bytes` is unchanged), else the fused kernel's."""
+    return QuantMatrix(mode, dense_layout_kernel(mode, device, compiled=compiled), n, k, DENSE_GROUP, dtype, optimize)
 
 
 class QuantLinear(nn.Module):
@@ -78,14 +81,18 @@ class QuantLinear(nn.Module):
     from the codes a block of rows at a time, :func:`~expertcache.offload.fbgemm.fbgemm_prepack`; the activation
     quantised per call, per token) and drops the codes buffer (``opaque_bytes`` counts FBGEMM's copy
     instead). Activations are 8-bit where FBGEMM runs VNNI (int32 sums), 7-bit elsewhere (``reduce_range``: AVX2's
-    ``vpmaddubsw`` sums pairs of u8 × s8 products in int16, which 8-bit activations can overflow)."""
+    ``vpmaddubsw`` sums pairs of u8 × s8 products in int16, which 8-bit activations can overflow).
+
+    int4 on an AVX2 CPU with numba (:func:`~expertcache.offload.quant.dense_int4_kernel`; ``compiled`` False): the
+    q4x8 layout and kernel (offload/q4x8.py: each row of x quantised to int8 per call, codes 4-bit), its layout name
+    in :attr:`recipe` (so the dense cache never reads one layout's bytes as the other's); else torch's int4 kernel."""
 
     def __init__(self, n: int, k: int, mode: str, dtype: torch.dtype, *, bias: bool = False,
                  device: torch.device | str = "cpu", kernel_device: torch.device | str | None = None,
                  compiled: bool = False, optimize: str = "minmax", weight_only: bool = False) -> None:
         super().__init__()
-        self.qm = _matrix(mode, n, k, dtype, kernel_device or device, optimize)
-        self.kernel = ("int4pack" if mode == "int4" else "int8pack" if weight_only
+        self.qm = _matrix(mode, n, k, dtype, kernel_device or device, optimize, compiled=compiled)
+        self.kernel = (("q4x8" if self.qm.kernel == "q4x8" else "int4pack") if mode == "int4" else "int8pack" if weight_only
                        else dense_int8_kernel(kernel_device or device, compiled=compiled))
         self._fbgemm = None  # FBGEMM's packed weight, a list of blocks of rows (after finish)
         self.opaque_bytes = 0

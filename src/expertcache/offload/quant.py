@@ -58,7 +58,8 @@ from expertcache.offload import groupfit
 from expertcache.offload.groupfit import hqq_zero as _hqq_zero, lsq_torch as _lsq  # noqa: F401 - former homes
 from expertcache.offload import q4x8
 
-__all__ = ["QUANT_PRESETS", "resolve_preset", "cpu_description", "dense_int8_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
+__all__ = ["QUANT_PRESETS", "resolve_preset", "cpu_description", "dense_int8_kernel", "dense_int4_kernel",
+           "DENSE_INT4_KERNELS", "DENSE_INT4_KERNEL_VAR", "dense_layout_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
            "kernel_for", "expert_layout_kernel", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
            "padding_note", "say_kernels", "EXPERT_KERNELS", "choose_expert_kernel", "expert_kernel", "int4pack_codes",
            "PROBED"]
@@ -114,6 +115,45 @@ def dense_int8_kernel(device: torch.device | str = "cpu", *, compiled: bool = Fa
     if torch.device(device).type != "cpu" or compiled:
         return "int8pack"
     return "fbgemm" if "fbgemm" in torch.backends.quantized.supported_engines else "int8pack"
+
+
+#: the int4 dense products on a CPU (:func:`dense_int4_kernel`): torch's int4 kernel, or q4x8 (offload/q4x8.py)
+DENSE_INT4_KERNELS = ("int4pack", "q4x8")
+#: forces :func:`dense_int4_kernel` (benchmarks, tests): one of :data:`DENSE_INT4_KERNELS`
+DENSE_INT4_KERNEL_VAR = "EXPERTCACHE_DENSE_INT4_KERNEL"
+
+
+def dense_int4_kernel(device: torch.device | str = "cpu", *, compiled: bool = False) -> str:
+    """The int4 dense product (``--quant-dense int4`` / ``int4-head8``: attention, an int4 ``lm_head``) on ``device``:
+    ``q4x8`` (int8 activations per row × int4, offload/q4x8.py) where :func:`choose_expert_kernel` would put int4
+    experts on it (an AVX2 x86 CPU, numba available: 3× bf16 per matrix where torch's int4 kernel is 0.75×), else
+    ``int4pack`` (``_weight_int4pack_mm_for_cpu``; tinygemm on CUDA). The rule is the CPU's own choice:
+    ``$EXPERTCACHE_EXPERT_KERNEL`` forces the experts only; ``$EXPERTCACHE_DENSE_INT4_KERNEL`` (one of
+    :data:`DENSE_INT4_KERNELS`) forces this one on the CPU (ValueError naming it for another value, or q4x8 without
+    numba). ``compiled`` (``--compile``: the graph must trace the product; q4x8 is a ctypes call) and a GPU:
+    ``int4pack`` whatever is set."""
+    import os
+
+    forced = os.environ.get(DENSE_INT4_KERNEL_VAR, "").strip() or None
+    if forced is not None and forced not in DENSE_INT4_KERNELS:
+        raise ValueError(f"{DENSE_INT4_KERNEL_VAR} must be one of {', '.join(DENSE_INT4_KERNELS)}, got {forced!r}")
+    if torch.device(device).type != "cpu" or compiled:
+        return "int4pack"
+    if forced == q4x8.KERNEL and not q4x8.available():
+        raise ValueError(f"{DENSE_INT4_KERNEL_VAR}=q4x8 needs numba (not installed, or EXPERTCACHE_NO_NUMBA is set)")
+    if forced:
+        return forced
+    got = choose_expert_kernel(torch.backends.cpu.get_cpu_capability(), torch.backends.quantized.supported_engines,
+                               None, q4x8.available())
+    return q4x8.KERNEL if got == q4x8.KERNEL else "int4pack"
+
+
+def dense_layout_kernel(mode: str, device: torch.device | str = "cpu", *, compiled: bool = False) -> str:
+    """The packed layout of a dense matrix of ``mode`` on ``device``: ``q4x8`` where :func:`dense_int4_kernel`
+    runs it (its own layout name: the dense cache's key), else :func:`kernel_for`."""
+    if mode == "int4" and dense_int4_kernel(device, compiled=compiled) == q4x8.KERNEL:
+        return q4x8.KERNEL
+    return kernel_for(mode, device)
 
 
 def fbgemm_vnni() -> bool:
@@ -185,7 +225,9 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
     c = cpu_description()
     names = {"int4": "_weight_int4pack_mm_for_cpu", "int8": "_weight_int8pack_mm"}
     act = "8-bit" if fbgemm_vnni() else "7-bit"
-    dk = {"int4": names["int4"], "int8": f"quantized.linear_dynamic (FBGEMM, {act} activations per token)"
+    dk = {"int4": (f"q4x8 (numba, int8 activations per token × int4, "
+                   f"{'AVX2 vpmaddubsw' if q4x8.use_avx2() else 'plain loop: no AVX2 here'}; offload/q4x8.py)")
+          if dense_int4_kernel(compiled=compiled) == q4x8.KERNEL else names["int4"], "int8": f"quantized.linear_dynamic (FBGEMM, {act} activations per token)"
           if dense_int8_kernel(compiled=compiled) == "fbgemm" else names["int8"]}
     ek = dict(names)
     if expert_kernel(experts) == "q4x8":
