@@ -12,7 +12,9 @@ with every expert resident (C = N, host tier), OLMoE-1B-7B shapes.
    (``expertcache bench --make-model olmoe-1b-7b --layers 4``), every expert resident (C = N = 64, warmed: no
    read during decode), ``--tokens`` teacher-forced tokens after a 16-token prompt; each quantised
    configuration is held in memory beside the bf16 one and their decode steps alternate token by token
-   (the order alternating), ``--repeats`` rounds, the median of the per-round ratios.
+   (the order alternating), ``--repeats`` rounds, the median of the per-round ratios. A config's ``@k`` forces the
+   int4 experts' product (``$EXPERTCACHE_EXPERT_KERNEL``), ``@dense-k`` the int4 dense part's
+   (``$EXPERTCACHE_DENSE_INT4_KERNEL``: ``int4+dense-int4@dense-q4x8``, ``q4m@dense-int4pack``).
 
 3. **quality**: closed-loop perplexity of the shipped models (``granular``, ``coarse``) on WikiText-2 test
    (``--chunks`` chunks of 256 tokens, default 2 from /work/shared/data, the caches carried across chunks), every
@@ -61,7 +63,7 @@ import torch
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.offload.bench import closed_loop_nll, machine_info
 from expertcache.offload.make_model import make_bench_model
-from expertcache.offload.quant import EXPERT_KERNEL_VAR, QuantLayout, pack_expert, quant_mlp
+from expertcache.offload.quant import DENSE_INT4_KERNEL_VAR, EXPERT_KERNEL_VAR, QuantLayout, pack_expert, quant_mlp
 from expertcache.results import append_jsonl
 
 OUT = Path(__file__).resolve().parent / "results" / "quant.jsonl"
@@ -71,7 +73,12 @@ CONFIGS = {  # name -> (expert quant, dense quant)
     "q4": ("q4", None),
     # the int4 experts' product forced ($EXPERTCACHE_EXPERT_KERNEL; the plain names take the CPU's own choice)
     **{f"{q}@{k}": (q, None) for q in ("int4", "q4") for k in ("int4pack", "fbgemm", "q4x8")},
+    # the int4 dense part's product forced ($EXPERTCACHE_DENSE_INT4_KERNEL; the experts keep the CPU's own choice)
+    "q4m": ("q4m", None),
+    **{f"{q}@dense-{k}": (q, d) for q, d in (("int4", "int4"), ("q4m", None)) for k in ("int4pack", "q4x8")},
 }
+#: name suffix ``@k`` forces the experts' product, ``@dense-k`` the int4 dense part's (read while a runtime is built)
+_FORCE = {"": EXPERT_KERNEL_VAR, "dense-": DENSE_INT4_KERNEL_VAR}
 
 
 def _mean_us(fn, n: int) -> float:
@@ -141,15 +148,17 @@ def _runtime(path, name: str, tokens: int) -> OffloadedModel:
     second host copy of the experts takes memory."""
     quant, dense = CONFIGS[name]
     kernel = name.partition("@")[2]
-    saved = os.environ.get(EXPERT_KERNEL_VAR)
-    if kernel:  # only while it is built: its slots' views and MLPs choose the product then
-        os.environ[EXPERT_KERNEL_VAR] = kernel
+    var = _FORCE["dense-" if kernel.startswith("dense-") else ""]
+    kernel = kernel.removeprefix("dense-")
+    saved = os.environ.get(var)
+    if kernel:  # only while it is built: its slots' views and MLPs (and its QuantLinears) choose the product then
+        os.environ[var] = kernel
     try:
         rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="disk", io="cached", readers=0, quant=quant,
                                                                 quant_dense=dense, context=16 + tokens))
     finally:
         if kernel:
-            os.environ.pop(EXPERT_KERNEL_VAR) if saved is None else os.environ.__setitem__(EXPERT_KERNEL_VAR, saved)
+            os.environ.pop(var) if saved is None else os.environ.__setitem__(var, saved)
     rt.warm(range(rt.num_experts))
     t0 = time.perf_counter()
     rt.steps.drain()
@@ -195,6 +204,7 @@ def decode_rows(layers: int, tokens: int, repeats: int, configs: list[str], log)
                            expert_kernel=None if m.views.quant is None else
                            "fbgemm" if m.views.prepack is not None else
                            "q4x8" if m.views.quant.kernel == "q4x8" else "int4pack",
+                           dense_kernel=m.describe().get("dense_kernel"),
                            views_seconds=getattr(m, "prepack_seconds", None), slot_bytes=m.plan.slot_bytes,
                            threads=torch.get_num_threads())
                 rows.append(row)

@@ -109,15 +109,16 @@ def check_resident_quant(offload: OffloadConfig, acts: list) -> None:
 
 
 def compile_kernels(family: Family, m: MoELayer, routing: RoutingConfig, eviction: str, gamma: float,
-                    quant: str | None = None, device: torch.device | str = "cpu", *, quant_dense: str | None = None,
-                    compiled: bool = False) -> None:
+                    offload: OffloadConfig | None = None, device: torch.device | str = "cpu") -> None:
     """Compile (or load from numba's cache) the cache and routing kernels this run uses, and the q4x8 kernel where
-    int4 experts (``quant``) or the int4 dense part (``quant_dense``, ``compiled``: ``quant.dense_int4_kernel``) run
-    on it on ``device``, before the interpreter's RSS is measured for the plan: compiling holds tens of MiB for the process's life (LLVM), which the first token would otherwise add beyond the
+    ``offload``'s int4 experts (``quant``) or int4 dense part (``quant_dense``, ``compile``:
+    ``quant.dense_int4_kernel``) run on it on ``device``, before the interpreter's RSS is measured for the plan:
+    compiling holds tens of MiB for the process's life (LLVM), which the first token would otherwise add beyond the
     plan. Nothing else changes: the runtime builds its own cache and router. A policy that needs inputs given later
     (ERAS's profile) or an offline eviction rule (refused by ``OffloadedModel.configure``) is left to its first use."""
+    quant, dense, compiled = (offload.quant, offload.quant_dense, offload.compile) if offload else (None, None, False)
     experts = quant == "int4" and torch.device(device).type == "cpu" and expert_kernel(quant, device) == q4x8.KERNEL
-    dense = quant_dense in ("int4", "int4-head8") and dense_int4_kernel(device, compiled=compiled) == q4x8.KERNEL
+    dense = dense in ("int4", "int4-head8") and dense_int4_kernel(device, compiled=compiled) == q4x8.KERNEL
     if experts or dense:
         q4x8.warm()
     n, k = m.num_experts, m.top_k

@@ -136,8 +136,7 @@ def _load(cls, path: str | os.PathLike, offload: OffloadConfig, *, dtype: torch.
     for m in layers:
         mlps.append(expert_mlp(layout, m.block.experts))
         m.block.experts = OffloadedExperts(None, m.index)  # runtime bound below
-    compile_kernels(family, layers[0], routing or RoutingConfig(), eviction, configure_kw.get("gamma", 0.9), offload.quant, device,
-                    quant_dense=offload.quant_dense, compiled=offload.compile)
+    compile_kernels(family, layers[0], routing or RoutingConfig(), eviction, configure_kw.get("gamma", 0.9), offload, device)
     process = preflight(path, model, layers, checkpoint, offload, dtype, device)  # refuses before loading
     packed = quantize_dense_skeleton(model, offload.quant_dense, device, compiled=offload.compile,
                                      optimize=offload.quant_opt)  # packed while loading
