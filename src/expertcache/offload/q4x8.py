@@ -1,6 +1,8 @@
 """int8 activations × int4 weights for one-token products on the CPU, in numba (the ``q4x8`` expert kernel): what
 llama.cpp's Q4 × Q8 dot product does, for the AVX2 x86 CPUs (AMD EPYC / Zen, laptops) where torch's
-``_weight_int4pack_mm_for_cpu`` is barely faster than bf16 (``quant.choose_expert_kernel``).
+``_weight_int4pack_mm_for_cpu`` is barely faster than bf16 (``quant.choose_expert_kernel``); there it is also the
+int4 dense part's product (``QuantLinear``, ``quant.dense_int4_kernel``: M rows of a prompt one row at a time, still
+1.1-1.2× torch's int4 kernel at M = 16-128 on one AVX2 thread).
 
 **Layout** (the ``q4x8`` packed layout: ``QuantMatrix.kernel == "q4x8"``, its own sidecar file name): the same
 bytes per matrix as torch's CPU int4 layout, so the memory plan, the slots and the reads are unchanged and any

@@ -2,7 +2,8 @@
 kernels of :mod:`expertcache.offload.quant`, the token embedding as int8 rows.
 
 - :class:`QuantLinear` replaces an ``nn.Linear``: its weight packed once (int8 per output channel, or int4 with
-  groups of :data:`DENSE_GROUP` along K, K zero-padded where needed), every call one :func:`qmm`;
+  groups of :data:`DENSE_GROUP` along K, K zero-padded where needed), every call one :func:`qmm` (int4: q4x8's
+  layout and kernel where the int4 experts would run on it, :func:`~expertcache.offload.quant.dense_int4_kernel`);
 - :class:`QuantEmbedding` replaces an ``nn.Embedding``: int8 codes [V, D] and a scale per row (a lookup reads
   D + 2 bytes per token; no kernel is needed), or int4 codes (two a byte) with a scale and a zero per group of
   :data:`DENSE_GROUP` (``int4-head8``);

@@ -20,7 +20,7 @@ Kernel contracts (torch 2.13; pinned by ``tests/test_quant_kernels.py`` against 
   ``_weight_int4pack_mm(x bf16 [M, K], packed, G, sz bf16 [K/G, N, 2])``, the same ``(q - 8)·s + z``;
   K % (16·innerKTiles) == 0, N % 8 == 0.
 - **int4, q4x8** (:mod:`~expertcache.offload.q4x8`, numba; the int4 experts' kernel on AVX2 CPUs,
-  :func:`expert_kernel`): codes two a byte [N, K/2] in blocks of 32 (byte j: code j low nibble, code j + 16 high),
+  :func:`expert_kernel`, and there the int4 dense part's, :func:`dense_int4_kernel`): codes two a byte [N, K/2] in blocks of 32 (byte j: code j low nibble, code j + 16 high),
   scales and zeros [N, K/G, 2] in the compute dtype: the int4pack layout's bytes in another order, its own layout
   name (``q4x8``: its own sidecar); x quantised per row to int8 per call; G ≤ 256, K % 32 == 0.
 - **int8**: ``_weight_int8pack_mm(x [M, K], q int8 [N, K], s [N])`` = ``x @ (q * s[:, None]).T``, s in x's
