@@ -75,7 +75,8 @@ CONFIGS = {  # name -> (expert quant, dense quant)
     **{f"{q}@{k}": (q, None) for q in ("int4", "q4") for k in ("int4pack", "fbgemm", "q4x8")},
     # the int4 dense part's product forced ($EXPERTCACHE_DENSE_INT4_KERNEL; the experts keep the CPU's own choice)
     "q4m": ("q4m", None),
-    **{f"{q}@dense-{k}": (q, d) for q, d in (("int4", "int4"), ("q4m", None)) for k in ("int4pack", "q4x8")},
+    **{f"{c}@dense-{k}": (q, d) for c, q, d in (("int4+dense-int4", "int4", "int4"), ("q4m", "q4m", None))
+       for k in ("int4pack", "q4x8")},
 }
 #: name suffix ``@k`` forces the experts' product, ``@dense-k`` the int4 dense part's (read while a runtime is built)
 _FORCE = {"": EXPERT_KERNEL_VAR, "dense-": DENSE_INT4_KERNEL_VAR}
