@@ -131,7 +131,11 @@ def test_the_choice_per_cpu_and_numba():
     assert choose_expert_kernel("AVX2", x86, numba=True) == "q4x8"
     assert choose_expert_kernel("AVX2", x86, numba=False) == "fbgemm"  # as before: FBGEMM where the probe says
     for cap in ("AVX512", "AVX512_VNNI", "AVX512_BF16"):
-        assert choose_expert_kernel(cap, x86, numba=True) == "int4pack"
+        assert choose_expert_kernel(cap, x86, numba=True) == "int4pack"  # torch's threads: its kernel uses them
+        assert choose_expert_kernel(cap, x86, numba=True, one_thread=True) == "q4x8"
+        assert choose_expert_kernel(cap, x86, numba=False, one_thread=True) == "int4pack"
+        assert choose_expert_kernel(cap, arm, numba=True, one_thread=True) == "int4pack"
+    assert choose_expert_kernel("AVX2", x86, numba=True, one_thread=True) == "q4x8"
     assert choose_expert_kernel("DEFAULT", x86, numba=True) == "fbgemm"  # x86 without AVX2
     assert choose_expert_kernel("DEFAULT", arm, numba=True) == "int4pack"  # ARM
     assert choose_expert_kernel("AVX512", x86, "q4x8", numba=True) == "q4x8"  # forced wins
@@ -157,7 +161,11 @@ def test_expert_kernel_and_layout_follow_the_capability(monkeypatch):
     assert expert_kernel("int4", probed=False) == "fbgemm" and expert_layout_kernel("int4") == "cpu-avx2"
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(q4x8, "available", lambda: True)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert expert_kernel("int4") == "int4pack" and expert_layout_kernel("int4") == "cpu-avx512"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one thread: q4x8 on AVX-512 too
+    assert expert_kernel("int4") == "q4x8" and expert_layout_kernel("int4") == "q4x8"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setenv(EXPERT_KERNEL_VAR, "q4x8")
     assert expert_kernel("int4") == "q4x8" and expert_layout_kernel("int4") == "q4x8"
     assert expert_layout_kernel("int4", "cuda") == "cuda"

@@ -96,8 +96,12 @@ def test_the_choice_follows_the_experts_and_is_forced_by_its_own_variable(monkey
     assert "attention q4x8 (numba" in kernel_choice_line(None, "int4-head8")
     assert "dense part int4 _weight_int4pack_mm_for_cpu" in kernel_choice_line(None, "int4", compiled=True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert dense_int4_kernel() == "int4pack"
     assert "dense part int4 _weight_int4pack_mm_for_cpu" in kernel_choice_line(None, "int4")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # AVX-512, one thread: q4x8, as the experts
+    assert dense_int4_kernel() == "q4x8"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setenv(DENSE_INT4_KERNEL_VAR, "q4x8")
     assert dense_int4_kernel() == "q4x8" and dense_int4_kernel(compiled=True) == "int4pack"
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")

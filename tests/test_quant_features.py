@@ -33,8 +33,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def _weight_only_int8_dense(monkeypatch):
     """These tests pin the weight-only contract (``x @ dequant(W).T``) on every family: ``--quant-dense int8`` on
     ``_weight_int8pack_mm`` here; FBGEMM's int8-activation path (chosen on x86) has its own tests
-    (test_quant_kernels.py, test_dense_cache.py)."""
+    (test_quant_kernels.py, test_dense_cache.py); so has q4x8's int8-activation int4 product (the AVX2 default, and
+    AVX-512's with one torch thread, as here: test_q4x8.py, test_q4x8_dense.py): torch's int4 kernel is pinned."""
     monkeypatch.setattr("expertcache.offload.qlinear.dense_int8_kernel", lambda *a, **k: "int8pack")
+    monkeypatch.setenv("EXPERTCACHE_EXPERT_KERNEL", "int4pack")
+    monkeypatch.setenv("EXPERTCACHE_DENSE_INT4_KERNEL", "int4pack")
 
 
 def dequant(w_NK: torch.Tensor, mode: str, group: int) -> torch.Tensor:

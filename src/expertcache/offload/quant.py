@@ -144,7 +144,7 @@ def dense_int4_kernel(device: torch.device | str = "cpu", *, compiled: bool = Fa
     if forced:
         return forced
     got = choose_expert_kernel(torch.backends.cpu.get_cpu_capability(), torch.backends.quantized.supported_engines,
-                               None, q4x8.available())
+                               None, q4x8.available(), torch.get_num_threads() == 1)
     return q4x8.KERNEL if got == q4x8.KERNEL else "int4pack"
 
 
@@ -173,14 +173,14 @@ EXPERT_KERNELS = ("int4pack", "fbgemm", "q4x8")
 EXPERT_KERNEL_VAR = "EXPERTCACHE_EXPERT_KERNEL"
 
 
-def choose_expert_kernel(aten_capability: str, engines, forced: str | None = None, numba: bool = False) -> str:
+def choose_expert_kernel(aten_capability: str, engines, forced: str | None = None, numba: bool = False,
+                         one_thread: bool = False) -> str:
     """The int4 experts' product on a CPU whose ATen dispatch capability is ``aten_capability`` with the quantized
-    ``engines`` torch has, ``numba`` whether the q4x8 kernel can be compiled: ``forced`` if given (one of
-    :data:`EXPERT_KERNELS`, else ValueError naming :data:`EXPERT_KERNEL_VAR`); else ``int4pack`` on AVX-512 (torch's
-    int4 kernel 3.8-5.1× bf16 per matrix there, ahead of FBGEMM's int8 at 3.6-4.5×; q4x8 measured 4.5× against its
-    3.8-4.0× on one thread of an AMD EPYC, but torch's kernel also uses torch's threads) and where torch has no FBGEMM
-    (ARM); on AVX2 ``q4x8`` where numba is available (int8 activations × int4 on ``vpmaddubsw``: offload/q4x8.py;
-    AVX2-capped AMD EPYC, one token, one thread, G = 64: 2.8-3.1× bf16 per matrix, FBGEMM 2.3×, the int4 kernel
+    ``engines`` torch has, ``numba`` whether the q4x8 kernel can be compiled, ``one_thread`` whether torch runs one
+    thread: ``forced`` if given (one of :data:`EXPERT_KERNELS`, else ValueError naming :data:`EXPERT_KERNEL_VAR`);
+    else on AVX-512 ``q4x8`` with one thread and numba (8-layer OLMoE-1B-7B shape, C = N, AMD EPYC: experts 12.1 ms a
+    token, torch's int4 kernel 20.0-20.4), else ``int4pack`` (it uses torch's threads); ARM ``int4pack``; on AVX2 ``q4x8`` where
+    numba is available (int8 activations × int4 on ``vpmaddubsw``: offload/q4x8.py; AVX2-capped AMD EPYC, one token, one thread, G = 64: 2.8-3.1× bf16 per matrix, FBGEMM 2.3×, the int4 kernel
     0.8×; benchmarks/results/kernels.jsonl), ``fbgemm`` elsewhere (AVX2: the int4 kernel 0.74-0.97× bf16, FBGEMM
     2.3-2.7×; BENCHMARKS.md "Which 4-bit kernel on which CPU")."""
     if forced:
@@ -191,6 +191,8 @@ def choose_expert_kernel(aten_capability: str, engines, forced: str | None = Non
         if forced == "q4x8" and not numba:
             raise ValueError(f"{EXPERT_KERNEL_VAR}=q4x8 needs numba (not installed, or EXPERTCACHE_NO_NUMBA is set)")
         return forced
+    if aten_capability.upper().startswith("AVX512") and "fbgemm" in engines:
+        return "q4x8" if numba and one_thread else "int4pack"
     if aten_capability.upper().startswith("AVX512") or "fbgemm" not in engines:
         return "int4pack"
     return "q4x8" if numba and aten_capability.upper() == "AVX2" else "fbgemm"
@@ -216,7 +218,8 @@ def expert_kernel(mode: str | None, device: torch.device | str = "cpu", *, probe
         return "int4pack" if mode == "int4" else "int8pack"
     forced = os.environ.get(EXPERT_KERNEL_VAR, "").strip() or None
     cap = torch.backends.cpu.get_cpu_capability()
-    got = choose_expert_kernel(cap, torch.backends.quantized.supported_engines, forced, q4x8.available())
+    got = choose_expert_kernel(cap, torch.backends.quantized.supported_engines, forced, q4x8.available(),
+                               torch.get_num_threads() == 1)
     return PROBED.get(cap, (got,))[0] if probed and got == "fbgemm" and not forced else got
 
 
