@@ -10,7 +10,7 @@ one-query decode attention in float32 (q, k, v cast; bf16 out); ROUTER32=1 the O
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/bench_decode_breakdown.py generate "The quick brown fox" \
         --model /work/peers/L8 --quant q4 --policy cache-prior --threads 1 --memory 3GiB --max-new-tokens 64
 
-Results (8-layer OLMoE shape, AMD EPYC, 1 thread): BENCHMARKS.md has none yet; see the decodeprof report.
+Results (8-layer OLMoE shape, AMD EPYC, 1 thread): docs/OFFLOAD.md "Where a decode token's time goes".
 """
 import os, sys, time, json, collections
 import torch
@@ -20,7 +20,12 @@ import expertcache.offload.routes as RO
 from expertcache.cli.main import main
 
 MODE = os.environ.get("PROF", "time")
-SKIP = int(os.environ.get("SKIP", "4"))
+SKIP = os.environ.get("SKIP", "4")
+if MODE not in ("time", "torch") or not SKIP.isdigit():  # one line and exit 2, before the model is loaded
+    print(f"bench_decode_breakdown: PROF must be time or torch (got {MODE!r}) and SKIP a step count (got {SKIP!r})",
+          file=sys.stderr)
+    sys.exit(2)
+SKIP = int(SKIP)
 acc = collections.defaultdict(float)
 cnt = collections.defaultdict(int)
 on = [False]

@@ -232,6 +232,11 @@ def test_expert_kernel_variable_and_non_shipped_ship_are_refused_before_the_work
     line = _check(["generate", "--quant", "int4", "--max-new-tokens", "2", "hello"], "EXPERTCACHE_EXPERT_KERNEL", capsys)
     assert "bogus" in line and "q4x8" in line  # the choices listed
     monkeypatch.delenv("EXPERTCACHE_EXPERT_KERNEL")
+    monkeypatch.setenv("EXPERTCACHE_DENSE_INT4_KERNEL", "bogus")  # forces the int4 dense part's product
+    line = _check(["generate", "--quant", "int4", "--quant-dense", "int4", "--max-new-tokens", "2", "hello"],
+                  "EXPERTCACHE_DENSE_INT4_KERNEL", capsys)
+    assert "bogus" in line and "int4pack" in line and "q4x8" in line
+    monkeypatch.delenv("EXPERTCACHE_DENSE_INT4_KERNEL")
     _check(["train", "--model", "granular-256", "--ship", "--steps", "1", "--out", tmp_path / "run"], "--ship", capsys)
     assert not (tmp_path / "run").exists()
 

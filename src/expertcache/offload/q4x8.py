@@ -473,6 +473,7 @@ if compiled.AVAILABLE:  # the intrinsics defined (nothing compiled: the kernels 
                     main += _scale_f32(sz16, sz32, (n * ng + g) * 2, kind) * np.float32(d)
                 _store_f32(y16, y32, m * n_rows + n, scale[m] * (main + off) + zero, ykind)
 
+    # two loops, not one with a flag: a function calling the AVX2 intrinsic must never be compiled where it is missing
     @compiled.jit
     def _dots_avx2(codes, xq, n_rows, m_rows, k_pad, group, out):
         ng, nblk, half = k_pad // group, group // BLOCK, k_pad // 2
