@@ -81,12 +81,13 @@ def test_a_prompt_that_would_fill_the_batch_is_not_held():
 
 
 def test_a_prompt_is_held_the_delay_times_the_last_prefills_seconds():
-    """Prefills are made slow (a pre-hook sleeps 0.6 s before every multi-token forward), decode steps stay fast:
+    """Prefills are made slow (a pre-hook sleeps 0.6 s before every multi-token forward), decode steps stay fast
+    (20 ms, so that the long row still decodes when b's prefill starts, however fast the machine):
     the prompt submitted while a row decodes is held at least ``prefill_delay`` × the last prefill's seconds (as the
     forward observers saw them), and not much longer. Fails on engine.py's ``_after_forward`` recording every
     forward's seconds (decode steps too) as the last prefill's: the prompt was then held a few decode steps only."""
     rt = _runtime()
-    delay, sleep_s = 2.0, 0.6
+    delay, sleep_s, step_s = 2.0, 0.6, 0.02
     starts = []
 
     def slow_prefill(module, args, kwargs):
@@ -94,6 +95,8 @@ def test_a_prompt_is_held_the_delay_times_the_last_prefills_seconds():
         if ids is not None and ids.shape[-1] > 1:
             starts.append(time.perf_counter())
             time.sleep(sleep_s)
+        elif ids is not None:  # a decode step: 400 of them outlast the hold and b's prefill on any machine
+            time.sleep(step_s)
 
     rt.model.register_forward_pre_hook(slow_prefill, with_kwargs=True)
     engine = Engine(rt, None, max_batch=8, prefill_delay=delay)
