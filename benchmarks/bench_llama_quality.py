@@ -201,7 +201,7 @@ def ec_logp(path: Path, chunks_CS, params: int, **kw):
     import torch
 
     from expertcache.offload import OffloadConfig, OffloadedModel
-    from expertcache.offload.quant import kernel_choice_line
+    from expertcache.offload.kernelnote import kernel_choice_line
 
     rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", context=SEQ, **kw))
     with torch.inference_mode():

@@ -455,7 +455,7 @@ def child_expertcache(a) -> None:
     n = len(times)
     d = rt.describe()
     side = getattr(rt.source, "path", None)  # the quantised experts' sidecar (None: bf16 experts)
-    from expertcache.offload.quant import kernel_choice_line
+    from expertcache.offload.kernelnote import kernel_choice_line
 
     start = dict(first_token_at=first_token_at, aten_capability=d["cpu"].get("aten_capability"),
                  isa_env=d["cpu"].get("isa_env"), quant_kernel=d.get("quant_kernel"), dense_kernel=d.get("dense_kernel"),

@@ -63,6 +63,7 @@ import torch
 from expertcache.offload import OffloadConfig, OffloadedModel
 from expertcache.offload.bench import closed_loop_nll, machine_info
 from expertcache.offload.make_model import make_bench_model
+from expertcache.offload.qlinear import DENSE_INT8_KERNEL_VAR
 from expertcache.offload.quant import DENSE_INT4_KERNEL_VAR, EXPERT_KERNEL_VAR, QuantLayout, pack_expert, quant_mlp
 from expertcache.results import append_jsonl
 
@@ -270,6 +271,10 @@ KL_CONFIGS = {
     "int4 hqq + dense int8": dict(quant="int4", quant_dense="int8", quant_opt="hqq"),
     "q4": dict(quant="q4"),
     "q4, dense int8 weight-only": dict(quant="q4", dense_int8_kernel="int8pack"),
+    "q4, dense int8 q8x8": dict(quant="q4", dense_int8_kernel="q8x8"),
+    "q4m": dict(quant="q4m"),
+    # q4m's int8 lm_head weight-only (bf16 activations) or on q8x8 (int8 per 32 activations: its AVX2 default)
+    **{f"q4m, lm_head {k}": dict(quant="q4m", dense_int8_kernel=k) for k in ("int8pack", "q8x8")},
     "int8 + dense int8": dict(quant="int8", quant_dense="int8"),
     # the int4 experts' product forced (the plain names take the CPU's own choice: BENCHMARKS.md "Which 4-bit kernel")
     **{f"{q}@{k}": dict(quant=q, expert_kernel=k) for q in ("int4", "q4") for k in ("int4pack", "fbgemm", "q4x8")},
@@ -285,7 +290,7 @@ def kl_rows(models: list[str], chunks: int, configs: list[str], log, on_row, seq
     from expertcache.models.loader import resolve_model_path
     from expertcache.eval.data import text_token_chunks
     from expertcache.offload.checkpoint import read_header
-    from expertcache.offload.quant import kernel_choice_line
+    from expertcache.offload.kernelnote import kernel_choice_line
 
     rows = []
     for model in models:
@@ -297,20 +302,16 @@ def kl_rows(models: list[str], chunks: int, configs: list[str], log, on_row, seq
         params = sum(math.prod(e.shape) for f in sorted(path.glob("*.safetensors")) for e in read_header(f).values())
 
         def run(dense_int8_kernel=None, expert_kernel=None, **kw):
-            import expertcache.offload.qlinear as qlinear
-
             t0 = time.perf_counter()
-            real, saved = qlinear.dense_int8_kernel, os.environ.get(EXPERT_KERNEL_VAR)
-            if dense_int8_kernel is not None:  # a kernel the run-time choice would not take here (its quality)
-                qlinear.dense_int8_kernel = lambda *a, **k: dense_int8_kernel
-            if expert_kernel is not None:  # read while the runtime is built
-                os.environ[EXPERT_KERNEL_VAR] = expert_kernel
+            forced = {v: k for v, k in ((DENSE_INT8_KERNEL_VAR, dense_int8_kernel), (EXPERT_KERNEL_VAR, expert_kernel))
+                      if k is not None}  # read while the runtime is built (a kernel the CPU's choice would not take)
+            saved = {v: os.environ.get(v) for v in forced}
+            os.environ.update(forced)
             try:
                 rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", context=seq, **kw))
             finally:
-                qlinear.dense_int8_kernel = real
-                if expert_kernel is not None:
-                    os.environ.pop(EXPERT_KERNEL_VAR) if saved is None else os.environ.__setitem__(EXPERT_KERNEL_VAR, saved)
+                for v, old in saved.items():
+                    os.environ.pop(v) if old is None else os.environ.__setitem__(v, old)
             with torch.inference_mode():
                 logp = torch.stack([torch.log_softmax(rt.forward(c[None]).logits[0].float(), -1) for c in chunks_NS])
             d = rt.describe()

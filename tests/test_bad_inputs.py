@@ -237,6 +237,10 @@ def test_expert_kernel_variable_and_non_shipped_ship_are_refused_before_the_work
                   "EXPERTCACHE_DENSE_INT4_KERNEL", capsys)
     assert "bogus" in line and "int4pack" in line and "q4x8" in line
     monkeypatch.delenv("EXPERTCACHE_DENSE_INT4_KERNEL")
+    monkeypatch.setenv("EXPERTCACHE_DENSE_INT8_KERNEL", "bogus")  # forces the int8 dense part's product
+    line = _check(["generate", "--quant", "q4", "--max-new-tokens", "2", "hello"], "EXPERTCACHE_DENSE_INT8_KERNEL", capsys)
+    assert "bogus" in line and "fbgemm" in line and "q8x8" in line
+    monkeypatch.delenv("EXPERTCACHE_DENSE_INT8_KERNEL")
     _check(["train", "--model", "granular-256", "--ship", "--steps", "1", "--out", tmp_path / "run"], "--ship", capsys)
     assert not (tmp_path / "run").exists()
 

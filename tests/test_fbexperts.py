@@ -74,7 +74,7 @@ def test_where_fbgemm_is_offered_a_timing_decides(monkeypatch, unprobed, int4pac
     1 ms) and FBGEMM is taken only at 2x faster; the choice is kept for the process, reported by expert_kernel
     and the kernel line with the times, and never overrides a forced kernel or an AVX-512 CPU."""
     import expertcache.offload.fbexperts as fbx
-    from expertcache.offload.quant import kernel_choice_line
+    from expertcache.offload.kernelnote import kernel_choice_line
 
     calls = []
     monkeypatch.setattr(fbx, "probe", lambda layout: calls.append(layout) or {"int4pack": int4pack_s, "fbgemm": 1e-3})

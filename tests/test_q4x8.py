@@ -149,7 +149,8 @@ def test_the_choice_per_cpu_and_numba():
 
 
 def test_expert_kernel_and_layout_follow_the_capability(monkeypatch):
-    from expertcache.offload.quant import expert_kernel, expert_layout_kernel, kernel_choice_line
+    from expertcache.offload.kernelnote import kernel_choice_line
+    from expertcache.offload.quant import expert_kernel, expert_layout_kernel
 
     monkeypatch.delenv(EXPERT_KERNEL_VAR, raising=False)
     monkeypatch.setattr(q4x8, "available", lambda: True)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from expertcache.offload import q4x8
-from expertcache.offload.quant import (DENSE_INT4_KERNEL_VAR, EXPERT_KERNEL_VAR, dense_int4_kernel, int4pack_codes,
-                                       kernel_choice_line)
+from expertcache.offload.kernelnote import kernel_choice_line
+from expertcache.offload.quant import DENSE_INT4_KERNEL_VAR, EXPERT_KERNEL_VAR, dense_int4_kernel, int4pack_codes
 
 needs_numba = pytest.mark.skipif(not q4x8.available(), reason="q4x8 needs numba")
 
@@ -193,6 +193,7 @@ def test_the_q4m_preset_decodes_on_q4x8_close_to_int4pack(tiny, tmp_path, monkey
     against int4pack (the experts' kernel forced alike): logits close."""
     monkeypatch.setenv("EXPERTCACHE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv(EXPERT_KERNEL_VAR, "int4pack")
+    monkeypatch.setenv("EXPERTCACHE_DENSE_INT8_KERNEL", "int8pack")  # its lm_head weight-only (q8x8: test_q8x8.py)
     got = {k: _start(tiny, k, monkeypatch, quant_dense=None, quant="q4m", io="cached", readers=0)
            for k in ("int4pack", "q4x8")}
     assert "int4 q4x8 ×" in got["q4x8"]["note"] and "int8 int8pack ×1" in got["q4x8"]["note"]

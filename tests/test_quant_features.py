@@ -35,7 +35,7 @@ def _weight_only_int8_dense(monkeypatch):
     ``_weight_int8pack_mm`` here; FBGEMM's int8-activation path (chosen on x86) has its own tests
     (test_quant_kernels.py, test_dense_cache.py); so has q4x8's int8-activation int4 product (the AVX2 default, and
     AVX-512's with one torch thread, as here: test_q4x8.py, test_q4x8_dense.py): torch's int4 kernel is pinned."""
-    monkeypatch.setattr("expertcache.offload.qlinear.dense_int8_kernel", lambda *a, **k: "int8pack")
+    monkeypatch.setenv("EXPERTCACHE_DENSE_INT8_KERNEL", "int8pack")
     monkeypatch.setenv("EXPERTCACHE_EXPERT_KERNEL", "int4pack")
     monkeypatch.setenv("EXPERTCACHE_DENSE_INT4_KERNEL", "int4pack")
 

@@ -292,7 +292,7 @@ def test_dense_quantisation_keeps_logits_within_its_weight_error(mode, agree, mo
     from expertcache.offload import OffloadConfig, OffloadedModel
     from expertcache.offload.qlinear import QuantEmbedding, QuantLinear, dense_targets
 
-    monkeypatch.setattr("expertcache.offload.qlinear.dense_int8_kernel", lambda *a, **k: "int8pack")
+    monkeypatch.setenv("EXPERTCACHE_DENSE_INT8_KERNEL", "int8pack")
     path = resolve_model_path("granular")
     ids = torch.tensor([Tokenizer.from_file(str(path / "tokenizer.json")).encode(
         (path / "MODEL_CARD.md").read_text()[:1500]).ids[:64]])
@@ -323,7 +323,7 @@ def test_dense_quantisation_keeps_logits_within_its_weight_error(mode, agree, mo
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="torch without FBGEMM")
 @pytest.mark.parametrize("reduce_range", [True, False])
 @pytest.mark.parametrize("n,k", [(144, 144), (1000, 104), (50, 2048)])
-def test_fbgemm_int8_dense_error_is_weight_plus_activation_step(n, k, reduce_range):
+def test_fbgemm_int8_dense_error_is_weight_plus_activation_step(n, k, reduce_range, monkeypatch):
     """The FBGEMM int8 dense product against the weight-only int8 one (same codes and scales): the difference is
     the activation's quantisation alone, per token (7 or 8 bits: 127 / 255 steps over [-max, max] of the row after
     its scaling to max 1). Its relative size per row is at most about ``2·max|x| / (levels·√12·rms(x))`` (uniform
@@ -331,6 +331,11 @@ def test_fbgemm_int8_dense_error_is_weight_plus_activation_step(n, k, reduce_ran
     call (the per-token scaling keeps the small rows' precision)."""
     from expertcache.offload.qlinear import QuantLinear
 
+    from expertcache.offload.quant import fbgemm_vnni
+
+    if not reduce_range and not fbgemm_vnni():
+        pytest.skip("8-bit activations on AVX2's vpmaddubsw saturate int16 (why FBGEMM's reduce_range exists)")
+    monkeypatch.setenv("EXPERTCACHE_DENSE_INT8_KERNEL", "fbgemm")  # q8x8 is the AVX2 default: tests/test_q8x8.py
     g = torch.Generator().manual_seed(n + k)
     lin = torch.nn.Linear(k, n, bias=True).float()
     lin.weight.data = torch.randn(n, k, generator=g) * 0.05
@@ -430,7 +435,7 @@ def test_quant_dense_packs_straight_from_the_checkpoint(tmp_path, monkeypatch, m
         return t
 
     monkeypatch.setattr(Checkpoint, "tensor", spy)
-    monkeypatch.setattr("expertcache.offload.qlinear.dense_int8_kernel", lambda *a, **k: "int8pack")  # buffers kept
+    monkeypatch.setenv("EXPERTCACHE_DENSE_INT8_KERNEL", "int8pack")  # buffers kept
     rt = _rt(path, tier="host", quant_dense=mode, dtype=torch.bfloat16)
     targets = {n: m for n, m in rt.model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
     assert "lm_head" in targets and "model.embed_tokens" in targets and len(targets) == 2 + 2 * 4
@@ -600,7 +605,8 @@ def test_q4_runtime_sidecar_and_dense_cache_carry_the_optimiser(tiny_olmoe):
 def test_the_kernel_choice_is_stated_once_on_stderr_with_the_cpu(tiny_olmoe, capfd):
     """A quantised start says, in one stderr line, the CPU model, its ISA flags, ATen's capability and the kernel
     of each quantised part; ``describe()`` carries the same CPU description and the dense kernels."""
-    from expertcache.offload.quant import cpu_description, dense_int8_kernel, expert_kernel
+    from expertcache.offload.qlinear import int8_kernel
+    from expertcache.offload.quant import cpu_description, expert_kernel
 
     rt = _rt(tiny_olmoe, quant="int4", quant_dense="int8", capacity=2)
     lines = [ln for ln in capfd.readouterr().err.splitlines() if "kernels on" in ln]
@@ -610,10 +616,11 @@ def test_the_kernel_choice_is_stated_once_on_stderr_with_the_cpu(tiny_olmoe, cap
     assert ("experts int4 _weight_int4pack_mm_for_cpu" in lines[0]) == (ek == "int4pack")
     assert ("experts int4 where every expert is resident (C = N) re-quantised per slot" in lines[0]) == (ek == "fbgemm")
     assert ("experts int4 q4x8 (numba, int8 activations per token" in lines[0]) == (ek == "q4x8")
-    fb = dense_int8_kernel() == "fbgemm"
-    assert ("FBGEMM" in lines[0]) == fb and ("dense part int8 _weight_int8pack_mm" in lines[0]) == (not fb)
+    dk = int8_kernel()
+    assert ("FBGEMM" in lines[0]) == (dk == "fbgemm") and ("dense part int8 q8x8 (numba" in lines[0]) == (dk == "q8x8")
+    assert ("dense part int8 _weight_int8pack_mm" in lines[0]) == (dk == "int8pack")
     d = rt.describe()
-    assert d["cpu"] == c and f"int8 {'fbgemm' if fb else 'int8pack'} ×" in d["dense_kernel"]
+    assert d["cpu"] == c and f"int8 {dk} ×" in d["dense_kernel"]
     _rt(tiny_olmoe, capacity=2)
     assert "kernels on" not in capfd.readouterr().err  # nothing quantised: no line
 

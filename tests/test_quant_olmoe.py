@@ -40,7 +40,7 @@ def _weight_only_int8_dense(monkeypatch):
     ``_weight_int8pack_mm`` here, and the int4 experts on torch's int4 kernel; FBGEMM's int8-activation paths and
     q4x8 (the AVX2 default, and AVX-512's with one torch thread, as here) have their own tests
     (test_quant_kernels.py, test_fbexperts.py, test_q4x8.py, test_q4x8_dense.py)."""
-    monkeypatch.setattr("expertcache.offload.qlinear.dense_int8_kernel", lambda *a, **k: "int8pack")
+    monkeypatch.setenv("EXPERTCACHE_DENSE_INT8_KERNEL", "int8pack")
     monkeypatch.setenv("EXPERTCACHE_EXPERT_KERNEL", "int4pack")
     monkeypatch.setenv("EXPERTCACHE_DENSE_INT4_KERNEL", "int4pack")
 

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - exercised on installs without numba
 if os.environ.get("EXPERTCACHE_NO_NUMBA", "") not in ("", "0"):
     numba = None
 
-__all__ = ["AVAILABLE", "jit", "jit_inline", "jit_each", "dependency_files", "dependency_digest", "compile_notice"]
+__all__ = ["AVAILABLE", "jit", "jit_inline", "jit_each", "cfunc", "dependency_files", "dependency_digest", "compile_notice"]
 
 AVAILABLE = numba is not None
 
@@ -196,3 +196,18 @@ def jit_each(make, keys) -> tuple:
     ``key``, which numba compiles as a constant, so branches on it are dropped (each specialisation runs
     only its own rule). Indexed by key (keys 0, 1, ...)."""
     return tuple(jit(make(key)) for key in keys)
+
+
+def cfunc(fn, argtypes, restype):
+    """``fn`` compiled as a C callable (numba's ``CFunc``: ``.address``) taking ``argtypes`` (numba types) and
+    returning ``restype``, cached on disk like :func:`jit`'s loops (keyed by its module and the package modules it
+    imports) where a cache location is writable. Needs numba."""
+    from numba.core.ccallback import CFunc
+
+    cf = CFunc(fn, (tuple(argtypes), restype), locals={}, options={"nopython": True})
+    try:
+        cf._cache = _dependency_cache(fn)  # what CFunc.enable_caching sets, keyed deeper
+    except RuntimeError:  # no writable cache location: compiled per process
+        pass
+    cf.compile()
+    return cf

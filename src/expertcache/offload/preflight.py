@@ -30,8 +30,8 @@ from expertcache.offload.fbexperts import slot_copy_bytes
 from expertcache.offload.layout import ALIGN, place_expert, slot_bytes_for
 from expertcache.offload.lowtier import LOW_MODES, low_tier_bytes
 from expertcache.offload.fbgemm import FBGEMM_ROWS, FINISH_TRANSIENT
-from expertcache.offload.qlinear import dense_bytes, dense_targets, fbgemm_shapes
-from expertcache.offload import q4x8
+from expertcache.offload.qlinear import dense_bytes, dense_targets, fbgemm_shapes, int8_kernel
+from expertcache.offload import q4x8, q8x8
 from expertcache.offload.quant import PACK_ROWS, dense_int4_kernel, expert_kernel
 from expertcache.offload.store import quant_layout_for
 from expertcache.offload.tiers import parse_host_memory
@@ -112,15 +112,20 @@ def compile_kernels(family: Family, m: MoELayer, routing: RoutingConfig, evictio
                     offload: OffloadConfig | None = None, device: torch.device | str = "cpu") -> None:
     """Compile (or load from numba's cache) the cache and routing kernels this run uses, and the q4x8 kernel where
     ``offload``'s int4 experts (``quant``) or int4 dense part (``quant_dense``, ``compile``:
-    ``quant.dense_int4_kernel``) run on it on ``device``, before the interpreter's RSS is measured for the plan:
+    ``quant.dense_int4_kernel``) run on it on ``device`` (q8x8 where an int8 dense matrix does:
+    ``qlinear.int8_kernel``), before the interpreter's RSS is measured for the plan:
     compiling holds tens of MiB for the process's life (LLVM), which the first token would otherwise add beyond the
     plan. Nothing else changes: the runtime builds its own cache and router. A policy that needs inputs given later
     (ERAS's profile) or an offline eviction rule (refused by ``OffloadedModel.configure``) is left to its first use."""
     quant, dense, compiled = (offload.quant, offload.quant_dense, offload.compile) if offload else (None, None, False)
     experts = quant == "int4" and torch.device(device).type == "cpu" and expert_kernel(quant, device) == q4x8.KERNEL
+    dense8 = dense in ("int8", "int4-head8") and q8x8.KERNEL == int8_kernel(device, compiled=compiled,
+                                                                             weight_only=dense == "int4-head8")
     dense = dense in ("int4", "int4-head8") and dense_int4_kernel(device, compiled=compiled) == q4x8.KERNEL
     if experts or dense:
         q4x8.warm()
+    if dense8:  # the int8 dense product on q8x8 (qlinear.int8_kernel)
+        q8x8.warm()
     n, k = m.num_experts, m.top_k
     try:
         make_cache(eviction, n, k, gamma=gamma, expert_bytes=1).access_step(list(range(k)))

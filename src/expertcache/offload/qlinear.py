@@ -30,11 +30,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from expertcache.offload import q8x8
 from expertcache.offload.fbgemm import fbgemm_linear, fbgemm_prepack
 from expertcache.offload.quant import (PACK_ROWS, QuantMatrix, dense_int4_kernel, dense_int8_kernel, dense_layout_kernel,
                                        fbgemm_vnni, pack_matrix_into, qmm, quantize_codes)
 
-__all__ = ["DENSE_MODES", "DENSE_GROUP", "QuantLinear", "QuantEmbedding", "dense_targets", "quantize_dense",
+__all__ = ["DENSE_MODES", "DENSE_GROUP", "DENSE_INT8_KERNELS", "DENSE_INT8_KERNEL_VAR", "int8_kernel", "QuantLinear", "QuantEmbedding", "dense_targets", "quantize_dense",
            "quantize_dense_skeleton", "dense_bytes", "fbgemm_shapes", "dense_kernel_note"]
 
 DENSE_MODES = ("none", "int8", "int4", "int4-head8")
@@ -58,9 +59,44 @@ def _target_mode(name: str, mod: nn.Module, mode: str) -> str:
 
 
 def _weight_only(name: str, mode: str) -> bool:
-    """``int4-head8``'s int8 ``lm_head`` runs weight-only (``_weight_int8pack_mm``), not on FBGEMM: FBGEMM's
-    activation quantisation (7-bit on AVX2) there cost more KL than Q4_K_M's whole margin (BENCHMARKS.md)."""
+    """``int4-head8``'s int8 ``lm_head`` runs weight-only (``_weight_int8pack_mm``) or on q8x8 (:func:`int8_kernel`),
+    not on FBGEMM: FBGEMM's activation quantisation (7-bit on AVX2) there cost more KL than Q4_K_M's whole margin
+    (BENCHMARKS.md)."""
     return mode == "int4-head8" and name == "lm_head"
+
+
+#: the int8 dense products on a CPU (:func:`int8_kernel`)
+DENSE_INT8_KERNELS = ("fbgemm", "int8pack", "q8x8")
+#: forces :func:`int8_kernel` on the CPU (benchmarks, tests): one of :data:`DENSE_INT8_KERNELS`
+DENSE_INT8_KERNEL_VAR = "EXPERTCACHE_DENSE_INT8_KERNEL"
+
+
+def int8_kernel(device: torch.device | str = "cpu", *, compiled: bool = False, weight_only: bool = False) -> str:
+    """The product of an int8 dense matrix on ``device``. A GPU or ``compiled`` (``--compile``): ``int8pack``. On
+    a CPU, ``$EXPERTCACHE_DENSE_INT8_KERNEL`` (one of :data:`DENSE_INT8_KERNELS`; ValueError naming it for another
+    value, for q8x8 without numba, for fbgemm where torch has none) wins; else **q8x8** where FBGEMM has no VNNI
+    (its activations 7-bit) and numba and AVX2 are there: activations 8-bit per 32 values, as llama.cpp quantises
+    every product's (AMD EPYC, AVX2 only, one thread: the [50304, 2048] ``lm_head`` 11.5 ms against FBGEMM's 12.7 and
+    ``_weight_int8pack_mm``'s 26.6; [2048, 2048] 0.46 against 0.43 ms at one token, 1.4-1.5× FBGEMM's time at 4-64
+    rows; the q4 preset's mean KL on granular's held-out split 0.00533 against 0.00862 with FBGEMM); elsewhere FBGEMM
+    for the int8 dense part (:func:`~expertcache.offload.quant.dense_int8_kernel`) and ``_weight_int8pack_mm``
+    for ``int4-head8``'s ``lm_head`` (``weight_only``: bf16 activations)."""
+    import os
+
+    forced = os.environ.get(DENSE_INT8_KERNEL_VAR, "").strip() or None
+    if forced is not None and forced not in DENSE_INT8_KERNELS:
+        raise ValueError(f"{DENSE_INT8_KERNEL_VAR} must be one of {', '.join(DENSE_INT8_KERNELS)}, got {forced!r}")
+    if torch.device(device).type != "cpu" or compiled:
+        return "int8pack"
+    if forced == q8x8.KERNEL and not q8x8.available():
+        raise ValueError(f"{DENSE_INT8_KERNEL_VAR}=q8x8 needs numba (not installed, or EXPERTCACHE_NO_NUMBA is set)")
+    if forced == "fbgemm" and dense_int8_kernel(device) != "fbgemm":
+        raise ValueError(f"{DENSE_INT8_KERNEL_VAR}=fbgemm: this torch has no FBGEMM engine")
+    if forced:
+        return forced
+    if q8x8.available() and q8x8.use_avx2() and not fbgemm_vnni():
+        return q8x8.KERNEL
+    return "int8pack" if weight_only else dense_int8_kernel(device)
 
 
 def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device, optimize: str = "minmax", *,
@@ -77,7 +113,8 @@ class QuantLinear(nn.Module):
     filled by :meth:`load_rows` a block of rows at a time, or from a loaded ``nn.Linear`` (:meth:`from_linear`).
     ``kernel_device`` names the device the packed layout is for (the skeleton's buffers live on ``meta``).
 
-    int8 on an x86 CPU (:func:`~expertcache.offload.quant.dense_int8_kernel`; ``compiled`` False): once filled,
+    int8 (:func:`int8_kernel`): q8x8 (offload/q8x8.py: the codes as loaded, activations int8 per 32 values) or
+    ``_weight_int8pack_mm`` (bf16 activations) on the codes buffer; FBGEMM on an x86 CPU: once filled,
     :meth:`finish` hands the codes and scales to FBGEMM (``quantized.linear_prepack``: its own packed copy, made
     from the codes a block of rows at a time, :func:`~expertcache.offload.fbgemm.fbgemm_prepack`; the activation
     quantised per call, per token) and drops the codes buffer (``opaque_bytes`` counts FBGEMM's copy
@@ -93,8 +130,8 @@ class QuantLinear(nn.Module):
                  compiled: bool = False, optimize: str = "minmax", weight_only: bool = False) -> None:
         super().__init__()
         self.qm = _matrix(mode, n, k, dtype, kernel_device or device, optimize, compiled=compiled)
-        self.kernel = (("q4x8" if self.qm.kernel == "q4x8" else "int4pack") if mode == "int4" else "int8pack" if weight_only
-                       else dense_int8_kernel(kernel_device or device, compiled=compiled))
+        self.kernel = (("q4x8" if self.qm.kernel == "q4x8" else "int4pack") if mode == "int4" else
+                       int8_kernel(kernel_device or device, compiled=compiled, weight_only=weight_only))
         self._fbgemm = None  # FBGEMM's packed weight, a list of blocks of rows (after finish)
         self.opaque_bytes = 0
         self.reduce_range = not fbgemm_vnni()
@@ -149,6 +186,8 @@ class QuantLinear(nn.Module):
             x_MK = x.reshape(-1, x.shape[-1]).float()
             m_M1 = x_MK.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
             y = (fbgemm_linear(x_MK / m_M1, self._fbgemm, self.reduce_range) * m_M1).to(x.dtype)
+        elif self.kernel == q8x8.KERNEL:  # int8 activations per 32 values × int8 (offload/q8x8.py)
+            y = q8x8.q8x8_mm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales)
         else:
             y = qmm(x.reshape(-1, x.shape[-1]), self.qweight, self.scales, self.qm)
         if self.bias is not None:
@@ -312,11 +351,12 @@ def fbgemm_shapes(model: nn.Module, mode: str | None, device: torch.device | str
     """(N, K, codes bytes) of each ``nn.Linear`` of ``model`` (a skeleton: nothing allocated) that
     :func:`quantize_dense_skeleton` with ``mode`` makes an FBGEMM :class:`QuantLinear` on ``device``: those whose
     :meth:`QuantLinear.finish` hands their codes (N × K_pad int8) to FBGEMM after loading."""
-    if mode in (None, "none") or dense_int8_kernel(device, compiled=compiled) != "fbgemm":
+    if mode in (None, "none"):
         return []
     out = []
     for name, mod in dense_targets(model).items():
-        if isinstance(mod, nn.Embedding) or _target_mode(name, mod, mode) != "int8" or _weight_only(name, mode):
+        if isinstance(mod, nn.Embedding) or _target_mode(name, mod, mode) != "int8" or \
+                int8_kernel(device, compiled=compiled, weight_only=_weight_only(name, mode)) != "fbgemm":
             continue
         n, k = mod.weight.shape
         (ws, _), _ = _matrix("int8", n, k, mod.weight.dtype, device).shapes()

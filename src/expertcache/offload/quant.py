@@ -59,9 +59,9 @@ from expertcache.offload.groupfit import hqq_zero as _hqq_zero, lsq_torch as _ls
 from expertcache.offload import q4x8
 
 __all__ = ["QUANT_PRESETS", "resolve_preset", "cpu_description", "dense_int8_kernel", "dense_int4_kernel",
-           "DENSE_INT4_KERNELS", "DENSE_INT4_KERNEL_VAR", "dense_layout_kernel", "fbgemm_vnni", "kernel_choice_line", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
+           "DENSE_INT4_KERNELS", "DENSE_INT4_KERNEL_VAR", "dense_layout_kernel", "fbgemm_vnni", "QUANT_MODES", "KERNEL_GROUPS", "FORMAT_VERSION", "PACK_ROWS", "QuantMatrix", "QuantLayout", "default_group",
            "kernel_for", "expert_layout_kernel", "k_align", "OPTIMIZERS", "quantize_codes", "pack_matrix", "pack_matrix_into", "qmm", "pack_expert", "quant_mlp",
-           "padding_note", "say_kernels", "EXPERT_KERNELS", "choose_expert_kernel", "expert_kernel", "int4pack_codes",
+           "padding_note", "EXPERT_KERNELS", "choose_expert_kernel", "expert_kernel", "int4pack_codes",
            "PROBED"]
 
 QUANT_MODES = ("int8", "int4")
@@ -221,42 +221,6 @@ def expert_kernel(mode: str | None, device: torch.device | str = "cpu", *, probe
     got = choose_expert_kernel(cap, torch.backends.quantized.supported_engines, forced, q4x8.available(),
                                torch.get_num_threads() == 1)
     return PROBED.get(cap, (got,))[0] if probed and got == "fbgemm" and not forced else got
-
-
-def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool = False) -> str:
-    """One line for stderr and the bench rows: the CPU, its ISA, and the kernel each quantised part runs on."""
-    c = cpu_description()
-    names = {"int4": "_weight_int4pack_mm_for_cpu", "int8": "_weight_int8pack_mm"}
-    act = "8-bit" if fbgemm_vnni() else "7-bit"
-    dk = {"int4": (f"q4x8 (numba, int8 activations per token × int4, "
-                   f"{'AVX2 vpmaddubsw' if q4x8.use_avx2() else 'plain loop: no AVX2 here'}; offload/q4x8.py)")
-          if dense_int4_kernel(compiled=compiled) == q4x8.KERNEL else names["int4"], "int8": f"quantized.linear_dynamic (FBGEMM, {act} activations per token)"
-          if dense_int8_kernel(compiled=compiled) == "fbgemm" else names["int8"]}
-    ek = dict(names)
-    if expert_kernel(experts) == "q4x8":
-        ek["int4"] = (f"q4x8 (numba, int8 activations per token × int4, "
-                      f"{'AVX2 vpmaddubsw' if q4x8.use_avx2() else 'plain loop: no AVX2 here'}; offload/q4x8.py)")
-    elif expert_kernel(experts) == "fbgemm":
-        ek["int4"] = (f"where every expert is resident (C = N) re-quantised per slot to int8 per channel on "
-                      f"quantized.linear_dynamic (FBGEMM, {act} activations per token), else {names['int4']}")
-    timed = PROBED.get(c["aten_capability"]) if expert_kernel(experts, probed=False) == "fbgemm" else None
-    if timed:  # FBGEMM offered here and timed against torch's int4 kernel (fbexperts.slot_kernel)
-        ek["int4"] += (f" (timed here, one token x gate_up: int4pack {timed[1]['int4pack'] * 1e6:.0f} us, FBGEMM "
-                       f"{timed[1]['fbgemm'] * 1e6:.0f} us; FBGEMM taken where 2x faster)")
-    dk["int4-head8"] = f"(attention {dk['int4']}, lm_head int8 {names['int8']}, embedding int4 rows)"
-    caps = "".join(f" {k}={v}" for k, v in c["isa_env"].items())
-    slow = not timed and expert_kernel(experts) == "int4pack" and \
-        c["aten_capability"] not in ("AVX512", "AVX512_BF16", "AVX512_VNNI")
-    note = (" (on an AVX2 AMD EPYC torch's int4 kernel measured 0.74-0.97x bf16 per matrix: int4 experts may save "
-            "memory and reads there, not compute; BENCHMARKS.md \"Which 4-bit kernel on which CPU\")") if slow else ""
-    return (f"kernels on {c['cpu']} [{' '.join(c['cpu_flags']) or 'no SIMD flags read'}], ATen {c['aten_capability']}"
-            f"{caps}: experts {experts and f'{experts} {ek[experts]}' or 'bf16'}; dense part "
-            f"{dense and f'{dense} {dk[dense]}' or 'bf16'}{note}")
-
-
-def say_kernels(experts: str | None, dense: str | None, *, compiled: bool = False) -> None:
-    """:func:`kernel_choice_line` on stderr, once per quantised start on the CPU."""
-    print(f"expertcache: {kernel_choice_line(experts, dense, compiled=compiled)}", file=sys.stderr)
 
 
 def default_group(d: int, f: int) -> int:

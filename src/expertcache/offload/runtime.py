@@ -71,10 +71,10 @@ from expertcache.offload.loader import cache_dir as _cache_dir, load_non_expert,
 from expertcache.offload.lowtier import LowPrecisionTier, low_tier_bytes
 from expertcache.offload.observe import ObserverHandle, Observers, PrefetchEvent, RouterEvent, StepEvent
 from expertcache.offload.prefetch import PrefetchStats, first_layer_input, guess_next_layer
-from expertcache.offload.preflight import (check_resident_quant, compile_kernels, expert_product, expert_sizes,
-                                           graph_products, plan_from, preflight)
+from expertcache.offload.preflight import check_resident_quant, compile_kernels, expert_product, expert_sizes, graph_products, plan_from, preflight  # noqa: E501
+from expertcache.offload.kernelnote import say_kernels
 from expertcache.offload.qlinear import DENSE_MODES, dense_kernel_note, quantize_dense_skeleton
-from expertcache.offload.quant import cpu_description, padding_note, say_kernels, resolve_preset
+from expertcache.offload.quant import cpu_description, padding_note, resolve_preset
 from expertcache.offload.reads import SlotReads
 from expertcache.offload.routes import Routes
 from expertcache.offload.slots import SlotArena
