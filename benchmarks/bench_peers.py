@@ -12,7 +12,7 @@ The same random-weight checkpoint (``expertcache bench --make-model olmoe-1b-7b 
   same on the **Q4_K_M** GGUF that llama.cpp's own quantiser makes of it (``quantize``), what llama.cpp's CPU
   users run; ``--no-repack`` loads without llama.cpp's CPU extra buffer types (its ``--no-repack``);
 * **expertcache with 4-bit experts** (``ec-q4-lru``, ``ec-q4-cp``: ``--quant int4``; ``ec-q4d-*`` adds
-  ``--quant-dense int4`` where the runtime has it; ``ec-q4p-lru``, ``ec-q4p-cp``: the ``--quant q4`` preset,
+  ``--quant-dense int4`` where the runtime has it; ``ec-q4p-lru``, ``ec-q4p-cp``: the ``--quant q4`` preset, ``ec-q4m-cp`` the ``q4m`` one,
   ``offload.quant.QUANT_PRESETS``); every expertcache child plans with ``--memory auto``
   inside its cgroup (``--ec-memory reserve``: the earlier rows' limit − 0.5 GiB);
 * **HF accelerate** disk offload (``dispatch_model`` with an offload folder): accelerate offloads whole
@@ -79,14 +79,14 @@ GiB = 2**30
 QUANT_FTYPES = ("Q4_K_M", "Q4_K_S", "Q4_0", "Q5_K_M", "Q6_K", "Q8_0")
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 SYSTEMS = ("ec-lru", "ec-lru-pf", "ec-cp", "llama", "accelerate", "ec-bench", "llama-q4", "ec-q4-lru", "ec-q4-cp",
-           "ec-q4d-lru", "ec-q4d-cp", "ec-q4p-lru", "ec-q4p-cp")
+           "ec-q4d-lru", "ec-q4d-cp", "ec-q4p-lru", "ec-q4p-cp", "ec-q4m-cp")
 #: expertcache children: (routing policy set, --quant, --quant-dense); "q4" = int4 experts, "q4d" = int4 experts
-#: and int4 dense weights (the ``quant`` branch's --quant-dense); "q4p" = the ``--quant q4`` preset
+#: and int4 dense weights (the ``quant`` branch's --quant-dense); "q4p" = the ``--quant q4`` preset, "q4m" = ``--quant q4m``
 EC_CHILDREN = {"ec-lru": ("original+lru", None, None), "ec-lru-pf": ("original+lru", None, None),
                "ec-cp": ("cache-prior", None, None), "ec-q4-lru": ("original+lru", "int4", None),
                "ec-q4-cp": ("cache-prior", "int4", None), "ec-q4d-lru": ("original+lru", "int4", "int4"),
                "ec-q4d-cp": ("cache-prior", "int4", "int4"), "ec-q4p-lru": ("original+lru", "q4", None),
-               "ec-q4p-cp": ("cache-prior", "q4", None)}
+               "ec-q4p-cp": ("cache-prior", "q4", None), "ec-q4m-cp": ("cache-prior", "q4m", None)}
 LLAMA_SYSTEMS = ("llama", "llama-q4")
 RESULT_TAG = "PEERS_RESULT "
 #: the environment of an expertcache child per ``--isa``: ``avx2`` caps all three of torch's kernel libraries
