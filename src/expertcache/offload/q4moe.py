@@ -280,6 +280,14 @@ class FusedMoE:
     def __call__(self, x_D: torch.Tensor, views: list, w_U) -> torch.Tensor:
         return fused_moe(x_D, views, w_U, self.d, self.f_pad, self.group)
 
+    def step(self, x_D: torch.Tensor, views_of: dict, ids_K: list[int], w_K: torch.Tensor) -> torch.Tensor:
+        """One token's step: ``views_of`` {expert: its views}, combined in ascending expert id with each one's
+        weight in ``w_K`` (at its position in the routed ids ``ids_K``)."""
+        es = sorted(views_of)
+        w = w_K.detach().to("cpu", torch.float32).numpy()
+        at = {e: i for i, e in enumerate(ids_K)}
+        return self(x_D, [views_of[e] for e in es], [w[at[e]] for e in es])
+
 
 def attach(mlp, layout, act):
     """``mlp`` (a layer's per-expert MLP on ``layout``'s slots), given ``mlp.fused`` (a :class:`FusedMoE`) where the
