@@ -237,6 +237,10 @@ def test_expert_kernel_variable_and_non_shipped_ship_are_refused_before_the_work
                   "EXPERTCACHE_DENSE_INT4_KERNEL", capsys)
     assert "bogus" in line and "int4pack" in line and "q4x8" in line
     monkeypatch.delenv("EXPERTCACHE_DENSE_INT4_KERNEL")
+    monkeypatch.setenv("EXPERTCACHE_FUSED_MOE", "bogus")  # turns the fused one-token MoE step (q4moe.py) on/off
+    line = _check(["generate", "--quant", "int4", "--max-new-tokens", "2", "hello"], "EXPERTCACHE_FUSED_MOE", capsys)
+    assert "bogus" in line
+    monkeypatch.delenv("EXPERTCACHE_FUSED_MOE")
     _check(["train", "--model", "granular-256", "--ship", "--steps", "1", "--out", tmp_path / "run"], "--ship", capsys)
     assert not (tmp_path / "run").exists()
 
