@@ -241,6 +241,10 @@ def test_expert_kernel_variable_and_non_shipped_ship_are_refused_before_the_work
     line = _check(["generate", "--quant", "q4", "--max-new-tokens", "2", "hello"], "EXPERTCACHE_DENSE_INT8_KERNEL", capsys)
     assert "bogus" in line and "fbgemm" in line and "q8x8" in line
     monkeypatch.delenv("EXPERTCACHE_DENSE_INT8_KERNEL")
+    monkeypatch.setenv("EXPERTCACHE_FUSED_MOE", "bogus")  # turns the fused one-token MoE step (q4moe.py) on/off
+    line = _check(["generate", "--quant", "int4", "--max-new-tokens", "2", "hello"], "EXPERTCACHE_FUSED_MOE", capsys)
+    assert "bogus" in line
+    monkeypatch.delenv("EXPERTCACHE_FUSED_MOE")
     _check(["train", "--model", "granular-256", "--ship", "--steps", "1", "--out", tmp_path / "run"], "--ship", capsys)
     assert not (tmp_path / "run").exists()
 

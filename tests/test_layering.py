@@ -74,6 +74,14 @@ PRIVATE_ALLOWED = {
                                     "(argparse has no public iterator over them)",
     ("compiled.py", "_cache"): "numba: what cache=True sets on a dispatcher, keyed deeper (Dispatcher.enable_caching "
                                "has no key argument)",
+    ("offload/q4moe.py", "_cache"): "numba: what cache=True sets on a CFunc (enable_caching), keyed deeper as compiled.py does",
+    ("offload/q4moe.py", "_dependency_cache"): "compiled.py's cache keyed by the imports: the fused cfunc inlines q4x8's pieces",
+    ("offload/q4moe.py", "_dot_plain"): "q4x8's inlined numba pieces, shared by the fused MoE kernel (q4x8.py at its size limit)",
+    ("offload/q4moe.py", "_offsets"): "q4x8's inlined numba pieces, shared by the fused MoE kernel (q4x8.py at its size limit)",
+    ("offload/q4moe.py", "_quantise"): "q4x8's inlined numba pieces, shared by the fused MoE kernel (q4x8.py at its size limit)",
+    ("offload/q4moe.py", "_rows4_avx2"): "q4x8's inlined numba pieces, shared by the fused MoE kernel (q4x8.py at its size limit)",
+    ("offload/q4moe.py", "_scale_f32"): "q4x8's inlined numba pieces, shared by the fused MoE kernel (q4x8.py at its size limit)",
+    ("offload/q4moe.py", "_store_f32"): "q4x8's inlined numba pieces, shared by the fused MoE kernel (q4x8.py at its size limit)",
     ("models/adapters.py", "_version"): "torch: a tensor's in-place version counter (the router bias cache's key)",
     ("models/patch.py", "_expertcache_patch"): "our own marker set on the transformers model it patches",
     ("mole/configs.py", "_experts_implementation"): "transformers: the experts kernel a config selects (no setter)",
@@ -176,7 +184,7 @@ def test_the_private_access_check_sees_what_it_must():
 
 #: offload/'s modules bottom to top (docs/ARCHITECTURE.md, "The offloaded runtime's parts"): each may import only
 #: the modules before it; the runtime assembles the parts and nothing below imports it
-OFFLOAD_ORDER = ["checkpoint", "groupfit", "q4x8", "q8x8", "quant", "fbexperts", "binding", "writer", "densecache", "config",
+OFFLOAD_ORDER = ["checkpoint", "groupfit", "q4x8", "q8x8", "q4moe", "quant", "fbexperts", "binding", "writer", "densecache", "config",
                  "budget", "fbgemm", "ioqueue", "observe",
                  "prefetch", "generate",
                  "layout", "qlinear", "kernelnote", "experts", "store", "loader", "tiers", "lowtier", "slots", "views", "reads",

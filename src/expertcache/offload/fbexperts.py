@@ -36,6 +36,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from expertcache.offload import q4moe
 from expertcache.offload.quant import (EXPERT_KERNEL_VAR, PROBED, QuantLayout, QuantMatrix, expert_kernel, fbgemm_vnni,
                                        int4pack_codes, qmm, quant_mlp)
 
@@ -193,7 +194,7 @@ def slot_mlps(layout: QuantLayout, acts: list[Callable], device: torch.device | 
     expert given as its :class:`FbgemmExpert` (the slots have copies only when every expert is resident:
     :class:`~expertcache.offload.views.SlotViews`)."""
     if slot_kernel(layout, device) != "fbgemm":
-        return [quant_mlp(layout, act) for act in acts]
+        return [q4moe.attach(quant_mlp(layout, act), layout, act) for act in acts]  # the fused one-token step
     out = []
     for act in acts:
         fb, fused = fbgemm_mlp(act), quant_mlp(layout, act)

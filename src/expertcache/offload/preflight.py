@@ -31,7 +31,7 @@ from expertcache.offload.layout import ALIGN, place_expert, slot_bytes_for
 from expertcache.offload.lowtier import LOW_MODES, low_tier_bytes
 from expertcache.offload.fbgemm import FBGEMM_ROWS, FINISH_TRANSIENT
 from expertcache.offload.qlinear import dense_bytes, dense_targets, fbgemm_shapes, int8_kernel
-from expertcache.offload import q4x8, q8x8
+from expertcache.offload import q4moe, q4x8, q8x8
 from expertcache.offload.quant import PACK_ROWS, dense_int4_kernel, expert_kernel
 from expertcache.offload.store import quant_layout_for
 from expertcache.offload.tiers import parse_host_memory
@@ -112,8 +112,8 @@ def compile_kernels(family: Family, m: MoELayer, routing: RoutingConfig, evictio
                     offload: OffloadConfig | None = None, device: torch.device | str = "cpu") -> None:
     """Compile (or load from numba's cache) the cache and routing kernels this run uses, and the q4x8 kernel where
     ``offload``'s int4 experts (``quant``) or int4 dense part (``quant_dense``, ``compile``:
-    ``quant.dense_int4_kernel``) run on it on ``device`` (q8x8 where an int8 dense matrix does:
-    ``qlinear.int8_kernel``), before the interpreter's RSS is measured for the plan:
+    ``quant.dense_int4_kernel``) run on it on ``device`` (and the fused MoE step of q4moe.py with it; q8x8 where an
+    int8 dense matrix runs on it: ``qlinear.int8_kernel``), before the interpreter's RSS is measured for the plan:
     compiling holds tens of MiB for the process's life (LLVM), which the first token would otherwise add beyond the
     plan. Nothing else changes: the runtime builds its own cache and router. A policy that needs inputs given later
     (ERAS's profile) or an offline eviction rule (refused by ``OffloadedModel.configure``) is left to its first use."""
@@ -126,6 +126,8 @@ def compile_kernels(family: Family, m: MoELayer, routing: RoutingConfig, evictio
         q4x8.warm()
     if dense8:  # the int8 dense product on q8x8 (qlinear.int8_kernel)
         q8x8.warm()
+    if quant == "int4" and q4moe.enabled() and experts:  # $EXPERTCACHE_FUSED_MOE checked for any int4 run
+        q4moe.warm()  # the fused one-token MoE step (step.py)
     n, k = m.num_experts, m.top_k
     try:
         make_cache(eviction, n, k, gamma=gamma, expert_bytes=1).access_step(list(range(k)))

@@ -239,19 +239,23 @@ class CacheSteps:
         the family's one-token MLP in :func:`~expertcache.offload.experts.expert_mlp`) with the activation
         batched over the step's U experts, when the step reads no slot twice (:attr:`slots_stable`; else each
         expert's MLP as its slot is ready, a scratch slot being reused for the next one; other layouts: the
-        family's MLP per expert). Then, batched: the routing weights and the combine -- in ascending expert
-        id, each output added to a zero row in turn, the sums of transformers' experts loop (``index_add_``
+        family's MLP per expert; q4x8 int4 experts with a SiLU gate: one fused call for the whole step,
+        :mod:`~expertcache.offload.q4moe`, its own float32 sum). Then, batched: the routing weights and the
+        combine -- in ascending expert id, each output added to a zero row in turn, the sums of transformers' experts loop (``index_add_``
         per expert), so the values are the per-expert path's bit for bit. About 3U + 14 tensor ops. The experts
         of ``low`` (not in ``order``) are computed from their low-precision copies and combined the same way."""
         x_D = x_TD[0]
         act = st.act
+        fused = None if low else getattr(st.mlp, "fused", None)  # q4x8 experts: one call for the step (q4moe.py)
         h: dict[int, torch.Tensor] = {}
         ws: dict[int, tuple[torch.Tensor, ...]] = {}
         slots: dict[int, int] = {}
 
         def compute(e: int, slot: int) -> None:
             w = self.views.weights(st.moe.index, e, slot)
-            if act is not None and self.slots_stable:  # (set by _step before its first on_ready)
+            if fused is not None and self.slots_stable:  # the views kept for one fused call when the step ends
+                ws[e] = w
+            elif act is not None and self.slots_stable:  # (set by _step before its first on_ready)
                 ws[e] = w  # computed when the step ends, batched over its experts
                 slots[e] = slot
             elif act is not None:
@@ -263,6 +267,8 @@ class CacheSteps:
         self._run_step(st, order, compute, x_TD, low)
         for e in low:
             h[e] = self.low.compute(st.moe.index, e, x_TD)[0]
+        if fused is not None and ws:  # every expert of the step in one kernel call (its weighted sum included)
+            return fused.step(x_D, ws, self.host_copy(ids_TK)[0].tolist(), w_TK[0])[None]
         grouped = self.views.per_matrix(list(ws.values())) if ws and not h and self.grouped is not None else None
         if grouped is not None:  # one grouped product per matrix over the step's slots (issue 35)
             return grouped_product(grouped, x_D, slots, self.host_copy(ids_TK)[0].tolist(), w_TK[0], act,
