@@ -80,14 +80,14 @@ def _checkpoint(path, config):
     return Checkpoint(path, family_for(config).disk, config.num_experts)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", None])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4-head8", None])
 def test_the_plan_counts_no_embedding_matrix_and_tied_models_keep_it(olmoe_dir, mode, monkeypatch):
     """``dense_bytes`` of the skeleton drops exactly the embedding's held bytes (computed here: V·D codes and V
-    bf16 scales for int8 rows; V·D/2 codes and a bf16 scale and zero per group of 32 for int4; V·D bf16 when not
-    quantised); a tied model's embedding is left as it is (``use_disk_embedding`` returns None)."""
+    bf16 scales for int8 rows (``--quant-dense`` int8 and int4); V·D/2 codes and a bf16 scale and zero per group for
+    int4 rows (int4-head8); V·D bf16 when not quantised); a tied model's embedding is left as it is (``use_disk_embedding`` returns None)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from expertcache.offload.qlinear import dense_bytes
+    from expertcache.offload.qlinear import DENSE_GROUP, dense_bytes
 
     monkeypatch.delenv("EXPERTCACHE_EMBEDDING", raising=False)
     path, tied = olmoe_dir
@@ -100,8 +100,9 @@ def test_the_plan_counts_no_embedding_matrix_and_tied_models_keep_it(olmoe_dir, 
         assert got is None and type(model.get_input_embeddings()) is nn.Embedding
         assert dense_bytes(model, mode) == before
         return
-    v, d = config.vocab_size, config.hidden_size
-    held = {"int8": v * d + 2 * v, "int4": v * d // 2 + 2 * 2 * v * (d // 32), None: 2 * v * d}[mode]
+    v, d, g = config.vocab_size, config.hidden_size, DENSE_GROUP
+    int4 = mode == "int4-head8" and d % (2 * g) == 0  # int4 rows only there (--quant-dense int4 keeps them int8)
+    held = 2 * v * d if mode is None else v * d // 2 + 2 * 2 * v * (d // g) if int4 else v * d + 2 * v
     assert isinstance(model.get_input_embeddings(), DiskEmbedding)
     assert before - dense_bytes(model, mode) == held
 
