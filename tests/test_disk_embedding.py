@@ -186,3 +186,31 @@ def test_interpreter_term_is_the_cgroup_charge_where_smaller(tmp_path, monkeypat
     assert pf.interpreter_bytes(tmp_path, True) == 500 * 2**20
     (tmp_path / "proc/self/cgroup").write_text("0::/box2\n")  # v2, no such file: RSS
     assert cgroup_memory_usage(tmp_path) is None and pf.interpreter_bytes(tmp_path, True) == 500 * 2**20
+
+
+def test_melinoe_model_embedder_reads_the_rows_on_demand(table):
+    """MeLinoe's ``model`` embedder (mean of the input embeddings) gives the same vectors from a DiskEmbedding as
+    from the full matrix (it used ``.weight``, which a DiskEmbedding has not)."""
+    from expertcache.melinoe.predictor import ModelEmbedder
+
+    path, w = table
+
+    class Tok:
+        eos_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) % V for c in text]}
+
+    class Holder:
+        def __init__(self, emb):
+            self.emb = emb
+
+        def get_input_embeddings(self):
+            return self.emb
+
+    full = nn.Embedding(V, D)
+    full.weight.data.copy_(w.to(torch.bfloat16).float())
+    texts = ["hello", "a", "zz top"]
+    want = ModelEmbedder(Holder(full), Tok()).encode(texts)
+    got = ModelEmbedder(Holder(_disk(path, "emb.bf16", torch.float32)), Tok()).encode(texts)
+    assert got.shape == want.shape == (3, D) and (got == want).all()
