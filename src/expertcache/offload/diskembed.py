@@ -25,6 +25,8 @@ import os
 import torch
 from torch import nn
 
+from expertcache.tensorfile import CheckpointError
+
 __all__ = ["DiskEmbedding", "EMBEDDING_MODES", "embedding_mode", "use_disk_embedding"]
 
 #: values of ``$EXPERTCACHE_EMBEDDING``
@@ -79,7 +81,7 @@ class DiskEmbedding(nn.Module):
                 k += 1
             want = (k - j) * rb
             if os.preadv(fd, [view[j * rb:k * rb]], self.start + ids[j] * rb) != want:
-                raise OSError(f"{self.file}: short read of embedding rows {ids[j]}..{ids[k - 1]} (truncated file)")
+                raise CheckpointError(f"{self.file}: short read of embedding rows {ids[j]}..{ids[k - 1]} (truncated file)")
             j = k
         return out
 
