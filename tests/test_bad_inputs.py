@@ -891,3 +891,11 @@ def test_flags_added_this_round_name_a_bad_value(argv, culprit, capsys):
     if "cuda" in " ".join(argv) and torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the device may exist")
     _check(argv, culprit, capsys)
+
+
+def test_embedding_variable_is_refused_before_the_work(env, capsys, monkeypatch):
+    """$EXPERTCACHE_EMBEDDING (the token embedding read on demand or held: offload/diskembed.py) must be disk or
+    ram: one line naming it, exit 2."""
+    monkeypatch.setenv("EXPERTCACHE_EMBEDDING", "bogus")
+    line = _check(["generate", "--quant", "int4", "--max-new-tokens", "2", "hello"], "EXPERTCACHE_EMBEDDING", capsys)
+    assert "bogus" in line and "disk" in line and "ram" in line

@@ -186,6 +186,7 @@ def test_captured_step_with_a_quantised_dense_part(olmoe_dir, monkeypatch):
     logits within float32 rounding (both on ``_weight_int8pack_mm``, what ``--compile`` runs: the eager runtime
     would otherwise take FBGEMM's int8-activation kernel, quant.dense_int8_kernel)."""
     monkeypatch.setenv("EXPERTCACHE_DENSE_INT8_KERNEL", "int8pack")
+    monkeypatch.setenv("EXPERTCACHE_EMBEDDING", "ram")  # the eager one's int8 embedding too (--compile holds it)
     ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(1))
     kw = dict(tier="host", capacity=6, readers=0, quant_dense="int8")
     eager = OffloadedModel.from_pretrained(olmoe_dir, OffloadConfig(**kw), dtype=torch.float32)

@@ -21,6 +21,13 @@ from expertcache.offload.quant import (KERNEL_GROUPS, QuantLayout, QuantMatrix, 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # (mode, N, K, G): aligned; K padded (the shipped D = 144, F = 104); N padded (int4: N % 16)
+@pytest.fixture(autouse=True)
+def embedding_held(monkeypatch):
+    """These tests pin the quantised embedding (QuantEmbedding's rows): held, not read on demand
+    (offload/diskembed.py, whose own tests are tests/test_disk_embedding.py)."""
+    monkeypatch.setenv("EXPERTCACHE_EMBEDDING", "ram")
+
+
 SHAPES = [("int4", 64, 128, 32), ("int4", 32, 256, 64), ("int4", 48, 256, 128), ("int4", 16, 512, 256),
           ("int4", 208, 144, 32), ("int4", 144, 104, 32), ("int4", 40, 96, 64),
           ("int8", 64, 128, 32), ("int8", 144, 104, 32), ("int8", 20, 24, 32)]

@@ -35,6 +35,13 @@ from expertcache.offload.quant import quantize_codes
 
 
 @pytest.fixture(autouse=True)
+def embedding_held(monkeypatch):
+    """These tests pin the quantised embedding (QuantEmbedding's rows): held, not read on demand
+    (offload/diskembed.py, whose own tests are tests/test_disk_embedding.py)."""
+    monkeypatch.setenv("EXPERTCACHE_EMBEDDING", "ram")
+
+
+@pytest.fixture(autouse=True)
 def _weight_only_int8_dense(monkeypatch):
     """These tests pin the weight-only contract (``x @ dequant(W).T``): ``--quant-dense int8`` on
     ``_weight_int8pack_mm`` here, and the int4 experts on torch's int4 kernel; FBGEMM's int8-activation paths and

@@ -9,6 +9,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 
+@pytest.fixture(autouse=True)
+def embedding_held(monkeypatch):
+    """These tests pin the quantised embedding (QuantEmbedding's rows): held, not read on demand
+    (offload/diskembed.py, whose own tests are tests/test_disk_embedding.py)."""
+    monkeypatch.setenv("EXPERTCACHE_EMBEDDING", "ram")
+
+
 def _int4_rows_by_hand(w, group):
     """min/max int4 of each group of ``group`` columns, float32: s = (max - min) / 15, z = min + 8 s,
     q = clamp(round((w - z) / s) + 8, 0, 15); returns the dequantised table (q - 8) s + z."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cgroup_memory_limit", "IMPORT_FLOOR", "check_import_floor"]
+__all__ = ["cgroup_memory_limit", "cgroup_memory_usage", "IMPORT_FLOOR", "check_import_floor"]
 
 #: cgroup v1 writes "no limit" as PAGE_COUNTER_MAX rounded to pages (9223372036854771712); anything this
 #: large is no limit
@@ -73,6 +73,37 @@ def cgroup_memory_limit(root: str | os.PathLike = "/") -> int | None:
                 if n is not None:
                     limits.append(n)
     return min(limits) if limits else None
+
+
+def cgroup_memory_usage(root: str | os.PathLike = "/") -> int | None:
+    """Bytes charged now to this process's memory cgroup (v1 ``memory.usage_in_bytes``, v2 ``memory.current``
+    of its own cgroup, read as :func:`cgroup_memory_limit` finds it); None where there is none. Pages of shared
+    libraries that another cgroup paged in first are charged there, not here (a cgroup's charge can be well below
+    the process's RSS: 356 MB against 535 MB for ``generate`` at its memory plan)."""
+    root = Path(root)
+    try:
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, rel = parts
+        if "memory" in controllers.split(","):
+            base, name = root / "sys/fs/cgroup/memory", "memory.usage_in_bytes"
+        elif hierarchy == "0" and controllers == "":
+            base, name = root / "sys/fs/cgroup", "memory.current"
+        else:
+            continue
+        steps = [s for s in rel.split("/") if s]
+        for f in (base.joinpath(*steps, name), base / name):  # its own cgroup, or one mounted at the root
+            if f.is_file():
+                try:
+                    return _cgroup_value(f)
+                except (OSError, ValueError):
+                    return None
+    return None
 
 
 

@@ -73,15 +73,18 @@ class ModelEmbedder:
     name = "model"
 
     def __init__(self, model, tok) -> None:
-        self.emb = model.get_input_embeddings().weight.detach().float().cpu()  # numpy rows, whatever the device
+        self.module = model.get_input_embeddings()
+        w = getattr(self.module, "weight", None)  # none where the rows are quantised or read on demand (offload)
+        self.emb = None if w is None else w.detach().float().cpu()  # numpy rows, whatever the device
         self.tok = tok
-        self.dim = int(self.emb.shape[1])
+        self.dim = int(self.module.embedding_dim if w is None else self.emb.shape[1])
 
     def encode(self, texts: list[str], batch: int = 32) -> np.ndarray:
         rows = []
         for t in texts:
             ids = self.tok(t, add_special_tokens=False)["input_ids"] or [self.tok.eos_token_id]
-            rows.append(torch.nn.functional.normalize(self.emb[ids].mean(0), dim=0).numpy())
+            e = self.emb[ids] if self.emb is not None else self.module(torch.tensor(ids)).detach().float().cpu()
+            rows.append(torch.nn.functional.normalize(e.mean(0), dim=0).numpy())
         return np.stack(rows).astype(np.float32) if rows else np.zeros((0, self.dim), np.float32)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from expertcache.offload.budget import release_free_heap
 from expertcache.offload.checkpoint import Checkpoint, CheckpointError
 from expertcache.offload.densecache import load_or_pack_dense
+from expertcache.offload.diskembed import DiskEmbedding, use_disk_embedding  # noqa: F401 - the runtime's, from here
 from expertcache.outputs import env_path
 
 __all__ = ["cache_dir", "load_non_expert", "recompute_rotary"]
@@ -37,7 +38,8 @@ def load_non_expert(model: nn.Module, ckpt: Checkpoint, config, packed: dict[str
     ``dense_cache``: a folder where the packed weights are cached, bound to the checkpoint
     (:mod:`expertcache.offload.densecache`: a second start reads them instead of packing); None packs every time.
     ``stats``: a dict that receives how (``dense_cache``: read / written / off / unwritable), where and in how
-    many seconds they were made."""
+    many seconds they were made. An input embedding already replaced by a
+    :class:`~expertcache.offload.diskembed.DiskEmbedding` is not read: its rows stay in the checkpoint."""
     used: set[str] = set()
     packed = packed or {}
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -55,6 +57,7 @@ def load_non_expert(model: nn.Module, ckpt: Checkpoint, config, packed: dict[str
             _check_shape(ckpt, key, src.shape, t.shape)
             t.copy_(src)
             used.add(key)
+        used.update(m.key for m in model.modules() if isinstance(m, DiskEmbedding))  # read on demand, not here
         sources = {}
         for name, mod in packed.items():
             key = _disk_key(ckpt, name)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from expertcache.cache import make_cache
+from expertcache.container import cgroup_memory_usage
 from expertcache.models.adapters import Family, MoELayer
 from expertcache.models.captured import unsupported_reason
 from expertcache.device import on_host
@@ -25,6 +26,7 @@ from expertcache.offload.budget import (AUTO, RUNTIME_OVERHEAD, BudgetError, Mem
                                         container_limit, kv_cache_bytes, parse_bytes, plan_memory, process_rss)
 from expertcache.offload.checkpoint import Checkpoint, ExpertParts
 from expertcache.offload.config import EXPERT_PRODUCTS, OffloadConfig
+from expertcache.offload.diskembed import DiskEmbedding
 from expertcache.offload.experts import OPAQUE_MATVEC_ELEMENTS
 from expertcache.offload.fbexperts import slot_copy_bytes
 from expertcache.offload.layout import ALIGN, place_expert, slot_bytes_for
@@ -38,7 +40,7 @@ from expertcache.offload.tiers import parse_host_memory
 from expertcache.routing import Router, RoutingConfig
 
 __all__ = ["SIDECAR_TRANSIENT", "DENSE_PACK_TRANSIENT", "finish_transient_bytes", "expert_sizes", "graph_products", "expert_product",
-           "check_resident_quant", "compile_kernels", "preflight", "plan_from"]
+           "check_resident_quant", "compile_kernels", "preflight", "plan_from", "interpreter_bytes"]
 
 #: the quantised sidecar's writer holds one expert at a time: its bytes, float32 copies of its largest matrix
 #: and their intermediates (quantize_matrix), the packed blob; a bound in units of the expert's stored bytes
@@ -162,6 +164,7 @@ def preflight(path: Path, model: nn.Module, layers: list[MoELayer], checkpoint: 
             parts, {k: place_expert(p, io, packed=packed) for k, p in parts.items()}, readers)
     dense = {} if o.quant_dense in (None, "none") else dense_targets(model)
     packed_keys = {k for name in dense for k in checkpoint.layout.disk_keys(f"{name}.weight")}
+    packed_keys |= {m.key for m in model.modules() if isinstance(m, DiskEmbedding)}  # never read whole
     largest = max((t.nbytes for k, t in checkpoint.entries.items()
                    if not checkpoint.is_expert_key(k) and k not in packed_keys), default=0)
     load = largest  # Checkpoint.tensor's read buffer beside the weights it is copied into
@@ -179,13 +182,24 @@ def preflight(path: Path, model: nn.Module, layers: list[MoELayer], checkpoint: 
         limit, source = container_limit(root)
     else:
         limit, source = cgroup_memory_limit(root), "memory cgroup limit"
-    process = dict(baseline_bytes=process_rss(), load_bytes=load, overhead_bytes=RUNTIME_OVERHEAD, limit=limit,
+    process = dict(baseline_bytes=interpreter_bytes(root, limit is not None and source == "memory cgroup limit"),
+                   load_bytes=load, overhead_bytes=RUNTIME_OVERHEAD, limit=limit,
                    limit_source=source)
     plan_from(model, o, dtype, process, dense_mode=o.quant_dense, expert_bytes=expert_bytes, slot_bytes=slot_bytes,
               io_bytes=io_bytes, num_layers=len(layers), num_experts=num_experts, top_k=layers[0].top_k,
               readers=readers, host_bytes=parse_host_memory(o.host_memory) if o.tier == "disk" else 0, low_tier_bytes=low,
               slot_extra=slot_extra)
     return process
+
+
+def interpreter_bytes(root: str | os.PathLike = "/", in_cgroup: bool = False) -> int:
+    """The plan's interpreter term: this process's RSS now; inside a memory cgroup (``in_cgroup``) the smaller of
+    that and the cgroup's charge (:func:`~expertcache.container.cgroup_memory_usage`), since the limit counts the
+    charge: shared-library pages that another cgroup paged in first are resident here but charged there (the
+    ``generate`` of docs/OFFLOAD.md, "The process's memory": RSS 510 MiB, charge about 340 MiB at the plan)."""
+    rss = process_rss()
+    charged = cgroup_memory_usage(root) if in_cgroup else None
+    return rss if charged is None or charged <= 0 else min(rss, charged)
 
 
 def plan_from(model: nn.Module, o: OffloadConfig, dtype: torch.dtype, process: dict, *, dense_mode: str | None,

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from expertcache.offload import q8x8
+from expertcache.offload.diskembed import DiskEmbedding
 from expertcache.offload.fbgemm import fbgemm_linear, fbgemm_prepack
 from expertcache.offload.quant import (PACK_ROWS, QuantMatrix, dense_int4_kernel, dense_int8_kernel, dense_layout_kernel,
                                        fbgemm_vnni, pack_matrix_into, qmm, quantize_codes)
@@ -262,12 +263,12 @@ class QuantEmbedding(nn.Module):
 
 def dense_targets(model: nn.Module) -> dict[str, nn.Module]:
     """name -> module of what ``--quant-dense`` replaces: every ``nn.Linear`` under a ``self_attn``, ``lm_head``,
-    and the input embedding."""
+    and the input embedding (unless its rows are read on demand: :class:`~expertcache.offload.diskembed.DiskEmbedding`)."""
     out = {name: mod for name, mod in model.named_modules()
            if type(mod) is nn.Linear and (".self_attn." in f".{name}." or name == "lm_head")}
     emb = model.get_input_embeddings()
     for name, mod in model.named_modules():
-        if mod is emb:
+        if mod is emb and not isinstance(mod, DiskEmbedding):  # rows read on demand: nothing to pack
             out[name] = mod
     return out
 

@@ -67,7 +67,7 @@ from expertcache.offload.experts import OffloadedExperts, bucket_rows, expert_ml
 from expertcache.offload.fbexperts import slot_copy_bytes, slot_mlps
 from expertcache.offload.generate import generate
 from expertcache.offload.ioqueue import IOQueue
-from expertcache.offload.loader import cache_dir as _cache_dir, load_non_expert, recompute_rotary
+from expertcache.offload.loader import cache_dir as _cache_dir, load_non_expert, recompute_rotary, use_disk_embedding
 from expertcache.offload.lowtier import LowPrecisionTier, low_tier_bytes
 from expertcache.offload.observe import ObserverHandle, Observers, PrefetchEvent, RouterEvent, StepEvent
 from expertcache.offload.prefetch import PrefetchStats, first_layer_input, guess_next_layer
@@ -131,10 +131,10 @@ def _load(cls, path: str | os.PathLike, offload: OffloadConfig, *, dtype: torch.
     check_weights_match_config(path, config, model)  # config.json vs the safetensors shapes, named
     layers = find_moe_layers(model, family)
     checkpoint = Checkpoint(path, family.disk, layers[0].num_experts)
+    use_disk_embedding(model, checkpoint, config, device, dtype, compiled=offload.compile)  # rows read on demand
     layout = checkpoint.expert(layers[0].layer_id, 0).layout
-    mlps = []
+    mlps = [expert_mlp(layout, m.block.experts) for m in layers]
     for m in layers:
-        mlps.append(expert_mlp(layout, m.block.experts))
         m.block.experts = OffloadedExperts(None, m.index)  # runtime bound below
     compile_kernels(family, layers[0], routing or RoutingConfig(), eviction, configure_kw.get("gamma", 0.9), offload, device)
     process = preflight(path, model, layers, checkpoint, offload, dtype, device)  # refuses before loading
