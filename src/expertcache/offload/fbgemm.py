@@ -21,8 +21,11 @@ from expertcache.offload.budget import release_free_heap
 
 __all__ = ["FBGEMM_ROWS", "FINISH_TRANSIENT", "fbgemm_prepack", "fbgemm_linear"]
 
-#: output channels per ``linear_prepack`` call (a list of packed blocks; the forward concatenates their outputs)
-FBGEMM_ROWS = 4096
+#: output channels per ``linear_prepack`` call (a list of packed blocks; the forward concatenates their outputs).
+#: FBGEMM's prepack costs superlinearly in the block's rows at K = 2048 (AMD EPYC, one thread: 16.5 ns an element
+#: at 2048 rows, 26 at 3072, 41.5 at 4096): 2048-row blocks pack a 50304 × 2048 ``lm_head`` in 1.7 s against 4.5 s
+#: (the start's largest cost after the imports), and its one-token product was not slower (20.0 vs 26.2 ms, noisy)
+FBGEMM_ROWS = 2048
 
 #: copies of one block's int8 codes held at the peak of :func:`fbgemm_prepack` beside the matrix's codes and the
 #: blocks packed so far: the contiguous slice of the codes, FBGEMM's packed block, its scratch while packing
