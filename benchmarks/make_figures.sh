@@ -100,6 +100,8 @@ if [[ "$BENCH" == 1 ]]; then
    python benchmarks/bench_kernels.py ...                   # which 4-bit kernel on which CPU (both ISAs, ~20 min)
    python benchmarks/bench_lsq.py --rounds 5                # the q4 preset's least-squares fit: torch vs compiled (~10 min)
    python benchmarks/bench_decode_breakdown.py generate ... # where a decode token's time goes, per module (an 8-layer checkpoint)
+   python benchmarks/startup_timeline.py generate ...       # a second start's time to first token, by phase
+   python benchmarks/bench_fused_moe.py --rounds 5          # the fused MoE step (q4moe) against per-expert products
    python benchmarks/bench_llama_quality.py --model ...     # quality like for like with llama.cpp (granular-256, trained)
    python benchmarks/bench_mixed.py quality ...             # mixed precision: closed-loop perplexity per rule
    sudo python benchmarks/bench_mixed.py speed ...          # mixed precision: OLMoE shape in a memory cgroup
