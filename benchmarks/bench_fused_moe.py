@@ -14,7 +14,6 @@ Defaults: the 8-layer OLMoE-1B-7B shape (/work/peers/L8). A bad argument is one 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -54,6 +53,9 @@ def _args(argv=None):
         p.error(f"--threads must be comma-separated integers, got {a.threads!r}")
     if not a.threads or min(a.threads) < 1:
         p.error(f"--threads must be >= 1 each, got {a.threads}")
+    from expertcache.results import check_rows_out
+
+    check_rows_out(p, a.out)
     return a
 
 
@@ -110,7 +112,8 @@ def main(argv=None) -> int:
     for fn in variants.values():  # warm-up (compiles, first touches)
         fn(xs[0], steps[0], ws[0])
     got = {k: [] for k in variants}
-    out = open(a.out, "a") if a.out else None
+    from expertcache.results import append_jsonl
+
     names = list(variants)
     for r in range(a.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:  # order rotated per round
@@ -120,12 +123,10 @@ def main(argv=None) -> int:
                 fn(x, ids, w)
             ms = (time.perf_counter() - t0) / a.steps * 1e3
             got[name].append(ms)
-            if out:
-                out.write(json.dumps({"bench": "fused_moe", "variant": name, "round": r, "ms_per_layer": ms,
-                                      "d": a.d, "f": a.f, "k": a.k, "experts": a.experts, "group": a.group,
-                                      "dtype": a.dtype, "avx2": q4x8.use_avx2()}) + "\n")
-    if out:
-        out.close()
+            if a.out:  # one whole row at a time (results.append_jsonl)
+                append_jsonl(a.out, {"bench": "fused_moe", "variant": name, "round": r, "ms_per_layer": ms,
+                                     "d": a.d, "f": a.f, "k": a.k, "experts": a.experts, "group": a.group,
+                                     "dtype": a.dtype, "avx2": q4x8.use_avx2()})
     base = statistics.median(got["per-expert"])
     print(f"D={a.d} F={a.f} K={a.k} of {a.experts} G={a.group} {a.dtype}, {a.rounds} rounds x {a.steps} layer-steps "
           f"(AVX2 {q4x8.use_avx2()})")
