@@ -33,6 +33,13 @@ from expertcache.routing import RoutingConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+
+@pytest.fixture(autouse=True)
+def _embedding_held(monkeypatch):
+    """The proxy stands for a GPU, where the token embedding is held on the device (offload/diskembed.py reads it
+    from the checkpoint on the CPU only): held here too, so the counts are a GPU's."""
+    monkeypatch.setenv("EXPERTCACHE_EMBEDDING", "ram")
+
 LAYERS, EXPERTS, TOP_K = 4, 16, 4
 POLICIES = ("original", "cache-prior", "max-rank", "eras-threshold")
 

@@ -70,7 +70,7 @@ class DiskEmbedding(nn.Module):
 
     def rows(self, ids: list[int]) -> torch.Tensor:
         """[len(ids), D] in the stored dtype: row ``ids[j]`` of the file each, ``ids`` distinct and in range."""
-        out = torch.empty(len(ids), self.embedding_dim, dtype=self.stored)
+        out = torch.empty(len(ids), self.embedding_dim, dtype=self.stored, device="cpu")  # host bytes, any default
         if not ids:
             return out
         view, rb, fd = memoryview(out.view(torch.uint8).numpy()).cast("B"), self.row_bytes, self._fileno()
