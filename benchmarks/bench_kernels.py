@@ -27,6 +27,7 @@ Candidates (``W`` float32 N(0, 0.02), ``x`` N(0, 1)):
   scaled back;
 - ``a8w4 dyn_quant_matmul_4bit``: ``_dyn_quant_matmul_4bit`` (int8 activation × int4 symmetric groups of 32:
   KleidiAI on ARM, a reference path on x86);
+- ``a8w8 q8x8``: expertcache's int8 dense product on AVX2 (offload/q8x8.py: activations 8-bit per 32 values);
 - ``q4x8 G=g``: expertcache's own int8-activation × int4 kernel (offload/q4x8.py, numba: AVX2 ``vpmaddubsw``
   intrinsics; what the int4 experts run on AVX2 CPUs); ``--isa avx2`` also sets ``NUMBA_CPU_NAME=haswell`` and
   ``NUMBA_CPU_FEATURES=+avx2,+fma`` so numba compiles it for AVX2 only (rows: ``numba_cpu_name``,
@@ -120,6 +121,14 @@ def cand_int8pack(w, x):
     return (lambda W, xx=x.bfloat16(): torch.ops.aten._weight_int8pack_mm(xx, W[0], W[1])), (q, s), q.nbytes + s.nbytes
 
 
+def cand_q8x8(w, x):
+    from expertcache.offload import q8x8
+    from expertcache.offload.quant import quantize_codes
+    q, s, _ = quantize_codes(w, "int8", 0, torch.bfloat16)
+    q = q.to(torch.int8).contiguous()
+    return (lambda W, xx=x.bfloat16(): q8x8.q8x8_mm(xx, W[0], W[1])), (q, s), q.nbytes + s.nbytes
+
+
 def cand_fbgemm(w, x):
     s = (w.abs().amax(1) / 127).double()
     qw = torch.quantize_per_channel(w, s, torch.zeros_like(s, dtype=torch.long), 0, torch.qint8)
@@ -174,7 +183,7 @@ def candidates(compile_: bool) -> dict:
            "a8w8 _int_mm": cand_int_mm, "a8w4 dyn_quant_matmul_4bit": cand_dyn4}
     from expertcache.offload import q4x8
     if q4x8.available():
-        out.update({"q4x8 G=32": cand_q4x8(32), "q4x8 G=64": cand_q4x8(64)})
+        out.update({"q4x8 G=32": cand_q4x8(32), "q4x8 G=64": cand_q4x8(64), "a8w8 q8x8": cand_q8x8})
     if compile_:
         out["inductor dequant-mm G=32"] = cand_inductor
     return out

@@ -138,7 +138,7 @@ def test_hits_are_computed_while_the_misses_are_read(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["olmoe", "deepseek_v3", "gpt_oss"])
-def test_cache_aware_step_reads_the_routed_ids_from_the_host(tmp_path, arch):
+def test_cache_aware_step_reads_the_routed_ids_from_the_host(tmp_path, arch, monkeypatch):
     """With a cache-aware policy the ids are made on the host (from the logits' one copy there): the step reuses
     that host copy instead of copying the ids back from the device -- on the device proxy
     (``device_proxy``), one device -> host transfer per MoE layer, not two, and no blocking copy back.
@@ -146,6 +146,7 @@ def test_cache_aware_step_reads_the_routed_ids_from_the_host(tmp_path, arch):
     from device_proxy import PROXY, DeviceProxy, count_decode, track_runtime
     from expertcache.models.tiny import save_tiny
 
+    monkeypatch.setenv("EXPERTCACHE_EMBEDDING", "ram")  # held, as on the GPU the proxy stands for (diskembed: CPU)
     path = save_tiny(arch, tmp_path / arch, seed=4)
     rt = OffloadedModel.from_pretrained(path, OffloadConfig(tier="host", capacity=2, readers=1), dtype=torch.float32,
                                         device=PROXY, routing=RoutingConfig("cache-prior", lam=0.5))
