@@ -385,7 +385,7 @@ def test_real_cgroup_refuses_instead_of_being_killed(dense_model, tmp_path):
             return subprocess.run(["sh", "-c", script], capture_output=True, text=True,
                                   env=dict(os.environ, OMP_NUM_THREADS="1", EXPERTCACHE_CACHE=str(tmp_path)))
 
-        small = run(900 * MiB)
+        small = run(700 * MiB)  # the plan counts the cgroup charge of the interpreter (~340 MiB), not its RSS
         assert small.returncode == 2, (small.returncode, small.stderr[-1500:])
         assert "needs at least" in small.stderr and "Traceback" not in small.stderr
         ok = run(1600 * MiB)
