@@ -42,30 +42,34 @@ def _cgroup_value(path: Path) -> int | None:
     return None if n >= _NO_LIMIT else n
 
 
-def cgroup_memory_limit(root: str | os.PathLike = "/") -> int | None:
-    """The memory limit in bytes of the cgroup this process runs in: the smallest over its cgroup and the
-    ancestors visible under the mount; None where there is none. Reads ``<root>/proc/self/cgroup``; cgroup v1
-    (a line ``N:...memory...:/path``): ``<root>/sys/fs/cgroup/memory/<path>/memory.limit_in_bytes``; cgroup
-    v2 (``0::/path``): ``<root>/sys/fs/cgroup/<path>/memory.max`` ('max' = none). A container that mounts its
-    own cgroup at the root (the path is not visible) is read there. ``root``: a fake tree, for tests."""
-    root = Path(root)
+def _memory_cgroups(root: Path, v1_name: str, v2_name: str) -> list[tuple[Path, list[str], str]]:
+    """(controller folder, this process's cgroup path steps, file name) of each memory hierarchy in
+    ``root``/proc/self/cgroup: v1's ``memory`` controller with ``v1_name``, v2's unified one with ``v2_name``."""
     try:
         lines = (root / "proc/self/cgroup").read_text().splitlines()
     except OSError:
-        return None
-    limits = []
+        return []
+    out = []
     for line in lines:
         parts = line.strip().split(":", 2)
         if len(parts) != 3:
             continue
         hierarchy, controllers, rel = parts
         if "memory" in controllers.split(","):
-            base, name = root / "sys/fs/cgroup/memory", "memory.limit_in_bytes"
+            out.append((root / "sys/fs/cgroup/memory", [s for s in rel.split("/") if s], v1_name))
         elif hierarchy == "0" and controllers == "":
-            base, name = root / "sys/fs/cgroup", "memory.max"
-        else:
-            continue
-        steps = [s for s in rel.split("/") if s]
+            out.append((root / "sys/fs/cgroup", [s for s in rel.split("/") if s], v2_name))
+    return out
+
+
+def cgroup_memory_limit(root: str | os.PathLike = "/") -> int | None:
+    """The memory limit in bytes of the cgroup this process runs in: the smallest over its cgroup and the
+    ancestors visible under the mount; None where there is none. Reads ``<root>/proc/self/cgroup``; cgroup v1
+    (a line ``N:...memory...:/path``): ``<root>/sys/fs/cgroup/memory/<path>/memory.limit_in_bytes``; cgroup
+    v2 (``0::/path``): ``<root>/sys/fs/cgroup/<path>/memory.max`` ('max' = none). A container that mounts its
+    own cgroup at the root (the path is not visible) is read there. ``root``: a fake tree, for tests."""
+    limits = []
+    for base, steps, name in _memory_cgroups(Path(root), "memory.limit_in_bytes", "memory.max"):
         for depth in range(len(steps) + 1):
             f = base.joinpath(*steps[:depth], name)
             if f.is_file():
@@ -80,23 +84,7 @@ def cgroup_memory_usage(root: str | os.PathLike = "/") -> int | None:
     of its own cgroup, read as :func:`cgroup_memory_limit` finds it); None where there is none. Pages of shared
     libraries that another cgroup paged in first are charged there, not here (a cgroup's charge can be well below
     the process's RSS: 356 MB against 535 MB for ``generate`` at its memory plan)."""
-    root = Path(root)
-    try:
-        lines = (root / "proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.strip().split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, rel = parts
-        if "memory" in controllers.split(","):
-            base, name = root / "sys/fs/cgroup/memory", "memory.usage_in_bytes"
-        elif hierarchy == "0" and controllers == "":
-            base, name = root / "sys/fs/cgroup", "memory.current"
-        else:
-            continue
-        steps = [s for s in rel.split("/") if s]
+    for base, steps, name in _memory_cgroups(Path(root), "memory.usage_in_bytes", "memory.current"):
         for f in (base.joinpath(*steps, name), base / name):  # its own cgroup, or one mounted at the root
             if f.is_file():
                 try:
