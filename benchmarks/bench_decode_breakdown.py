@@ -3,7 +3,8 @@
 SKIP on (default 4), either per-module wall-clock timers (PROF=time, default; inclusive ms per token of each
 module: attention, its int8 projections, the MoE block, the router (stock gate + routing policy), the cache step
 ``serve`` and the expert kernels ``qmm`` inside it, norms, lm_head, ...) or torch.profiler (PROF=torch: self CPU
-per aten op; SHAPES=1 by input shape; adds ~4 ms/token of its own). Experiments, not defaults: ATTN32=1 runs the
+per aten op; SHAPES=1 by input shape; adds ~4 ms/token of its own) or PROF=count (aten ops dispatched per token, by the
+innermost timed module). Experiments, not defaults: ATTN32=1 runs the
 one-query decode attention in float32 (q, k, v cast; bf16 out); ROUTER32=1 the OLMoE router's linear in float32
 (a cached float32 copy of its weight); CATS=1 times every torch.cat by caller.
 
@@ -21,8 +22,8 @@ from expertcache.cli.main import main
 
 MODE = os.environ.get("PROF", "time")
 SKIP = os.environ.get("SKIP", "4")
-if MODE not in ("time", "torch") or not SKIP.isdigit():  # one line and exit 2, before the model is loaded
-    print(f"bench_decode_breakdown: PROF must be time or torch (got {MODE!r}) and SKIP a step count (got {SKIP!r})",
+if MODE not in ("time", "torch", "count") or not SKIP.isdigit():  # one line and exit 2, before the model is loaded
+    print(f"bench_decode_breakdown: PROF must be time, torch or count (got {MODE!r}) and SKIP a step count (got {SKIP!r})",
           file=sys.stderr)
     sys.exit(2)
 SKIP = int(SKIP)
@@ -30,10 +31,27 @@ acc = collections.defaultdict(float)
 cnt = collections.defaultdict(int)
 on = [False]
 
+stack = ["(outside modules)"]
+ops = collections.defaultdict(int)
+if MODE == "count":  # aten ops dispatched per token, by the innermost timed module they ran in
+    from torch.utils._python_dispatch import TorchDispatchMode
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if on[0]:
+                ops[(stack[-1], str(func.overloadpacket))] += 1
+            return func(*args, **(kwargs or {}))
+    _Count().__enter__()
+
 def timed(fn, name):
     def w(*a, **k):
         if not on[0]:
             return fn(*a, **k)
+        if MODE == "count":
+            stack.append(name)
+            try:
+                return fn(*a, **k)
+            finally:
+                stack.pop()
         if MODE == "torch":
             with torch.profiler.record_function("R:" + name):
                 return fn(*a, **k)
@@ -175,6 +193,14 @@ finally:
     if n:
         tot = sum(step_times) / n * 1e3
         print(f"\n== {MODE}: {n} decode steps, step mean {tot:.2f} ms (median {sorted(step_times)[n//2]*1e3:.2f}) ==", file=sys.stderr)
+        if MODE == "count":
+            by = collections.defaultdict(int)
+            for (lab, op), c in ops.items():
+                by[lab] += c
+            print(f"aten ops per token: {sum(by.values()) / n:.0f}", file=sys.stderr)
+            for lab in sorted(by, key=lambda l: -by[l]):
+                top = sorted(((c, op) for (l, op), c in ops.items() if l == lab), reverse=True)[:8]
+                print(f"{lab:28s} {by[lab] / n:7.1f} ops/tok  " + ", ".join(f"{op.split('.')[-1]} {c / n:.0f}" for c, op in top), file=sys.stderr)
         if MODE == "time":
             for k in sorted(acc, key=lambda k: -acc[k]):
                 print(f"{k:28s} {acc[k]/n*1e3:8.3f} ms/tok  calls/tok {cnt[k]/n:6.1f}", file=sys.stderr)

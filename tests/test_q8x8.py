@@ -112,13 +112,13 @@ def test_a_q8x8_quantlinear_is_the_contract_on_its_own_codes(n, k, bias, monkeyp
 
 def test_the_int8_kernel_choice(monkeypatch):
     """Forced by the variable (bad value / q8x8 without numba: ValueError naming it); GPUs and --compile take
-    int8pack whatever is set; unforced, the int8 dense part keeps FBGEMM where torch has it (faster), and the
-    weight-only lm_head of int4-head8 takes q8x8 where AVX2 and numba are and FBGEMM has no VNNI, else int8pack."""
+    int8pack whatever is set; unforced, the int8 dense part and the weight-only lm_head of int4-head8 take q8x8
+    where AVX2 and numba are and FBGEMM has no VNNI, else FBGEMM (where torch has it) and int8pack."""
     from expertcache.offload.quant import dense_int8_kernel, fbgemm_vnni
 
     monkeypatch.delenv(DENSE_INT8_KERNEL_VAR, raising=False)
     here = q8x8.available() and q8x8.use_avx2() and not fbgemm_vnni()
-    assert int8_kernel("cpu") == dense_int8_kernel("cpu")
+    assert int8_kernel("cpu") == ("q8x8" if here else dense_int8_kernel("cpu"))
     assert int8_kernel("cpu", weight_only=True) == ("q8x8" if here else "int8pack")
     assert int8_kernel("cpu", compiled=True) == "int8pack" == int8_kernel("cuda")
     monkeypatch.setenv(DENSE_INT8_KERNEL_VAR, "int8pack")

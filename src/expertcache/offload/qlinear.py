@@ -75,13 +75,16 @@ DENSE_INT8_KERNEL_VAR = "EXPERTCACHE_DENSE_INT8_KERNEL"
 def int8_kernel(device: torch.device | str = "cpu", *, compiled: bool = False, weight_only: bool = False) -> str:
     """The product of an int8 dense matrix on ``device``. A GPU or ``compiled`` (``--compile``): ``int8pack``. On
     a CPU, ``$EXPERTCACHE_DENSE_INT8_KERNEL`` (one of :data:`DENSE_INT8_KERNELS`; ValueError naming it for another
-    value, for q8x8 without numba, for fbgemm where torch has none) wins; else FBGEMM for the int8 dense part
-    (:func:`~expertcache.offload.quant.dense_int8_kernel`: the faster one, also on AVX2 -- cold weights, one token,
-    AVX2-only AMD EPYC: [2048, 2048] 0.42 ms against q8x8's 0.62, ``lm_head`` [50304, 2048] 9.7-10.9 against 11.1-13.4;
-    q8x8 keeps more quality there, forced: the q4 preset's mean KL on granular's held-out split 0.00533 against
-    0.00862 with FBGEMM's 7-bit activations), and for ``int4-head8``'s weight-only ``lm_head`` (``weight_only``) q8x8
-    where FBGEMM has no VNNI and numba and AVX2 are there (activations 8-bit per 32 values, as llama.cpp quantises
-    every product's: 11.1-13.4 ms against ``_weight_int8pack_mm``'s 27.2-27.4), else ``_weight_int8pack_mm``."""
+    value, for q8x8 without numba, for fbgemm where torch has none) wins; else q8x8 where FBGEMM has no VNNI and
+    numba and AVX2 are there (activations 8-bit per 32 values, as llama.cpp quantises every product's), for the int8
+    dense part and ``int4-head8``'s weight-only ``lm_head`` alike: in a decode step it is the faster one (AVX2-only
+    AMD EPYC, one thread, 8-layer OLMoE shape, interleaved: attention projections 21-23 ms a token against FBGEMM's
+    26-31 -- FBGEMM's own product is quicker on cold weights, 0.42 against 0.62 ms on [2048, 2048], but its row
+    scaling and casts around it are not; ``lm_head`` 11.6-12.1 against 14.0-15.7 ms, and 11.1-13.4 against
+    ``_weight_int8pack_mm``'s 27.2-27.4), keeps more quality (the q4 preset's mean KL on granular's held-out split
+    0.00533 against 0.00862 with FBGEMM's 7-bit activations) and needs no packing at start-up. Elsewhere FBGEMM
+    (:func:`~expertcache.offload.quant.dense_int8_kernel`; with VNNI its 8-bit products) for the dense part and
+    ``_weight_int8pack_mm`` for a weight-only head."""
     import os
 
     forced = os.environ.get(DENSE_INT8_KERNEL_VAR, "").strip() or None
@@ -95,9 +98,9 @@ def int8_kernel(device: torch.device | str = "cpu", *, compiled: bool = False, w
         raise ValueError(f"{DENSE_INT8_KERNEL_VAR}=fbgemm: this torch has no FBGEMM engine")
     if forced:
         return forced
-    if weight_only:
-        return q8x8.KERNEL if q8x8.available() and q8x8.use_avx2() and not fbgemm_vnni() else "int8pack"
-    return dense_int8_kernel(device)
+    if q8x8.available() and q8x8.use_avx2() and not fbgemm_vnni():
+        return q8x8.KERNEL
+    return "int8pack" if weight_only else dense_int8_kernel(device)
 
 
 def _matrix(mode: str, n: int, k: int, dtype: torch.dtype, device, optimize: str = "minmax", *,
