@@ -39,9 +39,11 @@ def _anonymous(nbytes: int) -> mmap.mmap:
     Private, not ``mmap.mmap(-1, n)``'s default ``MAP_SHARED``: a shared anonymous mapping is shmem, whose pages
     cost more to commit (1.7 GiB on the 2-core AMD EPYC VM: 1.0-1.6 s shared, 0.6-0.8 s private) and whose
     transparent huge pages ``shmem_enabled`` governs (``never`` by default), so the ``MADV_HUGEPAGE`` the arena
-    used to ask for never took effect. It is not asked for now: committing huge pages stalled 1.6-4.1 s for
-    1.7 GiB there (direct compaction, ``defrag=madvise``), so the slots keep the 4 KiB pages they always had."""
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    used to ask for never took effect. It is not asked for now: on a private mapping, committing 1.7 GiB of huge
+    pages took 1.6-4.1 s there (0.2 s per GiB at best: ``defrag=madvise`` stalls the fault until a huge page is
+    found), so the slots keep the 4 KiB pages they always had, and the decode streams them as it did."""
+    private = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
+    m = mmap.mmap(-1, nbytes, **({} if None in private else {"flags": private[0] | private[1]}))  # Windows: no flags
     try:
         m.madvise(_MADV_POPULATE_WRITE)
     except (OSError, ValueError, AttributeError):
