@@ -233,8 +233,8 @@ if compiled.AVAILABLE:
                  _p16(a[10]), _p32(a[10]), a[11], _pu8(a[12]), _p8(a[13]), _p32(a[14]), False, a, True)
 
     def _kernel_avx2(xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp):
-        _product(_rows_avx2, xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp, True,
-                 np.zeros(1, np.int64), False)
+        _product(_rows_avx2, xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp,
+                 True, np.zeros(1, np.int64), False)
 
     def _kernel_plain(xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp):
         _product(_rows_plain, xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp,
