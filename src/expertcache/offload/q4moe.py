@@ -24,12 +24,13 @@ expert's output, the running sum): within bf16 rounding. x's K padding (D up to 
 q4x8. The experts' bytes are read where they lie: their codes' and scales' addresses are passed as int64 arrays
 (the slot views' ``data_ptr()``), the weights as float32.
 
-**Threads**: with ``threads`` > 1 (default ``torch.get_num_threads()``, at most U) the experts are split into
-contiguous ranges, one per thread of a small persistent pool (:class:`_Pool`; the calling thread takes the first
-range; ctypes releases the GIL), each writing its experts' float32 outputs into its own rows of one [U, D] buffer;
-the weighted sum then runs in one more call, in ascending u, after every range is done: the result is the
-one-thread result bit for bit, whatever the threads' timing. (Not numba's parallel backend: its threads next to
-torch's slowed torch 50-100×.)
+**Threads**: with ``threads`` > 1 (default ``torch.get_num_threads()``, at most U) the experts run on a team of
+that many threads (:func:`team.run <expertcache.offload.team.run>`: torch's own OpenMP threads where found, else a
+small pool), each taking the next expert from a shared counter and writing its float32 output into that expert's
+row of one [U, D] buffer; the weighted sum then runs in one more call, in ascending u, after every expert is done:
+the one-thread result bit for bit, whatever the threads' timing. (Not numba's parallel backend: its threads next
+to torch's slowed torch 50-100×; nor threads of our own where torch's team is found: torch's OpenMP workers spin
+after each op, and a thread of ours beside them made a layer slower with 2 threads than with 1.)
 
 A numba ``cfunc`` called through ctypes (q4x8's style), on q4x8's AVX2 intrinsics where :func:`q4x8.use_avx2`,
 else its plain loop (the same integer sums); compiled on first use or by :func:`warm`, cached on disk keyed by
@@ -41,15 +42,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import queue
-import threading
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from expertcache import compiled
-from expertcache.offload import q4x8
+from expertcache.offload import q4x8, team
 
 __all__ = ["FUSED_VAR", "enabled", "silu_gated", "FusedMoE", "fused_moe", "warm", "attach"]
 
@@ -80,6 +79,7 @@ if compiled.AVAILABLE:
 
     from expertcache.offload.q4x8 import (BLOCK, _dot_plain, _offsets, _quantise, _rows4_avx2, _scale_f32,
                                           _store_f32)
+    from expertcache.offload.team import pointer, take
 
     @intrinsic
     def _addr(typingctx, a):
@@ -112,8 +112,9 @@ if compiled.AVAILABLE:
 
     @njit(inline="always")
     def _body(mv, pairs, xp, xf, xkind, d, u0, u1, n_exp, gcp, gsp, dcp, dsp, skind, f_pad, group, wp, hp, yp, yf,
-              combine):
-        """Experts [u0, u1) into rows u of h [n_exp, n4] (float32); then, if ``combine``, the weighted sum of all
+              combine, ctr, dyn):
+        """Experts [u0, u1) into rows u of h [n_exp, n4] (float32) -- each next u taken from the work counter
+        ``ctr[0]`` (team.take) if ``dyn``, else u0, u0 + 1, ...; then, if ``combine``, the weighted sum of all
         n_exp rows into y [d] in x's kind (module docstring)."""
         kx = (d + group - 1) // group * group  # gate_up's K, padded to G
         n4, f2 = (d + 3) // 4 * 4, 2 * f_pad
@@ -131,7 +132,8 @@ if compiled.AVAILABLE:
             gu, act, none16 = np.empty(f2, np.float32), np.empty(f_pad, np.float32), np.empty(1, np.int16)
             _quantise(x16, x32, xkind, 1, d, kx, group, xq, sxq, xs, xa, pairs)  # once for every expert
             one = np.float32(1.0)
-            for u in range(u0, u1):
+            u = take(ctr, 0) if dyn else u0
+            while u < u1:
                 codes = carray(_addr(gc[u]), f2 * kx // 2, np.uint8)
                 s16, s32 = carray(_addr(gs[u]), f2 * ngx * 2, np.int16), carray(_addr(gs[u]), f2 * ngx * 2, np.float32)
                 mv(codes, s16, s32, skind, f2, kx, group, xq, sxq, xs, xa[0], corr, gu, 0)
@@ -142,6 +144,7 @@ if compiled.AVAILABLE:
                 codes = carray(_addr(dc[u]), n4 * f_pad // 2, np.uint8)
                 s16, s32 = carray(_addr(ds[u]), n4 * ngf * 2, np.int16), carray(_addr(ds[u]), n4 * ngf * 2, np.float32)
                 mv(codes, s16, s32, skind, n4, f_pad, group, aq, asxq, axs, aa[0], corr, h, u * n4)
+                u = take(ctr, 0) if dyn else u + 1
         if combine:
             w = carray(wp, n_exp)
             acc = np.zeros(d, np.float32)
@@ -153,90 +156,71 @@ if compiled.AVAILABLE:
             for i in range(d):
                 _store_f32(y16, y32, i, acc[i], xkind)
 
+    _p16, _p32, _p64 = pointer(types.int16), pointer(types.float32), pointer(types.int64)
+
+    @njit(inline="always")
+    def _team(mv, pairs, data):
+        """The experts of one call on a team of threads (team.py): ``data`` int64 [counter, x, x's kind, d, n_exp,
+        gate_up codes, gate_up scales, down codes, down scales (address arrays), scales' kind, f_pad, G, h]."""
+        a = carray(data, 13, np.int64)
+        _body(mv, pairs, _p16(a[1]), _p32(a[1]), a[2], a[3], 0, a[4], a[4], _p64(a[5]), _p64(a[6]), _p64(a[7]),
+              _p64(a[8]), a[9], a[10], a[11], _p32(a[12]), _p32(a[12]), _p16(a[12]), _p32(a[12]), False, a, True)
+
     # the two paths' kernels (module level, so numba caches them; the AVX2 one never compiled where it is missing)
     def _fused_avx2(xp, xf, xkind, d, u0, u1, n_exp, gcp, gsp, dcp, dsp, skind, f_pad, group, wp, hp, yp, yf,
                     combine):
         _body(_mv_avx2, True, xp, xf, xkind, d, u0, u1, n_exp, gcp, gsp, dcp, dsp, skind, f_pad, group, wp, hp, yp,
-              yf, combine)
+              yf, combine, np.zeros(1, np.int64), False)
 
     def _fused_plain(xp, xf, xkind, d, u0, u1, n_exp, gcp, gsp, dcp, dsp, skind, f_pad, group, wp, hp, yp, yf,
                      combine):
         _body(_mv_plain, False, xp, xf, xkind, d, u0, u1, n_exp, gcp, gsp, dcp, dsp, skind, f_pad, group, wp, hp,
-              yp, yf, combine)
+              yp, yf, combine, np.zeros(1, np.int64), False)
+
+    def _team_avx2(data):
+        _team(_mv_avx2, True, data)
+
+    def _team_plain(data):
+        _team(_mv_plain, False, data)
+
+
+def _compile(body, sig):
+    """``body`` as a numba CFunc of ``sig``, cached on disk keyed by this file and its package imports."""
+    from numba.core import sigutils
+    from numba.core.ccallback import CFunc
+
+    cf = CFunc(body, sigutils.normalize_signature(sig), locals={}, options={"nopython": True})
+    try:
+        cf._cache = compiled._dependency_cache(body)  # what cache=True sets, keyed deeper (compiled.py)
+    except RuntimeError:  # no writable cache location: compiled per process
+        pass
+    cf.compile()
+    return cf
 
 
 def _kernel(avx2: bool):
-    """The compiled kernel of the AVX2 or the plain path (a ctypes function), compiled on first use, cached on disk
-    (keyed by this file and its package imports: an edit of q4x8.py compiles it again)."""
+    """(the compiled kernel of the AVX2 or the plain path as a ctypes function, the address of its team kernel
+    ``void(void *data)``: team.py), compiled on first use, cached on disk (keyed by this file and its package
+    imports: an edit of q4x8.py compiles it again)."""
     got = _CFUNCS.get(avx2)
     if got is None:
         from numba import types as nt
-        from numba.core import sigutils
-        from numba.core.ccallback import CFunc
 
         p, i64, f32, i16 = nt.CPointer, nt.int64, nt.float32, nt.int16
         sig = nt.void(p(i16), p(f32), i64, i64, i64, i64, i64, p(i64), p(i64), p(i64), p(i64), i64, i64, i64,
                       p(f32), p(f32), p(i16), p(f32), i64)
-        body = _fused_avx2 if avx2 else _fused_plain
-        cf = CFunc(body, sigutils.normalize_signature(sig), locals={}, options={"nopython": True})
-        try:
-            cf._cache = compiled._dependency_cache(body)  # what cache=True sets, keyed deeper (compiled.py)
-        except RuntimeError:  # no writable cache location: compiled per process
-            pass
-        cf.compile()
+        cf = _compile(_fused_avx2 if avx2 else _fused_plain, sig)
+        tf = _compile(_team_avx2 if avx2 else _team_plain, nt.void(nt.voidptr))
         ptr, c64 = ctypes.c_void_p, ctypes.c_int64
         proto = ctypes.CFUNCTYPE(None, ptr, ptr, c64, c64, c64, c64, c64, ptr, ptr, ptr, ptr, c64, c64, c64, ptr, ptr,
                                  ptr, ptr, c64)
-        got = _CFUNCS.setdefault(avx2, (cf, proto(cf.address)))
-    return got[1]
+        got = _CFUNCS.setdefault(avx2, (cf, tf, proto(cf.address), tf.address))
+    return got[2], got[3]
 
 
 def warm() -> None:
     """Compile (or load from numba's cache) this CPU's path now (preflight: before the plan measures the process)."""
     _kernel(q4x8.use_avx2())
-
-
-class _Pool:
-    """Persistent worker threads, each running the kernel calls handed to it (a ctypes call: the GIL released)."""
-
-    def __init__(self) -> None:
-        self._jobs: list[queue.SimpleQueue] = []
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-
-    def run(self, calls: list) -> None:
-        """Run ``calls`` (callables of no argument): the first here, the rest one per worker; return when all are
-        done (the first error raised)."""
-        with self._lock:
-            while len(self._jobs) < len(calls) - 1:
-                jobs: queue.SimpleQueue = queue.SimpleQueue()
-                threading.Thread(target=self._work, args=(jobs,), daemon=True, name="q4moe").start()
-                self._jobs.append(jobs)
-            for jobs, call in zip(self._jobs, calls[1:]):
-                jobs.put(call)
-            errors = []
-            try:
-                calls[0]()
-            except BaseException as e:  # noqa: BLE001 - re-raised below, once the workers are done
-                errors.append(e)
-            for _ in calls[1:]:
-                got = self._done.get()
-                if got is not None:
-                    errors.append(got)
-            if errors:
-                raise errors[0]
-
-    def _work(self, jobs: queue.SimpleQueue) -> None:
-        while True:
-            call = jobs.get()
-            try:
-                call()
-                self._done.put(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                self._done.put(e)
-
-
-_POOL = _Pool()
 
 
 def fused_moe(x_D: torch.Tensor, views: list, w_U, d: int, f_pad: int, group: int, *, threads: int | None = None,
@@ -256,17 +240,17 @@ def fused_moe(x_D: torch.Tensor, views: list, w_U, d: int, f_pad: int, group: in
     n4 = -(-d // 4) * 4
     h = np.empty(max(u, 1) * n4, np.float32)
     y = torch.empty(d, dtype=x.dtype)
-    fn = _kernel(q4x8.use_avx2() if avx2 is None else avx2)
+    fn, on_team = _kernel(q4x8.use_avx2() if avx2 is None else avx2)
     px, py = x.data_ptr(), y.data_ptr()
     args = (gc.ctypes.data, gs.ctypes.data, dc.ctypes.data, ds.ctypes.data, skind, f_pad, group, w.ctypes.data,
             h.ctypes.data, py, py)
-    n = max(1, min(torch.get_num_threads() if threads is None else threads, u))
+    n = team.cut(u, torch.get_num_threads() if threads is None else threads)
     if n == 1:
         fn(px, px, kind, d, 0, u, u, *args, 1)
-    else:
-        cut = [u * t // n for t in range(n + 1)]
-        _POOL.run([lambda a=a, b=b: fn(px, px, kind, d, a, b, u, *args, 0) for a, b in zip(cut, cut[1:])])
-        fn(px, px, kind, d, 0, 0, u, *args, 1)  # the weighted sum, in ascending u, once every range is done
+    else:  # the experts on a team of n threads (team.py), each taking the next expert; then the weighted sum
+        data = np.array([0, px, kind, d, u, *args[:7], h.ctypes.data], np.int64)
+        team.run(on_team, data.ctypes.data, n)
+        fn(px, px, kind, d, 0, 0, u, *args, 1)  # in ascending u, once every expert is done
     return y if y.dtype == x_D.dtype else y.to(x_D.dtype)
 
 

@@ -21,6 +21,11 @@ time sharing each block's loads of x, each row's block sums converted once and a
 its own float32 vector (``rows4_q8``); a last half block (K_pad ≡ 16 mod 32) and CPUs without AVX2 take a plain
 loop with the same integer sums. x is read in its dtype, y written in it (float32 sums, rounded once).
 
+**Threads**: with ``threads`` > 1 (default ``torch.get_num_threads()``) x is quantised once, then the output
+rows run on a team of threads (:func:`team.run <expertcache.offload.team.run>`: torch's own OpenMP threads where
+found), each taking the next :data:`CHUNK` rows from a shared counter; a row's sums run in the same order on
+whichever thread (the AVX2 quads are the one-thread quads): the one-thread result bit for bit.
+
 **Numerical contract**: the result equals ``Σ_b (a_b·xq_b) @ q_b.T · s`` to float32 rounding; against
 ``x @ (q·s).T`` it differs only by the activation's rounding, at most ``a_b / 2`` per element of x.
 
@@ -38,7 +43,7 @@ import numpy as np
 import torch
 
 from expertcache import compiled
-from expertcache.offload import q4x8
+from expertcache.offload import q4x8, team
 
 __all__ = ["KERNEL", "ABLOCK", "available", "use_avx2", "warm", "q8x8_mm", "block_sums"]
 
@@ -46,6 +51,8 @@ __all__ = ["KERNEL", "ABLOCK", "available", "use_avx2", "warm", "q8x8_mm", "bloc
 KERNEL = "q8x8"
 #: activation block: one int8 scale per 32 values of a row of x (llama.cpp's Q8_0)
 ABLOCK = 32
+#: output rows a thread takes at a time when a product runs on several (a multiple of 4: rows4_q8's quads)
+CHUNK = 64
 _KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 _CFUNCS: dict[bool, tuple] = {}
 _SCRATCH = threading.local()
@@ -127,7 +134,9 @@ def _intrinsics():
 
 
 if compiled.AVAILABLE:
-    from numba import carray, njit
+    from numba import carray, njit, types
+
+    from expertcache.offload.team import pointer, take
 
     _rows4_q8 = _intrinsics()
     _scale_f32, _store_f32 = q4x8._scale_f32, q4x8._store_f32
@@ -164,17 +173,23 @@ if compiled.AVAILABLE:
             tot += sc[m * nb + b] * np.float32(d)
         return tot
 
-    def _kernel_avx2(xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp):
-        x16, x32 = carray(xp, m_rows * k_in), carray(xf, m_rows * k_in)
-        w, s16, s32 = carray(wp, n_rows * k_pad), carray(sp, n_rows), carray(sf, n_rows)
-        y16, y32 = carray(yp, m_rows * n_rows), carray(yf, m_rows * n_rows)
+    @njit(inline="always")
+    def _rows_plain(w, s16, s32, skind, lo, hi, n_rows, k_pad, m_rows, xa, xs, sc, y16, y32, ykind, four):
+        """Rows [lo, hi) of y on the plain loop."""
         nb = (k_pad + ABLOCK - 1) // ABLOCK
-        xa, xs, sc = carray(ap, m_rows * k_pad), carray(qp, m_rows * k_pad), carray(cp, m_rows * nb)
-        _quantise(x16, x32, xkind, m_rows, k_in, k_pad, xa, xs, sc)
+        for n in range(lo, hi):
+            for m in range(m_rows):
+                v = _tail(w, n, k_pad, xs, m, 0, sc, nb)
+                _store_f32(y16, y32, m * n_rows + n, v * _scale_f32(s16, s32, n, skind), ykind)
+
+    @njit(inline="always")
+    def _rows_avx2(w, s16, s32, skind, lo, hi, n_rows, k_pad, m_rows, xa, xs, sc, y16, y32, ykind, four):
+        """Rows [lo, hi) of y (lo a multiple of 4): those below the last whole quad of all n_rows on rows4_q8, the
+        rest on the plain loop -- so a row's sums run in one order whichever range it falls in."""
+        nb = (k_pad + ABLOCK - 1) // ABLOCK
         whole = k_pad // ABLOCK
-        four = np.empty(4, dtype=np.float32)
         n4 = n_rows - n_rows % 4
-        for n0 in range(0, n4, 4):
+        for n0 in range(lo, min(hi, n4), 4):
             for m in range(m_rows):
                 _rows4_q8(w, n0 * k_pad, k_pad, xa, xs, m * k_pad, sc, m * nb, whole, four, 0)
                 for r in range(4):
@@ -182,26 +197,59 @@ if compiled.AVAILABLE:
                     if whole < nb:
                         v += _tail(w, n0 + r, k_pad, xs, m, whole * ABLOCK, sc, nb)
                     _store_f32(y16, y32, m * n_rows + n0 + r, v * _scale_f32(s16, s32, n0 + r, skind), ykind)
-        for n in range(n4, n_rows):
-            for m in range(m_rows):
-                v = _tail(w, n, k_pad, xs, m, 0, sc, nb)
-                _store_f32(y16, y32, m * n_rows + n, v * _scale_f32(s16, s32, n, skind), ykind)
+        _rows_plain(w, s16, s32, skind, max(lo, n4), hi, n_rows, k_pad, m_rows, xa, xs, sc, y16, y32, ykind, four)
 
-    def _kernel_plain(xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp):
+    @njit(inline="always")
+    def _product(rows, xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp, quant,
+                 ctr, dyn):
+        """x quantised into (xa, xs, sc) if ``quant``; then the rows of y: all, or if ``dyn`` chunks of CHUNK rows
+        taken from the work counter ``ctr[0]`` (team.take) until none is left."""
         x16, x32 = carray(xp, m_rows * k_in), carray(xf, m_rows * k_in)
         w, s16, s32 = carray(wp, n_rows * k_pad), carray(sp, n_rows), carray(sf, n_rows)
         y16, y32 = carray(yp, m_rows * n_rows), carray(yf, m_rows * n_rows)
         nb = (k_pad + ABLOCK - 1) // ABLOCK
         xa, xs, sc = carray(ap, m_rows * k_pad), carray(qp, m_rows * k_pad), carray(cp, m_rows * nb)
-        _quantise(x16, x32, xkind, m_rows, k_in, k_pad, xa, xs, sc)
-        for n in range(n_rows):
-            for m in range(m_rows):
-                v = _tail(w, n, k_pad, xs, m, 0, sc, nb)
-                _store_f32(y16, y32, m * n_rows + n, v * _scale_f32(s16, s32, n, skind), ykind)
+        if quant:
+            _quantise(x16, x32, xkind, m_rows, k_in, k_pad, xa, xs, sc)
+        four = np.empty(4, dtype=np.float32)
+        if not dyn:
+            rows(w, s16, s32, skind, 0, n_rows, n_rows, k_pad, m_rows, xa, xs, sc, y16, y32, ykind, four)
+            return
+        c = take(ctr, 0)
+        while c * CHUNK < n_rows:
+            rows(w, s16, s32, skind, c * CHUNK, min(n_rows, (c + 1) * CHUNK), n_rows, k_pad, m_rows, xa, xs,
+                  sc, y16, y32, ykind, four)
+            c = take(ctr, 0)
+
+    _p8, _pu8, _p16, _p32 = (pointer(types.int8), pointer(types.uint8), pointer(types.int16),
+                             pointer(types.float32))
+
+    @njit(inline="always")
+    def _team(rows, data):
+        """The rows of one product on a team of threads (team.py), x already quantised: ``data`` int64 [counter,
+        x, x's kind, M, K', weight, scales, scales' kind, N, K_pad, y, y's kind, |xq|, xq, block scales]."""
+        a = carray(data, 15, np.int64)
+        _product(rows, _p16(a[1]), _p32(a[1]), a[2], a[3], a[4], _p8(a[5]), _p16(a[6]), _p32(a[6]), a[7], a[8], a[9],
+                 _p16(a[10]), _p32(a[10]), a[11], _pu8(a[12]), _p8(a[13]), _p32(a[14]), False, a, True)
+
+    def _kernel_avx2(xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp):
+        _product(_rows_avx2, xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp,
+                 True, np.zeros(1, np.int64), False)
+
+    def _kernel_plain(xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp):
+        _product(_rows_plain, xp, xf, xkind, m_rows, k_in, wp, sp, sf, skind, n_rows, k_pad, yp, yf, ykind, ap, qp, cp,
+                 True, np.zeros(1, np.int64), False)
+
+    def _team_avx2(data):
+        _team(_rows_avx2, data)
+
+    def _team_plain(data):
+        _team(_rows_plain, data)
 
 
 def _kernel(avx2: bool):
-    """The compiled kernel of the AVX2 or the plain path (a numba cfunc called through ctypes), cached on disk."""
+    """(the compiled kernel of the AVX2 or the plain path, a numba cfunc called through ctypes; the address of its
+    team kernel ``void(void *data)``: team.py), cached on disk."""
     got = _CFUNCS.get(avx2)
     if got is None:
         from numba import types
@@ -210,10 +258,11 @@ def _kernel(avx2: bool):
         sig = types.void(p(i16), p(f32), i64, i64, i64, p(types.int8), p(i16), p(f32), i64, i64, i64, p(i16), p(f32),
                          i64, p(types.uint8), p(types.int8), p(f32))
         cf = compiled.cfunc(_kernel_avx2 if avx2 else _kernel_plain, sig.args, sig.return_type)
+        tf = compiled.cfunc(_team_avx2 if avx2 else _team_plain, (types.voidptr,), types.void)
         c, i = ctypes.c_void_p, ctypes.c_int64
         proto = ctypes.CFUNCTYPE(None, c, c, i, i, i, c, c, c, i, i, i, c, c, i, c, c, c)
-        got = _CFUNCS.setdefault(avx2, (cf, proto(cf.address)))
-    return got[1]
+        got = _CFUNCS.setdefault(avx2, (cf, tf, proto(cf.address), tf.address))
+    return got[2], got[3]
 
 
 def warm() -> None:
@@ -232,10 +281,11 @@ def _scratch(m: int, k_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return got
 
 
-def q8x8_mm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, avx2: bool | None = None
-            ) -> torch.Tensor:
+def q8x8_mm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, avx2: bool | None = None,
+            threads: int | None = None) -> torch.Tensor:
     """``x_MK @ (q·s).T`` [M, N] in x's dtype for an int8 weight [N, K_pad] and its scales [N] (module docstring);
-    x's columns past its own count are zeros. ``avx2``: force the AVX2 path (True) or the plain one (False)."""
+    x's columns past its own count are zeros. ``avx2``: force the AVX2 path (True) or the plain one (False);
+    ``threads``: default ``torch.get_num_threads()`` (module docstring, **Threads**)."""
     if not available():
         raise RuntimeError("the q8x8 kernel needs numba (not installed, or EXPERTCACHE_NO_NUMBA is set)")
     n, k_pad = weight.shape
@@ -248,10 +298,18 @@ def q8x8_mm(x_MK: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, *, a
     x = (x if x.dtype in _KIND else x.float()).contiguous()
     y = torch.empty(m, n, dtype=x.dtype)
     xa, xs, sc = _scratch(m, k_pad)
-    px, ps, py = x.data_ptr(), scales.data_ptr(), y.data_ptr()
-    _kernel(use_avx2() if avx2 is None else avx2)(px, px, _KIND[x.dtype], m, k_in, weight.data_ptr(), ps, ps,
-                                                  _KIND[scales.dtype], n, k_pad, py, py, _KIND[x.dtype],
-                                                  xa.data_ptr(), xs.data_ptr(), sc.data_ptr())
+    px, ps, py, kx, ks = x.data_ptr(), scales.data_ptr(), y.data_ptr(), _KIND[x.dtype], _KIND[scales.dtype]
+    fn, on_team = _kernel(use_avx2() if avx2 is None else avx2)
+    k = team.cut(-(-n // CHUNK), torch.get_num_threads() if threads is None else threads)
+    if k == 1:
+        fn(px, px, kx, m, k_in, weight.data_ptr(), ps, ps, ks, n, k_pad, py, py, kx, xa.data_ptr(), xs.data_ptr(),
+           sc.data_ptr())
+    else:  # x quantised here (a product of no rows), then the rows on a team of k threads (team.py), CHUNK at a time
+        fn(px, px, kx, m, k_in, weight.data_ptr(), ps, ps, ks, 0, k_pad, py, py, kx, xa.data_ptr(), xs.data_ptr(),
+           sc.data_ptr())
+        data = np.array([0, px, kx, m, k_in, weight.data_ptr(), ps, ks, n, k_pad, py, kx, xa.data_ptr(), xs.data_ptr(),
+                         sc.data_ptr()], np.int64)
+        team.run(on_team, data.ctypes.data, k)
     return y if y.dtype == x_MK.dtype else y.to(x_MK.dtype)
 
 
