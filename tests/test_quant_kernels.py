@@ -582,6 +582,17 @@ def test_q4_preset_resolves_to_its_settings_and_keeps_what_is_given():
     assert resolve_preset(OffloadConfig(quant="q4", quant_opt="hqq")).quant_opt == "hqq"
     assert resolve_preset(OffloadConfig(quant="int4")) == OffloadConfig(quant="int4")
     assert set(QUANT_PRESETS) == {"q4", "q4m"}
+    # "none" given beside a preset keeps the dense part unquantised (int4 experts alone), at the CLI too
+    assert resolve_preset(OffloadConfig(quant="q4", quant_dense="none")) == OffloadConfig(quant="int4", quant_opt="lsq")
+    from expertcache.cli.generate import offload_from_args
+    from expertcache.cli.main import build_parser
+
+    def dense(*argv):
+        return resolve_preset(offload_from_args(build_parser().parse_args(["generate", *argv, "x"]),
+                                                context=None)).quant_dense
+    assert dense("--quant", "q4") == "int8" and dense("--quant", "q4", "--quant-dense", "none") is None
+    assert dense("--quant", "q4m", "--quant-dense", "none") is None and dense("--quant", "int4") is None
+    assert dense("--quant", "int4", "--quant-dense", "int8") == "int8" and dense("--quant-dense", "none") is None
 
 
 def test_q4_runtime_sidecar_and_dense_cache_carry_the_optimiser(tiny_olmoe):

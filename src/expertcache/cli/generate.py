@@ -89,9 +89,10 @@ def add_offload_args(parser: argparse.ArgumentParser, *, default_io: str = "dire
     g.add_argument("--group", type=int, choices=KERNEL_GROUPS, default=None, metavar="G",
                    help="int4 group size: 32, 64, 128 or 256 (the kernels'); default 64 where it divides D and F, "
                         "else 32 with K padded")
-    g.add_argument("--quant-dense", choices=DENSE_MODES, default=d.quant_dense or "none",
+    g.add_argument("--quant-dense", choices=DENSE_MODES, default=d.quant_dense,
                    help="non-expert weights too: attention projections and lm_head through the same fused kernels "
-                        "(int8 per channel / int4 G=32), the token embedding as int8 rows (default: none); int4-head8: "
+                        "(int8 per channel / int4 G=32), the token embedding as int8 rows (default: none, or the --quant preset's; "
+                        "none given beside a preset keeps the dense part unquantised); int4-head8: "
                         "attention and embedding int4, lm_head int8")
     m = parser.add_argument_group("mixed precision (a miss served at 4 bits instead of waited for)")
     m.add_argument("--resident-quant", choices=("none", *LOW_MODES), default="none",
@@ -177,6 +178,8 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
     if args.group is not None and args.quant not in ("int4", "q4"):
         raise ValueError(f"--group applies to --quant int4 (int8 scales are per output channel), got --quant "
                          f"{args.quant or 'none'}")
+    from expertcache.offload.quant import QUANT_PRESETS
+
     dense = getattr(args, "quant_dense", None)
     low = getattr(args, "resident_quant", "none")
     low = None if low in (None, "none") else low
@@ -191,7 +194,8 @@ def offload_from_args(args, *, context: int, batch: int = 1, path=None):
         raise ValueError(f"--resident-quant {low} beside --quant {args.quant}: the slots already hold that precision")
     return OffloadConfig(tier=args.tier, io=args.io, capacity=args.cache_experts, memory=args.memory,
                          quant=args.quant, group=args.group, context=context, batch=batch, readers=args.readers,
-                         prefetch=prefetch, host_memory=host_memory, quant_dense=None if dense == "none" else dense,
+                         prefetch=prefetch, host_memory=host_memory, quant_dense="none" if dense == "none" and args.quant in QUANT_PRESETS else
+                         None if dense == "none" else dense,
                          compile=bool(getattr(args, "compile", False)), resident_quant=low,
                          expert_product=getattr(args, "expert_product", "auto"), **rule)
 

@@ -324,7 +324,8 @@ def resolve_preset(offload):
     preset = QUANT_PRESETS.get(offload.quant)
     if preset is None:
         return offload
-    return dataclasses.replace(offload, quant=preset["quant"], quant_dense=offload.quant_dense or preset["quant_dense"],
+    dense = offload.quant_dense or preset["quant_dense"]  # "none" given beside the preset: kept unquantised
+    return dataclasses.replace(offload, quant=preset["quant"], quant_dense=None if dense == "none" else dense,
                                quant_opt=preset["quant_opt"] if offload.quant_opt == "minmax" else offload.quant_opt)
 
 
