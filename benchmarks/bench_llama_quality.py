@@ -211,7 +211,7 @@ def ec_logp(path: Path, chunks_CS, params: int, **kw):
     info = dict(bpw=8 * stored / params, stored_bytes=stored, expert_bytes=rt.expert_bytes,
                 non_expert_bytes=rt.plan.non_expert_bytes, group=rt.offload.group, quant_opt=d.get("quant_opt"),
                 quant_kernel=d.get("quant_kernel"), dense_kernel=d.get("dense_kernel"),
-                kernels=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense))
+                kernels=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense, norms=rt.host_norms))
     rt.close()
     del rt
     gc.collect()

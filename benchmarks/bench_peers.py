@@ -460,7 +460,7 @@ def child_expertcache(a) -> None:
     start = dict(first_token_at=first_token_at, aten_capability=d["cpu"].get("aten_capability"),
                  isa_env=d["cpu"].get("isa_env"), quant_kernel=d.get("quant_kernel"), dense_kernel=d.get("dense_kernel"),
                  dense_load=d.get("dense_load"), quant_opt=d.get("quant_opt"),
-                 kernel_line=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense) if rt.offload.quant or
+                 kernel_line=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense, norms=rt.host_norms) if rt.offload.quant or
                  rt.offload.quant_dense else None,
                  sidecar=Path(side).name if side else None,
                  sidecar_written=bool(side) and Path(side).stat().st_mtime > _T0)  # False: read (a second start)

@@ -320,7 +320,7 @@ def kl_rows(models: list[str], chunks: int, configs: list[str], log, on_row, seq
                         expert_kernel=None if rt.views.quant is None else
                         "fbgemm" if rt.views.prepack is not None else
                         "q4x8" if rt.views.quant.kernel == "q4x8" else "int4pack",
-                        kernels=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense), group=rt.offload.group,
+                        kernels=kernel_choice_line(rt.offload.quant, rt.offload.quant_dense, norms=rt.host_norms), group=rt.offload.group,
                         expert_bytes=rt.expert_bytes, non_expert_bytes=rt.plan.non_expert_bytes)
             rt.close()
             gc.collect()

@@ -245,6 +245,10 @@ def test_expert_kernel_variable_and_non_shipped_ship_are_refused_before_the_work
     line = _check(["generate", "--quant", "int4", "--max-new-tokens", "2", "hello"], "EXPERTCACHE_FUSED_MOE", capsys)
     assert "bogus" in line
     monkeypatch.delenv("EXPERTCACHE_FUSED_MOE")
+    monkeypatch.setenv("EXPERTCACHE_HOST_NORM", "bogus")  # turns the one-token RMSNorm kernel (hostnorm.py) on/off
+    line = _check(["generate", "--quant", "q4", "--max-new-tokens", "2", "hello"], "EXPERTCACHE_HOST_NORM", capsys)
+    assert "bogus" in line
+    monkeypatch.delenv("EXPERTCACHE_HOST_NORM")
     _check(["train", "--model", "granular-256", "--ship", "--steps", "1", "--out", tmp_path / "run"], "--ship", capsys)
     assert not (tmp_path / "run").exists()
 

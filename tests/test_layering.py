@@ -184,14 +184,14 @@ def test_the_private_access_check_sees_what_it_must():
 
 #: offload/'s modules bottom to top (docs/ARCHITECTURE.md, "The offloaded runtime's parts"): each may import only
 #: the modules before it; the runtime assembles the parts and nothing below imports it
-OFFLOAD_ORDER = ["checkpoint", "diskembed", "groupfit", "team", "q4x8", "q8x8", "q4moe", "quant", "fbexperts", "binding", "writer", "densecache", "config",
+OFFLOAD_ORDER = ["checkpoint", "diskembed", "groupfit", "team", "q4x8", "q8x8", "q4moe", "hostnorm", "quant", "fbexperts", "binding", "writer", "densecache", "config",
                  "budget", "fbgemm", "ioqueue", "observe",
                  "prefetch", "generate",
                  "layout", "qlinear", "kernelnote", "experts", "store", "loader", "tiers", "lowtier", "slots", "views", "reads",
                  "step", "routes", "stats", "capture", "preflight", "make_model", "runtime", "bench", "__init__"]
 
 #: the parts that know nothing of transformers (the runtime, the loader and make_model are the ones that do)
-NO_TRANSFORMERS = {"diskembed", "groupfit", "team", "layout", "store", "slots", "views", "reads", "step", "routes", "observe", "generate", "stats",
+NO_TRANSFORMERS = {"diskembed", "groupfit", "team", "hostnorm", "layout", "store", "slots", "views", "reads", "step", "routes", "observe", "generate", "stats",
                    "capture", "ioqueue", "checkpoint", "binding", "densecache", "fbgemm"}
 
 

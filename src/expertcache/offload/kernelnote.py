@@ -21,8 +21,9 @@ def _int8_name(weight_only: bool, compiled: bool, act: str) -> str:
     return f"quantized.linear_dynamic (FBGEMM, {act} activations per token)" if k == "fbgemm" else "_weight_int8pack_mm"
 
 
-def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool = False) -> str:
-    """One line for stderr and the bench rows: the CPU, its ISA, and the kernel each quantised part runs on."""
+def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool = False, norms: int = 0) -> str:
+    """One line for stderr and the bench rows: the CPU, its ISA, and the kernel each quantised part runs on;
+    ``norms``: how many RMSNorms run on the host norm (``OffloadedModel.host_norms``, offload/hostnorm.py)."""
     c = q.cpu_description()
     names = {"int4": "_weight_int4pack_mm_for_cpu", "int8": "_weight_int8pack_mm"}
     act = "8-bit" if q.fbgemm_vnni() else "7-bit"
@@ -48,9 +49,10 @@ def kernel_choice_line(experts: str | None, dense: str | None, *, compiled: bool
             "memory and reads there, not compute; BENCHMARKS.md \"Which 4-bit kernel on which CPU\")") if slow else ""
     return (f"kernels on {c['cpu']} [{' '.join(c['cpu_flags']) or 'no SIMD flags read'}], ATen {c['aten_capability']}"
             f"{caps}: experts {experts and f'{experts} {ek[experts]}' or 'bf16'}; dense part "
-            f"{dense and f'{dense} {dk[dense]}' or 'bf16'}{note}")
+            f"{dense and f'{dense} {dk[dense]}' or 'bf16'}"
+            f"{f'; RMSNorm ×{norms} one numba call each (offload/hostnorm.py)' if norms else ''}{note}")
 
 
-def say_kernels(experts: str | None, dense: str | None, *, compiled: bool = False) -> None:
+def say_kernels(experts: str | None, dense: str | None, *, compiled: bool = False, norms: int = 0) -> None:
     """:func:`kernel_choice_line` on stderr, once per quantised start on the CPU."""
-    print(f"expertcache: {kernel_choice_line(experts, dense, compiled=compiled)}", file=sys.stderr)
+    print(f"expertcache: {kernel_choice_line(experts, dense, compiled=compiled, norms=norms)}", file=sys.stderr)

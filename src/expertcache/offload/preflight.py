@@ -33,7 +33,7 @@ from expertcache.offload.layout import ALIGN, place_expert, slot_bytes_for
 from expertcache.offload.lowtier import LOW_MODES, low_tier_bytes
 from expertcache.offload.fbgemm import FBGEMM_ROWS, FINISH_TRANSIENT
 from expertcache.offload.qlinear import dense_bytes, dense_targets, fbgemm_shapes, int8_kernel
-from expertcache.offload import q4moe, q4x8, q8x8
+from expertcache.offload import hostnorm, q4moe, q4x8, q8x8
 from expertcache.offload.quant import PACK_ROWS, dense_int4_kernel, expert_kernel
 from expertcache.offload.store import quant_layout_for
 from expertcache.offload.tiers import parse_host_memory
@@ -130,6 +130,8 @@ def compile_kernels(family: Family, m: MoELayer, routing: RoutingConfig, evictio
         q8x8.warm()
     if quant == "int4" and q4moe.enabled() and experts:  # $EXPERTCACHE_FUSED_MOE checked for any int4 run
         q4moe.warm()  # the fused one-token MoE step (step.py)
+    if offload and offload.quant_dense and torch.device(device).type == "cpu" and not compiled and hostnorm.enabled():
+        hostnorm.warm()  # the one-token RMSNorms ($EXPERTCACHE_HOST_NORM checked for any such run)
     n, k = m.num_experts, m.top_k
     try:
         make_cache(eviction, n, k, gamma=gamma, expert_bytes=1).access_step(list(range(k)))

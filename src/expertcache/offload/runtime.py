@@ -73,6 +73,7 @@ from expertcache.offload.observe import ObserverHandle, Observers, PrefetchEvent
 from expertcache.offload.prefetch import PrefetchStats, first_layer_input, guess_next_layer
 from expertcache.offload.preflight import check_resident_quant, compile_kernels, expert_product, expert_sizes, graph_products, plan_from, preflight  # noqa: E501
 from expertcache.offload.kernelnote import say_kernels
+from expertcache.offload.hostnorm import use_host_norms
 from expertcache.offload.qlinear import DENSE_MODES, dense_kernel_note, quantize_dense_skeleton
 from expertcache.offload.quant import cpu_description, padding_note, resolve_preset
 from expertcache.offload.reads import SlotReads
@@ -80,8 +81,7 @@ from expertcache.offload.routes import Routes
 from expertcache.offload.slots import SlotArena
 from expertcache.offload.stats import recorded_ids, runtime_stats
 from expertcache.offload.step import CacheSteps, LayerState
-from expertcache.offload.store import (TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert,
-                                       quant_layout_for, quant_sidecar_path, quantize_checkpoint)
+from expertcache.offload.store import TIERS, DiskTier, HostTier, NativeSource, QuantSource, TierStats, place_expert, quant_layout_for, quant_sidecar_path, quantize_checkpoint  # noqa: E501
 from expertcache.offload.tiers import HostCache, parse_host_memory
 from expertcache.offload.views import SlotViews, layout_ids
 from expertcache.routing import RoutingConfig
@@ -146,9 +146,9 @@ def _load(cls, path: str | os.PathLike, offload: OffloadConfig, *, dtype: torch.
     recompute_rotary(model, config, device)
     use_matvec(model)  # one-token linears as matrix-vector products (experts.py: 1.3× for bf16, same values)
     runtime = cls(path, model, family, layers, checkpoint, offload, dtype, device, mlps, process)
-    runtime.dense_load = dense_load
+    runtime.dense_load, runtime.host_norms = dense_load, use_host_norms(model) if offload.quant_dense and device.type == "cpu" and not offload.compile else 0  # noqa: E501 -- one-token RMSNorms in one call each where the products differ from transformers' anyway (hostnorm.py)
     if (offload.quant or offload.quant_dense) and device.type == "cpu":  # which kernel on this CPU, and why
-        say_kernels(offload.quant, offload.quant_dense, compiled=offload.compile)
+        say_kernels(offload.quant, offload.quant_dense, compiled=offload.compile, norms=runtime.host_norms)
     if offload.compile:
         compile_dense(model)
     for m in layers:
