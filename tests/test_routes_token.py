@@ -16,6 +16,7 @@ from torch import nn
 from expertcache.models.adapters import FAMILIES, MoELayer
 from expertcache.offload.routes import Routes
 from expertcache.routing import RoutingConfig
+from expertcache.routing.budget import wrap
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -159,12 +160,22 @@ def test_token_path_nan_and_grad_as_the_general_path():
 
 
 def test_more_rows_and_original_keep_the_general_path():
-    """T > 1 and the residency-free policies never take the one-token path."""
+    """T > 1, a router wrapper (budget-targeted routing decides through its own ``rank``), float64 logits and
+    the residency-free policies never take the one-token path."""
     (fast, _), layers, caches, _, _ = _twins("olmoe", "cache-prior")
     taken = _counting(fast)
+    w0, ids0 = torch.zeros(1, 4), torch.zeros(1, 4, dtype=torch.int64)
     fast.route_policy(layers[0], torch.randn(3, 16), torch.zeros(3, 4), torch.zeros(3, 4, dtype=torch.int64))
+    fast.route_policy(layers[0], torch.randn(1, 16, dtype=torch.float64), w0, ids0)
     assert not taken
+    plain = fast.router
+    fast.router = wrap(plain, 0.2, L)
+    fast.route_policy(layers[0], torch.randn(1, 16), w0, ids0)
+    assert not taken
+    fast.router = plain
+    fast.route_policy(layers[0], torch.randn(1, 16), w0, ids0)
+    assert len(taken) == 1
     for policy in ("original", "prune"):
         fast.configure(RoutingConfig(policy), None)
-        fast.route_policy(layers[0], torch.randn(1, 16), torch.zeros(1, 4), torch.zeros(1, 4, dtype=torch.int64))
-    assert not taken
+        fast.route_policy(layers[0], torch.randn(1, 16), w0, ids0)
+    assert len(taken) == 1

@@ -102,7 +102,7 @@ class Routes:
             return w0_TK, ids0_TK
         if (not self.on_device and self.token_path and z_TE.is_cpu and z_TE.dim() == 2 and z_TE.shape[0] == 1
                 and z_TE.dtype in _EXACT_IN_FLOAT32 and w0_TK.is_cpu and ids0_TK.is_cpu
-                and self.routing.cache_aware and self.router.config.cache_aware):  # (is_cpu: on_host for a tensor)
+                and type(self.router) is Router and self.routing.cache_aware and self.router.config.cache_aware):
             return self._route_token(m, z_TE, w0_TK, commit)
         z_cpu_TE = self.host_copy(z_TE).detach()  # the layer's one device -> host transfer (or its copy)
         zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
@@ -126,7 +126,10 @@ class Routes:
         weights and running state, with the ranking on host arrays (:meth:`Router.rank_array`, the kernel call
         :meth:`Router.rank` makes) and the serving order on Python lists (:func:`order_row`, what
         :func:`order_by_logits` does for one token), so that only the family's weight formula runs as tensor
-        ops (~6 a layer instead of ~30: at one token a step their dispatch, not arithmetic, is the cost)."""
+        ops (~11 a layer instead of 31: at one token a step their dispatch, not arithmetic, is the cost). Taken
+        by :meth:`route_policy` for one CPU token (``is_cpu``: host memory, as ``on_host``) of float32 / bf16 /
+        f16 logits (exact in float32, as its ranking and order keys need) under a plain :class:`Router` of a
+        cache-aware policy (a wrapper such as ``routing.budget.BudgetRouter`` decides through its own ``rank``)."""
         if z_1E.requires_grad:
             z_1E = z_1E.detach()
         zr_1E, allowed_1E = self.family.ranking(m.router, z_1E)
