@@ -97,7 +97,8 @@ class Routes:
         """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency.
         ``commit=False``: an observer's call (the next-layer guess), which leaves the router's running state
         (Cache-Prior's Δavg, a budget controller) as it was (:meth:`Router.rank`) and reads the ids only: the
-        weights returned are then the stock ones, and the next step's ids are not touched."""
+        weights returned are then the stock ones, and the next step's ids are not touched. One token on the host
+        takes :meth:`_route_token` (the same decisions, fewer tensor ops)."""
         if self.routing.policy == "original":
             return w0_TK, ids0_TK
         if (not self.on_device and self.token_path and z_TE.is_cpu and z_TE.dim() == 2 and z_TE.shape[0] == 1
