@@ -75,7 +75,7 @@ from expertcache.routing import kernels as _rk
 from expertcache.routing.registry import NEEDS_PROBS
 
 __all__ = ["DiskLayout", "Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "register_family", "family_for", "MoELayer",
-           "find_moe_layers", "order_by_logits", "ranks_logits"]
+           "find_moe_layers", "order_by_logits", "order_row", "ranks_logits"]
 
 
 def order_by_logits(ids_TK: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
@@ -84,18 +84,25 @@ def order_by_logits(ids_TK: torch.Tensor, z_TE: torch.Tensor) -> torch.Tensor:
     descending-weight order the caches need (001 Sec. 4.2: the higher-weight expert is evicted first)."""
     if ids_TK.shape[0] == 1 and ids_TK.device.type == "cpu" and z_TE.device.type == "cpu":
         # one token (decoding): the same stable order with Python's sort, not six numpy calls per layer
-        ids = ids_TK[0].tolist()
-        z = z_TE[0].tolist()  # float32 (or bf16) values, exactly as floats
-        key = [-z[e] if e >= 0 else float("inf") for e in ids]
-        return torch.tensor([[ids[i] for i in sorted(range(len(ids)), key=key.__getitem__)]], dtype=ids_TK.dtype,
-                            device="cpu")
+        return torch.tensor([order_row(ids_TK[0].tolist(), z_TE[0].tolist())], dtype=ids_TK.dtype, device="cpu")
     ids = order_steps(ids_TK.detach().cpu().numpy(), z_TE.detach().float().cpu().numpy())
     return torch.from_numpy(np.ascontiguousarray(ids)).to(ids_TK.device)
 
 
+def order_row(ids: list[int], z: list[float]) -> list[int]:
+    """One token's :func:`order_by_logits` on Python lists: ``ids`` (-1 = dropped) by descending logit ``z[e]``
+    (the token's E logits as floats, e.g. ``z_E.tolist()`` of float32 / bf16 values: exact), stable, -1 last."""
+    key = [-z[e] if e >= 0 else float("inf") for e in ids]
+    return [ids[i] for i in sorted(range(len(ids)), key=key.__getitem__)]
+
+
 def _no_dropped(ids_TK: torch.Tensor) -> bool:
     """True when ``ids_TK`` (on the CPU: no device sync) has no dropped slot, so a plain gather will do."""
-    return ids_TK.device.type == "cpu" and ids_TK.numel() > 0 and int(ids_TK.min()) >= 0
+    if not ids_TK.is_cpu or ids_TK.numel() == 0:
+        return False
+    if ids_TK.dim() == 2 and ids_TK.shape[0] == 1:  # one token (decoding): its K ids as a list, no tensor op
+        return min(ids_TK.tolist()[0]) >= 0
+    return int(ids_TK.min()) >= 0
 
 
 def _gather_valid(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:

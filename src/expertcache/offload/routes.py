@@ -22,17 +22,24 @@ import torch
 
 from expertcache.cache import ExpertCache
 from expertcache.device import to_device, to_host, to_host_many
-from expertcache.models.adapters import Family, MoELayer, order_by_logits
+from expertcache.models.adapters import Family, MoELayer, order_by_logits, order_row
 from expertcache.routing import Router, RoutingConfig
 from expertcache.routing.registry import spec
 
 __all__ = ["Routes"]
+
+#: logit dtypes whose values float32 holds exactly (the one-token path's ranking input and serving-order keys)
+_EXACT_IN_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Routes:
     """The routing of every MoE layer (see the module docstring). ``stock_routers[i]``: MoE layer ``i``'s own
     router forward (before the runtime's hook); ``on_device``: host copies are transfers (CUDA, or the tests'
     device proxy); ``prefetch_ahead``: the next layer's stock route is fetched with this one's (guesses on)."""
+
+    #: one token on the host goes through :meth:`_route_token` (the same decisions with a few tensor ops);
+    #: False sends every call through the general path (the tests compare the two)
+    token_path = True
 
     def __init__(self, family: Family, layers: list[MoELayer], stock_routers: list[Callable], *, on_device: bool,
                  prefetch_ahead: int, cache_of: Callable[[int], ExpertCache],
@@ -90,9 +97,14 @@ class Routes:
         """(weights [T, K], ids [T, K]) of the routing policy for logits ``z_TE`` against the live residency.
         ``commit=False``: an observer's call (the next-layer guess), which leaves the router's running state
         (Cache-Prior's Δavg, a budget controller) as it was (:meth:`Router.rank`) and reads the ids only: the
-        weights returned are then the stock ones, and the next step's ids are not touched."""
+        weights returned are then the stock ones, and the next step's ids are not touched. One token on the host
+        takes :meth:`_route_token` (the same decisions, fewer tensor ops)."""
         if self.routing.policy == "original":
             return w0_TK, ids0_TK
+        if (not self.on_device and self.token_path and z_TE.is_cpu and z_TE.dim() == 2 and z_TE.shape[0] == 1
+                and z_TE.dtype in _EXACT_IN_FLOAT32 and w0_TK.is_cpu and ids0_TK.is_cpu
+                and type(self.router) is Router and self.routing.cache_aware and self.router.config.cache_aware):
+            return self._route_token(m, z_TE, w0_TK, commit)
         z_cpu_TE = self.host_copy(z_TE).detach()  # the layer's one device -> host transfer (or its copy)
         zr_TE, allowed_TE = self.family.ranking(m.router, z_cpu_TE)
         if self.routing.cache_aware:
@@ -109,6 +121,34 @@ class Routes:
             return w0_TK, ids_dev_TK
         w_TK = self.family.weights(m.router, z_cpu_TE, ids_TK).to(w0_TK.dtype)
         return self.keep_host(to_device(w_TK, w0_TK.device), w_TK), ids_dev_TK
+
+    def _route_token(self, m: MoELayer, z_1E: torch.Tensor, w0_1K: torch.Tensor, commit: bool):
+        """:meth:`route_policy` of ONE token on the host for a cache-aware policy (a decode step): the same ids,
+        weights and running state, with the ranking on host arrays (:meth:`Router.rank_array`, the kernel call
+        :meth:`Router.rank` makes) and the serving order on Python lists (:func:`order_row`, what
+        :func:`order_by_logits` does for one token), so that only the family's weight formula runs as tensor
+        ops (~11 a layer instead of 31: at one token a step their dispatch, not arithmetic, is the cost). Taken
+        by :meth:`route_policy` for one CPU token (``is_cpu``: host memory, as ``on_host``) of float32 / bf16 /
+        f16 logits (exact in float32, as its ranking and order keys need) under a plain :class:`Router` of a
+        cache-aware policy (a wrapper such as ``routing.budget.BudgetRouter`` decides through its own ``rank``)."""
+        if z_1E.requires_grad:
+            z_1E = z_1E.detach()
+        zr_1E, allowed_1E = self.family.ranking(m.router, z_1E)
+        z32_1E = z_1E if z_1E.dtype == torch.float32 else z_1E.float()  # exact: bf16 / f16 / f32 logits only
+        zr32_1E = z32_1E if zr_1E is z_1E else zr_1E.detach().to(torch.float32)
+        resident = self.cache_of(m.index).resident_array()  # bool [E], a fresh array
+        if allowed_1E is not None:
+            resident = resident & allowed_1E.numpy()  # [1, E]
+        if spec(self.routing.policy).miss_costs:
+            self.router.set_miss_costs(m.index, self.miss_costs(m.index))
+        ids_1K = self.router.rank_array(m.index, zr32_1E.numpy(), resident, self.router.probs(zr32_1E), commit=commit)
+        if zr32_1E is not z32_1E:  # ranked by other values (bias, groups): the serving order is by the logits
+            ids_1K[0] = order_row(ids_1K[0].tolist(), z32_1E.numpy()[0].tolist())
+        # (ranked by the logits themselves, the kernel's ids are in that order already: stably by descending logit)
+        ids_1K = torch.from_numpy(ids_1K)  # a fresh array (Router.rank_array)
+        if not commit:
+            return w0_1K, ids_1K
+        return self.family.weights(m.router, z_1E, ids_1K).to(w0_1K.dtype), ids_1K
 
     # -- the host's copies (one device -> host transfer per MoE layer) ---------------------------
 

@@ -201,16 +201,32 @@ class Router:
         return torch.cat([self._rank(l, z_TE[t:t + 1], res_TE[t:t + 1]) for t, l in enumerate(layer)])
 
     def _rank(self, layer: int, z_TE: torch.Tensor, resident: torch.Tensor, commit: bool = True) -> torch.Tensor:
-        params = self.kernel_params(layer)
         z = z_TE.detach().to("cpu", torch.float32)
+        ids_TK = self.rank_array(layer, z.numpy(), resident.cpu().numpy(), self.probs(z), commit=commit)
+        return torch.from_numpy(ids_TK).to(z_TE.device)
+
+    def rank_array(self, layer: int, z_PE: np.ndarray, resident_PE: np.ndarray, prob_PE: np.ndarray | None = None, *,
+                   commit: bool = True) -> np.ndarray:
+        """:meth:`rank` of P rows of one ``layer`` for a cache-aware policy, on host arrays: the ids (a new int64
+        array [P, K]) for float32 logits ``z_PE`` [P, E] against bool ``resident_PE`` ([P, E] or [E]); ``prob_PE`` the
+        router probabilities (:meth:`probs`) when the policy reads them. The same kernel call as :meth:`rank`
+        (which calls it), without torch: a one-token decode step's entry. ValueError for a NaN logit (no running
+        state changes then) or a residency-free policy; ``commit`` as in :meth:`rank`."""
+        params = self.kernel_params(layer)
+        if params is None:
+            raise ValueError(f"rank_array: {self.config.policy} is not a cache-aware policy (use rank)")
+        if z_PE.shape[-1] != self.num_experts:
+            raise ValueError(f"layer {layer}: logits have {z_PE.shape[-1]} experts, expected {self.num_experts}")
         params.load()
-        _, _, _, _, ids_TK = _rk.rank(z.numpy(), params.ip, params.fp, self.k, resident_PE=resident.cpu().numpy(),
-                                      prob_PE=self.probs(z), penalty_PE=params.penalty)
-        if commit:
+        bad, _, _, _, ids_PK = _rk.rank(z_PE, params.ip, params.fp, self.k, resident_PE=resident_PE, prob_PE=prob_PE,
+                                        penalty_PE=params.penalty)
+        if commit and bad < 0:
             params.store()
         else:
             params.load()  # the kernel's running Δavg slots back to the layer's state
-        return torch.from_numpy(ids_TK).to(z_TE.device)
+        if bad >= 0:
+            raise ValueError("router logits contain NaN")
+        return ids_PK
 
     def probs(self, z_TE: torch.Tensor) -> np.ndarray | None:
         """The router probabilities the policy's keys read (cumsum, ERAS thresholding), float32 numpy; else None."""
