@@ -132,12 +132,12 @@ def warm() -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y (x's shape and dtype) of the module docstring's contract for one row ``x`` (``x.numel() == D``) and
-    ``weight`` [D], both bf16 or both float32, on the CPU."""
+    ``weight`` [D], both bf16 or both float32, on the CPU (read through their pointers: y has no autograd history)."""
     d = weight.shape[-1]
     if x.dtype not in _KIND or weight.dtype != x.dtype or x.numel() != d or weight.numel() != d:
         raise ValueError(f"the host norm takes one row of bf16 or float32 and a weight of its dtype and width, got "
                          f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    x, w = x.detach().contiguous(), weight.detach().contiguous()
+    x, w = x.contiguous(), weight.contiguous()  # (no detach: two dispatched ops a call, and only pointers are read)
     y = torch.empty_like(x)
     _kernels()[1 - _KIND[x.dtype]](x.data_ptr(), w.data_ptr(), y.data_ptr(), d, eps)
     return y
